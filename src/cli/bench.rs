@@ -1,0 +1,351 @@
+//! `gradsync bench`: OSU-style timing of gradsync's collectives against the MPI
+//! library's own, in the same run, iterations interleaved so that drift hits
+//! both alike. Each iteration starts after a barrier; its time is the slowest
+//! rank's; medians and minima are over `--iters` iterations after `--warmup`.
+
+use super::{max_over_ranks, parse_list, parse_size};
+use crate::comm::{MpiComm, Transport};
+use crate::dense::{
+    allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
+    Workspace,
+};
+use crate::{Error, Result};
+use serde::Serialize;
+
+/// Arguments of `gradsync bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Collective: allreduce (f32 sum, in place) or allgatherv (bytes per rank).
+    #[arg(long, default_value = "allreduce")]
+    pub op: String,
+    /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|all.
+    #[arg(long, default_value = "all")]
+    pub algo: String,
+    /// Message sizes in bytes, K/M/G = powers of 1024 (allgatherv: per rank).
+    #[arg(long, default_value = "4K,64K,1M,16M")]
+    pub sizes: String,
+    /// Timed iterations per size and algorithm.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Untimed warm-up iterations.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Verify each algorithm's result against the MPI library's own collective.
+    #[arg(long)]
+    pub check: bool,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Ring pipelining chunk in elements (0 = unpipelined).
+    #[arg(long, default_value_t = 0)]
+    pub chunk: usize,
+    /// Skip the per-call length validation (one 16-byte collective).
+    #[arg(long)]
+    pub no_validate: bool,
+}
+
+/// One result line of `gradsync bench --json`.
+#[derive(Serialize, Debug, Clone)]
+pub struct BenchRecord {
+    /// Collective.
+    pub op: String,
+    /// Algorithm.
+    pub algo: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Message size in bytes (allgatherv: per rank).
+    pub bytes: usize,
+    /// Timed iterations.
+    pub iters: usize,
+    /// Median time of one collective (slowest rank), seconds.
+    pub median_s: f64,
+    /// Minimum time, seconds.
+    pub min_s: f64,
+    /// Median time of the MPI library's own collective in the same run.
+    pub mpi_median_s: f64,
+    /// `median_s / mpi_median_s`.
+    pub ratio_vs_mpi: f64,
+    /// Allreduce bus bandwidth `2(p−1)/p · bytes / median_s` (allgatherv:
+    /// `(p−1) · bytes / median_s`), GB/s.
+    pub busbw_gbs: f64,
+    /// "ok", "failed" or "skipped".
+    pub check: String,
+    /// Ring chunk (elements), 0 = unpipelined.
+    pub chunk_elems: usize,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        0.5 * (v[m - 1] + v[m])
+    }
+}
+
+/// Integer-valued input, so that every summation order gives the same bits.
+pub(crate) fn fill_input(buf: &mut [f32], rank: usize) {
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = ((i.wrapping_mul(31) + rank * 17) % 64) as f32 - 32.0;
+    }
+}
+
+/// Any-rank-failed flag, agreed on by all ranks.
+fn any_rank(comm: &MpiComm, failed: bool) -> bool {
+    let mut v = [f64::from(u8::from(failed))];
+    max_over_ranks(comm, &mut v);
+    v[0] > 0.0
+}
+
+/// Barrier, then the time of `f` on this rank (MPI_Wtime).
+fn timed(comm: &MpiComm, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    comm.barrier()?;
+    let t0 = mpi::time();
+    f()?;
+    Ok(mpi::time() - t0)
+}
+
+/// Run `warmup + iters` interleaved rounds of the `nops` operations (index 0 is
+/// the MPI baseline); `round(k)` prepares op `k` untimed and returns its time
+/// from [`timed`]. Returns per-op per-iteration times of the slowest rank.
+fn time_interleaved(
+    comm: &MpiComm,
+    iters: usize,
+    warmup: usize,
+    nops: usize,
+    mut round: impl FnMut(usize) -> Result<f64>,
+) -> Result<Vec<Vec<f64>>> {
+    let mut times = vec![vec![0.0; iters]; nops];
+    for it in 0..warmup + iters {
+        for (k, t) in times.iter_mut().enumerate() {
+            let dt = round(k)?;
+            if it >= warmup {
+                t[it - warmup] = dt;
+            }
+        }
+    }
+    for t in &mut times {
+        max_over_ranks(comm, t);
+    }
+    Ok(times)
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    if a.iters == 0 {
+        return Err(Error::InvalidArgument("--iters must be at least 1".into()));
+    }
+    let sizes = parse_list(&a.sizes, parse_size)?;
+    let records = match a.op.as_str() {
+        "allreduce" => bench_allreduce(comm, a, &sizes)?,
+        "allgatherv" => bench_allgatherv(comm, a, &sizes)?,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown --op {other:?} (allreduce, allgatherv)"
+            )))
+        }
+    };
+    Ok(i32::from(records.iter().any(|r| r.check == "failed")))
+}
+
+fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) -> Result<()> {
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(r)?);
+    } else {
+        if first {
+            println!(
+                "{:<10} {:<13} {:>5} {:>11} {:>6} {:>12} {:>12} {:>12} {:>7} {:>9} {:>7}",
+                "op",
+                "algo",
+                "ranks",
+                "bytes",
+                "iters",
+                "median_us",
+                "min_us",
+                "mpi_med_us",
+                "ratio",
+                "busbw_GBs",
+                "check"
+            );
+        }
+        println!(
+            "{:<10} {:<13} {:>5} {:>11} {:>6} {:>12.1} {:>12.1} {:>12.1} {:>7.3} {:>9.3} {:>7}",
+            r.op,
+            r.algo,
+            r.ranks,
+            r.bytes,
+            r.iters,
+            r.median_s * 1e6,
+            r.min_s * 1e6,
+            r.mpi_median_s * 1e6,
+            r.ratio_vs_mpi,
+            r.busbw_gbs,
+            r.check
+        );
+    }
+    Ok(())
+}
+
+fn bench_allreduce(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec<BenchRecord>> {
+    let algos: Vec<AllreduceAlgo> = if a.algo == "all" {
+        vec![
+            AllreduceAlgo::Rabenseifner,
+            AllreduceAlgo::Ring,
+            AllreduceAlgo::Mpi,
+        ]
+    } else {
+        parse_list(&a.algo, str::parse)?
+    };
+    let (rank, p) = (comm.rank(), comm.size());
+    let opts = AllreduceOptions {
+        chunk_elems: a.chunk,
+        validate: !a.no_validate,
+        ..Default::default()
+    };
+    let mut ws = Workspace::<f32>::new();
+    let mut out = Vec::new();
+    for &bytes in sizes {
+        let n = bytes / 4;
+        let mut input = vec![0f32; n];
+        fill_input(&mut input, rank);
+        let mut buf = input.clone();
+        let mut reference = vec![0f32; n];
+        // Baseline MPI_Allreduce (out of place, as applications call it).
+        comm.native_allreduce_sum(&input, &mut reference)
+            .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))??;
+        let mut checks = Vec::with_capacity(algos.len());
+        for &algo in &algos {
+            let check = if a.check {
+                buf.copy_from_slice(&input);
+                allreduce_with(comm, &mut buf, algo, &opts, &mut ws)?;
+                if any_rank(comm, buf != reference) {
+                    "failed"
+                } else {
+                    "ok"
+                }
+            } else {
+                "skipped"
+            };
+            checks.push(check);
+        }
+        let mut times = time_interleaved(comm, a.iters, a.warmup, algos.len() + 1, |k| {
+            if k == 0 {
+                timed(comm, || {
+                    comm.native_allreduce_sum(&input, &mut reference)
+                        .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
+                })
+            } else {
+                buf.copy_from_slice(&input);
+                timed(comm, || {
+                    allreduce_with(comm, &mut buf, algos[k - 1], &opts, &mut ws)
+                })
+            }
+        })?;
+        let mpi_med = median(&mut times[0].clone());
+        for (k, &algo) in algos.iter().enumerate() {
+            let t = &mut times[k + 1];
+            let med = median(t);
+            let rec = BenchRecord {
+                op: "allreduce".into(),
+                algo: algo.name().into(),
+                ranks: p,
+                bytes: n * 4,
+                iters: a.iters,
+                median_s: med,
+                min_s: t.iter().copied().fold(f64::INFINITY, f64::min),
+                mpi_median_s: mpi_med,
+                ratio_vs_mpi: med / mpi_med,
+                busbw_gbs: 2.0 * (p as f64 - 1.0) / p as f64 * (n * 4) as f64 / med / 1e9,
+                check: checks[k].into(),
+                chunk_elems: if algo == AllreduceAlgo::Ring {
+                    a.chunk
+                } else {
+                    0
+                },
+            };
+            emit(comm, a, &rec, out.is_empty())?;
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+fn bench_allgatherv(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec<BenchRecord>> {
+    let algos: Vec<AllgathervAlgo> = if a.algo == "all" {
+        vec![AllgathervAlgo::RecursiveDoubling, AllgathervAlgo::Mpi]
+    } else {
+        parse_list(&a.algo, str::parse)?
+    };
+    let (rank, p) = (comm.rank(), comm.size());
+    let mut out = Vec::new();
+    let mut g = Gathered::default();
+    let mut reference = Gathered::default();
+    for &bytes in sizes {
+        let mine: Vec<u8> = (0..bytes).map(|i| (i * 7 + rank * 13) as u8).collect();
+        allgatherv_with(comm, &mine, AllgathervAlgo::Mpi, &mut reference)?;
+        let mut checks = Vec::with_capacity(algos.len());
+        for &algo in &algos {
+            let check = if a.check {
+                allgatherv_with(comm, &mine, algo, &mut g)?;
+                if any_rank(
+                    comm,
+                    g.data != reference.data || g.displs != reference.displs,
+                ) {
+                    "failed"
+                } else {
+                    "ok"
+                }
+            } else {
+                "skipped"
+            };
+            checks.push(check);
+        }
+        let mut times = time_interleaved(comm, a.iters, a.warmup, algos.len() + 1, |k| {
+            let algo = if k == 0 {
+                AllgathervAlgo::Mpi
+            } else {
+                algos[k - 1]
+            };
+            timed(comm, || allgatherv_with(comm, &mine, algo, &mut g))
+        })?;
+        let mpi_med = median(&mut times[0].clone());
+        for (k, &algo) in algos.iter().enumerate() {
+            let t = &mut times[k + 1];
+            let med = median(t);
+            let rec = BenchRecord {
+                op: "allgatherv".into(),
+                algo: algo.name().into(),
+                ranks: p,
+                bytes,
+                iters: a.iters,
+                median_s: med,
+                min_s: t.iter().copied().fold(f64::INFINITY, f64::min),
+                mpi_median_s: mpi_med,
+                ratio_vs_mpi: med / mpi_med,
+                busbw_gbs: (p as f64 - 1.0) * bytes as f64 / med / 1e9,
+                check: checks[k].into(),
+                chunk_elems: 0,
+            };
+            emit(comm, a, &rec, out.is_empty())?;
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+    #[test]
+    fn median_of_odd_and_even_lengths() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&mut []).is_nan());
+    }
+}

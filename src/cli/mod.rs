@@ -1,0 +1,110 @@
+//! The `gradsync` command line: `bench` (OSU-style benchmark against the MPI
+//! library's own collectives) and `verify` (results checked against
+//! `MPI_Allreduce`/`MPI_Allgatherv`). Both run under `mpirun`/`srun`.
+
+mod bench;
+mod verify;
+
+use crate::comm::MpiComm;
+use crate::{Error, Result};
+use clap::{Parser, Subcommand};
+use mpi::topology::SimpleCommunicator;
+
+pub use bench::BenchArgs;
+pub use verify::VerifyArgs;
+
+/// gradsync: gradient synchronization for data-parallel training over MPI.
+#[derive(Parser, Debug)]
+#[command(name = "gradsync", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Benchmark collectives against the MPI library's own (run under mpirun).
+    Bench(BenchArgs),
+    /// Check every collective against MPI_Allreduce / MPI_Allgatherv (run under mpirun).
+    Verify(VerifyArgs),
+}
+
+/// Entry point of the binary; returns the process exit code.
+pub fn main() -> i32 {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("gradsync: MPI was already initialized");
+        return 2;
+    };
+    let world = universe.world();
+    let code = match run(&cli, &world) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gradsync: {e}");
+            1
+        }
+    };
+    drop(world);
+    drop(universe);
+    code
+}
+
+fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
+    let comm = MpiComm::duplicate_of(world)?;
+    match &cli.command {
+        Command::Bench(a) => bench::run(&comm, a),
+        Command::Verify(a) => verify::run(&comm, a),
+    }
+}
+
+/// Parse a byte size such as `4K`, `64k`, `1M`, `2G` or `100` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|v| v.checked_mul(mult))
+        .ok_or_else(|| Error::InvalidArgument(format!("bad size {s:?} (e.g. 4K, 1M, 2G, 100)")))
+}
+
+/// Parse a comma-separated list with `f`.
+pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Vec<T>> {
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| f(x.trim()))
+        .collect()
+}
+
+/// Element-wise max over ranks of `v`, via MPI (harness bookkeeping, not timed).
+pub(crate) fn max_over_ranks(comm: &MpiComm, v: &mut [f64]) {
+    use mpi::collective::{CommunicatorCollectives, SystemOperation};
+    let send = v.to_vec();
+    comm.communicator()
+        .all_reduce_into(&send[..], v, SystemOperation::max());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("64k").unwrap(), 65536);
+        assert_eq!(parse_size("16M").unwrap(), 16 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("K").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+    }
+}

@@ -1,0 +1,119 @@
+//! Transport: the small point-to-point interface every gradsync algorithm is
+//! written against.
+//!
+//! Algorithms in [`crate::dense`] never call MPI directly; they call
+//! [`Transport`]. Two implementations ship:
+//!
+//! * [`MpiComm`]: any rsmpi communicator (`SimpleCommunicator`, a split of it,
+//!   ...). It duplicates the user's communicator once so library traffic never
+//!   matches application messages, and sets `MPI_ERRORS_RETURN` on the
+//!   duplicate so MPI failures come back as [`Error::Mpi`](crate::Error::Mpi).
+//! * [`LocalComm`]: an in-process transport (one thread per rank, mailboxes in
+//!   shared memory) for fast unit and property tests of the algorithms with any
+//!   number of ranks, in the spirit of quinn-proto's in-memory pair.
+//!
+//! The split mirrors Open MPI's `coll/base` (algorithms over the PML) and
+//! NCCL's primitives/transport separation (see `design.md`).
+
+mod local;
+mod mpi_comm;
+
+pub use local::LocalComm;
+pub use mpi_comm::MpiComm;
+
+use crate::Result;
+
+/// Message tag. Collectives use tags below [`TAG_USER_BASE`].
+pub type Tag = i32;
+
+/// First tag free for callers that send their own messages over a transport.
+pub const TAG_USER_BASE: Tag = 1 << 12;
+
+/// An element type that can travel over any transport: plain old data with an
+/// MPI datatype.
+pub trait Elem: bytemuck::Pod + mpi::datatype::Equivalence + Send + Sync + 'static {}
+impl<T: bytemuck::Pod + mpi::datatype::Equivalence + Send + Sync + 'static> Elem for T {}
+
+/// A pending non-blocking operation. Waiting consumes it; dropping it without
+/// waiting also waits (errors are then only logged), so a buffer is never left
+/// in use by a forgotten request.
+pub trait Request {
+    /// Block until the operation has completed.
+    fn wait(self) -> Result<()>;
+}
+
+/// Point-to-point communication among `size()` ranks.
+///
+/// Receives are exact: a receive of `buf.len()` elements fails with
+/// [`Error::MessageSize`](crate::Error::MessageSize) (or an MPI truncation
+/// error) when the matching message has another length. Messages between the
+/// same pair of ranks with the same tag are non-overtaking, as in MPI.
+pub trait Transport {
+    /// Handle of a non-blocking operation.
+    type Request: Request;
+
+    /// This process's rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+
+    /// Blocking send of `buf` to `dest`.
+    fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()>;
+    /// Blocking receive of exactly `buf.len()` elements from `src`.
+    fn recv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<()>;
+    /// Combined send to `dest` and receive of exactly `recv.len()` elements from
+    /// `src` (`MPI_Sendrecv`); deadlock-free for pairwise exchanges and rings.
+    fn sendrecv<T: Elem>(
+        &self,
+        send: &[T],
+        dest: usize,
+        recv: &mut [T],
+        src: usize,
+        tag: Tag,
+    ) -> Result<()>;
+
+    /// Start a non-blocking send.
+    ///
+    /// # Safety
+    /// `buf` must stay alive and unmodified until the returned request has been
+    /// waited on or dropped (the MPI contract of `MPI_Isend`); leaking the
+    /// request with `mem::forget` while `buf` is freed is undefined behaviour.
+    unsafe fn isend<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<Self::Request>;
+    /// Start a non-blocking receive of exactly `buf.len()` elements.
+    ///
+    /// # Safety
+    /// `buf` must stay alive and must not be read or written through any other
+    /// path until the returned request has been waited on or dropped.
+    unsafe fn irecv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<Self::Request>;
+
+    /// Synchronize all ranks.
+    fn barrier(&self) -> Result<()>;
+
+    /// The MPI library's own `MPI_Allreduce` (sum), out of place, if this
+    /// transport has one. `None` means "not available here".
+    fn native_allreduce_sum<T: Elem>(&self, _send: &[T], _recv: &mut [T]) -> Option<Result<()>> {
+        None
+    }
+
+    /// The MPI library's own `MPI_Allgatherv` of bytes, if this transport has
+    /// one. `counts[i]` bytes from rank `i` land at `displs[i]` in `out`.
+    fn native_allgatherv(
+        &self,
+        _mine: &[u8],
+        _out: &mut [u8],
+        _counts: &[usize],
+        _displs: &[usize],
+    ) -> Option<Result<()>> {
+        None
+    }
+}
+
+/// Check a peer rank against the communicator size.
+pub(crate) fn check_peer(size: usize, peer: usize) -> Result<()> {
+    if peer >= size {
+        return Err(crate::Error::InvalidArgument(format!(
+            "rank {peer} out of range for a communicator of size {size}"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,449 @@
+//! [`Transport`] over any rsmpi communicator, through `mpi::ffi` so that every
+//! MPI return code is checked (rsmpi's safe calls rely on the fatal error
+//! handler) and non-blocking requests need no rsmpi scope.
+
+use super::{check_peer, Elem, Request, Tag, Transport};
+use crate::{Error, Result};
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use std::mem::MaybeUninit;
+use std::os::raw::{c_char, c_int, c_void};
+
+/// Largest element count moved by one MPI call (`Count` is a C `int`); longer
+/// blocking transfers are split into several messages.
+const MAX_COUNT: usize = 1 << 30;
+
+/// A gradsync transport over an rsmpi communicator.
+///
+/// Build it with [`MpiComm::duplicate_of`] (recommended: library traffic gets its
+/// own communicator, and MPI errors on it are returned, not fatal) or
+/// [`MpiComm::wrap`] (use a communicator as it is). Drop it before the rsmpi
+/// `Universe`, as any communicator.
+///
+/// ```no_run
+/// use mpi::traits::*;
+/// let universe = mpi::initialize().unwrap();
+/// let world = universe.world();
+/// let comm = gradsync::comm::MpiComm::duplicate_of(&world).unwrap();
+/// let mut grad = vec![1.0f32; 1000];
+/// gradsync::dense::rabenseifner_allreduce(&comm, &mut grad, &Default::default()).unwrap();
+/// assert_eq!(grad[0], world.size() as f32);
+/// ```
+pub struct MpiComm<C: Communicator = SimpleCommunicator> {
+    comm: C,
+    raw: ffi::MPI_Comm,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: MPI communicator handles may be used from any thread the MPI
+// threading level allows; gradsync itself never shares one across threads
+// concurrently.
+unsafe impl<C: Communicator + Send> Send for MpiComm<C> {}
+
+impl MpiComm<SimpleCommunicator> {
+    /// Duplicate `comm` (`MPI_Comm_dup`, collective over `comm`) and set
+    /// `MPI_ERRORS_RETURN` on the duplicate.
+    pub fn duplicate_of<C: Communicator>(comm: &C) -> Result<Self> {
+        let dup = comm.duplicate();
+        let raw = dup.as_raw();
+        // SAFETY: `raw` is a live communicator handle owned by `dup`.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN) };
+        check(rc, "MPI_Comm_set_errhandler")?;
+        Ok(Self::wrap(dup))
+    }
+}
+
+impl<C: Communicator> MpiComm<C> {
+    /// Use `comm` as it is: no duplication, its error handler untouched.
+    pub fn wrap(comm: C) -> Self {
+        let raw = comm.as_raw();
+        let rank = comm.rank() as usize;
+        let size = comm.size() as usize;
+        MpiComm {
+            comm,
+            raw,
+            rank,
+            size,
+        }
+    }
+
+    /// The underlying rsmpi communicator.
+    pub fn communicator(&self) -> &C {
+        &self.comm
+    }
+
+    fn raw_recv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<()> {
+        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+        // SAFETY: buffer pointer/count describe `buf`; status is written by MPI.
+        let rc = unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr() as *mut c_void,
+                buf.len() as c_int,
+                dtype::<T>(),
+                src as c_int,
+                tag,
+                self.raw,
+                status.as_mut_ptr(),
+            )
+        };
+        check(rc, "MPI_Recv")?;
+        // SAFETY: MPI_Recv succeeded and filled the status.
+        check_count::<T>(unsafe { &status.assume_init() }, buf.len(), src, tag)
+    }
+}
+
+fn dtype<T: Elem>() -> ffi::MPI_Datatype {
+    T::equivalent_datatype().as_raw()
+}
+
+/// Turn an MPI return code into a `Result`.
+pub(crate) fn check(rc: c_int, call: &'static str) -> Result<()> {
+    if rc == ffi::MPI_SUCCESS as c_int {
+        return Ok(());
+    }
+    let mut buf = [0 as c_char; 1024];
+    let mut len: c_int = 0;
+    // SAFETY: buffer larger than MPI_MAX_ERROR_STRING of Open MPI and MPICH.
+    let message = unsafe {
+        if ffi::MPI_Error_string(rc, buf.as_mut_ptr(), &mut len) == ffi::MPI_SUCCESS as c_int {
+            let bytes: Vec<u8> = buf[..len.clamp(0, 1023) as usize]
+                .iter()
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        } else {
+            "unknown MPI error".to_string()
+        }
+    };
+    Err(Error::Mpi {
+        call,
+        code: rc,
+        message,
+    })
+}
+
+fn check_count<T: Elem>(
+    status: &ffi::MPI_Status,
+    expected: usize,
+    src: usize,
+    tag: Tag,
+) -> Result<()> {
+    let mut count: c_int = 0;
+    // SAFETY: status comes from a completed receive.
+    let rc = unsafe { ffi::MPI_Get_count(status, dtype::<T>(), &mut count) };
+    check(rc, "MPI_Get_count")?;
+    if count < 0 || count as usize != expected {
+        return Err(Error::MessageSize {
+            peer: src,
+            tag,
+            expected,
+            got: count.max(0) as usize,
+        });
+    }
+    Ok(())
+}
+
+/// Pointer for an MPI buffer argument. An empty slice's dangling pointer can
+/// equal Open MPI's `MPI_IN_PLACE` (`(void*)1` for `u8`), which collectives
+/// would misread; empty buffers get a pointer to a real static byte instead.
+fn buf_ptr(ptr: *const u8, len: usize) -> *const c_void {
+    static DUMMY: [u64; 1] = [0];
+    if len == 0 {
+        DUMMY.as_ptr() as *const c_void
+    } else {
+        ptr as *const c_void
+    }
+}
+
+fn check_immediate_len(len: usize) -> Result<()> {
+    if len > MAX_COUNT {
+        return Err(Error::InvalidArgument(format!(
+            "non-blocking transfer of {len} elements exceeds the {MAX_COUNT}-element limit of one MPI call"
+        )));
+    }
+    Ok(())
+}
+
+/// A pending `MPI_Isend`/`MPI_Irecv`.
+pub struct MpiRequest {
+    raw: ffi::MPI_Request,
+    /// For receives: (expected count, datatype, source, tag) to check on completion.
+    recv_check: Option<(usize, ffi::MPI_Datatype, usize, Tag)>,
+    done: bool,
+}
+
+impl MpiRequest {
+    fn complete(&mut self) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        self.done = true;
+        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+        // SAFETY: `raw` is an active request created by MPI_Isend/MPI_Irecv.
+        let rc = unsafe { ffi::MPI_Wait(&mut self.raw, status.as_mut_ptr()) };
+        check(rc, "MPI_Wait")?;
+        if let Some((expected, dt, src, tag)) = self.recv_check {
+            let mut count: c_int = 0;
+            // SAFETY: MPI_Wait completed a receive and filled the status.
+            let rc = unsafe { ffi::MPI_Get_count(status.as_ptr(), dt, &mut count) };
+            check(rc, "MPI_Get_count")?;
+            if count < 0 || count as usize != expected {
+                return Err(Error::MessageSize {
+                    peer: src,
+                    tag,
+                    expected,
+                    got: count.max(0) as usize,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Request for MpiRequest {
+    fn wait(mut self) -> Result<()> {
+        self.complete()
+    }
+}
+
+impl Drop for MpiRequest {
+    fn drop(&mut self) {
+        if let Err(e) = self.complete() {
+            log::warn!("MPI request dropped with an error: {e}");
+        }
+    }
+}
+
+impl<C: Communicator> Transport for MpiComm<C> {
+    type Request = MpiRequest;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {
+        check_peer(self.size, dest)?;
+        let mut chunks = buf.chunks(MAX_COUNT);
+        // A zero-length message must still be sent: the receiver expects one.
+        let first = chunks.next().unwrap_or(&[]);
+        for part in std::iter::once(first).chain(chunks) {
+            // SAFETY: pointer/count describe `part`.
+            let rc = unsafe {
+                ffi::MPI_Send(
+                    part.as_ptr() as *const c_void,
+                    part.len() as c_int,
+                    dtype::<T>(),
+                    dest as c_int,
+                    tag,
+                    self.raw,
+                )
+            };
+            check(rc, "MPI_Send")?;
+        }
+        Ok(())
+    }
+
+    fn recv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<()> {
+        check_peer(self.size, src)?;
+        if buf.is_empty() {
+            return self.raw_recv(buf, src, tag);
+        }
+        for part in buf.chunks_mut(MAX_COUNT) {
+            self.raw_recv(part, src, tag)?;
+        }
+        Ok(())
+    }
+
+    fn sendrecv<T: Elem>(
+        &self,
+        send: &[T],
+        dest: usize,
+        recv: &mut [T],
+        src: usize,
+        tag: Tag,
+    ) -> Result<()> {
+        check_peer(self.size, dest)?;
+        check_peer(self.size, src)?;
+        let ns = send.len().div_ceil(MAX_COUNT).max(1);
+        let nr = recv.len().div_ceil(MAX_COUNT).max(1);
+        for i in 0..ns.max(nr) {
+            let s: &[T] = if i < ns {
+                &send[(i * MAX_COUNT).min(send.len())..((i + 1) * MAX_COUNT).min(send.len())]
+            } else {
+                &[]
+            };
+            let rlo = (i * MAX_COUNT).min(recv.len());
+            let rhi = ((i + 1) * MAX_COUNT).min(recv.len());
+            let r = &mut recv[rlo..rhi];
+            let (sdest, rsrc) = (
+                if i < ns {
+                    dest as c_int
+                } else {
+                    unsafe { ffi::RSMPI_PROC_NULL }
+                },
+                if i < nr {
+                    src as c_int
+                } else {
+                    unsafe { ffi::RSMPI_PROC_NULL }
+                },
+            );
+            let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+            // SAFETY: pointers/counts describe `s` and `r`, which do not overlap.
+            let rc = unsafe {
+                ffi::MPI_Sendrecv(
+                    s.as_ptr() as *const c_void,
+                    s.len() as c_int,
+                    dtype::<T>(),
+                    sdest,
+                    tag,
+                    r.as_mut_ptr() as *mut c_void,
+                    r.len() as c_int,
+                    dtype::<T>(),
+                    rsrc,
+                    tag,
+                    self.raw,
+                    status.as_mut_ptr(),
+                )
+            };
+            check(rc, "MPI_Sendrecv")?;
+            if i < nr {
+                // SAFETY: MPI_Sendrecv succeeded and filled the status.
+                check_count::<T>(unsafe { &status.assume_init() }, r.len(), src, tag)?;
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn isend<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<MpiRequest> {
+        check_peer(self.size, dest)?;
+        check_immediate_len(buf.len())?;
+        let mut raw = ffi::RSMPI_REQUEST_NULL;
+        let rc = ffi::MPI_Isend(
+            buf.as_ptr() as *const c_void,
+            buf.len() as c_int,
+            dtype::<T>(),
+            dest as c_int,
+            tag,
+            self.raw,
+            &mut raw,
+        );
+        check(rc, "MPI_Isend")?;
+        Ok(MpiRequest {
+            raw,
+            recv_check: None,
+            done: false,
+        })
+    }
+
+    unsafe fn irecv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<MpiRequest> {
+        check_peer(self.size, src)?;
+        check_immediate_len(buf.len())?;
+        let mut raw = ffi::RSMPI_REQUEST_NULL;
+        let rc = ffi::MPI_Irecv(
+            buf.as_mut_ptr() as *mut c_void,
+            buf.len() as c_int,
+            dtype::<T>(),
+            src as c_int,
+            tag,
+            self.raw,
+            &mut raw,
+        );
+        check(rc, "MPI_Irecv")?;
+        Ok(MpiRequest {
+            raw,
+            recv_check: Some((buf.len(), dtype::<T>(), src, tag)),
+            done: false,
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // SAFETY: live communicator.
+        check(unsafe { ffi::MPI_Barrier(self.raw) }, "MPI_Barrier")
+    }
+
+    fn native_allreduce_sum<T: Elem>(&self, send: &[T], recv: &mut [T]) -> Option<Result<()>> {
+        if send.len() != recv.len() {
+            return Some(Err(Error::InvalidArgument(format!(
+                "allreduce send ({}) and receive ({}) lengths differ",
+                send.len(),
+                recv.len()
+            ))));
+        }
+        let mut run = || -> Result<()> {
+            for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
+                // SAFETY: pointers/counts describe `s` and `r`.
+                let rc = unsafe {
+                    ffi::MPI_Allreduce(
+                        buf_ptr(s.as_ptr() as *const u8, s.len()),
+                        buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void,
+                        s.len() as c_int,
+                        dtype::<T>(),
+                        ffi::RSMPI_SUM,
+                        self.raw,
+                    )
+                };
+                check(rc, "MPI_Allreduce")?;
+            }
+            Ok(())
+        };
+        Some(run())
+    }
+
+    fn native_allgatherv(
+        &self,
+        mine: &[u8],
+        out: &mut [u8],
+        counts: &[usize],
+        displs: &[usize],
+    ) -> Option<Result<()>> {
+        let run = || -> Result<()> {
+            let to_int = |v: usize| {
+                c_int::try_from(v).map_err(|_| {
+                    Error::InvalidArgument(format!(
+                        "MPI_Allgatherv counts and displacements must fit in a C int, got {v}"
+                    ))
+                })
+            };
+            if counts.len() != self.size || displs.len() != self.size {
+                return Err(Error::InvalidArgument(
+                    "counts/displs must have one entry per rank".into(),
+                ));
+            }
+            if counts[self.rank] != mine.len() {
+                return Err(Error::InvalidArgument(
+                    "counts[rank] must equal this rank's message length".into(),
+                ));
+            }
+            for (c, d) in counts.iter().zip(displs) {
+                if d.checked_add(*c).is_none_or(|end| end > out.len()) {
+                    return Err(Error::InvalidArgument(
+                        "allgatherv output buffer too small".into(),
+                    ));
+                }
+            }
+            let ci: Vec<c_int> = counts.iter().map(|&c| to_int(c)).collect::<Result<_>>()?;
+            let di: Vec<c_int> = displs.iter().map(|&d| to_int(d)).collect::<Result<_>>()?;
+            to_int(out.len())?;
+            // SAFETY: counts/displs checked against `out`; `mine` matches counts[rank].
+            let rc = unsafe {
+                ffi::MPI_Allgatherv(
+                    buf_ptr(mine.as_ptr(), mine.len()),
+                    mine.len() as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    buf_ptr(out.as_ptr(), out.len()) as *mut c_void,
+                    ci.as_ptr(),
+                    di.as_ptr(),
+                    ffi::RSMPI_UINT8_T,
+                    self.raw,
+                )
+            };
+            check(rc, "MPI_Allgatherv")
+        };
+        Some(run())
+    }
+}

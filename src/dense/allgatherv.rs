@@ -1,0 +1,180 @@
+//! Allgatherv of variable-length byte messages: every rank ends with every
+//! rank's message, in rank order. Empty messages are fine.
+//!
+//! The recursive-doubling algorithm works for any `p`: with the same fold as
+//! Rabenseifner's allreduce, odd ranks among the first `2r` hand their message
+//! to their even partner, the `2^⌊lg p⌋` remaining ranks double their gathered
+//! range each step (a contiguous run of real ranks, so it is exchanged in place
+//! in the output buffer), and the even ranks finally send the whole result to
+//! their partners. Message lengths are gathered the same way first.
+
+use super::{Fold, TAG_ALLGATHERV as TAG};
+use crate::comm::{Elem, Transport};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Which allgatherv implementation to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllgathervAlgo {
+    /// Recursive doubling with the non-power-of-two fold (any transport).
+    #[serde(rename = "recdbl")]
+    RecursiveDoubling,
+    /// The MPI library's own `MPI_Allgatherv` (only on [`MpiComm`](crate::comm::MpiComm)).
+    Mpi,
+}
+
+impl AllgathervAlgo {
+    /// Name as used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RecursiveDoubling => "recdbl",
+            Self::Mpi => "mpi",
+        }
+    }
+}
+
+impl std::str::FromStr for AllgathervAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "recdbl" | "recursive-doubling" => Ok(Self::RecursiveDoubling),
+            "mpi" => Ok(Self::Mpi),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown allgatherv algorithm {s:?} (recdbl, mpi)"
+            ))),
+        }
+    }
+}
+
+/// The result of an allgatherv: all messages back to back, in rank order.
+/// Reuse one across calls to avoid allocation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Gathered {
+    /// Concatenated messages.
+    pub data: Vec<u8>,
+    /// `displs[i]..displs[i + 1]` is rank `i`'s message (`p + 1` entries).
+    pub displs: Vec<usize>,
+    counts_u64: Vec<u64>,
+    counts: Vec<usize>,
+}
+
+impl Gathered {
+    /// Rank `i`'s message.
+    pub fn message(&self, i: usize) -> &[u8] {
+        &self.data[self.displs[i]..self.displs[i + 1]]
+    }
+    /// Number of messages (ranks).
+    pub fn len(&self) -> usize {
+        self.displs.len().saturating_sub(1)
+    }
+    /// True when no messages are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Gather every rank's `mine` on every rank.
+///
+/// ```
+/// use gradsync::comm::{LocalComm, Transport};
+/// use gradsync::dense::{allgatherv, AllgathervAlgo};
+/// let out = LocalComm::run(3, |c| {
+///     let msg = vec![c.rank() as u8; c.rank()]; // rank 0 sends nothing
+///     allgatherv(&c, &msg, AllgathervAlgo::RecursiveDoubling).unwrap()
+/// });
+/// assert_eq!(out[0].data, vec![1, 2, 2]);
+/// assert_eq!(out[2].message(2), &[2, 2]);
+/// ```
+pub fn allgatherv<C: Transport>(comm: &C, mine: &[u8], algo: AllgathervAlgo) -> Result<Gathered> {
+    let mut g = Gathered::default();
+    allgatherv_with(comm, mine, algo, &mut g)?;
+    Ok(g)
+}
+
+/// [`allgatherv`] into a reusable [`Gathered`].
+pub fn allgatherv_with<C: Transport>(
+    comm: &C,
+    mine: &[u8],
+    algo: AllgathervAlgo,
+    out: &mut Gathered,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    // 1. Lengths: one u64 per rank, gathered by the same algorithm.
+    out.counts_u64.clear();
+    out.counts_u64.resize(p, 0);
+    out.counts_u64[rank] = mine.len() as u64;
+    out.displs.clear();
+    out.displs.extend(0..=p);
+    recdbl_inplace(comm, &mut out.counts_u64, &out.displs)?;
+    // 2. Displacements and the payload.
+    out.displs.clear();
+    out.displs.push(0);
+    let mut total = 0usize;
+    for &c in &out.counts_u64 {
+        let c = usize::try_from(c).map_err(|_| {
+            Error::InvalidArgument(format!("message length {c} does not fit in memory"))
+        })?;
+        total = total
+            .checked_add(c)
+            .ok_or_else(|| Error::InvalidArgument("total allgatherv length overflows".into()))?;
+        out.displs.push(total);
+    }
+    if out.displs[rank + 1] - out.displs[rank] != mine.len() {
+        return Err(Error::Transport(
+            "gathered length of this rank's own message is wrong".into(),
+        ));
+    }
+    out.data.resize(total, 0);
+    match algo {
+        AllgathervAlgo::RecursiveDoubling => {
+            out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
+            recdbl_inplace(comm, &mut out.data, &out.displs)
+        }
+        AllgathervAlgo::Mpi => {
+            out.counts.clear();
+            out.counts
+                .extend(out.displs.windows(2).map(|w| w[1] - w[0]));
+            comm.native_allgatherv(mine, &mut out.data, &out.counts, &out.displs[..p])
+                .ok_or_else(|| {
+                    Error::Unsupported("this transport has no MPI-native allgatherv".into())
+                })?
+        }
+    }
+}
+
+/// Recursive-doubling allgather in place: rank `i`'s block
+/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`.
+fn recdbl_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    if p == 1 {
+        return Ok(());
+    }
+    let f = Fold::new(p);
+    let range = |first: usize, end: usize| displs[first]..displs[end];
+    if rank < 2 * f.r {
+        if rank % 2 == 1 {
+            comm.send(&buf[range(rank, rank + 1)], rank - 1, TAG)?;
+            comm.recv(buf, rank - 1, TAG)?;
+            return Ok(());
+        }
+        let r = range(rank + 1, rank + 2);
+        comm.recv(&mut buf[r], rank + 1, TAG)?;
+    }
+    let vr = f.vrank(rank).expect("odd folded ranks returned above");
+    let mut mask = 1;
+    while mask < f.p2 {
+        let my_lo = vr & !(mask - 1);
+        let peer_lo = my_lo ^ mask;
+        let peer = f.real(vr ^ mask);
+        let mine = range(f.real(my_lo), f.real(my_lo + mask));
+        let theirs = range(f.real(peer_lo), f.real(peer_lo + mask));
+        let (s, r) = super::split_ref_mut(buf, mine, theirs);
+        comm.sendrecv(s, peer, r, peer, TAG)?;
+        mask <<= 1;
+    }
+    if rank < 2 * f.r {
+        comm.send(buf, rank + 1, TAG)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,315 @@
+//! Dense collectives over any [`Transport`]: Rabenseifner and ring allreduce,
+//! recursive-doubling allgatherv.
+//!
+//! * [`rabenseifner_allreduce`]: recursive-halving reduce-scatter followed by
+//!   recursive-doubling allgather (Thakur, Rabenseifner & Gropp 2005, §4.4);
+//!   non-powers of two fold the first `2r` ranks pairwise first, as Open MPI's
+//!   `redscat_allgather` does. Cost
+//!   `(2⌊lg p⌋+2)α + (2(p−1)/p + 2)nβ + n(1+(p−1)/p)γ` for `p ≠ 2^k`.
+//! * [`ring_allreduce`]: bandwidth-optimal ring reduce-scatter + allgather,
+//!   `2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ`, optionally pipelined in chunks so the
+//!   reduction of one chunk overlaps the transfer of the next.
+//! * [`allgatherv`]: variable-length byte messages gathered on every rank
+//!   (the sparse layer's building block), by recursive doubling for any `p` or
+//!   through `MPI_Allgatherv`.
+//!
+//! Every allreduce validates by default that all ranks passed the same length
+//! (one 16-byte collective); on a mismatch every rank returns
+//! [`Error::SizeMismatch`] instead of hanging.
+//!
+//! Hot paths are allocation-free given a [`Workspace`]: the `_with` variants take
+//! one and reuse its buffer across calls.
+
+mod allgatherv;
+mod rabenseifner;
+mod ring;
+
+pub use allgatherv::{allgatherv, allgatherv_with, AllgathervAlgo, Gathered};
+pub use rabenseifner::{rabenseifner_allreduce, rabenseifner_allreduce_with};
+pub use ring::{ring_allreduce, ring_allreduce_with};
+
+use crate::comm::{Elem, Tag, Transport};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+pub(crate) const TAG_VALIDATE: Tag = 11;
+pub(crate) const TAG_RABENSEIFNER: Tag = 12;
+pub(crate) const TAG_RING: Tag = 13;
+pub(crate) const TAG_ALLGATHERV: Tag = 14;
+
+/// A floating-point element that collectives can reduce.
+pub trait Real:
+    Elem + Copy + PartialEq + std::fmt::Debug + std::ops::AddAssign + std::ops::MulAssign
+{
+    /// `1 / n` in this type.
+    fn recip_of(n: usize) -> Self;
+}
+impl Real for f32 {
+    fn recip_of(n: usize) -> Self {
+        (1.0f64 / n as f64) as f32
+    }
+}
+impl Real for f64 {
+    fn recip_of(n: usize) -> Self {
+        1.0 / n as f64
+    }
+}
+
+/// Reduction applied by an allreduce.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    #[default]
+    Sum,
+    /// Element-wise sum divided by the number of ranks.
+    Average,
+}
+
+/// Options shared by the allreduce algorithms.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllreduceOptions {
+    /// Sum or average.
+    pub op: ReduceOp,
+    /// Check (one 16-byte collective) that every rank passed the same length.
+    pub validate: bool,
+    /// Ring only: pipeline each ring segment in chunks of this many elements
+    /// (0 = one message per segment).
+    pub chunk_elems: usize,
+}
+
+impl Default for AllreduceOptions {
+    fn default() -> Self {
+        AllreduceOptions {
+            op: ReduceOp::Sum,
+            validate: true,
+            chunk_elems: 0,
+        }
+    }
+}
+
+/// Which allreduce algorithm to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllreduceAlgo {
+    /// [`rabenseifner_allreduce`].
+    Rabenseifner,
+    /// [`ring_allreduce`].
+    Ring,
+    /// The MPI library's own `MPI_Allreduce` (only on [`MpiComm`](crate::comm::MpiComm)).
+    Mpi,
+}
+
+impl std::str::FromStr for AllreduceAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "rabenseifner" => Ok(Self::Rabenseifner),
+            "ring" => Ok(Self::Ring),
+            "mpi" => Ok(Self::Mpi),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi)"
+            ))),
+        }
+    }
+}
+
+impl AllreduceAlgo {
+    /// Name as used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Rabenseifner => "rabenseifner",
+            Self::Ring => "ring",
+            Self::Mpi => "mpi",
+        }
+    }
+}
+
+/// Reusable scratch memory for the allreduce algorithms. It only grows, so a
+/// training loop that keeps one per element type allocates once.
+#[derive(Debug, Default)]
+pub struct Workspace<T> {
+    tmp: Vec<T>,
+}
+
+impl<T: Real> Workspace<T> {
+    /// An empty workspace.
+    pub fn new() -> Self {
+        Workspace { tmp: Vec::new() }
+    }
+    /// Scratch of at least `n` elements (contents unspecified).
+    pub(crate) fn scratch(&mut self, n: usize) -> &mut [T] {
+        if self.tmp.len() < n {
+            self.tmp.resize(n, T::zeroed());
+        }
+        &mut self.tmp[..n]
+    }
+}
+
+/// In-place allreduce of `buf` with the chosen algorithm.
+pub fn allreduce<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    algo: AllreduceAlgo,
+    opts: &AllreduceOptions,
+) -> Result<()> {
+    allreduce_with(comm, buf, algo, opts, &mut Workspace::new())
+}
+
+/// [`allreduce`] with caller-provided scratch.
+pub fn allreduce_with<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    algo: AllreduceAlgo,
+    opts: &AllreduceOptions,
+    ws: &mut Workspace<T>,
+) -> Result<()> {
+    match algo {
+        AllreduceAlgo::Rabenseifner => rabenseifner_allreduce_with(comm, buf, opts, ws),
+        AllreduceAlgo::Ring => ring_allreduce_with(comm, buf, opts, ws),
+        AllreduceAlgo::Mpi => {
+            if opts.validate {
+                validate_same_len(comm, buf.len())?;
+            }
+            let tmp = ws.scratch(buf.len());
+            tmp.copy_from_slice(buf);
+            comm.native_allreduce_sum(tmp, buf).ok_or_else(|| {
+                Error::Unsupported("this transport has no MPI-native allreduce".into())
+            })??;
+            if opts.op == ReduceOp::Average {
+                scale(buf, T::recip_of(comm.size()));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `dst[i] += src[i]`: the reduction kernel (auto-vectorized).
+#[inline]
+pub(crate) fn add_into<T: Real>(dst: &mut [T], src: &[T]) {
+    debug_assert_eq!(dst.len(), src.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += *s;
+    }
+}
+
+#[inline]
+pub(crate) fn scale<T: Real>(buf: &mut [T], f: T) {
+    for x in buf {
+        *x *= f;
+    }
+}
+
+/// The Thakur–Rabenseifner–Gropp fold of `p` ranks onto `p' = 2^⌊lg p⌋`
+/// virtual ranks: among the first `2r` ranks (`r = p − p'`) each even rank
+/// stays (virtual rank `rank/2`) and its odd partner drops out; ranks `≥ 2r`
+/// become virtual rank `rank − r`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fold {
+    pub p2: usize,
+    pub r: usize,
+}
+
+impl Fold {
+    pub fn new(p: usize) -> Self {
+        let p2 = if p == 0 {
+            0
+        } else {
+            1usize << (usize::BITS - 1 - p.leading_zeros())
+        };
+        Fold { p2, r: p - p2 }
+    }
+    /// Virtual rank of `rank`, or `None` if it drops out.
+    pub fn vrank(&self, rank: usize) -> Option<usize> {
+        if rank < 2 * self.r {
+            (rank % 2 == 0).then_some(rank / 2)
+        } else {
+            Some(rank - self.r)
+        }
+    }
+    /// Lowest real rank represented by virtual rank `v` (`v == p2` gives `p`).
+    pub fn real(&self, v: usize) -> usize {
+        if v < self.r {
+            2 * v
+        } else {
+            v + self.r
+        }
+    }
+}
+
+/// Check that every rank passed `len`. All ranks learn the global min and max
+/// (recursive doubling on two `u64`), so on a mismatch every rank returns
+/// [`Error::SizeMismatch`].
+pub fn validate_same_len<C: Transport>(comm: &C, len: usize) -> Result<()> {
+    let mut v = [len as u64, !(len as u64)];
+    small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
+    let (max, min) = (v[0], !v[1]);
+    if min != max {
+        return Err(Error::SizeMismatch {
+            local: len as u64,
+            min,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Element-wise max of a tiny `u64` vector over all ranks, by recursive
+/// doubling with the non-power-of-two fold.
+pub(crate) fn small_allreduce_max<C: Transport>(
+    comm: &C,
+    v: &mut [u64; 2],
+    tag: Tag,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    if p == 1 {
+        return Ok(());
+    }
+    let f = Fold::new(p);
+    let mut other = [0u64; 2];
+    let merge = |v: &mut [u64; 2], o: &[u64; 2]| {
+        v[0] = v[0].max(o[0]);
+        v[1] = v[1].max(o[1]);
+    };
+    if rank < 2 * f.r {
+        if rank % 2 == 1 {
+            comm.send(&v[..], rank - 1, tag)?;
+            comm.recv(&mut v[..], rank - 1, tag)?;
+            return Ok(());
+        }
+        comm.recv(&mut other[..], rank + 1, tag)?;
+        merge(v, &other);
+    }
+    let vr = f.vrank(rank).expect("odd folded ranks returned above");
+    let mut mask = 1;
+    while mask < f.p2 {
+        let peer = f.real(vr ^ mask);
+        comm.sendrecv(&v[..], peer, &mut other[..], peer, tag)?;
+        merge(v, &other);
+        mask <<= 1;
+    }
+    if rank < 2 * f.r {
+        comm.send(&v[..], rank + 1, tag)?;
+    }
+    Ok(())
+}
+
+/// Split one mutable slice into a shared sub-slice `a` and a mutable sub-slice
+/// `b` that do not overlap (for exchanges within one buffer).
+pub(crate) fn split_ref_mut<T>(
+    buf: &mut [T],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&[T], &mut [T]) {
+    assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,192 @@
+//! Ring allreduce: `p − 1` reduce-scatter steps then `p − 1` allgather steps
+//! around the ring `rank → rank + 1`, each moving one `n/p` segment
+//! (Patarasuk & Yuan 2009; Open MPI `coll_base_allreduce_intra_ring`).
+//! Segments follow Open MPI: `n/p` elements each, the first `n mod p` one more.
+//!
+//! With `chunk_elems > 0` each segment travels as several messages and a
+//! received chunk is reduced and forwarded at once, so the reduction of one
+//! chunk overlaps the transfer of the next and consecutive steps pipeline
+//! (the schedule NCCL's ring uses).
+
+use super::{
+    add_into, scale, split_ref_mut, validate_same_len, AllreduceOptions, Real, ReduceOp, Workspace,
+    TAG_RING as TAG,
+};
+use crate::comm::{Request, Transport};
+use crate::Result;
+use std::collections::VecDeque;
+use std::ops::Range;
+
+/// Segment `i` of `n` elements split over `p` ranks.
+#[inline]
+fn segment(n: usize, p: usize, i: usize) -> Range<usize> {
+    let (base, extra) = (n / p, n % p);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// In-place ring allreduce of `buf` over all ranks of `comm`.
+///
+/// ```
+/// use gradsync::comm::{LocalComm, Transport};
+/// use gradsync::dense::{ring_allreduce, AllreduceOptions};
+/// let out = LocalComm::run(3, |c| {
+///     let mut g: Vec<f32> = (0..10).map(|i| (i + c.rank()) as f32).collect();
+///     let opts = AllreduceOptions { chunk_elems: 2, ..Default::default() };
+///     ring_allreduce(&c, &mut g, &opts).unwrap();
+///     g
+/// });
+/// assert_eq!(out[2][0], 0.0 + 1.0 + 2.0);
+/// ```
+pub fn ring_allreduce<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    opts: &AllreduceOptions,
+) -> Result<()> {
+    ring_allreduce_with(comm, buf, opts, &mut Workspace::new())
+}
+
+/// [`ring_allreduce`] with caller-provided scratch (one segment).
+pub fn ring_allreduce_with<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    opts: &AllreduceOptions,
+    ws: &mut Workspace<T>,
+) -> Result<()> {
+    let (p, n) = (comm.size(), buf.len());
+    if opts.validate {
+        validate_same_len(comm, n)?;
+    }
+    if p == 1 || n == 0 {
+        return Ok(());
+    }
+    let tmp = ws.scratch(segment(n, p, 0).len());
+    if opts.chunk_elems == 0 || opts.chunk_elems >= tmp.len() {
+        ring_plain(comm, buf, tmp, opts.op)
+    } else {
+        ring_pipelined(comm, buf, tmp, opts.op, opts.chunk_elems)
+    }
+}
+
+fn ring_plain<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    tmp: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (rank, p, n) = (comm.rank(), comm.size(), buf.len());
+    let (right, left) = ((rank + 1) % p, (rank + p - 1) % p);
+    for s in 0..p - 1 {
+        let sb = segment(n, p, (rank + p - s) % p);
+        let rb = segment(n, p, (rank + 2 * p - s - 1) % p);
+        let t = &mut tmp[..rb.len()];
+        comm.sendrecv(&buf[sb], right, t, left, TAG)?;
+        add_into(&mut buf[rb], t);
+    }
+    if op == ReduceOp::Average {
+        scale(&mut buf[segment(n, p, (rank + 1) % p)], T::recip_of(p));
+    }
+    for s in 0..p - 1 {
+        let sb = segment(n, p, (rank + 1 + p - s) % p);
+        let rb = segment(n, p, (rank + p - s) % p);
+        let (snd, rcv) = split_ref_mut(buf, sb, rb);
+        comm.sendrecv(snd, right, rcv, left, TAG)?;
+    }
+    Ok(())
+}
+
+/// Pipelined ring. Step `s` of the `2(p−1)` steps receives segment `rb(s)`
+/// from the left; the segment sent at step `s + 1` is exactly `rb(s)`, so each
+/// chunk is forwarded right after it has been reduced (or received, in the
+/// allgather half). Sends of step `t` are completed before step `t + p − 1`
+/// receives into the same segment.
+fn ring_pipelined<C: Transport, T: Real>(
+    comm: &C,
+    buf: &mut [T],
+    tmp: &mut [T],
+    op: ReduceOp,
+    chunk: usize,
+) -> Result<()> {
+    let (rank, p, n) = (comm.rank(), comm.size(), buf.len());
+    let (right, left) = ((rank + 1) % p, (rank + p - 1) % p);
+    let steps = 2 * (p - 1);
+    let recv_seg = |s: usize| {
+        if s < p - 1 {
+            segment(n, p, (rank + 2 * p - s - 1) % p)
+        } else {
+            segment(n, p, (rank + 2 * p - (s - (p - 1))) % p)
+        }
+    };
+    let base = buf.as_mut_ptr();
+    let tbase = tmp.as_mut_ptr();
+    let nchunks = segment(n, p, 0).len().div_ceil(chunk);
+    // (step the send belongs to, request); bounded by ~2 segments of chunks.
+    let mut sends: VecDeque<(usize, C::Request)> = VecDeque::with_capacity(2 * nchunks + 2);
+    let mut recvs: Vec<C::Request> = Vec::with_capacity(nchunks);
+
+    // SAFETY (whole function): every slice made from `base`/`tbase` below is in
+    // bounds (segments partition 0..n, chunks partition a segment, `tmp` holds
+    // one full segment). A buffer region handed to a pending isend is not
+    // written until that send is waited (see the step rule above); a region
+    // handed to a pending irecv is not touched until that receive is waited.
+    // `buf` and `tmp` are not used through their references meanwhile.
+    unsafe {
+        let first = segment(n, p, rank);
+        for c in (first.start..first.end).step_by(chunk) {
+            let part = std::slice::from_raw_parts(base.add(c), chunk.min(first.end - c));
+            sends.push_back((0, comm.isend(part, right, TAG)?));
+        }
+        if first.is_empty() {
+            sends.push_back((0, comm.isend(&[] as &[T], right, TAG)?));
+        }
+        for s in 0..steps {
+            let seg = recv_seg(s);
+            let reduce = s < p - 1;
+            if !reduce {
+                // Segment `seg` was sent at step s − (p − 1): finish those sends.
+                let limit = s - (p - 1);
+                while sends.front().is_some_and(|(t, _)| *t <= limit) {
+                    sends.pop_front().expect("front exists").1.wait()?;
+                }
+            }
+            // Post every chunk receive of this step (empty segment: one empty message).
+            let mut c = seg.start;
+            loop {
+                let len = chunk.min(seg.end - c);
+                let dst = if reduce {
+                    std::slice::from_raw_parts_mut(tbase.add(c - seg.start), len)
+                } else {
+                    std::slice::from_raw_parts_mut(base.add(c), len)
+                };
+                recvs.push(comm.irecv(dst, left, TAG)?);
+                c += len;
+                if c >= seg.end {
+                    break;
+                }
+            }
+            let mut c = seg.start;
+            for req in recvs.drain(..) {
+                req.wait()?;
+                let len = chunk.min(seg.end - c);
+                let mine = std::slice::from_raw_parts_mut(base.add(c), len);
+                if reduce {
+                    add_into(
+                        mine,
+                        std::slice::from_raw_parts(tbase.add(c - seg.start), len),
+                    );
+                    if s == p - 2 && op == ReduceOp::Average {
+                        scale(mine, T::recip_of(p));
+                    }
+                }
+                if s + 1 < steps {
+                    sends.push_back((s + 1, comm.isend(&*mine, right, TAG)?));
+                }
+                c += len;
+            }
+        }
+        for (_, req) in sends.drain(..) {
+            req.wait()?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,31 @@
+//! # gradsync
+//!
+//! Cheap gradient synchronization for data-parallel training on MPI clusters.
+//!
+//! * [`comm`]: the small point-to-point [`Transport`](comm::Transport) trait
+//!   that every algorithm is written against, implemented for any rsmpi
+//!   communicator ([`MpiComm`](comm::MpiComm)) and in process
+//!   ([`LocalComm`](comm::LocalComm)) for tests.
+//! * [`dense`]: verified dense collectives: Rabenseifner and ring allreduce,
+//!   recursive-doubling allgatherv.
+//! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
+//!
+//! ```
+//! use gradsync::comm::{LocalComm, Transport};
+//! use gradsync::dense::{allreduce, AllreduceAlgo, AllreduceOptions};
+//! // Four in-process ranks; with MPI use `MpiComm::duplicate_of(&world)`.
+//! let out = LocalComm::run(4, |comm| {
+//!     let mut grad = vec![1.0f32; 10];
+//!     allreduce(&comm, &mut grad, AllreduceAlgo::Ring, &AllreduceOptions::default()).unwrap();
+//!     grad
+//! });
+//! assert!(out.iter().all(|g| g.iter().all(|&x| x == 4.0)));
+//! ```
+#![deny(missing_docs)]
+
+pub mod cli;
+pub mod comm;
+pub mod dense;
+mod error;
+
+pub use error::{Error, Result};
