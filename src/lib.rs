@@ -29,3 +29,8 @@ pub mod dense;
 mod error;
 
 pub use error::{Error, Result};
+
+/// The README's examples compile as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -17,7 +17,8 @@ pub struct VerifyArgs {
     /// Element counts to test; `p` stands for the number of ranks (e.g. `0,1,p-1,p+1,1000`).
     #[arg(long, default_value = "0,1,p-1,p,p+1,1000,1048579")]
     pub counts: String,
-    /// Ring chunk sizes (elements) to test; 0 = unpipelined.
+    /// Ring chunk sizes (elements) to test; 0 = unpipelined. The ring raises a
+    /// chunk so that a segment has at most 16 chunks.
     #[arg(long, default_value = "0,7")]
     pub chunks: String,
     /// Instead: give rank r a length of count + r and expect SizeMismatch on every rank.

@@ -8,7 +8,8 @@
 use super::{check_peer, Elem, Request, Tag, Transport};
 use crate::{Error, Result};
 use std::collections::VecDeque;
-use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 struct Msg {
@@ -25,7 +26,9 @@ struct Mailbox {
 
 struct Shared {
     boxes: Vec<Mailbox>,
-    barrier: Barrier,
+    /// Set when a rank thread panicked, so the others fail fast instead of
+    /// waiting for messages that will never come.
+    aborted: AtomicBool,
     timeout: Duration,
 }
 
@@ -57,7 +60,7 @@ impl LocalComm {
         assert!(size > 0, "a communicator needs at least one rank");
         let shared = Arc::new(Shared {
             boxes: (0..size).map(|_| Mailbox::default()).collect(),
-            barrier: Barrier::new(size),
+            aborted: AtomicBool::new(false),
             timeout,
         });
         (0..size)
@@ -77,7 +80,10 @@ impl LocalComm {
                 .into_iter()
                 .map(|c| {
                     let f = &f;
-                    s.spawn(move || f(c))
+                    s.spawn(move || {
+                        let _guard = AbortOnPanic(c.shared.clone());
+                        f(c)
+                    })
                 })
                 .collect();
             handles
@@ -119,6 +125,12 @@ impl LocalComm {
                 out.copy_from_slice(&m.data);
                 return Ok(());
             }
+            if self.shared.aborted.load(Ordering::SeqCst) {
+                return Err(Error::Transport(format!(
+                    "rank {}: another rank panicked while this one waited for rank {src} (tag {tag})",
+                    self.rank
+                )));
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Transport(format!(
@@ -131,6 +143,21 @@ impl LocalComm {
                 .wait_timeout(q, deadline - now)
                 .map_err(|_| poisoned())?
                 .0;
+        }
+    }
+}
+
+/// Marks the communicator aborted if its rank thread unwinds.
+struct AbortOnPanic(Arc<Shared>);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.aborted.store(true, Ordering::SeqCst);
+            for mb in &self.0.boxes {
+                let _q = mb.queue.lock();
+                mb.arrived.notify_all();
+            }
         }
     }
 }
@@ -243,8 +270,17 @@ impl Transport for LocalComm {
         })
     }
 
+    /// Dissemination barrier over the mailboxes (so it honours the timeout
+    /// and the abort flag, unlike `std::sync::Barrier`).
     fn barrier(&self) -> Result<()> {
-        self.shared.barrier.wait();
+        const TAG_BARRIER: Tag = 10;
+        let (rank, p) = (self.rank, self.size());
+        let mut k = 1;
+        while k < p {
+            self.send::<u8>(&[], (rank + k) % p, TAG_BARRIER)?;
+            self.recv::<u8>(&mut [], (rank + p - k) % p, TAG_BARRIER)?;
+            k <<= 1;
+        }
         Ok(())
     }
 }

@@ -26,7 +26,7 @@ mod ring;
 
 pub use allgatherv::{allgatherv, allgatherv_with, AllgathervAlgo, Gathered};
 pub use rabenseifner::{rabenseifner_allreduce, rabenseifner_allreduce_with};
-pub use ring::{ring_allreduce, ring_allreduce_with};
+pub use ring::{effective_chunk, ring_allreduce, ring_allreduce_with, MAX_CHUNKS_PER_SEGMENT};
 
 use crate::comm::{Elem, Tag, Transport};
 use crate::{Error, Result};
@@ -74,7 +74,8 @@ pub struct AllreduceOptions {
     /// Check (one 16-byte collective) that every rank passed the same length.
     pub validate: bool,
     /// Ring only: pipeline each ring segment in chunks of this many elements
-    /// (0 = one message per segment).
+    /// (0 = one message per segment). Raised so that a segment has at most
+    /// [`MAX_CHUNKS_PER_SEGMENT`] chunks (see [`effective_chunk`]).
     pub chunk_elems: usize,
 }
 

@@ -25,6 +25,24 @@ fn segment(n: usize, p: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
+/// Most chunks one segment is cut into. Together with completing the sends of
+/// step `t` by the end of step `t + 1`, this bounds the messages in flight per
+/// peer to about `3 · MAX_CHUNKS_PER_SEGMENT`, whatever `n` and `p`. Unbounded
+/// pipelines break real MPIs: Open MPI's ob1 orders messages per peer with a
+/// 16-bit sequence number, and with more than 65 536 in flight over shared
+/// memory it matched the wrong messages (seen with 75 000 chunks of 7 floats).
+pub const MAX_CHUNKS_PER_SEGMENT: usize = 16;
+
+/// The chunk actually used: `requested`, raised so that a segment of `seg`
+/// elements has at most [`MAX_CHUNKS_PER_SEGMENT`] chunks (0 = unpipelined).
+pub fn effective_chunk(requested: usize, seg: usize) -> usize {
+    if requested == 0 {
+        0
+    } else {
+        requested.max(seg.div_ceil(MAX_CHUNKS_PER_SEGMENT))
+    }
+}
+
 /// In-place ring allreduce of `buf` over all ranks of `comm`.
 ///
 /// ```
@@ -61,10 +79,11 @@ pub fn ring_allreduce_with<C: Transport, T: Real>(
         return Ok(());
     }
     let tmp = ws.scratch(segment(n, p, 0).len());
-    if opts.chunk_elems == 0 || opts.chunk_elems >= tmp.len() {
+    let chunk = effective_chunk(opts.chunk_elems, tmp.len());
+    if chunk == 0 || chunk >= tmp.len() {
         ring_plain(comm, buf, tmp, opts.op)
     } else {
-        ring_pipelined(comm, buf, tmp, opts.op, opts.chunk_elems)
+        ring_pipelined(comm, buf, tmp, opts.op, chunk)
     }
 }
 
@@ -99,7 +118,9 @@ fn ring_plain<C: Transport, T: Real>(
 /// from the left; the segment sent at step `s + 1` is exactly `rb(s)`, so each
 /// chunk is forwarded right after it has been reduced (or received, in the
 /// allgather half). Sends of step `t` are completed before step `t + p − 1`
-/// receives into the same segment.
+/// receives into the same segment, and at the latest at the end of step
+/// `t + 1` (their receiver posts them at its step `t`, so this cannot
+/// deadlock: every wait depends only on earlier steps).
 fn ring_pipelined<C: Transport, T: Real>(
     comm: &C,
     buf: &mut [T],
@@ -182,6 +203,10 @@ fn ring_pipelined<C: Transport, T: Real>(
                     sends.push_back((s + 1, comm.isend(&*mine, right, TAG)?));
                 }
                 c += len;
+            }
+            // Bound what is in flight: sends of steps up to s − 1 are done.
+            while sends.front().is_some_and(|(t, _)| *t < s) {
+                sends.pop_front().expect("front exists").1.wait()?;
             }
         }
         for (_, req) in sends.drain(..) {

@@ -1,1 +1,313 @@
+//! Unit and property tests of the dense collectives on the in-process transport.
 
+use super::*;
+use crate::comm::LocalComm;
+use proptest::prelude::*;
+
+/// Integer-valued input of rank `r`: sums are exact in any order.
+fn int_input(r: usize, n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761 + r as u64 * 40503 + seed) % 201) as f32 - 100.0)
+        .collect()
+}
+
+fn expected_sum(p: usize, n: usize, seed: u64) -> Vec<f32> {
+    let mut acc = vec![0f64; n];
+    for r in 0..p {
+        for (a, x) in acc.iter_mut().zip(int_input(r, n, seed)) {
+            *a += x as f64;
+        }
+    }
+    acc.into_iter().map(|x| x as f32).collect()
+}
+
+fn run_allreduce(
+    p: usize,
+    n: usize,
+    seed: u64,
+    algo: AllreduceAlgo,
+    opts: AllreduceOptions,
+) -> Vec<Vec<f32>> {
+    LocalComm::run(p, |c| {
+        let mut buf = int_input(c.rank(), n, seed);
+        allreduce(&c, &mut buf, algo, &opts).expect("allreduce");
+        buf
+    })
+}
+
+const ALGOS: [AllreduceAlgo; 2] = [AllreduceAlgo::Rabenseifner, AllreduceAlgo::Ring];
+
+#[test]
+fn fold_maps_virtual_ranks_back() {
+    for p in 1..=33 {
+        let f = Fold::new(p);
+        assert!(f.p2.is_power_of_two() && f.p2 <= p && p < 2 * f.p2);
+        let vranks: Vec<usize> = (0..p).filter_map(|r| f.vrank(r)).collect();
+        assert_eq!(vranks, (0..f.p2).collect::<Vec<_>>(), "p={p}");
+        for r in 0..p {
+            if let Some(v) = f.vrank(r) {
+                assert_eq!(f.real(v), r);
+            }
+        }
+        assert_eq!(f.real(f.p2), p);
+    }
+}
+
+#[test]
+fn exact_sums_for_edge_counts() {
+    for p in 1usize..=9 {
+        for n in [0, 1, p.saturating_sub(1), p, p + 1, 2 * p + 1, 1000] {
+            let want = expected_sum(p, n, 7);
+            for algo in ALGOS {
+                for chunk in [0, 1, 3] {
+                    let opts = AllreduceOptions {
+                        chunk_elems: chunk,
+                        ..Default::default()
+                    };
+                    for (r, got) in run_allreduce(p, n, 7, algo, opts).iter().enumerate() {
+                        assert_eq!(got, &want, "p={p} n={n} {algo:?} chunk={chunk} rank={r}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn average_divides_by_p() {
+    for p in [1, 2, 3, 6, 8] {
+        for algo in ALGOS {
+            for chunk in [0, 2] {
+                let opts = AllreduceOptions {
+                    op: ReduceOp::Average,
+                    chunk_elems: chunk,
+                    ..Default::default()
+                };
+                let out = LocalComm::run(p, |c| {
+                    let mut b = vec![(c.rank() * 2) as f64; 13];
+                    allreduce(&c, &mut b, algo, &opts).unwrap();
+                    b
+                });
+                for b in out {
+                    assert!(
+                        b.iter().all(|&x| x == (p - 1) as f64),
+                        "p={p} {algo:?}: {b:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatch_is_reported_on_every_rank() {
+    for p in [2, 3, 5] {
+        for algo in ALGOS {
+            let out = LocalComm::run(p, |c| {
+                let mut b = vec![1.0f32; 10 + c.rank()];
+                let r = allreduce(&c, &mut b, algo, &AllreduceOptions::default());
+                // The communicator keeps working afterwards.
+                let mut ok = vec![1.0f32; 4];
+                allreduce(&c, &mut ok, algo, &AllreduceOptions::default()).unwrap();
+                (r, ok)
+            });
+            for (r, (res, ok)) in out.into_iter().enumerate() {
+                match res {
+                    Err(Error::SizeMismatch { local, min, max }) => {
+                        assert_eq!(
+                            (local, min, max),
+                            ((10 + r) as u64, 10, (10 + p - 1) as u64)
+                        );
+                    }
+                    other => panic!("p={p} rank {r}: expected SizeMismatch, got {other:?}"),
+                }
+                assert_eq!(ok, vec![p as f32; 4]);
+            }
+        }
+    }
+}
+
+#[test]
+fn mpi_algo_is_unsupported_in_process() {
+    let out = LocalComm::run(2, |c| {
+        let mut b = vec![1.0f32; 3];
+        allreduce(&c, &mut b, AllreduceAlgo::Mpi, &AllreduceOptions::default())
+    });
+    assert!(out.iter().all(|r| matches!(r, Err(Error::Unsupported(_)))));
+}
+
+#[test]
+fn workspace_is_reused_across_calls() {
+    LocalComm::run(3, |c| {
+        let mut ws = Workspace::new();
+        for n in [100, 10, 100] {
+            let mut b = vec![1.0f32; n];
+            rabenseifner_allreduce_with(&c, &mut b, &AllreduceOptions::default(), &mut ws).unwrap();
+            assert!(b.iter().all(|&x| x == 3.0));
+        }
+        assert!(ws.tmp.len() <= 51 && ws.tmp.capacity() == ws.tmp.len());
+    });
+}
+
+#[test]
+fn allgatherv_with_empty_and_uneven_messages() {
+    for p in 1..=9 {
+        for lens in [
+            vec![0; p],
+            (0..p).collect::<Vec<_>>(),
+            (0..p).map(|r| (r * 37) % 5).collect(),
+        ] {
+            let expected: Vec<u8> = (0..p).flat_map(|r| vec![r as u8 + 1; lens[r]]).collect();
+            let out = LocalComm::run(p, |c| {
+                allgatherv(
+                    &c,
+                    &vec![c.rank() as u8 + 1; lens[c.rank()]],
+                    AllgathervAlgo::RecursiveDoubling,
+                )
+                .unwrap()
+            });
+            for g in out {
+                assert_eq!(g.data, expected, "p={p} lens={lens:?}");
+                assert_eq!(g.len(), p);
+                for r in 0..p {
+                    assert_eq!(g.message(r).len(), lens[r]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn split_ref_mut_handles_empty_and_adjacent_ranges() {
+    let mut v: Vec<u32> = (0..10).collect();
+    let (a, b) = split_ref_mut(&mut v, 5..5, 5..10);
+    assert!(a.is_empty() && b.len() == 5);
+    let (a, b) = split_ref_mut(&mut v, 5..10, 5..5);
+    assert!(a.len() == 5 && b.is_empty());
+    let (a, b) = split_ref_mut(&mut v, 6..9, 0..2);
+    assert_eq!((a, &*b), (&[6, 7, 8][..], &[0, 1][..]));
+}
+
+fn cfg() -> ProptestConfig {
+    ProptestConfig {
+        cases: 40,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(cfg())]
+
+    #[test]
+    fn prop_allreduce_exact(p in 1usize..=17, n in 0usize..10_000, seed in any::<u64>(),
+                            algo_ix in 0usize..2, chunk in prop_oneof![Just(0usize), 1usize..600]) {
+        let algo = ALGOS[algo_ix];
+        let want = expected_sum(p, n, seed % 1000);
+        let opts = AllreduceOptions { chunk_elems: chunk, ..Default::default() };
+        for got in run_allreduce(p, n, seed % 1000, algo, opts) {
+            prop_assert_eq!(&got, &want);
+        }
+    }
+
+    #[test]
+    fn prop_allreduce_float_within_order_tolerance(p in 1usize..=17, n in 0usize..3_000, seed in any::<u64>(), algo_ix in 0usize..2) {
+        let algo = ALGOS[algo_ix];
+        let input = |r: usize| -> Vec<f32> {
+            let mut s = seed ^ (r as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15) | 1;
+            (0..n).map(|_| { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5 }).collect()
+        };
+        let mut exact = vec![0f64; n];
+        let mut abs = vec![0f64; n];
+        for r in 0..p { for (i, x) in input(r).into_iter().enumerate() { exact[i] += x as f64; abs[i] += (x as f64).abs(); } }
+        let out = LocalComm::run(p, |c| { let mut b = input(c.rank()); allreduce(&c, &mut b, algo, &AllreduceOptions::default()).unwrap(); b });
+        for got in &out {
+            for i in 0..n {
+                let tol = (p as f64 + 1.0) * f32::EPSILON as f64 * abs[i];
+                prop_assert!((got[i] as f64 - exact[i]).abs() <= tol, "i={} got={} exact={}", i, got[i], exact[i]);
+            }
+            // All ranks hold bitwise the same result.
+            prop_assert_eq!(got, &out[0]);
+        }
+    }
+
+    #[test]
+    fn prop_allgatherv(p in 1usize..=17, lens in proptest::collection::vec(0usize..700, 17), seed in any::<u8>()) {
+        let byte = |r: usize, i: usize| (r as u8).wrapping_mul(31).wrapping_add(i as u8).wrapping_add(seed);
+        let expected: Vec<u8> = (0..p).flat_map(|r| (0..lens[r]).map(move |i| byte(r, i))).collect();
+        let out = LocalComm::run(p, |c| {
+            let mine: Vec<u8> = (0..lens[c.rank()]).map(|i| byte(c.rank(), i)).collect();
+            allgatherv(&c, &mine, AllgathervAlgo::RecursiveDoubling).unwrap()
+        });
+        for g in out {
+            prop_assert_eq!(&g.data, &expected);
+            for r in 0..p { prop_assert_eq!(g.message(r).len(), lens[r]); }
+        }
+    }
+}
+
+#[test]
+fn a_panicking_rank_fails_the_others_fast() {
+    let start = std::time::Instant::now();
+    let r = std::panic::catch_unwind(|| {
+        LocalComm::run(3, |c| {
+            if c.rank() == 1 {
+                panic!("injected");
+            }
+            let mut b = vec![1.0f32; 8];
+            allreduce(
+                &c,
+                &mut b,
+                AllreduceAlgo::Ring,
+                &AllreduceOptions::default(),
+            )
+        })
+    });
+    assert!(r.is_err());
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+}
+
+#[test]
+fn in_process_barrier_and_exact_receives() {
+    use crate::comm::Transport;
+    LocalComm::run(4, |c| {
+        for _ in 0..3 {
+            c.barrier().unwrap();
+        }
+        let (p, r) = (c.size(), c.rank());
+        let mut got = [0u32; 2];
+        c.sendrecv(&[r as u32; 2], (r + 1) % p, &mut got, (r + p - 1) % p, 99)
+            .unwrap();
+        assert_eq!(got, [((r + p - 1) % p) as u32; 2]);
+        // A receive of the wrong length is an error, not a truncation.
+        c.send(&[1u32; 3], (r + 1) % p, 98).unwrap();
+        let mut short = [0u32; 2];
+        assert!(matches!(
+            c.recv(&mut short, (r + p - 1) % p, 98),
+            Err(Error::MessageSize {
+                expected: 2,
+                got: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.send(&[1u8], 9, 1),
+            Err(Error::InvalidArgument(_))
+        ));
+    });
+}
+
+#[test]
+fn ring_chunks_are_bounded_per_segment() {
+    assert_eq!(effective_chunk(0, 1000), 0);
+    assert_eq!(effective_chunk(7, 100), 7);
+    assert_eq!(effective_chunk(7, 1_000_000), 62_500);
+    for seg in [1usize, 15, 16, 17, 1000, 524_290] {
+        for req in [1usize, 3, 100] {
+            let c = effective_chunk(req, seg);
+            assert!(
+                c >= req && seg.div_ceil(c) <= MAX_CHUNKS_PER_SEGMENT,
+                "seg={seg} req={req} c={c}"
+            );
+        }
+    }
+}
