@@ -1,4 +1,5 @@
 //! Unit and property tests of the dense collectives on the in-process transport.
+#![allow(clippy::needless_range_loop)]
 
 use super::*;
 use crate::comm::LocalComm;
