@@ -53,6 +53,10 @@ pub enum Error {
     /// the in-process transport).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// An encoded message is corrupt, truncated, or does not fit the buffer
+    /// it is decoded into. Decoders return this instead of panicking.
+    #[error("decode error: {0}")]
+    Decode(String),
     /// I/O error (CLI and reports).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),

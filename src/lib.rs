@@ -24,6 +24,7 @@
 #![deny(missing_docs)]
 
 pub mod cli;
+pub mod codec;
 pub mod comm;
 pub mod dense;
 mod error;

@@ -1,0 +1,159 @@
+//! Contract tests shared by every codec: round trips within each codec's
+//! bound, hostile bytes never panic, config strings round-trip.
+#![allow(clippy::needless_range_loop)]
+
+use super::*;
+use proptest::prelude::*;
+
+/// Per-codec bound on |x - decode(encode(x))| for element i, given the input.
+pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
+    let maxabs = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    match cfg {
+        CodecConfig::None => 0.0,
+        CodecConfig::Fp16 => x[i].abs() * 2f32.powi(-11) + 6.0e-8,
+        CodecConfig::Int8 => maxabs / 254.0 * 1.0001 + f32::MIN_POSITIVE,
+    }
+}
+
+fn roundtrip(cfg: &CodecConfig, x: &[f32]) -> Vec<f32> {
+    let mut c = cfg.build().unwrap();
+    let mut msg = Vec::new();
+    c.encode(x, &mut msg).unwrap();
+    let (id, n) = read_header(&msg).unwrap();
+    assert_eq!((id, n), (c.id(), x.len()));
+    let mut out = vec![7.0; x.len()];
+    c.decode(&msg, &mut out).unwrap();
+    // decode_add adds the same values.
+    let mut acc = vec![1.0; x.len()];
+    c.decode_add(&msg, &mut acc).unwrap();
+    for i in 0..x.len() {
+        assert!((acc[i] - 1.0 - out[i]).abs() <= 1e-6 * (1.0 + out[i].abs()));
+    }
+    out
+}
+
+#[test]
+fn config_strings_parse_and_print() {
+    for s in ["none", "fp16", "int8"] {
+        let c: CodecConfig = s.parse().unwrap();
+        assert_eq!(c.name(), s);
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<CodecConfig>(&json).unwrap(), c);
+    }
+    assert!("bogus".parse::<CodecConfig>().is_err());
+    assert!("int8:x=1".parse::<CodecConfig>().is_err());
+    assert!("int8:novalue".parse::<CodecConfig>().is_err());
+}
+
+#[test]
+fn header_rejects_garbage() {
+    assert!(read_header(&[]).is_err());
+    assert!(read_header(b"XX\x01\x00\0\0\0\0\0\0\0\0").is_err());
+    assert!(read_header(b"GS\x09\x00\0\0\0\0\0\0\0\0").is_err());
+    assert!(read_header(b"GS\x01\xff\0\0\0\0\0\0\0\0").is_err());
+    let mut m = Vec::new();
+    write_header(&mut m, CodecId::Int8, 5);
+    assert_eq!(read_header(&m).unwrap(), (CodecId::Int8, 5));
+    assert!(check_header(&m, CodecId::Int8, 4).is_err());
+    assert!(check_header(&m, CodecId::Fp16, 5).is_err());
+}
+
+#[test]
+fn baselines_round_trip_edge_cases() {
+    for cfg in CodecConfig::all_defaults() {
+        for x in [
+            vec![],
+            vec![0.0; 17],
+            vec![1.0, -2.0, 3.5],
+            (0..1000).map(|i| (i as f32 * 0.37).sin()).collect(),
+        ] {
+            let y = roundtrip(&cfg, &x);
+            for i in 0..x.len() {
+                assert!(
+                    (x[i] - y[i]).abs() <= bound(&cfg, &x, i),
+                    "{cfg:?} i={i} {} vs {}",
+                    x[i],
+                    y[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_rejects_nan_and_size_mismatch() {
+    let mut c = Int8;
+    let mut m = Vec::new();
+    assert!(c.encode(&[1.0, f32::NAN], &mut m).is_err());
+    c.encode(&[1.0, 2.0], &mut m).unwrap();
+    assert!(c.decode(&m, &mut [0.0; 3]).is_err());
+    assert!(c.decode(&m[..m.len() - 1], &mut [0.0; 2]).is_err());
+}
+
+#[test]
+fn error_feedback_tracks_the_running_sum() {
+    let n = 64;
+    let mut ef = ErrorFeedback::new(n);
+    let mut c = Int8;
+    let mut msg = Vec::new();
+    let mut sent = vec![0f32; n];
+    let mut total = vec![0f32; n];
+    for step in 0..200 {
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 7 + step * 13) % 23) as f32 / 23.0 - 0.4)
+            .collect();
+        ef.step(&mut c, &g, &mut msg).unwrap();
+        c.decode_add(&msg, &mut sent).unwrap();
+        for i in 0..n {
+            total[i] += g[i];
+        }
+    }
+    for i in 0..n {
+        // sum(decoded) = sum(grad) − residual, and the residual stays bounded.
+        assert!((total[i] - sent[i] - ef.residual()[i]).abs() < 1e-2);
+        assert!(ef.residual()[i].abs() < 0.05);
+    }
+    assert!(ef.step(&mut c, &[0.0; 3], &mut msg).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn prop_round_trip_within_bound(x in proptest::collection::vec(-1e3f32..1e3, 0..2000), which in 0usize..3) {
+        let cfg = &CodecConfig::all_defaults()[which];
+        let y = roundtrip(cfg, &x);
+        for i in 0..x.len() {
+            prop_assert!((x[i] - y[i]).abs() <= bound(cfg, &x, i), "{:?} i={} {} vs {}", cfg, i, x[i], y[i]);
+        }
+    }
+
+    #[test]
+    fn prop_decoders_survive_hostile_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300), n in 0usize..100) {
+        for cfg in CodecConfig::all_defaults() {
+            let c = cfg.build().unwrap();
+            let mut out = vec![0f32; n];
+            let _ = c.decode(&bytes, &mut out);
+            let _ = c.decode_add(&bytes, &mut out);
+        }
+    }
+
+    #[test]
+    fn prop_decoders_survive_mutated_messages(x in proptest::collection::vec(-10f32..10.0, 0..200),
+                                              flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+                                              cut in any::<usize>()) {
+        for cfg in CodecConfig::all_defaults() {
+            let mut c = cfg.build().unwrap();
+            let mut msg = Vec::new();
+            c.encode(&x, &mut msg).unwrap();
+            for &(pos, b) in &flips {
+                let l = msg.len();
+                msg[pos % l] ^= b;
+            }
+            let mut out = vec![0f32; x.len()];
+            let _ = c.decode(&msg, &mut out);
+            let cut = cut % (msg.len() + 1);
+            prop_assert!(c.decode(&msg[..cut], &mut out).is_err() || cut == msg.len());
+        }
+    }
+}
