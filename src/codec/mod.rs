@@ -23,9 +23,11 @@
 
 mod baseline;
 mod feedback;
+mod qsgd;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use feedback::ErrorFeedback;
+pub use qsgd::Qsgd;
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -254,6 +256,19 @@ pub enum CodecConfig {
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,
+    /// QSGD stochastic quantization: `bits` per value (sign + level), seeded RNG.
+    Qsgd {
+        /// Bits per value, 2..=8 (default 4: 7 levels + sign).
+        #[serde(default = "default_qsgd_bits")]
+        bits: u32,
+        /// RNG seed.
+        #[serde(default)]
+        seed: u64,
+    },
+}
+
+fn default_qsgd_bits() -> u32 {
+    4
 }
 
 impl CodecConfig {
@@ -288,12 +303,13 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
+            Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8"]
+        ["none", "fp16", "int8", "qsgd"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()

@@ -1,0 +1,208 @@
+//! QSGD (Alistarh et al., NeurIPS 2017), the stochastic quantizer GradiVeQ
+//! compares against and composes with.
+//!
+//! With `s = 2^(bits−1) − 1` levels and `‖x‖₂`, element `x_i` becomes
+//! `sign(x_i) · ‖x‖ · ξ_i / s` where `ξ_i ∈ {ℓ, ℓ+1}`, `ℓ = ⌊s|x_i|/‖x‖⌋`,
+//! and `ξ_i = ℓ + 1` with probability `s|x_i|/‖x‖ − ℓ`: unbiased
+//! (`E[decode] = x`), error at most `‖x‖/s` per element. The RNG
+//! (xoshiro-based `SmallRng`) is seeded from the config and advances across
+//! calls, so a run is reproducible.
+//!
+//! Wire format after the header: `bits u8 | norm f32 | packed codes`, each code
+//! `bits` wide (sign in the top bit, level below), packed LSB-first;
+//! `ceil(n·bits/8)` bytes. Default 4 bits: 7 levels + sign.
+
+use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
+use crate::{Error, Result};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Stochastic s-level quantization with the vector norm.
+pub struct Qsgd {
+    bits: u32,
+    seed: u64,
+    rng: SmallRng,
+}
+
+impl Qsgd {
+    /// `bits` in 2..=8 (sign + `bits − 1` level bits).
+    pub fn new(bits: u32, seed: u64) -> Result<Self> {
+        if !(2..=8).contains(&bits) {
+            return Err(Error::InvalidArgument(format!(
+                "qsgd bits must be in 2..=8, got {bits}"
+            )));
+        }
+        Ok(Qsgd {
+            bits,
+            seed,
+            rng: SmallRng::seed_from_u64(seed),
+        })
+    }
+    fn levels(bits: u32) -> u32 {
+        (1 << (bits - 1)) - 1
+    }
+}
+
+impl Codec for Qsgd {
+    fn id(&self) -> CodecId {
+        CodecId::Qsgd
+    }
+    fn config(&self) -> CodecConfig {
+        CodecConfig::Qsgd {
+            bits: self.bits,
+            seed: self.seed,
+        }
+    }
+    fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        check_finite(x)?;
+        write_header(out, CodecId::Qsgd, x.len());
+        let norm = x
+            .iter()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum::<f64>()
+            .sqrt() as f32;
+        out.push(self.bits as u8);
+        out.extend_from_slice(&norm.to_le_bytes());
+        let s = Self::levels(self.bits) as f32;
+        let scale = if norm > 0.0 { s / norm } else { 0.0 };
+        let sign_bit = 1u64 << (self.bits - 1);
+        out.reserve((x.len() * self.bits as usize).div_ceil(8));
+        let (mut acc, mut nacc) = (0u64, 0u32);
+        for &v in x {
+            let r = (v.abs() * scale).min(s);
+            let l = r.floor();
+            let level = if self.rng.gen::<f32>() < r - l {
+                l + 1.0
+            } else {
+                l
+            };
+            let mut code = (level.min(s)) as u64;
+            if v < 0.0 && code != 0 {
+                code |= sign_bit;
+            }
+            acc |= code << nacc;
+            nacc += self.bits;
+            while nacc >= 8 {
+                out.push(acc as u8);
+                acc >>= 8;
+                nacc -= 8;
+            }
+        }
+        if nacc > 0 {
+            out.push(acc as u8);
+        }
+        Ok(())
+    }
+    fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
+        let mut r = check_header(bytes, CodecId::Qsgd, acc.len())?;
+        let bits = u32::from(r.u8()?);
+        if !(2..=8).contains(&bits) {
+            return Err(Error::Decode(format!("qsgd bits {bits} out of range")));
+        }
+        let norm = r.finite_f32()?;
+        let payload = r.rest();
+        let want = (acc.len() * bits as usize).div_ceil(8);
+        if payload.len() != want {
+            return Err(Error::Decode(format!(
+                "qsgd payload has {} bytes, expected {want}",
+                payload.len()
+            )));
+        }
+        let s = Self::levels(bits);
+        let step = norm / s as f32;
+        let (sign_bit, mask) = (1u64 << (bits - 1), (1u64 << (bits - 1)) - 1);
+        let mut bytes_it = payload.iter();
+        let (mut buf, mut nbuf) = (0u64, 0u32);
+        for a in acc.iter_mut() {
+            while nbuf < bits {
+                // Length checked above: enough bytes for every code.
+                buf |= u64::from(*bytes_it.next().unwrap_or(&0)) << nbuf;
+                nbuf += 8;
+            }
+            let code = buf & ((1 << bits) - 1);
+            buf >>= bits;
+            nbuf -= bits;
+            let level = (code & mask) as u32;
+            if level > s {
+                return Err(Error::Decode(format!("qsgd level {level} exceeds {s}")));
+            }
+            let v = level as f32 * step;
+            *a += if code & sign_bit != 0 { -v } else { v };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qsgd_is_unbiased_in_expectation() {
+        // Fixed seed; mean of 4000 independent quantizations vs the input.
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i as f32) * 0.7).sin() * (1.0 + i as f32 / 32.0))
+            .collect();
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let mut q = Qsgd::new(4, 42).expect("valid bits");
+        let trials = 4000;
+        let mut mean = vec![0f64; x.len()];
+        let mut msg = Vec::new();
+        let mut out = vec![0f32; x.len()];
+        for _ in 0..trials {
+            q.encode(&x, &mut msg).expect("finite input");
+            q.decode(&msg, &mut out).expect("own message");
+            for (m, o) in mean.iter_mut().zip(&out) {
+                *m += *o as f64 / trials as f64;
+            }
+        }
+        // Per-element std of one sample ≤ step/2 = norm/(2s); the mean of 4000
+        // has std ≤ norm/(2·7·sqrt(4000)); allow 5 sigma.
+        let tol = 5.0 * norm as f64 / (2.0 * 7.0 * (trials as f64).sqrt());
+        for (i, (m, v)) in mean.iter().zip(&x).enumerate() {
+            assert!(
+                (m - *v as f64).abs() < tol,
+                "element {i}: mean {m} vs {v} (tol {tol})"
+            );
+        }
+    }
+
+    #[test]
+    fn qsgd_error_within_norm_over_s_and_reproducible() {
+        let x: Vec<f32> = (0..1001)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+        for bits in 2..=8 {
+            let s = Qsgd::levels(bits) as f32;
+            let (mut a, mut b) = (
+                Qsgd::new(bits, 7).expect("bits"),
+                Qsgd::new(bits, 7).expect("bits"),
+            );
+            let (mut ma, mut mb) = (Vec::new(), Vec::new());
+            a.encode(&x, &mut ma).expect("enc");
+            b.encode(&x, &mut mb).expect("enc");
+            assert_eq!(ma, mb, "same seed, same message");
+            assert_eq!(
+                ma.len(),
+                super::super::HEADER_LEN + 5 + (x.len() * bits as usize).div_ceil(8)
+            );
+            let mut out = vec![0f32; x.len()];
+            a.decode(&ma, &mut out).expect("dec");
+            for (o, v) in out.iter().zip(&x) {
+                assert!(
+                    (o - v).abs() <= norm / s * 1.0001,
+                    "bits={bits}: {o} vs {v}"
+                );
+            }
+        }
+        assert!(Qsgd::new(1, 0).is_err() && Qsgd::new(9, 0).is_err());
+        let mut q = Qsgd::new(4, 0).expect("bits");
+        let mut m = Vec::new();
+        q.encode(&[0.0; 10], &mut m).expect("zeros");
+        let mut out = vec![1f32; 10];
+        q.decode(&m, &mut out).expect("dec");
+        assert!(out.iter().all(|&v| v == 0.0));
+        assert!(q.encode(&[f32::INFINITY], &mut m).is_err());
+    }
+}
