@@ -3,6 +3,7 @@
 //! `MPI_Allreduce`/`MPI_Allgatherv`). Both run under `mpirun`/`srun`.
 
 mod bench;
+mod codecs;
 mod verify;
 
 use crate::comm::MpiComm;
@@ -11,6 +12,7 @@ use clap::{Parser, Subcommand};
 use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
+pub use codecs::{CodecRecord, CodecsArgs};
 pub use verify::VerifyArgs;
 
 /// gradsync: gradient synchronization for data-parallel training over MPI.
@@ -29,12 +31,20 @@ pub enum Command {
     Bench(BenchArgs),
     /// Check every collective against MPI_Allreduce / MPI_Allgatherv (run under mpirun).
     Verify(VerifyArgs),
+    /// Ratio, error and throughput of the compression codecs (no MPI needed).
+    Codecs(CodecsArgs),
 }
 
 /// Entry point of the binary; returns the process exit code.
 pub fn main() -> i32 {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
+    if let Command::Codecs(a) = &cli.command {
+        return codecs::run(a).unwrap_or_else(|e| {
+            eprintln!("gradsync: {e}");
+            1
+        });
+    }
     let Some(universe) = mpi::initialize() else {
         eprintln!("gradsync: MPI was already initialized");
         return 2;
@@ -57,6 +67,7 @@ fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
     match &cli.command {
         Command::Bench(a) => bench::run(&comm, a),
         Command::Verify(a) => verify::run(&comm, a),
+        Command::Codecs(a) => codecs::run(a),
     }
 }
 
