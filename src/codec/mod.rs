@@ -23,9 +23,12 @@
 
 mod baseline;
 mod feedback;
+mod golomb;
+mod sbc;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use feedback::ErrorFeedback;
+pub use sbc::Sbc;
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -254,6 +257,17 @@ pub enum CodecConfig {
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,
+    /// Sparse binary compression: top/bottom fraction `p ∈ (0, 0.5]`, one
+    /// mean, Golomb-Rice positions ([`Sbc`]).
+    Sbc {
+        /// Density of the kept set (default 0.01).
+        #[serde(default = "default_sbc_p")]
+        p: f64,
+    },
+}
+
+fn default_sbc_p() -> f64 {
+    0.01
 }
 
 impl CodecConfig {
@@ -288,12 +302,13 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
+            Self::Sbc { p } => Box::new(Sbc::new(*p)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8"]
+        ["none", "fp16", "int8", "sbc"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()
