@@ -28,6 +28,10 @@ mod qsgd;
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use feedback::ErrorFeedback;
 pub use qsgd::Qsgd;
+pub use sbc::Sbc;
+
+mod golomb;
+mod sbc;
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -265,10 +269,22 @@ pub enum CodecConfig {
         #[serde(default)]
         seed: u64,
     },
+    /// Sparse binary compression: top/bottom fraction `p ∈ (0, 0.5]`, one
+    /// mean, Golomb-Rice positions ([`Sbc`]).
+    Sbc {
+        /// Density of the kept set (default 0.01).
+        #[serde(default = "default_sbc_p")]
+        p: f64,
+    },
+    // Codec variants: keep one per block, in wire-id order.
 }
 
 fn default_qsgd_bits() -> u32 {
     4
+}
+
+fn default_sbc_p() -> f64 {
+    0.01
 }
 
 impl CodecConfig {
@@ -304,12 +320,13 @@ impl CodecConfig {
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
             Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
+            Self::Sbc { p } => Box::new(Sbc::new(*p)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8", "qsgd"]
+        ["none", "fp16", "int8", "qsgd", "sbc"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()
