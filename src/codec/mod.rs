@@ -23,9 +23,11 @@
 
 mod baseline;
 mod feedback;
+mod threelc;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use feedback::ErrorFeedback;
+pub use threelc::{ThreeLc, ThreeLcStage};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -254,6 +256,17 @@ pub enum CodecConfig {
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,
+    /// 3LC: 3-value quantization with sparsity multiplier `s ∈ [1, 2)`,
+    /// quartic encoding and zero-run encoding (`stage` picks how many run).
+    #[serde(rename = "3lc")]
+    ThreeLc {
+        /// Sparsity multiplier, `1 ≤ s < 2` (default 1).
+        #[serde(default = "threelc::default_s")]
+        s: f32,
+        /// `full` (default), `quartic` or `quant`.
+        #[serde(default)]
+        stage: ThreeLcStage,
+    },
 }
 
 impl CodecConfig {
@@ -288,12 +301,13 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
+            Self::ThreeLc { s, stage } => Box::new(ThreeLc::new(*s, *stage)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8"]
+        ["none", "fp16", "int8", "3lc"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()
