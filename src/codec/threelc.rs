@@ -26,6 +26,8 @@
 //! * **Zero-run encoding (§3.3).** A run of `k = 2..=14` consecutive bytes 121
 //!   becomes the single byte `243 + (k − 2)` (so 14 → 255); longer runs are
 //!   split greedily into 14s and a remainder (a remainder of 1 stays 121).
+//!   The decoder accepts any split of a run (e.g. `243 243` for a run of 4),
+//!   since every split expands to the same quartic bytes.
 //!
 //! # Wire format
 //!
