@@ -32,6 +32,9 @@ pub use sbc::Sbc;
 
 mod golomb;
 mod sbc;
+mod threelc;
+
+pub use threelc::{ThreeLc, ThreeLcStage};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -276,6 +279,17 @@ pub enum CodecConfig {
         #[serde(default = "default_sbc_p")]
         p: f64,
     },
+    /// 3LC: 3-value quantization with sparsity multiplier `s ∈ [1, 2)`,
+    /// quartic encoding and zero-run encoding (`stage` picks how many run).
+    #[serde(rename = "3lc")]
+    ThreeLc {
+        /// Sparsity multiplier, `1 ≤ s < 2` (default 1).
+        #[serde(default = "threelc::default_s")]
+        s: f32,
+        /// `full` (default), `quartic` or `quant`.
+        #[serde(default)]
+        stage: ThreeLcStage,
+    },
     // Codec variants: keep one per block, in wire-id order.
 }
 
@@ -321,12 +335,13 @@ impl CodecConfig {
             Self::Int8 => Box::new(Int8),
             Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
             Self::Sbc { p } => Box::new(Sbc::new(*p)?),
+            Self::ThreeLc { s, stage } => Box::new(ThreeLc::new(*s, *stage)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8", "qsgd", "sbc"]
+        ["none", "fp16", "int8", "qsgd", "sbc", "3lc"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()

@@ -18,6 +18,8 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         }
         // Top-k binarization: no per-element bound (dedicated tests in sbc.rs).
         CodecConfig::Sbc { .. } => f32::INFINITY,
+        // §3.1: |x − q·M| ≤ M/2 with M = max|x|·s (saturated to f32::MAX).
+        CodecConfig::ThreeLc { s, .. } => (maxabs * s).min(f32::MAX) / 2.0 + f32::from_bits(1),
     }
 }
 
@@ -40,7 +42,16 @@ fn roundtrip(cfg: &CodecConfig, x: &[f32]) -> Vec<f32> {
 
 #[test]
 fn config_strings_parse_and_print() {
-    for s in ["none", "fp16", "int8", "qsgd", "qsgd:bits=8,seed=3"] {
+    for s in [
+        "none",
+        "fp16",
+        "int8",
+        "qsgd",
+        "qsgd:bits=8,seed=3",
+        "sbc",
+        "3lc",
+        "3lc:s=1.5,stage=quartic",
+    ] {
         let c: CodecConfig = s.parse().unwrap();
         assert_eq!(c.name(), s.split(':').next().unwrap());
         let json = serde_json::to_string(&c).unwrap();
