@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
-pub use codecs::{CodecRecord, CodecsArgs};
+pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use verify::VerifyArgs;
 
 /// gradsync: gradient synchronization for data-parallel training over MPI.

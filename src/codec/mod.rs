@@ -92,7 +92,7 @@ impl CodecId {
 /// `encode` takes `&mut self` because some codecs keep state between calls
 /// (RGC-quant alternates signs, QSGD advances its RNG, threshold search reuses
 /// its threshold). Decoding is stateless.
-pub trait Codec: Send {
+pub trait Codec: Send + Sync {
     /// Wire id.
     fn id(&self) -> CodecId;
     /// The configuration this codec was built from.
