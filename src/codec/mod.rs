@@ -22,9 +22,11 @@
 //! Lossy codecs run with or without [`ErrorFeedback`], kept apart from them.
 
 mod baseline;
+mod fastsgd;
 mod feedback;
 
 pub use baseline::{Fp16, Int8, NoCompression};
+pub use fastsgd::FastSgd;
 pub use feedback::ErrorFeedback;
 
 use crate::{Error, Result};
@@ -254,6 +256,29 @@ pub enum CodecConfig {
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,
+    /// FastSGD (reciprocal mapper, log quantization, threshold filter,
+    /// adaptive binary delta keys); see [`FastSgd`].
+    Fastsgd {
+        /// Base `b > 1` of the logarithm quantization.
+        #[serde(default = "fastsgd_default_b")]
+        b: f64,
+        /// Threshold `τ ≤ 128`: elements with `L > τ` are dropped.
+        #[serde(default = "fastsgd_default_tau")]
+        tau: u32,
+        /// Length flag size `l ∈ 1..=4` bits.
+        #[serde(default = "fastsgd_default_l")]
+        l: u32,
+    },
+}
+
+fn fastsgd_default_b() -> f64 {
+    1.1
+}
+fn fastsgd_default_tau() -> u32 {
+    128
+}
+fn fastsgd_default_l() -> u32 {
+    2
 }
 
 impl CodecConfig {
@@ -288,12 +313,13 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
+            Self::Fastsgd { b, tau, l } => Box::new(FastSgd::new(*b, *tau, *l)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8"]
+        ["none", "fp16", "int8", "fastsgd"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()
