@@ -763,6 +763,32 @@ mod tests {
             prop_assert_eq!(value_bound_holds(&x, &y, b, tau), Ok(()));
         }
 
+        /// Bit-level round trip of the adaptive binary encoding, up to 64-bit
+        /// deltas and every flag size.
+        #[test]
+        fn prop_adaptive_binary_round_trip(raw in proptest::collection::vec(any::<u64>(), 1..100),
+                                           shift in 0u32..64, l in 1u32..=4) {
+            let deltas: Vec<u64> = raw.iter().map(|&v| v >> shift).collect();
+            let m = bit_len(deltas.iter().copied().max().unwrap_or(0));
+            let w = widths(m, l);
+            prop_assert_eq!(w[(1usize << l) - 1], m);
+            let mut out = Vec::new();
+            let mut bw = BitWriter::new(&mut out);
+            let mut nbits = 0usize;
+            for &dl in &deltas {
+                write_delta(&mut bw, dl, l, &w);
+                let f = w.iter().position(|&wf| bit_len(dl) <= wf).unwrap_or(0);
+                nbits += (l + w[f]) as usize;
+            }
+            bw.finish();
+            prop_assert_eq!(out.len(), nbits.div_ceil(8));
+            let mut br = BitReader::new(&out);
+            for &dl in &deltas {
+                prop_assert_eq!(read_delta(&mut br, l, &w).expect("read"), dl);
+            }
+            prop_assert!(br.finish().is_ok());
+        }
+
         #[test]
         fn prop_hostile_bytes_never_panic(tail in proptest::collection::vec(any::<u8>(), 0..200), n in 0usize..64) {
             let c = FastSgd::new(1.1, 128, 2).expect("params");
