@@ -12,7 +12,10 @@ use rayon::prelude::*;
 use std::time::Duration;
 
 fn n() -> usize {
-    std::env::var("GRADSYNC_BENCH_N").ok().and_then(|s| s.parse().ok()).unwrap_or(1 << 24)
+    std::env::var("GRADSYNC_BENCH_N")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1 << 24)
 }
 
 fn bench(c: &mut Criterion) {
@@ -21,7 +24,9 @@ fn bench(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
     let chunk = n.div_ceil(threads);
     let mut g = c.benchmark_group("codecs");
-    g.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
     g.throughput(Throughput::Bytes(4 * n as u64));
 
     let mut dst = vec![0f32; n];

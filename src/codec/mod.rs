@@ -26,10 +26,12 @@ mod feedback;
 mod qsgd;
 
 pub use baseline::{Fp16, Int8, NoCompression};
+pub use fastsgd::FastSgd;
 pub use feedback::ErrorFeedback;
 pub use qsgd::Qsgd;
 pub use sbc::Sbc;
 
+mod fastsgd;
 mod golomb;
 mod sbc;
 mod threelc;
@@ -290,7 +292,30 @@ pub enum CodecConfig {
         #[serde(default)]
         stage: ThreeLcStage,
     },
+    /// FastSGD (reciprocal mapper, log quantization, threshold filter,
+    /// adaptive binary delta keys); see [`FastSgd`].
+    Fastsgd {
+        /// Base `b > 1` of the logarithm quantization.
+        #[serde(default = "fastsgd_default_b")]
+        b: f64,
+        /// Threshold `τ ≤ 128`: elements with `L > τ` are dropped.
+        #[serde(default = "fastsgd_default_tau")]
+        tau: u32,
+        /// Length flag size `l ∈ 1..=4` bits.
+        #[serde(default = "fastsgd_default_l")]
+        l: u32,
+    },
     // Codec variants: keep one per block, in wire-id order.
+}
+
+fn fastsgd_default_b() -> f64 {
+    1.1
+}
+fn fastsgd_default_tau() -> u32 {
+    128
+}
+fn fastsgd_default_l() -> u32 {
+    2
 }
 
 fn default_qsgd_bits() -> u32 {
@@ -335,13 +360,14 @@ impl CodecConfig {
             Self::Int8 => Box::new(Int8),
             Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
             Self::Sbc { p } => Box::new(Sbc::new(*p)?),
+            Self::Fastsgd { b, tau, l } => Box::new(FastSgd::new(*b, *tau, *l)?),
             Self::ThreeLc { s, stage } => Box::new(ThreeLc::new(*s, *stage)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8", "qsgd", "sbc", "3lc"]
+        ["none", "fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()

@@ -18,6 +18,9 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         }
         // Top-k binarization: no per-element bound (dedicated tests in sbc.rs).
         CodecConfig::Sbc { .. } => f32::INFINITY,
+        // Sparse: dropped elements have no per-element bound; dedicated tests
+        // in fastsgd.rs pin |x|/b ≤ |decoded| ≤ |x| for kept ones.
+        CodecConfig::Fastsgd { .. } => f32::INFINITY,
         // §3.1: |x − q·M| ≤ M/2 with M = max|x|·s (saturated to f32::MAX).
         CodecConfig::ThreeLc { s, .. } => (maxabs * s).min(f32::MAX) / 2.0 + f32::from_bits(1),
     }

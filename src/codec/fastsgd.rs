@@ -1,0 +1,834 @@
+//! FastSGD (Yang, Chen, Zeng, Gao: "FastSGD: A Fast Compressed SGD Framework
+//! for Distributed Machine Learning"), §3: the gradient value encoder
+//! (Algorithm 1: reciprocal mapper, logarithm quantization, threshold filter)
+//! and the gradient key encoder (Algorithm 2 / Fig. 3: delta keys with
+//! adaptive binary encoding behind an `l`-bit length flag).
+//!
+//! # Definition
+//!
+//! For a tensor `x` of `n` elements let `sum = Σ|x_i|` (over the tensor,
+//! accumulated in f64). For every nonzero `x_i`:
+//!
+//! * reciprocal mapper (eq. 2): `R_i = sum / |x_i| ≥ 1`;
+//! * logarithm quantization (eq. 3): `L_i = ceil(log_b R_i) ≥ 0`, evaluated
+//!   exactly as "the smallest `L ≥ 0` with `sum · b^-L ≤ |x_i|`", where
+//!   `b^-L` comes from a table built by repeated division (so encoder and
+//!   decoder agree bit for bit);
+//! * threshold filter (Algorithm 1, early-stop threshold `τ_e = sum / b^τ`):
+//!   element `i` is kept iff `|x_i| ≥ τ_e`, i.e. iff `L_i ≤ τ`. Zeros are
+//!   never kept; larger `L` (smaller magnitude) is dropped.
+//!
+//! Kept keys (ascending) are delta-encoded (eq. 4: `Δk_1 = k_1`,
+//! `Δk_j = k_j − k_{j−1}`). `M` is the **bit length** of the largest delta
+//! (the paper's `ceil(log2 maxDelta)` is one bit short for powers of two, see
+//! the errata). The `l`-bit length flag `f ∈ 0..2^l` selects the width
+//! `w_f = ceil((f+1)·M / 2^l)`; for `l = 2` these are `M/4, M/2, 3M/4, M`
+//! (Fig. 3: `M = 8` gives ranges `[0,4), [4,16), [16,64), [64,256)`). Each
+//! delta is written as the smallest flag whose width holds it, then the delta
+//! in that many bits, MSB first (Fig. 3: delta 3, `l = 2`, `M = 8` →
+//! `0011`). The decoder accepts only this canonical form.
+//!
+//! # One byte per value (errata)
+//!
+//! `L ∈ 0..=τ` plus a sign needs `2(τ+1)` codes; with the paper's `τ = 128`
+//! that is 258, two more than a byte. gradsync keeps `τ = 128` and folds
+//! `L = 0` into `L = 1`: the value byte is `sign << 7 | (max(L,1) − 1)`
+//! (sign 1 = negative), so `τ ≤ 128` is enforced. `L = 0` happens only when
+//! one element holds (up to f64 rounding) the whole mass `sum`; it is then
+//! decoded as `sum / b` instead of `sum`, still an underestimate inside the
+//! bound below. The decoder returns `±sum · b^-max(L,1)`.
+//!
+//! # Wire format (after the common header)
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 8 | `sum`, f64 LE (f64, not f32: `Σ|x|` can exceed `f32::MAX`) |
+//! | 8 | `b`, f64 LE (finite, `> 1`) |
+//! | 1 | `τ` (`≤ 128`) |
+//! | 1 | `l` (`1..=4`) |
+//! | 1 | `M` (`≤ 64`; bit length of the largest delta, 0 when `d = 0`) |
+//! | 8 | `d`, number of kept elements, u64 LE (`≤ n`) |
+//! | `d` | value bytes, `sign << 7 \| (max(L,1) − 1)`, in key order |
+//! | rest | key bit stream: per key `flag` (`l` bits) then `Δk` (`w_flag` bits), MSB first, zero-padded to a byte |
+//!
+//! A zero (or empty) tensor sends `sum = 0`, `d = 0`, `M = 0` and no payload.
+//! Inputs with NaN/Inf are rejected with [`Error::InvalidArgument`].
+//!
+//! # Error bound
+//!
+//! Dropped elements (`L > τ`, i.e. `|x_i| < sum / b^τ`) decode to 0. Every kept
+//! element decodes with its sign and `|x_i| / b ≤ |decoded_i| ≤ |x_i|`
+//! (the ceiling makes FastSGD an underestimate, §3.2), up to one f32 rounding
+//! of the lower side (relative 2^-24), for decoded values in the normal f32
+//! range. There is no per-element absolute bound for dropped elements other
+//! than `|x_i| < sum / b^τ`.
+
+use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
+use crate::{Error, Result};
+
+/// Largest threshold `τ` (the value byte has 7 bits of level, see module docs).
+pub const MAX_TAU: u32 = 128;
+/// Largest length-flag size `l`.
+pub const MAX_L: u32 = 4;
+
+const TABLE: usize = MAX_TAU as usize + 1;
+
+/// FastSGD codec (see the module docs).
+#[derive(Clone, Debug)]
+pub struct FastSgd {
+    b: f64,
+    tau: u32,
+    l: u32,
+    /// Reused buffer of key deltas.
+    deltas: Vec<u64>,
+}
+
+impl FastSgd {
+    /// A FastSGD codec with base `b > 1`, threshold `τ ≤ 128` and length flag
+    /// size `l ∈ 1..=4`.
+    pub fn new(b: f64, tau: u32, l: u32) -> Result<Self> {
+        if !(b.is_finite() && b > 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "fastsgd: base b = {b} must be finite and > 1"
+            )));
+        }
+        if tau > MAX_TAU {
+            return Err(Error::InvalidArgument(format!(
+                "fastsgd: threshold tau = {tau} exceeds {MAX_TAU} (sign and level share one byte)"
+            )));
+        }
+        if l == 0 || l > MAX_L {
+            return Err(Error::InvalidArgument(format!(
+                "fastsgd: length flag size l = {l} must be in 1..={MAX_L}"
+            )));
+        }
+        Ok(FastSgd {
+            b,
+            tau,
+            l,
+            deltas: Vec::new(),
+        })
+    }
+}
+
+/// `p[L] = b^-L` for `L ∈ 0..=128`, by repeated division (monotone
+/// non-increasing, identical on encoder and decoder).
+fn inv_powers(b: f64) -> [f64; TABLE] {
+    let mut p = [1.0f64; TABLE];
+    for k in 1..TABLE {
+        p[k] = p[k - 1] / b;
+    }
+    p
+}
+
+/// `L = ceil(log_b(sum / a))`, exactly: the smallest `L` with
+/// `sum · p[L] ≤ a`. Precondition: `a > 0`, `sum · p[tau] ≤ a`.
+fn level(sum: f64, a: f64, p: &[f64; TABLE], tau: usize, ln_b: f64) -> usize {
+    let est = ((sum / a).ln() / ln_b).ceil();
+    let mut l = if est.is_finite() && est > 0.0 {
+        (est as usize).min(tau)
+    } else {
+        0
+    };
+    while l < tau && sum * p[l] > a {
+        l += 1;
+    }
+    while l > 0 && sum * p[l - 1] <= a {
+        l -= 1;
+    }
+    l
+}
+
+/// Number of bits needed to write `v` (0 for 0).
+fn bit_len(v: u64) -> u32 {
+    64 - v.leading_zeros()
+}
+
+/// Widths selected by the `2^l` length flags: `w_f = ceil((f+1)·M / 2^l)`.
+fn widths(m: u32, l: u32) -> [u32; 1 << MAX_L] {
+    let k = 1u32 << l;
+    let mut w = [0u32; 1 << MAX_L];
+    for (f, wf) in w.iter_mut().enumerate().take(k as usize) {
+        *wf = ((f as u32 + 1) * m).div_ceil(k);
+    }
+    w
+}
+
+/// MSB-first bit packer appending to a byte vector.
+struct BitWriter<'a> {
+    out: &'a mut Vec<u8>,
+    acc: u128,
+    n: u32,
+}
+
+impl<'a> BitWriter<'a> {
+    fn new(out: &'a mut Vec<u8>) -> Self {
+        BitWriter { out, acc: 0, n: 0 }
+    }
+    /// Append the low `bits` bits of `v` (`bits ≤ 96`).
+    fn put(&mut self, v: u128, bits: u32) {
+        if bits == 0 {
+            return;
+        }
+        self.acc = (self.acc << bits) | v;
+        self.n += bits;
+        while self.n >= 8 {
+            self.n -= 8;
+            self.out.push((self.acc >> self.n) as u8);
+        }
+        self.acc &= (1u128 << self.n) - 1;
+    }
+    /// Flush the last partial byte, zero padded.
+    fn finish(self) {
+        if self.n > 0 {
+            self.out.push((self.acc << (8 - self.n)) as u8);
+        }
+    }
+}
+
+/// Write one delta: the smallest flag whose width holds it, then the delta.
+fn write_delta(bw: &mut BitWriter<'_>, delta: u64, l: u32, w: &[u32; 1 << MAX_L]) {
+    let need = bit_len(delta);
+    let last = (1usize << l) - 1;
+    let f = w[..=last].iter().position(|&wf| need <= wf).unwrap_or(last);
+    bw.put(((f as u128) << w[f]) | delta as u128, l + w[f]);
+}
+
+/// Bounds-checked MSB-first bit cursor.
+struct BitReader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> BitReader<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        BitReader { buf, pos: 0 }
+    }
+    /// Next `bits ≤ 64` bits as an integer.
+    fn get(&mut self, bits: u32) -> Result<u64> {
+        let end = self
+            .pos
+            .checked_add(bits as usize)
+            .filter(|e| e.div_ceil(8) <= self.buf.len())
+            .ok_or_else(|| Error::Decode("fastsgd: key bit stream truncated".into()))?;
+        let mut v = 0u64;
+        while self.pos < end {
+            let byte = self.buf[self.pos / 8];
+            let avail = 8 - (self.pos % 8) as u32;
+            let take = avail.min((end - self.pos) as u32);
+            let chunk = (byte >> (avail - take)) as u64 & ((1u64 << take) - 1);
+            v = (v << take) | chunk;
+            self.pos += take as usize;
+        }
+        Ok(v)
+    }
+    /// Fail unless only zero padding (< 8 bits) is left.
+    fn finish(&self) -> Result<()> {
+        if self.pos.div_ceil(8) != self.buf.len() {
+            return Err(Error::Decode(format!(
+                "fastsgd: {} trailing bytes after the key bit stream",
+                self.buf.len() - self.pos.div_ceil(8)
+            )));
+        }
+        if self.pos % 8 != 0 {
+            let last = self.buf[self.pos / 8];
+            if last & (0xffu8 >> (self.pos % 8)) != 0 {
+                return Err(Error::Decode(
+                    "fastsgd: nonzero padding bits in the key bit stream".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Read one delta in canonical form (the smallest flag that holds it).
+fn read_delta(br: &mut BitReader<'_>, l: u32, w: &[u32; 1 << MAX_L]) -> Result<u64> {
+    let f = br.get(l)? as usize;
+    let v = br.get(w[f])?;
+    if f > 0 && bit_len(v) <= w[f - 1] {
+        return Err(Error::Decode(format!(
+            "fastsgd: delta {v} written with length flag {f}, not the smallest"
+        )));
+    }
+    Ok(v)
+}
+
+fn bad(msg: impl Into<String>) -> Error {
+    Error::Decode(format!("fastsgd: {}", msg.into()))
+}
+
+impl Codec for FastSgd {
+    fn id(&self) -> CodecId {
+        CodecId::FastSgd
+    }
+
+    fn config(&self) -> CodecConfig {
+        CodecConfig::Fastsgd {
+            b: self.b,
+            tau: self.tau,
+            l: self.l,
+        }
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        check_finite(x)?;
+        write_header(out, CodecId::FastSgd, x.len());
+        // Algorithm 1, line 1.
+        // fold from +0.0 (an empty f64 `sum()` is -0.0).
+        let sum = x.iter().fold(0f64, |s, v| s + v.abs() as f64);
+        out.extend_from_slice(&sum.to_le_bytes());
+        out.extend_from_slice(&self.b.to_le_bytes());
+        out.push(self.tau as u8);
+        out.push(self.l as u8);
+        let m_pos = out.len();
+        out.push(0);
+        let d_pos = out.len();
+        out.extend_from_slice(&0u64.to_le_bytes());
+
+        // Algorithm 1, lines 2-10, with the keys of Algorithm 2, lines 1-6.
+        let p = inv_powers(self.b);
+        let tau = self.tau as usize;
+        let tau_e = sum * p[tau];
+        let ln_b = self.b.ln();
+        self.deltas.clear();
+        let mut prev = 0usize;
+        let mut max_delta = 0u64;
+        for (i, &v) in x.iter().enumerate() {
+            let a = v.abs() as f64;
+            if v == 0.0 || a < tau_e {
+                continue;
+            }
+            let lev = level(sum, a, &p, tau, ln_b);
+            let sign = if v < 0.0 { 0x80u8 } else { 0 };
+            out.push(sign | (lev.max(1) - 1) as u8);
+            let delta = (i - prev) as u64;
+            max_delta = max_delta.max(delta);
+            self.deltas.push(delta);
+            prev = i;
+        }
+        let d = self.deltas.len() as u64;
+        let m = bit_len(max_delta);
+        out[m_pos] = m as u8;
+        out[d_pos..d_pos + 8].copy_from_slice(&d.to_le_bytes());
+
+        // Algorithm 2, lines 7-11.
+        let w = widths(m, self.l);
+        out.reserve((self.deltas.len() * (self.l + m) as usize).div_ceil(8));
+        let mut bw = BitWriter::new(out);
+        for &delta in &self.deltas {
+            write_delta(&mut bw, delta, self.l, &w);
+        }
+        bw.finish();
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
+        let mut r = check_header(bytes, CodecId::FastSgd, acc.len())?;
+        let n = acc.len();
+        let sum = f64::from_le_bytes(r.bytes(8)?.try_into().expect("8 bytes"));
+        if !(sum.is_finite() && sum.is_sign_positive()) {
+            return Err(bad(format!("sum {sum} is not finite and >= 0")));
+        }
+        let b = f64::from_le_bytes(r.bytes(8)?.try_into().expect("8 bytes"));
+        if !(b.is_finite() && b > 1.0) {
+            return Err(bad(format!("base {b} is not finite and > 1")));
+        }
+        let tau = r.u8()? as u32;
+        if tau > MAX_TAU {
+            return Err(bad(format!("threshold {tau} exceeds {MAX_TAU}")));
+        }
+        let l = r.u8()? as u32;
+        if l == 0 || l > MAX_L {
+            return Err(bad(format!("length flag size {l} not in 1..={MAX_L}")));
+        }
+        let m = r.u8()? as u32;
+        if m > 64 {
+            return Err(bad(format!("delta bit length {m} exceeds 64")));
+        }
+        let d = r.u64()?;
+        let d = usize::try_from(d)
+            .ok()
+            .filter(|&d| d <= n)
+            .ok_or_else(|| bad(format!("{d} kept elements for {n} elements")))?;
+        if d == 0 && m != 0 {
+            return Err(bad("no kept elements but nonzero delta bit length"));
+        }
+        if d > 0 && sum == 0.0 {
+            return Err(bad("kept elements with sum 0"));
+        }
+        let vals = r.bytes(d)?;
+        let bits = r.rest();
+
+        // Pass 1: validate everything before touching `acc`.
+        let p = inv_powers(b);
+        let mut dv = [0f32; TABLE];
+        for (v, &pk) in dv.iter_mut().zip(&p) {
+            *v = (sum * pk) as f32;
+        }
+        let lmax = tau.max(1) as usize;
+        for &c in vals {
+            let lev = (c & 0x7f) as usize + 1;
+            if lev > lmax {
+                return Err(bad(format!("level {lev} exceeds threshold {tau}")));
+            }
+            if !dv[lev].is_finite() {
+                return Err(bad(format!("level {lev} decodes to a non-finite value")));
+            }
+        }
+        let w = widths(m, l);
+        let mut br = BitReader::new(bits);
+        let mut key = 0u64;
+        let mut max_delta = 0u64;
+        for j in 0..d {
+            let delta = read_delta(&mut br, l, &w)?;
+            if j > 0 && delta == 0 {
+                return Err(bad("keys are not strictly increasing"));
+            }
+            key = key
+                .checked_add(delta)
+                .filter(|&k| k < n as u64)
+                .ok_or_else(|| bad(format!("key out of range for {n} elements")))?;
+            max_delta = max_delta.max(delta);
+        }
+        if bit_len(max_delta) != m {
+            return Err(bad(format!(
+                "delta bit length {m} does not match the largest delta {max_delta}"
+            )));
+        }
+        br.finish()?;
+
+        // Pass 2: write.
+        let mut br = BitReader::new(bits);
+        let mut key = 0usize;
+        for &c in vals {
+            key += read_delta(&mut br, l, &w)? as usize;
+            let v = dv[(c & 0x7f) as usize + 1];
+            let a = acc.get_mut(key).ok_or_else(|| bad("key out of range"))?;
+            *a += if c & 0x80 != 0 { -v } else { v };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{read_header, HEADER_LEN};
+    use proptest::prelude::*;
+
+    fn enc(c: &mut FastSgd, x: &[f32]) -> Vec<u8> {
+        let mut m = Vec::new();
+        c.encode(x, &mut m).expect("encode");
+        m
+    }
+
+    fn dec(c: &FastSgd, m: &[u8], n: usize) -> Result<Vec<f32>> {
+        let mut y = vec![0f32; n];
+        c.decode(m, &mut y)?;
+        Ok(y)
+    }
+
+    fn bits_of(bytes: &[u8], nbits: usize) -> String {
+        (0..nbits)
+            .map(|i| {
+                if bytes[i / 8] >> (7 - i % 8) & 1 == 1 {
+                    '1'
+                } else {
+                    '0'
+                }
+            })
+            .collect()
+    }
+
+    /// Fig. 3: l = 2, max delta 232 → M = 8, flag ranges [0,4), [4,16),
+    /// [16,64), [64,256); delta 3 (key 578) → `0011`.
+    #[test]
+    fn fig3_adaptive_binary_encoding() {
+        assert_eq!(bit_len(232), 8);
+        let w = widths(8, 2);
+        assert_eq!(&w[..4], &[2, 4, 6, 8]);
+        let mut out = Vec::new();
+        let mut bw = BitWriter::new(&mut out);
+        write_delta(&mut bw, 3, 2, &w);
+        assert_eq!(bw.n, 4);
+        bw.finish();
+        assert_eq!(out, vec![0b0011_0000]);
+        assert_eq!(bits_of(&out, 4), "0011");
+        // Range boundaries select the flags of Fig. 3.
+        for (delta, flag) in [
+            (0u64, 0u8),
+            (3, 0),
+            (4, 1),
+            (15, 1),
+            (16, 2),
+            (63, 2),
+            (64, 3),
+            (232, 3),
+            (255, 3),
+        ] {
+            let mut out = Vec::new();
+            let mut bw = BitWriter::new(&mut out);
+            write_delta(&mut bw, delta, 2, &w);
+            bw.finish();
+            assert_eq!(out[0] >> 6, flag, "delta {delta}");
+            let mut br = BitReader::new(&out);
+            assert_eq!(read_delta(&mut br, 2, &w).expect("read"), delta);
+        }
+    }
+
+    /// Errata: M is the bit length (256 needs 9 bits, ceil(log2 256) = 8).
+    #[test]
+    fn delta_width_is_the_bit_length() {
+        assert_eq!(bit_len(256), 9);
+        assert_eq!(bit_len(255), 8);
+        assert_eq!(bit_len(1), 1);
+        assert_eq!(bit_len(0), 0);
+        assert_eq!(&widths(9, 2)[..4], &[3, 5, 7, 9]);
+        assert_eq!(&widths(8, 1)[..2], &[4, 8]);
+        assert_eq!(&widths(1, 2)[..4], &[1, 1, 1, 1]);
+        assert_eq!(&widths(64, 4)[..16].last(), &Some(&64));
+    }
+
+    /// Fig. 2: b = 2, R = 6.1 → L = ceil(log2 6.1) = 3.
+    #[test]
+    fn fig2_logarithm_quantization() {
+        let p = inv_powers(2.0);
+        assert_eq!(level(6.1, 1.0, &p, 128, 2f64.ln()), 3);
+        // Exact powers: R = 8 → 3, R = 1 → 0.
+        assert_eq!(level(8.0, 1.0, &p, 128, 2f64.ln()), 3);
+        assert_eq!(level(1.0, 1.0, &p, 128, 2f64.ln()), 0);
+        assert_eq!(level(8.0000001, 1.0, &p, 128, 2f64.ln()), 4);
+    }
+
+    /// A hand-worked message: x = [4, -2, 1, 1], b = 2, τ = 2, l = 2.
+    /// sum = 8, R = 2, 4, 8, 8 → L = 1, 2, 3, 3; L = 3 > τ is dropped.
+    #[test]
+    fn exact_small_message() {
+        let mut c = FastSgd::new(2.0, 2, 2).expect("params");
+        let x = [4.0, -2.0, 1.0, 1.0];
+        let m = enc(&mut c, &x);
+        let mut want = Vec::new();
+        write_header(&mut want, CodecId::FastSgd, 4);
+        want.extend_from_slice(&8f64.to_le_bytes());
+        want.extend_from_slice(&2f64.to_le_bytes());
+        want.extend_from_slice(&[2, 2, 1]); // τ, l, M = bit_len(1)
+        want.extend_from_slice(&2u64.to_le_bytes());
+        want.extend_from_slice(&[0x00, 0x81]); // L=1 (+), L=2 (−)
+                                               // keys 0, 1 → deltas 0, 1; widths 1,1,1,1 → "00 0" "00 1" → 0b0000_0100
+        want.push(0b0000_0100);
+        assert_eq!(m, want);
+        assert_eq!(dec(&c, &m, 4).expect("decode"), vec![4.0, -2.0, 0.0, 0.0]);
+        // With τ = 3 everything is kept and exact (powers of two).
+        let mut c = FastSgd::new(2.0, 3, 2).expect("params");
+        let m = enc(&mut c, &x);
+        assert_eq!(dec(&c, &m, 4).expect("decode"), x.to_vec());
+    }
+
+    /// L = 0 (one element holds all the mass) is folded into L = 1.
+    #[test]
+    fn level_zero_folds_into_one() {
+        let mut c = FastSgd::new(2.0, 128, 2).expect("params");
+        let m = enc(&mut c, &[0.0, 0.0, -5.0, 0.0]);
+        assert_eq!(m[HEADER_LEN + 19..HEADER_LEN + 27], 1u64.to_le_bytes());
+        assert_eq!(m[HEADER_LEN + 27], 0x80);
+        assert_eq!(dec(&c, &m, 4).expect("decode"), vec![0.0, 0.0, -2.5, 0.0]);
+        // τ = 0 keeps exactly such an element.
+        let mut c = FastSgd::new(2.0, 0, 2).expect("params");
+        let m = enc(&mut c, &[0.0, 3.0]);
+        assert_eq!(dec(&c, &m, 2).expect("decode"), vec![0.0, 1.5]);
+        let m = enc(&mut c, &[1.0, 3.0]);
+        assert_eq!(dec(&c, &m, 2).expect("decode"), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn zero_and_empty_tensors_send_nothing() {
+        let mut c = FastSgd::new(1.1, 128, 2).expect("params");
+        for n in [0usize, 1, 1000] {
+            let m = enc(&mut c, &vec![0.0; n]);
+            assert_eq!(m.len(), HEADER_LEN + 27);
+            assert_eq!(read_header(&m).expect("header"), (CodecId::FastSgd, n));
+            assert_eq!(m[HEADER_LEN..HEADER_LEN + 8], 0f64.to_le_bytes());
+            assert_eq!(dec(&c, &m, n).expect("decode"), vec![0.0; n]);
+        }
+    }
+
+    #[test]
+    fn rejects_non_finite_input_and_bad_params() {
+        let mut c = FastSgd::new(1.1, 128, 2).expect("params");
+        let mut m = Vec::new();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(matches!(
+                c.encode(&[1.0, bad], &mut m),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+        for s in [
+            "fastsgd:b=1",
+            "fastsgd:b=0.5",
+            "fastsgd:b=-2",
+            "fastsgd:l=0",
+            "fastsgd:l=5",
+            "fastsgd:tau=129",
+        ] {
+            let cfg: CodecConfig = s.parse().expect("parses");
+            assert!(matches!(cfg.build(), Err(Error::InvalidArgument(_))), "{s}");
+        }
+        assert!(FastSgd::new(f64::NAN, 128, 2).is_err());
+        assert!(FastSgd::new(f64::INFINITY, 128, 2).is_err());
+    }
+
+    #[test]
+    fn config_defaults_and_round_trip() {
+        let cfg: CodecConfig = "fastsgd".parse().expect("parses");
+        assert_eq!(
+            cfg,
+            CodecConfig::Fastsgd {
+                b: 1.1,
+                tau: 128,
+                l: 2
+            }
+        );
+        assert_eq!(cfg.name(), "fastsgd");
+        let cfg: CodecConfig = "fastsgd:b=1.05,tau=64,l=3".parse().expect("parses");
+        let c = cfg.build().expect("builds");
+        assert_eq!(c.config(), cfg);
+        assert_eq!(c.id(), CodecId::FastSgd);
+        let json = serde_json::to_string(&cfg).expect("json");
+        assert_eq!(
+            serde_json::from_str::<CodecConfig>(&json).expect("json"),
+            cfg
+        );
+    }
+
+    /// Hand-made corruptions of a valid message are all rejected.
+    #[test]
+    fn decoder_rejects_inconsistent_messages() {
+        let mut c = FastSgd::new(2.0, 2, 2).expect("params");
+        let good = enc(&mut c, &[4.0, -2.0, 1.0, 1.0]);
+        assert!(dec(&c, &good, 4).is_ok());
+        let p = HEADER_LEN;
+        let mutate = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut m = good.clone();
+            f(&mut m);
+            dec(&c, &m, 4)
+        };
+        type Mutation<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
+        let cases: Vec<(&str, Mutation<'_>)> = vec![
+            ("negative sum", Box::new(|m| m[p + 7] |= 0x80)),
+            (
+                "nan sum",
+                Box::new(|m| m[p..p + 8].copy_from_slice(&f64::NAN.to_le_bytes())),
+            ),
+            (
+                "b = 1",
+                Box::new(|m| m[p + 8..p + 16].copy_from_slice(&1f64.to_le_bytes())),
+            ),
+            ("tau > 128", Box::new(|m| m[p + 16] = 129)),
+            ("l = 0", Box::new(|m| m[p + 17] = 0)),
+            ("l = 5", Box::new(|m| m[p + 17] = 5)),
+            ("M too large", Box::new(|m| m[p + 18] = 2)),
+            ("M = 65", Box::new(|m| m[p + 18] = 65)),
+            ("d > n", Box::new(|m| m[p + 19] = 5)),
+            ("level > tau", Box::new(|m| m[p + 27] = 2)),
+            ("trailing byte", Box::new(|m| m.push(0))),
+            (
+                "nonzero padding",
+                Box::new(|m| *m.last_mut().expect("byte") |= 1),
+            ),
+            // deltas 0, 0: not strictly increasing
+            (
+                "repeated key",
+                Box::new(|m| *m.last_mut().expect("byte") = 0),
+            ),
+            // deltas 0, 1 with flag 01 for delta 1: not the smallest flag
+            (
+                "non-canonical flag",
+                Box::new(|m| *m.last_mut().expect("byte") = 0b0000_1100),
+            ),
+            (
+                "truncated",
+                Box::new(|m| {
+                    m.pop();
+                }),
+            ),
+        ];
+        for (what, f) in cases {
+            assert!(matches!(mutate(&*f), Err(Error::Decode(_))), "{what}");
+        }
+        // Keys ≥ n.
+        let mut big = FastSgd::new(2.0, 2, 2).expect("params");
+        let m = enc(&mut big, &[0.0, 0.0, 0.0, 0.0, 4.0, -2.0]);
+        assert!(dec(&c, &m, 4).is_err());
+        let mut m2 = m.clone();
+        m2[4..12].copy_from_slice(&5u64.to_le_bytes());
+        assert!(matches!(dec(&c, &m2, 5), Err(Error::Decode(_))));
+        assert!(dec(&c, &m, 6).is_ok());
+    }
+
+    /// Sparse vectors: an independent oracle of `(index, value)` pairs.
+    fn sparse() -> impl Strategy<Value = (usize, Vec<(usize, f32)>)> {
+        (1usize..200_000).prop_flat_map(|n| {
+            (
+                Just(n),
+                proptest::collection::vec((0..n, 0.5f32..2.0, any::<bool>()), 0..200).prop_map(
+                    |v| {
+                        v.into_iter()
+                            .map(|(i, a, neg)| (i, if neg { -a } else { a }))
+                            .collect()
+                    },
+                ),
+            )
+        })
+    }
+
+    fn value_bound_holds(
+        x: &[f32],
+        y: &[f32],
+        b: f64,
+        tau: u32,
+    ) -> std::result::Result<(), String> {
+        let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
+        for i in 0..x.len() {
+            let (xi, yi) = (x[i], y[i]);
+            if xi == 0.0 {
+                if yi != 0.0 {
+                    return Err(format!("i={i}: zero decoded as {yi}"));
+                }
+                continue;
+            }
+            let lhat = (sum / xi.abs() as f64).ln() / b.ln();
+            if yi == 0.0 {
+                // Dropped: L = ceil(lhat) > τ.
+                if lhat <= tau as f64 - 1e-9 {
+                    return Err(format!("i={i}: {xi} dropped with log_b R = {lhat}"));
+                }
+                continue;
+            }
+            if lhat > tau as f64 + 1e-9 {
+                return Err(format!("i={i}: {xi} kept with log_b R = {lhat}"));
+            }
+            let ratio = yi as f64 / xi as f64;
+            if !(ratio <= 1.0 && ratio >= (1.0 / b) * (1.0 - 2e-7)) {
+                return Err(format!("i={i}: {xi} decoded as {yi}, ratio {ratio}"));
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// All nonzeros of these inputs have R ≤ 200·2/0.5 = 800 < 1.1^128, so
+        /// L ≤ 128 and every key must come back exactly, with its sign, within the quantization bound.
+        #[test]
+        fn prop_sparse_keys_recovered_exactly((n, pairs) in sparse(), b in 1.1f64..2.0, l in 1u32..=4) {
+            let mut x = vec![0f32; n];
+            for &(i, v) in &pairs {
+                x[i] = v;
+            }
+            let mut c = FastSgd::new(b, 128, l).expect("params");
+            let m = enc(&mut c, &x);
+            let y = dec(&c, &m, n).expect("decode");
+            let got: Vec<usize> = (0..n).filter(|&i| y[i] != 0.0).collect();
+            let want: Vec<usize> = (0..n).filter(|&i| x[i] != 0.0).collect();
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(value_bound_holds(&x, &y, b, 128), Ok(()));
+            // decode_add adds the same values.
+            let mut acc = vec![1f32; n];
+            c.decode_add(&m, &mut acc).expect("decode_add");
+            for i in 0..n {
+                prop_assert!((acc[i] - 1.0 - y[i]).abs() <= 1e-6 * (1.0 + y[i].abs()));
+            }
+        }
+
+        /// Wide dynamic range: some elements are dropped (L > τ), the kept ones
+        /// satisfy |x|/b ≤ |decoded| ≤ |x|.
+        #[test]
+        fn prop_threshold_filter_and_value_bound(
+            x in proptest::collection::vec(prop_oneof![
+                Just(0f32),
+                (-8f32..3.0, any::<bool>()).prop_map(|(e, neg)| {
+                    let v = 10f32.powf(e);
+                    if neg { -v } else { v }
+                }),
+            ], 0..3000),
+            b in 1.02f64..2.0,
+            tau in 0u32..=128,
+            l in 1u32..=4,
+        ) {
+            let mut c = FastSgd::new(b, tau, l).expect("params");
+            let m = enc(&mut c, &x);
+            let y = dec(&c, &m, x.len()).expect("decode");
+            prop_assert_eq!(value_bound_holds(&x, &y, b, tau), Ok(()));
+        }
+
+        /// Bit-level round trip of the adaptive binary encoding, up to 64-bit
+        /// deltas and every flag size.
+        #[test]
+        fn prop_adaptive_binary_round_trip(raw in proptest::collection::vec(any::<u64>(), 1..100),
+                                           shift in 0u32..64, l in 1u32..=4) {
+            let deltas: Vec<u64> = raw.iter().map(|&v| v >> shift).collect();
+            let m = bit_len(deltas.iter().copied().max().unwrap_or(0));
+            let w = widths(m, l);
+            prop_assert_eq!(w[(1usize << l) - 1], m);
+            let mut out = Vec::new();
+            let mut bw = BitWriter::new(&mut out);
+            let mut nbits = 0usize;
+            for &dl in &deltas {
+                write_delta(&mut bw, dl, l, &w);
+                let f = w.iter().position(|&wf| bit_len(dl) <= wf).unwrap_or(0);
+                nbits += (l + w[f]) as usize;
+            }
+            bw.finish();
+            prop_assert_eq!(out.len(), nbits.div_ceil(8));
+            let mut br = BitReader::new(&out);
+            for &dl in &deltas {
+                prop_assert_eq!(read_delta(&mut br, l, &w).expect("read"), dl);
+            }
+            prop_assert!(br.finish().is_ok());
+        }
+
+        #[test]
+        fn prop_hostile_bytes_never_panic(tail in proptest::collection::vec(any::<u8>(), 0..200), n in 0usize..64) {
+            let c = FastSgd::new(1.1, 128, 2).expect("params");
+            let mut m = Vec::new();
+            write_header(&mut m, CodecId::FastSgd, n);
+            m.extend_from_slice(&tail);
+            let mut out = vec![0f32; n];
+            let _ = c.decode(&m, &mut out);
+            let _ = c.decode_add(&m, &mut out);
+            // Plausible parameters, random payload.
+            let mut m = Vec::new();
+            write_header(&mut m, CodecId::FastSgd, n);
+            m.extend_from_slice(&3.0f64.to_le_bytes());
+            m.extend_from_slice(&1.1f64.to_le_bytes());
+            m.extend_from_slice(&[128, 1 + (n % 4) as u8, (n % 8) as u8]);
+            m.extend_from_slice(&((tail.len() / 3) as u64).to_le_bytes());
+            m.extend_from_slice(&tail);
+            let _ = c.decode(&m, &mut out);
+            let _ = c.decode_add(&m, &mut out);
+        }
+
+        #[test]
+        fn prop_mutated_and_truncated_messages(
+            x in proptest::collection::vec(prop_oneof![Just(0f32), -10f32..10.0], 0..300),
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+            cut in any::<usize>(),
+            l in 1u32..=4,
+        ) {
+            let mut c = FastSgd::new(1.1, 128, l).expect("params");
+            let good = enc(&mut c, &x);
+            let cut = cut % good.len();
+            prop_assert!(dec(&c, &good[..cut], x.len()).is_err());
+            let mut m = good.clone();
+            for &(pos, b) in &flips {
+                let len = m.len();
+                m[pos % len] ^= b;
+            }
+            let mut out = vec![0f32; x.len()];
+            let _ = c.decode(&m, &mut out);
+            let _ = c.decode_add(&m, &mut out);
+        }
+    }
+}
