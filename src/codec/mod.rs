@@ -23,9 +23,11 @@
 
 mod baseline;
 mod feedback;
+mod rgc;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use feedback::ErrorFeedback;
+pub use rgc::{rgc_k, Rgc, RgcMethod, RgcQuant};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -254,6 +256,23 @@ pub enum CodecConfig {
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,
+    /// RedSync RGC: `k = max(1, ceil(density·n))` indices and values, chosen
+    /// by `method` (`exact`, `trimmed`, `threshold`, `sampled`).
+    Rgc {
+        /// Fraction of elements sent (default 0.001).
+        #[serde(default = "rgc::default_density")]
+        density: f64,
+        /// Selection method (default `trimmed`).
+        #[serde(default)]
+        method: RgcMethod,
+    },
+    /// RedSync quantized RGC: alternately the top-k positive and bottom-k
+    /// negative values, sent as indices and their mean.
+    RgcQuant {
+        /// Fraction of elements sent (default 0.001).
+        #[serde(default = "rgc::default_density")]
+        density: f64,
+    },
 }
 
 impl CodecConfig {
@@ -288,12 +307,14 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
+            Self::Rgc { density, method } => Box::new(Rgc::new(*density, *method)?),
+            Self::RgcQuant { density } => Box::new(RgcQuant::new(*density)?),
         })
     }
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8"]
+        ["none", "fp16", "int8", "rgc", "rgc-quant"]
             .iter()
             .map(|s| s.parse().expect("built-in codec names parse"))
             .collect()
