@@ -8,6 +8,8 @@
 //!   ([`LocalComm`](comm::LocalComm)) for tests.
 //! * [`dense`]: verified dense collectives: Rabenseifner and ring allreduce,
 //!   recursive-doubling allgatherv.
+//! * [`select`]: communication-set selection for sparse codecs (exact,
+//!   trimmed top-k, threshold binary search with reuse; RedSync §5.2).
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
 //!
 //! ```
@@ -28,6 +30,7 @@ pub mod codec;
 pub mod comm;
 pub mod dense;
 mod error;
+pub mod select;
 
 pub use error::{Error, Result};
 

@@ -22,20 +22,20 @@
 //! Lossy codecs run with or without [`ErrorFeedback`], kept apart from them.
 
 mod baseline;
+mod fastsgd;
 mod feedback;
+mod golomb;
 mod qsgd;
+mod rgc;
+mod sbc;
+mod threelc;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use fastsgd::FastSgd;
 pub use feedback::ErrorFeedback;
 pub use qsgd::Qsgd;
+pub use rgc::{rgc_k, Rgc, RgcMethod, RgcQuant};
 pub use sbc::Sbc;
-
-mod fastsgd;
-mod golomb;
-mod sbc;
-mod threelc;
-
 pub use threelc::{ThreeLc, ThreeLcStage};
 
 use crate::{Error, Result};
@@ -305,6 +305,23 @@ pub enum CodecConfig {
         #[serde(default = "fastsgd_default_l")]
         l: u32,
     },
+    /// RedSync RGC: `k = max(1, ceil(density·n))` indices and values, chosen
+    /// by `method` (`exact`, `trimmed`, `threshold`, `sampled`).
+    Rgc {
+        /// Fraction of elements sent (default 0.001).
+        #[serde(default = "rgc::default_density")]
+        density: f64,
+        /// Selection method (default `trimmed`).
+        #[serde(default)]
+        method: RgcMethod,
+    },
+    /// RedSync quantized RGC: alternately the top-k positive and bottom-k
+    /// negative values, sent as indices and their mean.
+    RgcQuant {
+        /// Fraction of elements sent (default 0.001).
+        #[serde(default = "rgc::default_density")]
+        density: f64,
+    },
     // Codec variants: keep one per block, in wire-id order.
 }
 
@@ -360,6 +377,8 @@ impl CodecConfig {
             Self::Int8 => Box::new(Int8),
             Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
             Self::Sbc { p } => Box::new(Sbc::new(*p)?),
+            Self::Rgc { density, method } => Box::new(Rgc::new(*density, *method)?),
+            Self::RgcQuant { density } => Box::new(RgcQuant::new(*density)?),
             Self::Fastsgd { b, tau, l } => Box::new(FastSgd::new(*b, *tau, *l)?),
             Self::ThreeLc { s, stage } => Box::new(ThreeLc::new(*s, *stage)?),
         })
@@ -367,10 +386,20 @@ impl CodecConfig {
 
     /// Every codec with its default parameters.
     pub fn all_defaults() -> Vec<CodecConfig> {
-        ["none", "fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"]
-            .iter()
-            .map(|s| s.parse().expect("built-in codec names parse"))
-            .collect()
+        [
+            "none",
+            "fp16",
+            "int8",
+            "qsgd",
+            "rgc",
+            "rgc-quant",
+            "sbc",
+            "3lc",
+            "fastsgd",
+        ]
+        .iter()
+        .map(|s| s.parse().expect("built-in codec names parse"))
+        .collect()
     }
 }
 

@@ -18,6 +18,9 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         }
         // Top-k binarization: no per-element bound (dedicated tests in sbc.rs).
         CodecConfig::Sbc { .. } => f32::INFINITY,
+        // Sparse: no per-element bound (dropped elements decode to 0); see
+        // the dedicated tests in rgc/tests.rs.
+        CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. } => f32::INFINITY,
         // Sparse: dropped elements have no per-element bound; dedicated tests
         // in fastsgd.rs pin |x|/b ≤ |decoded| ≤ |x| for kept ones.
         CodecConfig::Fastsgd { .. } => f32::INFINITY,

@@ -1,0 +1,529 @@
+//! Communication-set selection: which elements of a residual to send.
+//!
+//! RedSync (Fang et al., §5.2) replaces a full top-k by cheaper selections
+//! built from reductions (mean, max, count) and one stream compaction:
+//!
+//! | function | paper | returns |
+//! |---|---|---|
+//! | [`exact_topk`] | baseline top-k (quickselect) | exactly `min(k, m)` entries |
+//! | [`trimmed_topk`] | §5.2.1, Algorithm 2 | exactly `min(k, m)` entries |
+//! | [`ThresholdSearch::select`] | §5.2.2, Algorithm 3 + threshold reuse | `k..=2k` entries after a search |
+//! | [`ThresholdSearch::select_sampled`] | §5.2.2 "sampled threshold binary search" | `k..=2k` entries after an estimate |
+//! | [`exact_topk_signed`] | §5.2.3 `topk_quant` / `lowk_quant` | exactly `min(k, m±)` entries |
+//!
+//! (`m` is the number of non-NaN elements, `m±` the number of strictly
+//! positive / strictly negative ones.)
+//!
+//! Every function writes the selected indices, **sorted ascending**, into a
+//! caller-provided `Vec<u32>` and the matching values `x[i]` into a
+//! `Vec<f32>`; both are cleared first and only grow, so a caller that keeps
+//! them across steps allocates nothing in steady state. Indices are `u32`, so
+//! `x.len()` must not exceed 2^32 (longer slices give
+//! [`Error::InvalidArgument`]).
+//!
+//! ## Thresholds (the errata's reading of Algorithms 2 and 3)
+//!
+//! With `mean` and `max` of `|x|`, a ratio in `[0, 1]` gives the threshold
+//! `mean + ratio · (max − mean)`; an element is *above* it when
+//! `|x_i| > threshold` (strictly).
+//!
+//! * Algorithm 2 starts at ratio `1 − ε` ([`TRIM_EPS`] = 0.2 as printed) and
+//!   lowers it by `ε` until at least `k` elements are above; then it runs an
+//!   exact top-k among those candidates only. If even ratio 0 (threshold =
+//!   mean) leaves fewer than `k` candidates (e.g. all-equal values), every
+//!   element is a candidate, so the result always has exactly `k` entries.
+//! * Algorithm 3 binary-searches the ratio on `[0, 1]` until the count above
+//!   lies in `[k, 2k]`, or `r − l ≤ ε` (default [`DEFAULT_SEARCH_EPS`]). If it
+//!   stops on `ε` with more than `2k` above, those are returned (still a
+//!   superset of the top-k); with fewer than `k` it falls back to the exact
+//!   top-k, so a search always yields at least `min(k, m)` entries.
+//!
+//! ## Threshold reuse (§5.2.2, Algorithm 5)
+//!
+//! After a search, [`ThresholdSearch`] keeps the threshold and reuses it for
+//! the next `interval` calls (default [`DEFAULT_INTERVAL`] = 5) with a single
+//! filter pass and no count. A reused threshold is *not* re-checked, so those
+//! calls may return fewer than `k` (even zero) or more than `2k` entries; that
+//! is the paper's trade. A change of `x.len()` or `k` forces a new search.
+//! (Algorithm 5 as printed resets `interval` to 0 and tests `interval % 5 ==
+//! 0`, which would search every call; the intent, one search then reuse, is
+//! what is implemented.)
+//!
+//! ## Cost on a CPU
+//!
+//! The paper's methods avoid radixSelect on a GPU. On a CPU, quickselect is
+//! already O(n) (here on a contiguous copy of the candidate magnitudes), so
+//! exact, trimmed and a fresh binary search cost about the same (uniform
+//! data, k = n/1000, n = 2^23: roughly 30–45 ms each on a shared, loaded
+//! 2-core machine); the clear CPU wins are the sampled estimate (about 2/3
+//! of that) and threshold reuse (one filter pass, about 1/4).
+//!
+//! ## NaN and infinities
+//!
+//! All functions are NaN-safe: `|NaN|` is treated as smaller than every
+//! other magnitude, so NaN never panics a sort and is **never selected** (it
+//! is not even a candidate when `k` exceeds the non-NaN count, which is why
+//! counts above are in terms of `m`). `±∞` are ordinary, largest magnitudes;
+//! they make `mean`/`max` infinite, the thresholds NaN and every count zero,
+//! so the threshold methods fall back to the exact top-k. Ties in magnitude
+//! are broken towards the lower index, so results are deterministic.
+
+use crate::{Error, Result};
+
+/// Step `ε` of Algorithm 2 (ratio starts at `1 − ε`, drops by `ε`).
+pub const TRIM_EPS: f64 = 0.2;
+/// Default termination width `ε` of the ratio binary search (Algorithm 3;
+/// the paper leaves it open). `1e-4` is at most 14 count passes.
+pub const DEFAULT_SEARCH_EPS: f64 = 1e-4;
+/// Default number of calls that reuse a found threshold (§5.2.2: "5").
+pub const DEFAULT_INTERVAL: u32 = 5;
+/// Default fraction of elements sampled by [`ThresholdSearch::select_sampled`]
+/// (Lin et al.'s 0.1%–1%, via §5.2.2).
+pub const DEFAULT_SAMPLE_FRACTION: f64 = 0.01;
+
+fn check_len(x: &[f32]) -> Result<()> {
+    if u32::try_from(x.len().saturating_sub(1)).is_err() {
+        return Err(Error::InvalidArgument(format!(
+            "selection over {} elements: indices are u32, at most 2^32 elements",
+            x.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The `k` largest `|x_i|` among the elements passing `keep` (which must
+/// reject NaN), ties to the lower index, indices ascending. One pass collects
+/// the candidates' indices (`idx`) and magnitudes (`val`, reused as scratch);
+/// quickselect runs on the contiguous magnitudes; one pass over the
+/// candidates keeps those above the k-th magnitude and the first ties.
+fn select_topk(
+    x: &[f32],
+    k: usize,
+    keep: impl Fn(f32) -> bool,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    idx.clear();
+    val.clear();
+    if k == 0 {
+        return;
+    }
+    for (i, &v) in x.iter().enumerate() {
+        if keep(v) {
+            idx.push(i as u32);
+            val.push(v.abs());
+        }
+    }
+    if idx.len() > k {
+        let (before, kth, _) = val.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        let kth = *kth;
+        // `before` holds the k − 1 magnitudes ≥ kth, so ties ≥ 1.
+        let mut ties = k - before.iter().filter(|&&a| a > kth).count();
+        idx.retain(|&i| {
+            let a = x[i as usize].abs();
+            if a > kth {
+                true
+            } else if a == kth && ties > 0 {
+                ties -= 1;
+                true
+            } else {
+                false
+            }
+        });
+    }
+    gather(x, idx, val);
+}
+
+fn gather(x: &[f32], idx: &[u32], val: &mut Vec<f32>) {
+    val.clear();
+    val.extend(idx.iter().map(|&i| x[i as usize]));
+}
+
+/// Indices with `|x_i| > t` (never NaN), in order.
+fn filter_above(x: &[f32], t: f32, idx: &mut Vec<u32>) {
+    idx.clear();
+    idx.extend(
+        x.iter()
+            .enumerate()
+            .filter(|(_, v)| v.abs() > t)
+            .map(|(i, _)| i as u32),
+    );
+}
+
+fn count_above(x: &[f32], t: f32) -> usize {
+    x.iter().filter(|v| v.abs() > t).count()
+}
+
+/// Mean and max of `|x|` over the non-NaN elements, and their count.
+fn abs_stats(x: &[f32]) -> (f64, f64, usize) {
+    let (mut sum, mut max, mut m) = (0f64, 0f32, 0usize);
+    for v in x {
+        let a = v.abs();
+        if !a.is_nan() {
+            sum += f64::from(a);
+            max = max.max(a);
+            m += 1;
+        }
+    }
+    let mean = if m == 0 { 0.0 } else { sum / m as f64 };
+    (mean, f64::from(max), m)
+}
+
+fn threshold_at(mean: f64, max: f64, ratio: f64) -> f32 {
+    (mean + ratio * (max - mean)) as f32
+}
+
+/// The largest f32 below `v` (for finite or +∞ `v ≥ 0`): `|x| > next_down(v)`
+/// is `|x| ≥ v`. (`f32::next_down` needs Rust 1.86.)
+fn next_down(v: f32) -> f32 {
+    if v == 0.0 {
+        -f32::from_bits(1)
+    } else {
+        f32::from_bits(v.to_bits() - 1)
+    }
+}
+
+/// Exact top-k by magnitude: the `min(k, m)` elements of largest `|x_i|`
+/// (`m` = non-NaN count; NaN is never selected), sorted by index, ties to the
+/// lower index. `val_out` doubles as the quickselect scratch of magnitudes
+/// (capacity up to `x.len()`).
+pub fn exact_topk(
+    x: &[f32],
+    k: usize,
+    idx_out: &mut Vec<u32>,
+    val_out: &mut Vec<f32>,
+) -> Result<()> {
+    check_len(x)?;
+    select_topk(x, k, |v| !v.is_nan(), idx_out, val_out);
+    Ok(())
+}
+
+/// Exact top-k of one sign, for quantized RGC (§5.2.3): with `positive`, the
+/// `min(k, #{x_i > 0})` largest values (`topk_quant`); otherwise the
+/// `min(k, #{x_i < 0})` smallest, i.e. largest-magnitude negative values
+/// (`lowk_quant`). Zeros and NaN are never selected. Sorted by index.
+pub fn exact_topk_signed(
+    x: &[f32],
+    k: usize,
+    positive: bool,
+    idx_out: &mut Vec<u32>,
+    val_out: &mut Vec<f32>,
+) -> Result<()> {
+    check_len(x)?;
+    if positive {
+        select_topk(x, k, |v| v > 0.0, idx_out, val_out);
+    } else {
+        select_topk(x, k, |v| v < 0.0, idx_out, val_out);
+    }
+    Ok(())
+}
+
+/// Trimmed top-k (§5.2.1, Algorithm 2 as corrected in the errata): lower the
+/// ratio from `1 − 0.2` in steps of 0.2 until at least `k` elements exceed
+/// `mean + ratio · (max − mean)`, then take the exact top-k of those. Returns
+/// exactly `min(k, m)` entries (`m` = non-NaN count), the same set as
+/// [`exact_topk`].
+pub fn trimmed_topk(
+    x: &[f32],
+    k: usize,
+    idx_out: &mut Vec<u32>,
+    val_out: &mut Vec<f32>,
+) -> Result<()> {
+    check_len(x)?;
+    idx_out.clear();
+    val_out.clear();
+    if k == 0 || x.is_empty() {
+        return Ok(());
+    }
+    let (mean, max, m) = abs_stats(x);
+    if k >= m {
+        return exact_topk(x, k, idx_out, val_out);
+    }
+    // Every non-NaN element is above -∞ (the fallback when ratio 0 is short).
+    let mut thr = f32::NEG_INFINITY;
+    let mut step = 1u32;
+    loop {
+        let ratio = (1.0 - f64::from(step) * TRIM_EPS).max(0.0);
+        let t = threshold_at(mean, max, ratio);
+        if count_above(x, t) >= k {
+            thr = t;
+            break;
+        }
+        if ratio <= 0.0 {
+            break;
+        }
+        step += 1;
+    }
+    select_topk(x, k, |v| v.abs() > thr, idx_out, val_out);
+    Ok(())
+}
+
+/// Where the threshold of a [`ThresholdSearch`] call came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThresholdSource {
+    /// Nothing to search: `k = 0` (nothing selected) or `k ≥ m` (every
+    /// non-NaN element selected). The reuse state is left alone.
+    Trivial,
+    /// The stored threshold of an earlier search, no count.
+    Reused,
+    /// Estimated from a strided sample, count confirmed in `[k, 2k]`.
+    Sampled,
+    /// Found by the ratio binary search (count in `[k, 2k]`, or above `2k`
+    /// when it stopped on `ε`).
+    Searched,
+    /// The search stopped on `ε` with fewer than `k` above; the exact top-k
+    /// was returned and `threshold` is just below its `k`-th magnitude.
+    ExactFallback,
+}
+
+/// Result of a [`ThresholdSearch`] call: selected are the `|x_i| > threshold`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ThresholdOutcome {
+    /// The threshold used (`+∞` selects nothing, negative every non-NaN).
+    pub threshold: f32,
+    /// How it was obtained.
+    pub source: ThresholdSource,
+}
+
+/// Threshold binary search selection with threshold reuse (§5.2.2,
+/// Algorithm 3; Algorithm 5's `interval`). Keep one per layer: the reused
+/// threshold belongs to the tensor it was found on.
+#[derive(Clone, Debug)]
+pub struct ThresholdSearch {
+    eps: f64,
+    interval: u32,
+    sample_fraction: f64,
+    threshold: Option<f32>,
+    reuse_left: u32,
+    len: usize,
+    k: usize,
+    searches: u64,
+    sample: Vec<f32>,
+}
+
+impl Default for ThresholdSearch {
+    fn default() -> Self {
+        ThresholdSearch {
+            eps: DEFAULT_SEARCH_EPS,
+            interval: DEFAULT_INTERVAL,
+            sample_fraction: DEFAULT_SAMPLE_FRACTION,
+            threshold: None,
+            reuse_left: 0,
+            len: 0,
+            k: 0,
+            searches: 0,
+            sample: Vec::new(),
+        }
+    }
+}
+
+impl ThresholdSearch {
+    /// Defaults: `ε` = [`DEFAULT_SEARCH_EPS`], reuse interval
+    /// [`DEFAULT_INTERVAL`], sample fraction [`DEFAULT_SAMPLE_FRACTION`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reuse each found threshold for the next `interval` calls (0: search
+    /// every call).
+    pub fn with_interval(mut self, interval: u32) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Termination width of the ratio search, in `(0, 1)`.
+    pub fn with_eps(mut self, eps: f64) -> Result<Self> {
+        if !(eps > 0.0 && eps < 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "threshold search eps {eps} must lie in (0, 1)"
+            )));
+        }
+        self.eps = eps;
+        Ok(self)
+    }
+
+    /// Fraction of elements the sampled variant looks at, in `(0, 1]`.
+    pub fn with_sample_fraction(mut self, fraction: f64) -> Result<Self> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "sample fraction {fraction} must lie in (0, 1]"
+            )));
+        }
+        self.sample_fraction = fraction;
+        Ok(self)
+    }
+
+    /// The stored threshold, if any.
+    pub fn threshold(&self) -> Option<f32> {
+        self.threshold
+    }
+
+    /// Number of thresholds computed so far (searches, samples, fallbacks),
+    /// i.e. calls that did not reuse.
+    pub fn searches(&self) -> u64 {
+        self.searches
+    }
+
+    /// Forget the stored threshold; the next call searches.
+    pub fn reset(&mut self) {
+        self.threshold = None;
+        self.reuse_left = 0;
+    }
+
+    /// Select by binary search of the threshold, or reuse the stored one.
+    pub fn select(
+        &mut self,
+        x: &[f32],
+        k: usize,
+        idx_out: &mut Vec<u32>,
+        val_out: &mut Vec<f32>,
+    ) -> Result<ThresholdOutcome> {
+        self.run(x, k, false, idx_out, val_out)
+    }
+
+    /// Like [`select`](Self::select), but first estimate the threshold on a
+    /// strided sample (every `round(1/fraction)`-th element): the sample's
+    /// `ceil(1.5·k·s/m)`-th largest magnitude (`s` sampled, aiming at the
+    /// middle of `[k, 2k]`). If the full count above it is outside `[k, 2k]`,
+    /// fall back to the binary search.
+    pub fn select_sampled(
+        &mut self,
+        x: &[f32],
+        k: usize,
+        idx_out: &mut Vec<u32>,
+        val_out: &mut Vec<f32>,
+    ) -> Result<ThresholdOutcome> {
+        self.run(x, k, true, idx_out, val_out)
+    }
+
+    fn run(
+        &mut self,
+        x: &[f32],
+        k: usize,
+        sampled: bool,
+        idx_out: &mut Vec<u32>,
+        val_out: &mut Vec<f32>,
+    ) -> Result<ThresholdOutcome> {
+        check_len(x)?;
+        idx_out.clear();
+        val_out.clear();
+        if k == 0 || x.is_empty() {
+            return Ok(ThresholdOutcome {
+                threshold: f32::INFINITY,
+                source: ThresholdSource::Trivial,
+            });
+        }
+        if let Some(t) = self.threshold {
+            if self.reuse_left > 0 && self.len == x.len() && self.k == k {
+                self.reuse_left -= 1;
+                filter_above(x, t, idx_out);
+                gather(x, idx_out, val_out);
+                return Ok(ThresholdOutcome {
+                    threshold: t,
+                    source: ThresholdSource::Reused,
+                });
+            }
+        }
+        let (mean, max, m) = abs_stats(x);
+        if k >= m {
+            exact_topk(x, k, idx_out, val_out)?;
+            return Ok(ThresholdOutcome {
+                threshold: next_down(0.0),
+                source: ThresholdSource::Trivial,
+            });
+        }
+        let hi = k.saturating_mul(2);
+        let mut found = None;
+        if sampled {
+            if let Some(t) = self.estimate(x, k, m) {
+                let nnz = count_above(x, t);
+                if (k..=hi).contains(&nnz) {
+                    found = Some((t, ThresholdSource::Sampled));
+                }
+            }
+        }
+        if found.is_none() {
+            found = self
+                .binary_search(x, k, mean, max)
+                .map(|t| (t, ThresholdSource::Searched));
+        }
+        let (t, source) = match found {
+            Some(f) => {
+                filter_above(x, f.0, idx_out);
+                f
+            }
+            None => {
+                exact_topk(x, k, idx_out, val_out)?;
+                let kth = idx_out
+                    .iter()
+                    .map(|&i| x[i as usize].abs())
+                    .fold(f32::INFINITY, f32::min);
+                (next_down(kth), ThresholdSource::ExactFallback)
+            }
+        };
+        gather(x, idx_out, val_out);
+        self.threshold = Some(t);
+        self.reuse_left = self.interval;
+        self.len = x.len();
+        self.k = k;
+        self.searches += 1;
+        Ok(ThresholdOutcome {
+            threshold: t,
+            source,
+        })
+    }
+
+    /// Algorithm 3 (errata): a threshold with count in `[k, 2k]`, or with
+    /// count above `2k` when the interval shrank below `ε`; `None` when the
+    /// last probe had fewer than `k`.
+    fn binary_search(&self, x: &[f32], k: usize, mean: f64, max: f64) -> Option<f32> {
+        let hi = k.saturating_mul(2);
+        let (mut l, mut r) = (0f64, 1f64);
+        let mut last = None;
+        // 64 halvings exhaust f64; the cap only guards against eps misuse.
+        for _ in 0..64 {
+            if r - l <= self.eps {
+                break;
+            }
+            let ratio = l + (r - l) / 2.0;
+            let t = threshold_at(mean, max, ratio);
+            let nnz = count_above(x, t);
+            last = Some((t, nnz));
+            if (k..=hi).contains(&nnz) {
+                return Some(t);
+            } else if nnz < k {
+                r = ratio;
+            } else {
+                l = ratio;
+            }
+        }
+        match last {
+            Some((t, nnz)) if nnz >= k => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The sampled threshold estimate, or `None` when the sample is too small.
+    fn estimate(&mut self, x: &[f32], k: usize, m: usize) -> Option<f32> {
+        let stride = ((1.0 / self.sample_fraction).round() as usize).max(1);
+        self.sample.clear();
+        self.sample.extend(
+            x.iter()
+                .step_by(stride)
+                .map(|v| v.abs())
+                .filter(|a| !a.is_nan()),
+        );
+        let s = self.sample.len();
+        let target = ((1.5 * k as f64 * s as f64 / m as f64).ceil() as usize).max(1);
+        if target >= s {
+            return None;
+        }
+        let (_, kth, _) = self
+            .sample
+            .select_nth_unstable_by(target - 1, |a, b| b.total_cmp(a));
+        Some(next_down(*kth))
+    }
+}
+
+#[cfg(test)]
+mod tests;
