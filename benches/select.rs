@@ -13,7 +13,9 @@ use std::time::Duration;
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("select");
-    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
     let (mut idx, mut val) = (Vec::new(), Vec::new());
     let mut scratch: Vec<f32> = Vec::new();
     for log_n in (10..=24).step_by(2) {
@@ -32,7 +34,9 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 scratch.clear();
                 scratch.extend(x.iter().map(|v| v.abs()));
-                *scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1
+                *scratch
+                    .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a))
+                    .1
             })
         });
         g.bench_function(BenchmarkId::new("exact-topk", n), |b| {
@@ -51,7 +55,11 @@ fn bench(c: &mut Criterion) {
         });
         let mut sampled = ThresholdSearch::new().with_interval(0);
         g.bench_function(BenchmarkId::new("threshold-sampled", n), |b| {
-            b.iter(|| sampled.select_sampled(&x, k, &mut idx, &mut val).expect("select"))
+            b.iter(|| {
+                sampled
+                    .select_sampled(&x, k, &mut idx, &mut val)
+                    .expect("select")
+            })
         });
     }
     g.finish();

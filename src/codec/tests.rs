@@ -30,16 +30,16 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
 }
 
 fn roundtrip(cfg: &CodecConfig, x: &[f32]) -> Vec<f32> {
-    let mut c = cfg.build().unwrap();
+    let mut c = cfg.build().expect("test");
     let mut msg = Vec::new();
-    c.encode(x, &mut msg).unwrap();
-    let (id, n) = read_header(&msg).unwrap();
+    c.encode(x, &mut msg).expect("test");
+    let (id, n) = read_header(&msg).expect("test");
     assert_eq!((id, n), (c.id(), x.len()));
     let mut out = vec![7.0; x.len()];
-    c.decode(&msg, &mut out).unwrap();
+    c.decode(&msg, &mut out).expect("test");
     // decode_add adds the same values.
     let mut acc = vec![1.0; x.len()];
-    c.decode_add(&msg, &mut acc).unwrap();
+    c.decode_add(&msg, &mut acc).expect("test");
     for i in 0..x.len() {
         assert!((acc[i] - 1.0 - out[i]).abs() <= 1e-6 * (1.0 + out[i].abs()));
     }
@@ -58,10 +58,10 @@ fn config_strings_parse_and_print() {
         "3lc",
         "3lc:s=1.5,stage=quartic",
     ] {
-        let c: CodecConfig = s.parse().unwrap();
-        assert_eq!(c.name(), s.split(':').next().unwrap());
-        let json = serde_json::to_string(&c).unwrap();
-        assert_eq!(serde_json::from_str::<CodecConfig>(&json).unwrap(), c);
+        let c: CodecConfig = s.parse().expect("test");
+        assert_eq!(c.name(), s.split(':').next().expect("test"));
+        let json = serde_json::to_string(&c).expect("test");
+        assert_eq!(serde_json::from_str::<CodecConfig>(&json).expect("test"), c);
     }
     assert!("bogus".parse::<CodecConfig>().is_err());
     assert!("int8:x=1".parse::<CodecConfig>().is_err());
@@ -76,7 +76,7 @@ fn header_rejects_garbage() {
     assert!(read_header(b"GS\x01\xff\0\0\0\0\0\0\0\0").is_err());
     let mut m = Vec::new();
     write_header(&mut m, CodecId::Int8, 5);
-    assert_eq!(read_header(&m).unwrap(), (CodecId::Int8, 5));
+    assert_eq!(read_header(&m).expect("test"), (CodecId::Int8, 5));
     assert!(check_header(&m, CodecId::Int8, 4).is_err());
     assert!(check_header(&m, CodecId::Fp16, 5).is_err());
 }
@@ -108,7 +108,7 @@ fn int8_rejects_nan_and_size_mismatch() {
     let mut c = Int8;
     let mut m = Vec::new();
     assert!(c.encode(&[1.0, f32::NAN], &mut m).is_err());
-    c.encode(&[1.0, 2.0], &mut m).unwrap();
+    c.encode(&[1.0, 2.0], &mut m).expect("test");
     assert!(c.decode(&m, &mut [0.0; 3]).is_err());
     assert!(c.decode(&m[..m.len() - 1], &mut [0.0; 2]).is_err());
 }
@@ -125,8 +125,8 @@ fn error_feedback_tracks_the_running_sum() {
         let g: Vec<f32> = (0..n)
             .map(|i| ((i * 7 + step * 13) % 23) as f32 / 23.0 - 0.4)
             .collect();
-        ef.step(&mut c, &g, &mut msg).unwrap();
-        c.decode_add(&msg, &mut sent).unwrap();
+        ef.step(&mut c, &g, &mut msg).expect("test");
+        c.decode_add(&msg, &mut sent).expect("test");
         for i in 0..n {
             total[i] += g[i];
         }
@@ -155,7 +155,7 @@ proptest! {
     #[test]
     fn prop_decoders_survive_hostile_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300), n in 0usize..100) {
         for cfg in CodecConfig::all_defaults() {
-            let c = cfg.build().unwrap();
+            let c = cfg.build().expect("test");
             let mut out = vec![0f32; n];
             let _ = c.decode(&bytes, &mut out);
             let _ = c.decode_add(&bytes, &mut out);
@@ -167,9 +167,9 @@ proptest! {
                                               flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
                                               cut in any::<usize>()) {
         for cfg in CodecConfig::all_defaults() {
-            let mut c = cfg.build().unwrap();
+            let mut c = cfg.build().expect("test");
             let mut msg = Vec::new();
-            c.encode(&x, &mut msg).unwrap();
+            c.encode(&x, &mut msg).expect("test");
             let mut out = vec![0f32; x.len()];
             // A truncated (unmutated) message is always an error.
             let cut = cut % (msg.len() + 1);

@@ -521,7 +521,7 @@ mod tests {
 
     fn enc(c: &mut ThreeLc, x: &[f32]) -> Vec<u8> {
         let mut m = Vec::new();
-        c.encode(x, &mut m).unwrap();
+        c.encode(x, &mut m).expect("test");
         m
     }
 
@@ -530,11 +530,11 @@ mod tests {
     }
 
     fn full() -> ThreeLc {
-        ThreeLc::new(1.0, ThreeLcStage::Full).unwrap()
+        ThreeLc::new(1.0, ThreeLcStage::Full).expect("test")
     }
 
     fn quartic() -> ThreeLc {
-        ThreeLc::new(1.0, ThreeLcStage::Quartic).unwrap()
+        ThreeLc::new(1.0, ThreeLcStage::Quartic).expect("test")
     }
 
     #[test]
@@ -545,7 +545,7 @@ mod tests {
         assert_eq!(payload(&m), &[121]);
         // Scale is zero, no NaN anywhere.
         let mut out = [9.0f32; 5];
-        full().decode(&m, &mut out).unwrap();
+        full().decode(&m, &mut out).expect("test");
         assert_eq!(out, [0.0; 5]);
     }
 
@@ -576,7 +576,7 @@ mod tests {
         for n in [70, 75, 80] {
             let msg = enc(&mut full(), &vec![0.0; n]);
             let mut out = vec![1.0; n];
-            full().decode(&msg, &mut out).unwrap();
+            full().decode(&msg, &mut out).expect("test");
             assert!(out.iter().all(|&v| v == 0.0));
         }
     }
@@ -592,7 +592,10 @@ mod tests {
         let mut b = vec![121; 30];
         let w = zre_in_place(&mut b);
         assert_eq!(&b[..w], &[255, 255, 243]);
-        assert_eq!(zre_decode(&[255, 255, 243], 30).unwrap(), vec![121; 30]);
+        assert_eq!(
+            zre_decode(&[255, 255, 243], 30).expect("test"),
+            vec![121; 30]
+        );
         assert!(zre_decode(&[255, 255, 243], 29).is_err());
     }
 
@@ -618,10 +621,10 @@ mod tests {
             assert!(payload(&m).iter().all(|&b| b <= MAX_QUARTIC));
         }
         // Quant stage: one byte per value.
-        let mut q = ThreeLc::new(1.0, ThreeLcStage::Quant).unwrap();
+        let mut q = ThreeLc::new(1.0, ThreeLcStage::Quant).expect("test");
         let m = enc(&mut q, &[0.5, -0.2, 0.1, -1.0]);
         assert_eq!(payload(&m), &[0, 0, 0, 0xff]);
-        assert_eq!(f32::from_le_bytes(m[12..16].try_into().unwrap()), 1.0);
+        assert_eq!(f32::from_le_bytes(m[12..16].try_into().expect("test")), 1.0);
         assert_eq!(m[16], 0);
     }
 
@@ -635,11 +638,11 @@ mod tests {
             })
             .collect();
         let zeros = |s: f32| {
-            let mut c = ThreeLc::new(s, ThreeLcStage::Quant).unwrap();
+            let mut c = ThreeLc::new(s, ThreeLcStage::Quant).expect("test");
             let m = enc(&mut c, &x);
             payload(&m).iter().filter(|&&b| b == 0).count()
         };
-        let size = |s: f32| enc(&mut ThreeLc::new(s, ThreeLcStage::Full).unwrap(), &x).len();
+        let size = |s: f32| enc(&mut ThreeLc::new(s, ThreeLcStage::Full).expect("test"), &x).len();
         let (z1, z19) = (zeros(1.0), zeros(1.9));
         assert!(z19 > z1, "{z1} {z19}");
         assert!(size(1.9) < size(1.0));
@@ -648,22 +651,22 @@ mod tests {
     #[test]
     fn ties_and_extremes() {
         // |x| = M/2 exactly rounds to 0 (half to even); just above rounds to 1.
-        let mut c = ThreeLc::new(1.0, ThreeLcStage::Quant).unwrap();
+        let mut c = ThreeLc::new(1.0, ThreeLcStage::Quant).expect("test");
         let m = enc(&mut c, &[2.0, 1.0, -1.0, 1.0000001, 0.0]);
         assert_eq!(payload(&m), &[1, 0, 0, 1, 0]);
         // Overflowing max·s saturates M to f32::MAX, still within M/2.
-        let mut c = ThreeLc::new(1.9, ThreeLcStage::Full).unwrap();
+        let mut c = ThreeLc::new(1.9, ThreeLcStage::Full).expect("test");
         let x = [f32::MAX, -f32::MAX * 0.6, 1.0];
         let m = enc(&mut c, &x);
         let mut y = [0.0; 3];
-        c.decode(&m, &mut y).unwrap();
+        c.decode(&m, &mut y).expect("test");
         assert_eq!(y, [f32::MAX, -f32::MAX, 0.0]);
         // Subnormals.
         let x = [f32::from_bits(1), -f32::from_bits(3), 0.0];
         let mut c = full();
         let m = enc(&mut c, &x);
         let mut y = [0.0; 3];
-        c.decode(&m, &mut y).unwrap();
+        c.decode(&m, &mut y).expect("test");
         for i in 0..3 {
             assert!((x[i] as f64 - y[i] as f64).abs() <= 3.0 * f32::from_bits(1) as f64 / 2.0);
         }
@@ -678,7 +681,11 @@ mod tests {
             };
             assert!(matches!(cfg.build(), Err(Error::InvalidArgument(_))), "{s}");
         }
-        assert!("3lc:s=2".parse::<CodecConfig>().unwrap().build().is_err());
+        assert!("3lc:s=2"
+            .parse::<CodecConfig>()
+            .expect("test")
+            .build()
+            .is_err());
         let mut c = full();
         let mut m = Vec::new();
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
@@ -691,7 +698,7 @@ mod tests {
 
     #[test]
     fn config_strings() {
-        let c: CodecConfig = "3lc".parse().unwrap();
+        let c: CodecConfig = "3lc".parse().expect("test");
         assert_eq!(
             c,
             CodecConfig::ThreeLc {
@@ -700,7 +707,7 @@ mod tests {
             }
         );
         assert_eq!(c.name(), "3lc");
-        let c: CodecConfig = "3lc:s=1.75,stage=quartic".parse().unwrap();
+        let c: CodecConfig = "3lc:s=1.75,stage=quartic".parse().expect("test");
         assert_eq!(
             c,
             CodecConfig::ThreeLc {
@@ -708,9 +715,9 @@ mod tests {
                 stage: ThreeLcStage::Quartic
             }
         );
-        assert_eq!(c.build().unwrap().config(), c);
-        let json = serde_json::to_string(&c).unwrap();
-        assert_eq!(serde_json::from_str::<CodecConfig>(&json).unwrap(), c);
+        assert_eq!(c.build().expect("test").config(), c);
+        let json = serde_json::to_string(&c).expect("test");
+        assert_eq!(serde_json::from_str::<CodecConfig>(&json).expect("test"), c);
         assert!("3lc:stage=bogus".parse::<CodecConfig>().is_err());
         assert!("3lc:k=1".parse::<CodecConfig>().is_err());
     }
@@ -720,7 +727,7 @@ mod tests {
         let x: Vec<f32> = (0..12).map(|i| i as f32 - 6.0).collect();
         let good = enc(&mut quartic(), &x);
         let mut out = vec![0.0; 12];
-        quartic().decode(&good, &mut out).unwrap();
+        quartic().decode(&good, &mut out).expect("test");
         // Byte > 242 in the quartic stage.
         let mut bad = good.clone();
         bad[17] = 243;
@@ -754,7 +761,7 @@ mod tests {
         m75.extend_from_slice(&z[12..]);
         assert!(full().decode(&m75, &mut out).is_err());
         // Quant stage: trit 2.
-        let mut q = ThreeLc::new(1.0, ThreeLcStage::Quant).unwrap();
+        let mut q = ThreeLc::new(1.0, ThreeLcStage::Quant).expect("test");
         let mut bad = enc(&mut q, &[1.0, 0.0]);
         bad[17] = 2;
         assert!(q.decode(&bad, &mut [0.0; 2]).is_err());
@@ -779,11 +786,11 @@ mod tests {
                 ThreeLcStage::Quartic,
                 ThreeLcStage::Full,
             ] {
-                let mut c = ThreeLc::new(1.3, stage).unwrap();
+                let mut c = ThreeLc::new(1.3, stage).expect("test");
                 let m = enc(&mut c, &x);
                 let mut y = vec![0.0; n];
                 // Any 3LC decoder reads any stage.
-                full().decode(&m, &mut y).unwrap();
+                full().decode(&m, &mut y).expect("test");
                 ys.push(y);
             }
             assert_eq!(ys[0], ys[1], "n={n}");
@@ -802,17 +809,17 @@ mod tests {
             .collect();
         let mut c = full();
         let mut m = Vec::with_capacity(n);
-        c.encode(&x, &mut m).unwrap();
+        c.encode(&x, &mut m).expect("test");
         let reps = 10;
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            c.encode(&x, &mut m).unwrap();
+            c.encode(&x, &mut m).expect("test");
         }
         let enc_s = t.elapsed().as_secs_f64() / reps as f64;
         let mut acc = vec![0.0f32; n];
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            c.decode_add(&m, &mut acc).unwrap();
+            c.decode_add(&m, &mut acc).expect("test");
         }
         let dec_s = t.elapsed().as_secs_f64() / reps as f64;
         eprintln!(
@@ -831,14 +838,14 @@ mod tests {
         fn prop_error_within_half_m(x in proptest::collection::vec(
                 prop_oneof![Just(0.0f32), -1e6f32..1e6, -1e-30f32..1e-30], 0..600),
                 s in 1.0f32..1.9999, st in 0u8..3) {
-            let stage = ThreeLcStage::from_u8(st).unwrap();
-            let mut c = ThreeLc::new(s, stage).unwrap();
+            let stage = ThreeLcStage::from_u8(st).expect("test");
+            let mut c = ThreeLc::new(s, stage).expect("test");
             let msg = enc(&mut c, &x);
-            let m = c.scale(&x).unwrap();
+            let m = c.scale(&x).expect("test");
             let mut y = vec![0.0; x.len()];
-            c.decode(&msg, &mut y).unwrap();
+            c.decode(&msg, &mut y).expect("test");
             let mut acc = vec![0.0; x.len()];
-            c.decode_add(&msg, &mut acc).unwrap();
+            c.decode_add(&msg, &mut acc).expect("test");
             prop_assert_eq!(&acc, &y);
             for i in 0..x.len() {
                 let e = (x[i] as f64 - y[i] as f64).abs();
@@ -874,7 +881,7 @@ mod tests {
         fn prop_mutated_messages(x in proptest::collection::vec(prop_oneof![Just(0.0f32), -10f32..10.0], 0..400),
                                  flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
                                  cut in any::<usize>(), st in 0u8..3) {
-            let mut c = ThreeLc::new(1.5, ThreeLcStage::from_u8(st).unwrap()).unwrap();
+            let mut c = ThreeLc::new(1.5, ThreeLcStage::from_u8(st).expect("test")).expect("test");
             let mut msg = enc(&mut c, &x);
             let cut = cut % (msg.len() + 1);
             let mut out = vec![0f32; x.len()];

@@ -52,11 +52,11 @@ fn exact_and_trimmed_return_exactly_k_true_top() {
     for (seed, n) in [(1, 1000), (2, 10_000), (3, 7)] {
         for x in [uniform(n, seed), normal(n, seed)] {
             for k in [1, 2, 5, n / 100 + 1, n / 10, n / 2, n - 1] {
-                exact_topk(&x, k, &mut idx, &mut val).unwrap();
+                exact_topk(&x, k, &mut idx, &mut val).expect("test");
                 assert_eq!(idx.len(), k.min(n));
                 check_selection(&x, k, &idx, &val);
                 let exact = idx.clone();
-                trimmed_topk(&x, k, &mut idx, &mut val).unwrap();
+                trimmed_topk(&x, k, &mut idx, &mut val).expect("test");
                 assert_eq!(idx.len(), k.min(n));
                 check_selection(&x, k, &idx, &val);
                 assert_eq!(idx, exact, "trimmed selects the exact set");
@@ -69,20 +69,20 @@ fn exact_and_trimmed_return_exactly_k_true_top() {
 fn exact_topk_pinned_values() {
     let x = [0.5, -3.0, 2.0, 0.0, -2.0, 1.0];
     let (mut idx, mut val) = (Vec::new(), Vec::new());
-    exact_topk(&x, 3, &mut idx, &mut val).unwrap();
+    exact_topk(&x, 3, &mut idx, &mut val).expect("test");
     // |−3| > |2| = |−2| (tie to the lower index: 2 before 4).
     assert_eq!(idx, [1, 2, 4]);
     assert_eq!(val, [-3.0, 2.0, -2.0]);
-    exact_topk(&x, 2, &mut idx, &mut val).unwrap();
+    exact_topk(&x, 2, &mut idx, &mut val).expect("test");
     assert_eq!(idx, [1, 2]);
-    trimmed_topk(&x, 2, &mut idx, &mut val).unwrap();
+    trimmed_topk(&x, 2, &mut idx, &mut val).expect("test");
     assert_eq!(idx, [1, 2]);
-    exact_topk_signed(&x, 2, true, &mut idx, &mut val).unwrap();
+    exact_topk_signed(&x, 2, true, &mut idx, &mut val).expect("test");
     assert_eq!(
         (idx.as_slice(), val.as_slice()),
         (&[2u32, 5][..], &[2.0f32, 1.0][..])
     );
-    exact_topk_signed(&x, 5, false, &mut idx, &mut val).unwrap();
+    exact_topk_signed(&x, 5, false, &mut idx, &mut val).expect("test");
     assert_eq!(
         (idx.as_slice(), val.as_slice()),
         (&[1u32, 4][..], &[-3.0f32, -2.0][..])
@@ -96,7 +96,7 @@ fn threshold_search_lands_in_k_2k_on_random_data() {
         for x in [uniform(20_000, seed), normal(20_000, seed)] {
             for k in [20, 100, 1000, 5000] {
                 let mut s = ThresholdSearch::new();
-                let o = s.select(&x, k, &mut idx, &mut val).unwrap();
+                let o = s.select(&x, k, &mut idx, &mut val).expect("test");
                 assert_eq!(o.source, ThresholdSource::Searched, "seed {seed} k {k}");
                 assert!((k..=2 * k).contains(&idx.len()), "{} for k {k}", idx.len());
                 check_selection(&x, k, &idx, &val);
@@ -107,7 +107,7 @@ fn threshold_search_lands_in_k_2k_on_random_data() {
                 );
 
                 let mut s = ThresholdSearch::new();
-                let o = s.select_sampled(&x, k, &mut idx, &mut val).unwrap();
+                let o = s.select_sampled(&x, k, &mut idx, &mut val).expect("test");
                 assert!(matches!(
                     o.source,
                     ThresholdSource::Sampled | ThresholdSource::Searched
@@ -126,7 +126,9 @@ fn sampled_estimate_is_usually_accepted() {
     for seed in 0..10 {
         let x = normal(200_000, seed);
         let mut s = ThresholdSearch::new().with_interval(0);
-        let o = s.select_sampled(&x, 2000, &mut idx, &mut val).unwrap();
+        let o = s
+            .select_sampled(&x, 2000, &mut idx, &mut val)
+            .expect("test");
         sampled += usize::from(o.source == ThresholdSource::Sampled);
         assert!((2000..=4000).contains(&idx.len()));
     }
@@ -142,7 +144,7 @@ fn threshold_reuse_for_interval_calls_then_search() {
     let mut s = ThresholdSearch::new();
     assert_eq!(s.threshold(), None);
     let x0 = normal(5000, 7);
-    let o = s.select(&x0, 50, &mut idx, &mut val).unwrap();
+    let o = s.select(&x0, 50, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Searched);
     let t = o.threshold;
     assert_eq!(s.threshold(), Some(t));
@@ -150,7 +152,7 @@ fn threshold_reuse_for_interval_calls_then_search() {
     for step in 1..=DEFAULT_INTERVAL {
         // Different data each call: the stored threshold is applied as is.
         let x = normal(5000, 7 + u64::from(step));
-        let o = s.select(&x, 50, &mut idx, &mut val).unwrap();
+        let o = s.select(&x, 50, &mut idx, &mut val).expect("test");
         assert_eq!(o.source, ThresholdSource::Reused);
         assert_eq!(o.threshold.to_bits(), t.to_bits());
         assert_eq!(idx.len(), x.iter().filter(|v| v.abs() > t).count());
@@ -159,23 +161,23 @@ fn threshold_reuse_for_interval_calls_then_search() {
     // Scaled data: the reused threshold would now select nearly everything
     // (or nothing) — the documented trade — until the next search.
     let big: Vec<f32> = x0.iter().map(|v| v * 100.0).collect();
-    let o = s.select(&big, 50, &mut idx, &mut val).unwrap();
+    let o = s.select(&big, 50, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Searched);
     assert_eq!(s.searches(), 2);
     assert!((50..=100).contains(&idx.len()));
-    let o = s.select(&x0, 50, &mut idx, &mut val).unwrap();
+    let o = s.select(&x0, 50, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Reused);
     assert!(idx.len() < 50, "stale threshold selects fewer than k");
     // A different k or length forces a search; interval 0 searches always.
-    let o = s.select(&x0, 60, &mut idx, &mut val).unwrap();
+    let o = s.select(&x0, 60, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Searched);
-    let o = s.select(&x0[..4000], 60, &mut idx, &mut val).unwrap();
+    let o = s.select(&x0[..4000], 60, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Searched);
     s.reset();
     assert_eq!(s.threshold(), None);
     let mut s = ThresholdSearch::new().with_interval(0);
     for _ in 0..3 {
-        let o = s.select(&x0, 50, &mut idx, &mut val).unwrap();
+        let o = s.select(&x0, 50, &mut idx, &mut val).expect("test");
         assert_eq!(o.source, ThresholdSource::Searched);
     }
     assert_eq!(s.searches(), 3);
@@ -187,17 +189,17 @@ fn search_falls_back_to_exact_when_short() {
     // All equal: no element exceeds mean + ratio·(max − mean) = the value.
     let x = vec![0.5f32; 100];
     let mut s = ThresholdSearch::new();
-    let o = s.select(&x, 10, &mut idx, &mut val).unwrap();
+    let o = s.select(&x, 10, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::ExactFallback);
     assert_eq!(idx, (0..10).collect::<Vec<u32>>());
     // The stored threshold reproduces ≥ k on the same data.
-    let o = s.select(&x, 10, &mut idx, &mut val).unwrap();
+    let o = s.select(&x, 10, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Reused);
     assert_eq!(idx.len(), 100);
     // A huge eps ends the search at once.
     let x = uniform(1000, 3);
-    let mut s = ThresholdSearch::new().with_eps(0.9).unwrap();
-    s.select(&x, 10, &mut idx, &mut val).unwrap();
+    let mut s = ThresholdSearch::new().with_eps(0.9).expect("test");
+    s.select(&x, 10, &mut idx, &mut val).expect("test");
     assert!(idx.len() >= 10);
     check_selection(&x, 10, &idx, &val);
     assert!(ThresholdSearch::new().with_eps(0.0).is_err());
@@ -216,32 +218,32 @@ fn nan_is_never_selected_and_never_panics() {
     x[3] = -f32::NAN;
     let m = x.iter().filter(|v| !v.is_nan()).count();
     for k in [0, 1, 10, 100, m - 1, m, m + 1, 1000, 5000] {
-        exact_topk(&x, k, &mut idx, &mut val).unwrap();
+        exact_topk(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx.len(), k.min(m));
         check_selection(&x, k, &idx, &val);
-        trimmed_topk(&x, k, &mut idx, &mut val).unwrap();
+        trimmed_topk(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx.len(), k.min(m));
         check_selection(&x, k, &idx, &val);
         let mut s = ThresholdSearch::new();
-        s.select(&x, k, &mut idx, &mut val).unwrap();
+        s.select(&x, k, &mut idx, &mut val).expect("test");
         assert!(idx.len() >= k.min(m));
         check_selection(&x, k, &idx, &val);
-        s.select_sampled(&x, k, &mut idx, &mut val).unwrap();
+        s.select_sampled(&x, k, &mut idx, &mut val).expect("test");
         check_selection(&x, k, &idx, &val);
         for pos in [true, false] {
-            exact_topk_signed(&x, k, pos, &mut idx, &mut val).unwrap();
+            exact_topk_signed(&x, k, pos, &mut idx, &mut val).expect("test");
             assert!(val.iter().all(|v| if pos { *v > 0.0 } else { *v < 0.0 }));
         }
     }
     // All NaN.
     let x = vec![f32::NAN; 50];
-    exact_topk(&x, 5, &mut idx, &mut val).unwrap();
+    exact_topk(&x, 5, &mut idx, &mut val).expect("test");
     assert!(idx.is_empty());
-    trimmed_topk(&x, 5, &mut idx, &mut val).unwrap();
+    trimmed_topk(&x, 5, &mut idx, &mut val).expect("test");
     assert!(idx.is_empty());
     ThresholdSearch::new()
         .select_sampled(&x, 5, &mut idx, &mut val)
-        .unwrap();
+        .expect("test");
     assert!(idx.is_empty());
 }
 
@@ -251,11 +253,11 @@ fn infinities_are_largest_and_do_not_break_thresholds() {
     let mut x = uniform(1000, 5);
     x[10] = f32::INFINITY;
     x[20] = f32::NEG_INFINITY;
-    trimmed_topk(&x, 5, &mut idx, &mut val).unwrap();
+    trimmed_topk(&x, 5, &mut idx, &mut val).expect("test");
     assert_eq!(idx.len(), 5);
     check_selection(&x, 5, &idx, &val);
     let mut s = ThresholdSearch::new();
-    let o = s.select(&x, 5, &mut idx, &mut val).unwrap();
+    let o = s.select(&x, 5, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::ExactFallback);
     check_selection(&x, 5, &idx, &val);
     assert!(idx.contains(&10) && idx.contains(&20));
@@ -267,49 +269,49 @@ fn edge_cases_k0_k_ge_n_empty_all_equal() {
     let x = normal(100, 1);
     let mut s = ThresholdSearch::new();
     // k = 0: nothing, and the outputs are cleared.
-    exact_topk(&x, 0, &mut idx, &mut val).unwrap();
+    exact_topk(&x, 0, &mut idx, &mut val).expect("test");
     assert!(idx.is_empty() && val.is_empty());
-    trimmed_topk(&x, 0, &mut idx, &mut val).unwrap();
+    trimmed_topk(&x, 0, &mut idx, &mut val).expect("test");
     assert!(idx.is_empty() && val.is_empty());
-    let o = s.select(&x, 0, &mut idx, &mut val).unwrap();
+    let o = s.select(&x, 0, &mut idx, &mut val).expect("test");
     assert_eq!(o.source, ThresholdSource::Trivial);
     assert!(idx.is_empty());
     // k ≥ n: everything.
     for k in [100, 101, usize::MAX] {
         let all: Vec<u32> = (0..100).collect();
-        exact_topk(&x, k, &mut idx, &mut val).unwrap();
+        exact_topk(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx, all);
         assert_eq!(val, x);
-        trimmed_topk(&x, k, &mut idx, &mut val).unwrap();
+        trimmed_topk(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx, all);
-        s.select(&x, k, &mut idx, &mut val).unwrap();
+        s.select(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx, all);
-        s.select_sampled(&x, k, &mut idx, &mut val).unwrap();
+        s.select_sampled(&x, k, &mut idx, &mut val).expect("test");
         assert_eq!(idx, all);
     }
     // n = 0.
     for k in [0, 1, 5] {
-        exact_topk(&[], k, &mut idx, &mut val).unwrap();
+        exact_topk(&[], k, &mut idx, &mut val).expect("test");
         assert!(idx.is_empty());
-        trimmed_topk(&[], k, &mut idx, &mut val).unwrap();
+        trimmed_topk(&[], k, &mut idx, &mut val).expect("test");
         assert!(idx.is_empty());
-        s.select(&[], k, &mut idx, &mut val).unwrap();
+        s.select(&[], k, &mut idx, &mut val).expect("test");
         assert!(idx.is_empty());
-        exact_topk_signed(&[], k, true, &mut idx, &mut val).unwrap();
+        exact_topk_signed(&[], k, true, &mut idx, &mut val).expect("test");
         assert!(idx.is_empty());
     }
     // All equal (also all zero): ties go to the lowest indices.
     for v in [0.0f32, -2.5] {
         let x = vec![v; 64];
-        exact_topk(&x, 6, &mut idx, &mut val).unwrap();
+        exact_topk(&x, 6, &mut idx, &mut val).expect("test");
         assert_eq!(idx, [0, 1, 2, 3, 4, 5]);
-        trimmed_topk(&x, 6, &mut idx, &mut val).unwrap();
+        trimmed_topk(&x, 6, &mut idx, &mut val).expect("test");
         assert_eq!(idx, [0, 1, 2, 3, 4, 5]);
         let mut s = ThresholdSearch::new();
-        s.select(&x, 6, &mut idx, &mut val).unwrap();
+        s.select(&x, 6, &mut idx, &mut val).expect("test");
         assert_eq!(idx, [0, 1, 2, 3, 4, 5]);
         s.reset();
-        s.select_sampled(&x, 6, &mut idx, &mut val).unwrap();
+        s.select_sampled(&x, 6, &mut idx, &mut val).expect("test");
         assert_eq!(idx, [0, 1, 2, 3, 4, 5]);
     }
 }
@@ -321,10 +323,10 @@ fn steady_state_reuses_buffers() {
     let (pi, pv) = (idx.as_ptr(), val.as_ptr());
     let mut s = ThresholdSearch::new();
     for _ in 0..20 {
-        exact_topk(&x, 50, &mut idx, &mut val).unwrap();
-        trimmed_topk(&x, 50, &mut idx, &mut val).unwrap();
-        s.select(&x, 50, &mut idx, &mut val).unwrap();
-        s.select_sampled(&x, 50, &mut idx, &mut val).unwrap();
+        exact_topk(&x, 50, &mut idx, &mut val).expect("test");
+        trimmed_topk(&x, 50, &mut idx, &mut val).expect("test");
+        s.select(&x, 50, &mut idx, &mut val).expect("test");
+        s.select_sampled(&x, 50, &mut idx, &mut val).expect("test");
     }
     assert_eq!((idx.as_ptr(), val.as_ptr()), (pi, pv));
 }
@@ -346,20 +348,20 @@ proptest! {
                                           k in 0usize..700) {
         let m = x.iter().filter(|v| !v.is_nan()).count();
         let (mut idx, mut val) = (Vec::new(), Vec::new());
-        exact_topk(&x, k, &mut idx, &mut val).unwrap();
+        exact_topk(&x, k, &mut idx, &mut val).expect("test");
         prop_assert_eq!(idx.len(), k.min(m));
         check_selection(&x, k, &idx, &val);
         let exact = idx.clone();
-        trimmed_topk(&x, k, &mut idx, &mut val).unwrap();
+        trimmed_topk(&x, k, &mut idx, &mut val).expect("test");
         prop_assert_eq!(&idx, &exact);
         let mut s = ThresholdSearch::new();
         for _ in 0..2 {
-            s.select(&x, k, &mut idx, &mut val).unwrap();
+            s.select(&x, k, &mut idx, &mut val).expect("test");
             prop_assert!(idx.len() >= k.min(m));
             check_selection(&x, k, &idx, &val);
         }
         let mut s = ThresholdSearch::new();
-        s.select_sampled(&x, k, &mut idx, &mut val).unwrap();
+        s.select_sampled(&x, k, &mut idx, &mut val).expect("test");
         prop_assert!(idx.len() >= k.min(m));
         check_selection(&x, k, &idx, &val);
     }

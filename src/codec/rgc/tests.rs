@@ -23,15 +23,15 @@ const METHODS: [RgcMethod; 4] = [
 /// Sent (index, value) pairs of an `rgc` message.
 fn entries(msg: &[u8]) -> (Vec<u32>, Vec<f32>) {
     let p = &msg[HEADER_LEN..];
-    let len = u32::from_le_bytes(p[0..4].try_into().unwrap()) as usize;
+    let len = u32::from_le_bytes(p[0..4].try_into().expect("test")) as usize;
     assert_eq!(p.len(), 4 + 8 * len);
     let idx = (0..len)
-        .map(|j| u32::from_le_bytes(p[4 + 4 * j..8 + 4 * j].try_into().unwrap()))
+        .map(|j| u32::from_le_bytes(p[4 + 4 * j..8 + 4 * j].try_into().expect("test")))
         .collect();
     let val = (0..len)
         .map(|j| {
             let o = 4 + 4 * len + 4 * j;
-            f32::from_le_bytes(p[o..o + 4].try_into().unwrap())
+            f32::from_le_bytes(p[o..o + 4].try_into().expect("test"))
         })
         .collect();
     (idx, val)
@@ -39,7 +39,7 @@ fn entries(msg: &[u8]) -> (Vec<u32>, Vec<f32>) {
 
 #[test]
 fn configs_parse_with_defaults_and_validate() {
-    let c: CodecConfig = "rgc".parse().unwrap();
+    let c: CodecConfig = "rgc".parse().expect("test");
     assert_eq!(
         c,
         CodecConfig::Rgc {
@@ -48,7 +48,7 @@ fn configs_parse_with_defaults_and_validate() {
         }
     );
     assert_eq!(c.name(), "rgc");
-    let c: CodecConfig = "rgc-quant".parse().unwrap();
+    let c: CodecConfig = "rgc-quant".parse().expect("test");
     assert_eq!(c, CodecConfig::RgcQuant { density: 0.001 });
     assert_eq!(c.name(), "rgc-quant");
     for (s, m) in [
@@ -57,7 +57,9 @@ fn configs_parse_with_defaults_and_validate() {
         ("threshold", RgcMethod::Threshold),
         ("sampled", RgcMethod::Sampled),
     ] {
-        let c: CodecConfig = format!("rgc:density=0.01,method={s}").parse().unwrap();
+        let c: CodecConfig = format!("rgc:density=0.01,method={s}")
+            .parse()
+            .expect("test");
         assert_eq!(
             c,
             CodecConfig::Rgc {
@@ -65,11 +67,13 @@ fn configs_parse_with_defaults_and_validate() {
                 method: m
             }
         );
-        let back: CodecConfig = format!("{}:{}", c.name(), c.params()).parse().unwrap();
+        let back: CodecConfig = format!("{}:{}", c.name(), c.params())
+            .parse()
+            .expect("test");
         assert_eq!(back, c);
-        let json = serde_json::to_string(&c).unwrap();
-        assert_eq!(serde_json::from_str::<CodecConfig>(&json).unwrap(), c);
-        assert_eq!(c.build().unwrap().config(), c);
+        let json = serde_json::to_string(&c).expect("test");
+        assert_eq!(serde_json::from_str::<CodecConfig>(&json).expect("test"), c);
+        assert_eq!(c.build().expect("test").config(), c);
     }
     assert!("rgc:method=radix".parse::<CodecConfig>().is_err());
     assert!("rgc-quant:method=exact".parse::<CodecConfig>().is_err());
@@ -81,8 +85,8 @@ fn configs_parse_with_defaults_and_validate() {
             }
         }
     }
-    let q: CodecConfig = "rgc-quant:density=1".parse().unwrap();
-    assert_eq!(q.build().unwrap().config(), q);
+    let q: CodecConfig = "rgc-quant:density=1".parse().expect("test");
+    assert_eq!(q.build().expect("test").config(), q);
 }
 
 #[test]
@@ -99,9 +103,9 @@ fn k_is_max_1_ceil_density_n() {
 
 #[test]
 fn rgc_wire_format_pinned() {
-    let mut c = Rgc::new(0.5, RgcMethod::Exact).unwrap();
+    let mut c = Rgc::new(0.5, RgcMethod::Exact).expect("test");
     let mut msg = Vec::new();
-    c.encode(&[0.0, -3.0, 1.0, 2.0], &mut msg).unwrap();
+    c.encode(&[0.0, -3.0, 1.0, 2.0], &mut msg).expect("test");
     let mut want = Vec::new();
     write_header(&mut want, CodecId::Rgc, 4);
     for w in [2u32, 1, 3] {
@@ -112,7 +116,7 @@ fn rgc_wire_format_pinned() {
     }
     assert_eq!(msg, want);
     let mut out = vec![9.0; 4];
-    c.decode(&msg, &mut out).unwrap();
+    c.decode(&msg, &mut out).expect("test");
     assert_eq!(out, [0.0, -3.0, 0.0, 2.0]);
 }
 
@@ -127,18 +131,18 @@ fn rgc_round_trip_is_exactly_the_selection() {
             (20_000, 0.001),
             (5000, 1.0),
         ] {
-            let mut c = Rgc::new(density, method).unwrap();
+            let mut c = Rgc::new(density, method).expect("test");
             let k = rgc_k(density, n);
             for step in 0..8u64 {
                 let x = data(n, step * 31 + n as u64);
-                c.encode(&x, &mut msg).unwrap();
-                assert_eq!(read_header(&msg).unwrap(), (CodecId::Rgc, n));
+                c.encode(&x, &mut msg).expect("test");
+                assert_eq!(read_header(&msg).expect("test"), (CodecId::Rgc, n));
                 let (idx, val) = entries(&msg);
                 assert!(idx.windows(2).all(|w| w[0] < w[1]));
                 let mut out = vec![5.0; n];
-                c.decode(&msg, &mut out).unwrap();
+                c.decode(&msg, &mut out).expect("test");
                 let mut acc = vec![1.0; n];
-                c.decode_add(&msg, &mut acc).unwrap();
+                c.decode_add(&msg, &mut acc).expect("test");
                 let mut sent = vec![false; n];
                 for (&i, &v) in idx.iter().zip(&val) {
                     sent[i as usize] = true;
@@ -151,7 +155,7 @@ fn rgc_round_trip_is_exactly_the_selection() {
                 }
                 // The set itself.
                 let (mut ei, mut ev) = (Vec::new(), Vec::new());
-                exact_topk(&x, k, &mut ei, &mut ev).unwrap();
+                exact_topk(&x, k, &mut ei, &mut ev).expect("test");
                 match method {
                     RgcMethod::Exact | RgcMethod::Trimmed => assert_eq!(idx, ei),
                     // Fresh search (every 6th call) or reuse.
@@ -173,13 +177,13 @@ fn rgc_round_trip_is_exactly_the_selection() {
 #[test]
 fn rgc_threshold_reuses_for_five_calls() {
     let n = 10_000;
-    let mut c = Rgc::new(0.01, RgcMethod::Threshold).unwrap();
+    let mut c = Rgc::new(0.01, RgcMethod::Threshold).expect("test");
     let mut s = ThresholdSearch::new();
     let (mut idx, mut val, mut msg) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..12u64 {
         let x = data(n, 100 + step);
-        c.encode(&x, &mut msg).unwrap();
-        s.select(&x, 100, &mut idx, &mut val).unwrap();
+        c.encode(&x, &mut msg).expect("test");
+        s.select(&x, 100, &mut idx, &mut val).expect("test");
         assert_eq!(entries(&msg), (idx.clone(), val.clone()), "step {step}");
     }
     assert_eq!(s.searches(), 2);
@@ -188,7 +192,7 @@ fn rgc_threshold_reuses_for_five_calls() {
 #[test]
 fn rgc_quant_alternates_signs_and_sends_the_mean() {
     let x = [3.0f32, -1.0, 2.0, -5.0, 0.5, -4.0, 1.0];
-    let mut c = RgcQuant::new(0.25).unwrap(); // k = ceil(1.75) = 2
+    let mut c = RgcQuant::new(0.25).expect("test"); // k = ceil(1.75) = 2
     let mut msg = Vec::new();
     let expect = [
         (true, vec![0u32, 2], 2.5f32),
@@ -198,7 +202,7 @@ fn rgc_quant_alternates_signs_and_sends_the_mean() {
     ];
     for (pos, idx, mean) in expect {
         assert_eq!(c.next_is_positive(), pos);
-        c.encode(&x, &mut msg).unwrap();
+        c.encode(&x, &mut msg).expect("test");
         let mut want = Vec::new();
         write_header(&mut want, CodecId::RgcQuant, 7);
         want.extend_from_slice(&2u32.to_le_bytes());
@@ -208,56 +212,60 @@ fn rgc_quant_alternates_signs_and_sends_the_mean() {
         }
         assert_eq!(msg, want);
         let mut out = vec![9.0; 7];
-        c.decode(&msg, &mut out).unwrap();
+        c.decode(&msg, &mut out).expect("test");
         for i in 0..7 {
             let w = if idx.contains(&(i as u32)) { mean } else { 0.0 };
             assert_eq!(out[i], w);
         }
     }
     // Fewer values of the turn's sign than k: send those; none: len 0, mean 0.
-    let mut c = RgcQuant::new(0.5).unwrap(); // k = 3 of 6
+    let mut c = RgcQuant::new(0.5).expect("test"); // k = 3 of 6
     let y = [-1.0f32, -2.0, 4.0, -3.0, 0.0, -0.5];
-    c.encode(&y, &mut msg).unwrap();
+    c.encode(&y, &mut msg).expect("test");
     assert_eq!(msg.len(), HEADER_LEN + 8 + 4);
     let mut out = vec![0.0; 6];
-    c.decode(&msg, &mut out).unwrap();
+    c.decode(&msg, &mut out).expect("test");
     assert_eq!(out, [0.0, 0.0, 4.0, 0.0, 0.0, 0.0]);
-    c.encode(&y, &mut msg).unwrap();
-    c.decode(&msg, &mut out).unwrap();
+    c.encode(&y, &mut msg).expect("test");
+    c.decode(&msg, &mut out).expect("test");
     // Bottom 3 of -1, -2, -3, -0.5: indices 0, 1, 3, mean -2.
     assert_eq!(out, [-2.0, -2.0, 0.0, -2.0, 0.0, 0.0]);
     let neg = [-1.0f32, -2.0];
-    let mut c = RgcQuant::new(0.5).unwrap();
-    c.encode(&neg, &mut msg).unwrap();
+    let mut c = RgcQuant::new(0.5).expect("test");
+    c.encode(&neg, &mut msg).expect("test");
     assert_eq!(&msg[HEADER_LEN..], &[0u8; 8][..]);
     assert!(!c.next_is_positive());
-    c.encode(&neg, &mut msg).unwrap();
-    c.decode(&msg, &mut out[..2]).unwrap();
+    c.encode(&neg, &mut msg).expect("test");
+    c.decode(&msg, &mut out[..2]).expect("test");
     assert_eq!(&out[..2], &[0.0, -2.0]);
     // Empty tensor.
-    c.encode(&[], &mut msg).unwrap();
-    c.decode(&msg, &mut []).unwrap();
+    c.encode(&[], &mut msg).expect("test");
+    c.decode(&msg, &mut []).expect("test");
 }
 
 #[test]
 fn non_finite_inputs_are_rejected() {
     let mut msg = Vec::new();
     for cfg in ["rgc", "rgc:method=threshold", "rgc-quant"] {
-        let mut c = cfg.parse::<CodecConfig>().unwrap().build().unwrap();
+        let mut c = cfg
+            .parse::<CodecConfig>()
+            .expect("test")
+            .build()
+            .expect("test");
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let r = c.encode(&[1.0, bad, 2.0], &mut msg);
             assert!(matches!(r, Err(Error::InvalidArgument(_))), "{cfg}");
         }
-        c.encode(&[], &mut msg).unwrap();
-        c.decode(&msg, &mut []).unwrap();
+        c.encode(&[], &mut msg).expect("test");
+        c.decode(&msg, &mut []).expect("test");
     }
 }
 
 #[test]
 fn decoders_reject_bad_payloads_without_writing() {
     let n = 8;
-    let rgc = Rgc::new(0.5, RgcMethod::Exact).unwrap();
-    let q = RgcQuant::new(0.5).unwrap();
+    let rgc = Rgc::new(0.5, RgcMethod::Exact).expect("test");
+    let q = RgcQuant::new(0.5).expect("test");
     let rgc_msg = |len: u32, idx: &[u32], val: &[f32]| {
         let mut m = Vec::new();
         write_header(&mut m, CodecId::Rgc, n);
@@ -314,10 +322,11 @@ fn decoders_reject_bad_payloads_without_writing() {
     // Unordered and repeated indices are scatter-added.
     let mut acc = vec![0.0; n];
     rgc.decode_add(&rgc_msg(3, &[5, 2, 5], &[1.0, 2.0, 3.0]), &mut acc)
-        .unwrap();
+        .expect("test");
     assert_eq!(acc, [0.0, 0.0, 2.0, 0.0, 0.0, 4.0, 0.0, 0.0]);
     let mut acc = vec![0.0; n];
-    q.decode_add(&q_msg(3, -1.5, &[6, 0, 6]), &mut acc).unwrap();
+    q.decode_add(&q_msg(3, -1.5, &[6, 0, 6]), &mut acc)
+        .expect("test");
     assert_eq!(acc, [-1.5, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0, 0.0]);
 }
 
@@ -329,13 +338,17 @@ fn error_feedback_sends_everything_eventually() {
         "rgc:density=0.05,method=threshold",
         "rgc-quant:density=0.05",
     ] {
-        let mut c = cfg.parse::<CodecConfig>().unwrap().build().unwrap();
+        let mut c = cfg
+            .parse::<CodecConfig>()
+            .expect("test")
+            .build()
+            .expect("test");
         let mut ef = ErrorFeedback::new(n);
         let (mut msg, mut sent, mut total) = (Vec::new(), vec![0f32; n], vec![0f32; n]);
         for step in 0..300 {
             let g = data(n, 7000 + step);
-            ef.step(c.as_mut(), &g, &mut msg).unwrap();
-            c.decode_add(&msg, &mut sent).unwrap();
+            ef.step(c.as_mut(), &g, &mut msg).expect("test");
+            c.decode_add(&msg, &mut sent).expect("test");
             for i in 0..n {
                 total[i] += g[i];
             }
@@ -355,12 +368,12 @@ fn error_feedback_sends_everything_eventually() {
 fn encode_reuses_the_output_buffer() {
     let x = data(50_000, 3);
     for method in [RgcMethod::Exact, RgcMethod::Trimmed] {
-        let mut c = Rgc::new(0.01, method).unwrap();
+        let mut c = Rgc::new(0.01, method).expect("test");
         let mut msg = Vec::new();
-        c.encode(&x, &mut msg).unwrap();
+        c.encode(&x, &mut msg).expect("test");
         let p = msg.as_ptr();
         for _ in 0..5 {
-            c.encode(&x, &mut msg).unwrap();
+            c.encode(&x, &mut msg).expect("test");
         }
         assert_eq!(msg.as_ptr(), p);
     }
@@ -369,7 +382,12 @@ fn encode_reuses_the_output_buffer() {
 fn codecs() -> Vec<Box<dyn Codec>> {
     ["rgc", "rgc:method=threshold", "rgc-quant"]
         .iter()
-        .map(|s| s.parse::<CodecConfig>().unwrap().build().unwrap())
+        .map(|s| {
+            s.parse::<CodecConfig>()
+                .expect("test")
+                .build()
+                .expect("test")
+        })
         .collect()
 }
 
@@ -380,9 +398,9 @@ proptest! {
     fn prop_rgc_round_trip(x in proptest::collection::vec(-1e3f32..1e3, 0..800),
                            density in 0.001f64..1.0, m in 0usize..4) {
         let method = METHODS[m];
-        let mut c = Rgc::new(density, method).unwrap();
+        let mut c = Rgc::new(density, method).expect("test");
         let mut msg = Vec::new();
-        c.encode(&x, &mut msg).unwrap();
+        c.encode(&x, &mut msg).expect("test");
         let (idx, val) = entries(&msg);
         let k = if x.is_empty() { 0 } else { rgc_k(density, x.len()) };
         prop_assert!(idx.len() >= k);
@@ -390,7 +408,7 @@ proptest! {
             prop_assert_eq!(idx.len(), k);
         }
         let mut out = vec![1.0; x.len()];
-        c.decode(&msg, &mut out).unwrap();
+        c.decode(&msg, &mut out).expect("test");
         let mut want = vec![0.0; x.len()];
         for (&i, &v) in idx.iter().zip(&val) {
             want[i as usize] = v;
@@ -422,10 +440,10 @@ proptest! {
         let n = x.len();
         for mut c in codecs() {
             let mut msg = Vec::new();
-            c.encode(&x, &mut msg).unwrap();
+            c.encode(&x, &mut msg).expect("test");
             let init: Vec<f32> = (0..n).map(|i| i as f32).collect();
             // An out-of-range index: Err, acc untouched.
-            let len = u32::from_le_bytes(msg[HEADER_LEN..HEADER_LEN + 4].try_into().unwrap()) as usize;
+            let len = u32::from_le_bytes(msg[HEADER_LEN..HEADER_LEN + 4].try_into().expect("test")) as usize;
             if len > 0 {
                 let first = HEADER_LEN + 4 + if c.id() == CodecId::RgcQuant { 4 } else { 0 };
                 let at = first + 4 * (which % len);
