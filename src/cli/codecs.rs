@@ -18,8 +18,8 @@ pub struct CodecsArgs {
     /// With --input: treat the leading axis as steps fed through error feedback (use the first N steps).
     #[arg(long)]
     pub steps: Option<usize>,
-    /// Synthetic tensor of N elements.
-    #[arg(long)]
+    /// Synthetic tensor of N elements (K/M/G suffixes: powers of 1024).
+    #[arg(long, value_parser = |v: &str| super::parse_size(v).map_err(|e| e.to_string()))]
     pub synthetic: Option<usize>,
     /// Distribution of the synthetic tensor: normal, laplace or zeros.
     #[arg(long, default_value = "normal")]
