@@ -1,9 +1,9 @@
 //! Baselines: `none` (fp32), `fp16` (IEEE half) and `int8` (255 levels,
 //! `round(x / max|x| · 127)`, the 8-bit comparison point of 3LC §5).
 //!
-//! Error bounds: `none` exact; `fp16` relative 2^-11 for normal halves (values
-//! beyond ±65504 saturate to ±inf, so callers should not feed such values);
-//! `int8` absolute `max|x| / 254`.
+//! Error bounds: `none` exact; `fp16` relative 2^-11 for normal halves
+//! (inputs beyond ±65504 are rejected); `int8` absolute `max|x| / 254`. All
+//! reject NaN/Inf inputs, and decoders reject non-finite values on the wire.
 
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
 use crate::{Error, Result};
@@ -37,16 +37,25 @@ impl Codec for NoCompression {
         CodecConfig::None
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        check_finite(x)?;
         write_header(out, CodecId::None, x.len());
-        out.extend_from_slice(bytemuck::cast_slice(x));
+        if cfg!(target_endian = "little") {
+            out.extend_from_slice(bytemuck::cast_slice(x));
+        } else {
+            out.extend(x.iter().flat_map(|v| v.to_le_bytes()));
+        }
         Ok(())
     }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
         let mut r = check_header(bytes, CodecId::None, acc.len())?;
         let p = r.rest();
         expect_len(p.len(), acc.len() * 4)?;
+        let val = |c: &[u8]| f32::from_le_bytes(c.try_into().expect("4 bytes"));
+        if let Some(i) = p.chunks_exact(4).position(|c| !val(c).is_finite()) {
+            return Err(Error::Decode(format!("value {i} is not finite")));
+        }
         for (a, c) in acc.iter_mut().zip(p.chunks_exact(4)) {
-            *a += f32::from_le_bytes(c.try_into().expect("4 bytes"));
+            *a += val(c);
         }
         Ok(())
     }
@@ -60,6 +69,13 @@ impl Codec for Fp16 {
         CodecConfig::Fp16
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        check_finite(x)?;
+        if let Some(i) = x.iter().position(|v| v.abs() > f32::from(half::f16::MAX)) {
+            return Err(Error::InvalidArgument(format!(
+                "fp16: element {i} = {} is beyond the half-precision range (±65504)",
+                x[i]
+            )));
+        }
         write_header(out, CodecId::Fp16, x.len());
         out.reserve(2 * x.len());
         for &v in x {
@@ -71,6 +87,10 @@ impl Codec for Fp16 {
         let mut r = check_header(bytes, CodecId::Fp16, acc.len())?;
         let p = r.rest();
         expect_len(p.len(), acc.len() * 2)?;
+        let val = |c: &[u8]| half::f16::from_le_bytes([c[0], c[1]]);
+        if let Some(i) = p.chunks_exact(2).position(|c| !val(c).is_finite()) {
+            return Err(Error::Decode(format!("value {i} is not finite")));
+        }
         for (a, c) in acc.iter_mut().zip(p.chunks_exact(2)) {
             *a += half::f16::from_le_bytes([c[0], c[1]]).to_f32();
         }

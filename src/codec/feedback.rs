@@ -17,6 +17,8 @@ pub struct ErrorFeedback {
     residual: Vec<f32>,
     #[serde(skip)]
     decoded: Vec<f32>,
+    #[serde(skip)]
+    sum: Vec<f32>,
 }
 
 impl ErrorFeedback {
@@ -25,6 +27,7 @@ impl ErrorFeedback {
         ErrorFeedback {
             residual: vec![0.0; n],
             decoded: vec![0.0; n],
+            sum: vec![0.0; n],
         }
     }
 
@@ -34,7 +37,8 @@ impl ErrorFeedback {
     }
 
     /// Add `grad` to the residual, encode the residual with `codec` into `out`,
-    /// and subtract what the receiver will decode.
+    /// and subtract what the receiver will decode. On any error (NaN/Inf in
+    /// `grad`, a codec error) the residual is left as it was.
     pub fn step(&mut self, codec: &mut dyn Codec, grad: &[f32], out: &mut Vec<u8>) -> Result<()> {
         if grad.len() != self.residual.len() {
             return Err(Error::InvalidArgument(format!(
@@ -43,14 +47,17 @@ impl ErrorFeedback {
                 self.residual.len()
             )));
         }
+        // A bad gradient must not poison the residual for every later step.
+        super::check_finite(grad)?;
+        // Work on scratch so any error leaves the residual as it was.
+        self.sum.clear();
+        self.sum
+            .extend(self.residual.iter().zip(grad).map(|(r, g)| r + g));
         self.decoded.resize(self.residual.len(), 0.0);
-        for (r, g) in self.residual.iter_mut().zip(grad) {
-            *r += *g;
-        }
-        codec.encode(&self.residual, out)?;
+        codec.encode(&self.sum, out)?;
         codec.decode(out, &mut self.decoded)?;
-        for (r, d) in self.residual.iter_mut().zip(&self.decoded) {
-            *r -= *d;
+        for ((r, s), d) in self.residual.iter_mut().zip(&self.sum).zip(&self.decoded) {
+            *r = s - d;
         }
         Ok(())
     }

@@ -56,20 +56,30 @@ impl Codec for Qsgd {
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_finite(x)?;
         write_header(out, CodecId::Qsgd, x.len());
-        let norm = x
+        let norm64 = x
             .iter()
             .map(|&v| (v as f64) * (v as f64))
             .sum::<f64>()
-            .sqrt() as f32;
+            .sqrt();
+        if norm64 > f32::MAX as f64 {
+            return Err(Error::InvalidArgument(format!(
+                "qsgd: the norm {norm64:e} overflows f32; scale the gradient down"
+            )));
+        }
+        let norm = norm64 as f32;
         out.push(self.bits as u8);
         out.extend_from_slice(&norm.to_le_bytes());
         let s = Self::levels(self.bits) as f32;
-        let scale = if norm > 0.0 { s / norm } else { 0.0 };
         let sign_bit = 1u64 << (self.bits - 1);
         out.reserve((x.len() * self.bits as usize).div_ceil(8));
         let (mut acc, mut nacc) = (0u64, 0u32);
         for &v in x {
-            let r = (v.abs() * scale).min(s);
+            // |v|/‖x‖ ≤ 1 first: no overflow even for tiny norms.
+            let r = if norm > 0.0 {
+                (v.abs() / norm * s).min(s)
+            } else {
+                0.0
+            };
             let l = r.floor();
             let level = if self.rng.gen::<f32>() < r - l {
                 l + 1.0
@@ -204,5 +214,12 @@ mod tests {
         q.decode(&m, &mut out).expect("dec");
         assert!(out.iter().all(|&v| v == 0.0));
         assert!(q.encode(&[f32::INFINITY], &mut m).is_err());
+        assert!(q.encode(&[f32::MAX, f32::MAX], &mut m).is_err());
+        // Tiny norm: zeros stay zero, the bound holds.
+        q.encode(&[1e-38, 0.0], &mut m).expect("tiny");
+        let mut out = [5f32; 2];
+        q.decode(&m, &mut out).expect("dec");
+        assert_eq!(out[1], 0.0);
+        assert!((out[0] - 1e-38).abs() <= 1e-38 / 7.0 * 1.01);
     }
 }

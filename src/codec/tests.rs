@@ -137,6 +137,16 @@ fn error_feedback_tracks_the_running_sum() {
         assert!(ef.residual()[i].abs() < 0.05);
     }
     assert!(ef.step(&mut c, &[0.0; 3], &mut msg).is_err());
+    // A NaN gradient is refused and leaves the residual untouched.
+    let before = ef.residual().to_vec();
+    let mut bad = vec![0.0f32; n];
+    bad[3] = f32::NAN;
+    assert!(ef.step(&mut c, &bad, &mut msg).is_err());
+    assert_eq!(ef.residual(), &before[..]);
+    // A codec error (fp16 range) after the add is rolled back as well.
+    let mut h = Fp16;
+    assert!(ef.step(&mut h, &vec![1e6f32; n], &mut msg).is_err());
+    assert_eq!(ef.residual(), &before[..]);
 }
 
 proptest! {
