@@ -161,17 +161,13 @@ fn allreduce_cases<T: FromF64>(
         let mut reference = vec![T::zeroed(); n];
         comm.native_allreduce_sum(input, &mut reference)
             .expect("MPI transport")?;
-        let abs_sum = {
-            let mut a: Vec<T> = input
-                .iter()
-                .map(|x| T::from_f64(x.to_f64().abs()))
-                .collect();
-            let mut r = vec![T::zeroed(); n];
-            comm.native_allreduce_sum(&a, &mut r)
-                .expect("MPI transport")?;
-            a.clear();
-            r
-        };
+        let abs_in: Vec<T> = input
+            .iter()
+            .map(|x| T::from_f64(x.to_f64().abs()))
+            .collect();
+        let mut abs_sum = vec![T::zeroed(); n];
+        comm.native_allreduce_sum(&abs_in, &mut abs_sum)
+            .expect("MPI transport")?;
         for algo in algos() {
             let chunk_list: &[usize] = if algo == AllreduceAlgo::Ring {
                 chunks

@@ -94,7 +94,7 @@ fn check_density(density: f64) -> Result<()> {
     Ok(())
 }
 
-/// `k = max(1, ceil(density · n))`, at most `n`.
+/// `k = max(1, ceil(density · n))`, at most `n` (so 0 for an empty tensor).
 pub fn rgc_k(density: f64, n: usize) -> usize {
     ((density * n as f64).ceil() as usize)
         .clamp(1, n.max(1))
@@ -183,11 +183,7 @@ impl Codec for Rgc {
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_n(x.len())?;
         check_finite(x)?;
-        let k = if x.is_empty() {
-            0
-        } else {
-            rgc_k(self.density, x.len())
-        };
+        let k = rgc_k(self.density, x.len());
         let (idx, val) = (&mut self.idx, &mut self.val);
         match self.method {
             RgcMethod::Exact => exact_topk(x, k, idx, val)?,
@@ -278,11 +274,7 @@ impl Codec for RgcQuant {
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_n(x.len())?;
         check_finite(x)?;
-        let k = if x.is_empty() {
-            0
-        } else {
-            rgc_k(self.density, x.len())
-        };
+        let k = rgc_k(self.density, x.len());
         exact_topk_signed(x, k, self.next_is_positive(), &mut self.idx, &mut self.val)?;
         self.calls += 1;
         let mean = if self.val.is_empty() {
