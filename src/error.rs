@@ -57,6 +57,34 @@ pub enum Error {
     /// it is decoded into. Decoders return this instead of panicking.
     #[error("decode error: {0}")]
     Decode(String),
+    /// A peer's fused message, or one layer's unit in it, is corrupt or
+    /// truncated. Names the sending rank and the layer.
+    #[error("bad message from rank {rank}, layer {layer:?}: {reason}")]
+    PeerMessage {
+        /// Rank whose message is bad.
+        rank: usize,
+        /// Layer name (`"<fused header>"` for the message framing).
+        layer: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Ranks disagree on the synchronization engine's layer table (names,
+    /// shapes, strategies, options). Returned on every rank.
+    #[error("layer table differs across ranks: {0}")]
+    TableMismatch(String),
+    /// A gradient held NaN or Inf and the engine's policy is to fail. Returned
+    /// on every rank.
+    #[error("non-finite gradient in layer {layer:?} {}", match .rank { Some(r) => format!("from rank {r}"), None => "(found in the allreduced result)".to_string() })]
+    NonFinite {
+        /// The rank whose gradient was bad, when known.
+        rank: Option<usize>,
+        /// Layer name.
+        layer: String,
+    },
+    /// A snapshot file is unreadable, from another version, or from another
+    /// layer table or rank.
+    #[error("snapshot: {0}")]
+    Snapshot(String),
     /// I/O error (CLI and reports).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),

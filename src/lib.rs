@@ -10,6 +10,10 @@
 //!   recursive-doubling allgatherv.
 //! * [`select`]: communication-set selection for sparse codecs (exact,
 //!   trimmed top-k, threshold binary search with reuse; RedSync §5.2).
+//! * [`codec`]: the papers' compression codecs under one contract.
+//! * [`sparse`]: packed per-layer units fused into one message per rank and
+//!   exchanged by one allgatherv (RedSync §5.3).
+//! * [`sync`]: the engine a training loop calls every step ([`sync::GradSync`]).
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
 //!
 //! ```
@@ -31,6 +35,8 @@ pub mod comm;
 pub mod dense;
 mod error;
 pub mod select;
+pub mod sparse;
+pub mod sync;
 
 pub use error::{Error, Result};
 

@@ -111,6 +111,43 @@ pub trait Codec: Send + Sync {
         out.fill(0.0);
         self.decode_add(bytes, out)
     }
+    /// Visit each `(index, value)` a sparse message adds, after validating
+    /// the whole message; returns `Ok(false)` without visiting for dense
+    /// codecs. The engine uses it to update residuals and mask momentum in
+    /// O(k) instead of O(n).
+    fn for_each_sent(&self, bytes: &[u8], n: usize, f: &mut dyn FnMut(usize, f32)) -> Result<bool> {
+        let _ = (bytes, n, f);
+        Ok(false)
+    }
+    /// Change the fraction of elements sent, for codecs that have one
+    /// (`rgc`, `rgc-quant`: `density`; `sbc`: `p`). The synchronization engine
+    /// uses it for density warm-up schedules. Others return
+    /// [`Error::Unsupported`].
+    fn set_density(&mut self, density: f64) -> Result<()> {
+        Err(Error::Unsupported(format!(
+            "codec {} has no density parameter (asked for {density})",
+            self.config().name()
+        )))
+    }
+    /// Encoder state that shapes future messages (RGC-quant's sign turn, a
+    /// reused threshold, QSGD's call counter), as bytes for snapshots. Empty
+    /// for stateless codecs.
+    fn state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Restore what [`state`](Self::state) returned. Hostile bytes give
+    /// [`Error::Decode`].
+    fn set_state(&mut self, state: &[u8]) -> Result<()> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Decode(format!(
+                "codec {} is stateless but got {} state bytes",
+                self.config().name(),
+                state.len()
+            )))
+        }
+    }
 }
 
 /// Write the common header for `n` elements of codec `id` into `out` (cleared).

@@ -21,7 +21,9 @@ use rand::{Rng, SeedableRng};
 pub struct Qsgd {
     bits: u32,
     seed: u64,
-    rng: SmallRng,
+    /// Messages encoded so far; call `c` draws from an RNG seeded with
+    /// `seed` and `c`, so a restored encoder continues the same stream.
+    calls: u64,
 }
 
 impl Qsgd {
@@ -35,7 +37,7 @@ impl Qsgd {
         Ok(Qsgd {
             bits,
             seed,
-            rng: SmallRng::seed_from_u64(seed),
+            calls: 0,
         })
     }
     fn levels(bits: u32) -> u32 {
@@ -69,6 +71,9 @@ impl Codec for Qsgd {
         let norm = norm64 as f32;
         out.push(self.bits as u8);
         out.extend_from_slice(&norm.to_le_bytes());
+        let mut rng =
+            SmallRng::seed_from_u64(self.seed ^ self.calls.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.calls += 1;
         let s = Self::levels(self.bits) as f32;
         let sign_bit = 1u64 << (self.bits - 1);
         out.reserve((x.len() * self.bits as usize).div_ceil(8));
@@ -81,11 +86,7 @@ impl Codec for Qsgd {
                 0.0
             };
             let l = r.floor();
-            let level = if self.rng.gen::<f32>() < r - l {
-                l + 1.0
-            } else {
-                l
-            };
+            let level = if rng.gen::<f32>() < r - l { l + 1.0 } else { l };
             let mut code = (level.min(s)) as u64;
             if v < 0.0 && code != 0 {
                 code |= sign_bit;
@@ -101,6 +102,16 @@ impl Codec for Qsgd {
         if nacc > 0 {
             out.push(acc as u8);
         }
+        Ok(())
+    }
+    fn state(&self) -> Vec<u8> {
+        self.calls.to_le_bytes().to_vec()
+    }
+    fn set_state(&mut self, state: &[u8]) -> Result<()> {
+        let b: [u8; 8] = state.try_into().map_err(|_| {
+            Error::Decode(format!("qsgd state must be 8 bytes, got {}", state.len()))
+        })?;
+        self.calls = u64::from_le_bytes(b);
         Ok(())
     }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {

@@ -170,6 +170,16 @@ impl Rgc {
     }
 }
 
+/// Read a little-endian state record of `N` bytes.
+fn state_bytes<const N: usize>(state: &[u8], what: &str) -> Result<[u8; N]> {
+    state.try_into().map_err(|_| {
+        Error::Decode(format!(
+            "{what} state must be {N} bytes, got {}",
+            state.len()
+        ))
+    })
+}
+
 impl Codec for Rgc {
     fn id(&self) -> CodecId {
         CodecId::Rgc
@@ -206,8 +216,26 @@ impl Codec for Rgc {
         }
         Ok(())
     }
+    fn set_density(&mut self, density: f64) -> Result<()> {
+        check_density(density)?;
+        self.density = density;
+        Ok(())
+    }
+    fn state(&self) -> Vec<u8> {
+        self.search.export_state().to_vec()
+    }
+    fn set_state(&mut self, state: &[u8]) -> Result<()> {
+        self.search
+            .import_state(&state_bytes::<{ ThresholdSearch::STATE_LEN }>(
+                state, "rgc",
+            )?);
+        Ok(())
+    }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
-        let n = acc.len();
+        self.for_each_sent(bytes, acc.len(), &mut |i, v| acc[i] += v)
+            .map(|_| ())
+    }
+    fn for_each_sent(&self, bytes: &[u8], n: usize, f: &mut dyn FnMut(usize, f32)) -> Result<bool> {
         let mut r = check_header(bytes, CodecId::Rgc, n)?;
         let len = read_len(&mut r, n, 0, 8)?;
         let idx = r.bytes(4 * len)?;
@@ -225,9 +253,9 @@ impl Codec for Rgc {
             )));
         }
         for (i, c) in u32s(idx).zip(val.chunks_exact(4)) {
-            acc[i] += f32::from_le_bytes(c.try_into().expect("4 bytes"));
+            f(i, f32::from_le_bytes(c.try_into().expect("4 bytes")));
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -291,8 +319,23 @@ impl Codec for RgcQuant {
         }
         Ok(())
     }
+    fn set_density(&mut self, density: f64) -> Result<()> {
+        check_density(density)?;
+        self.density = density;
+        Ok(())
+    }
+    fn state(&self) -> Vec<u8> {
+        self.calls.to_le_bytes().to_vec()
+    }
+    fn set_state(&mut self, state: &[u8]) -> Result<()> {
+        self.calls = u64::from_le_bytes(state_bytes::<8>(state, "rgc-quant")?);
+        Ok(())
+    }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
-        let n = acc.len();
+        self.for_each_sent(bytes, acc.len(), &mut |i, v| acc[i] += v)
+            .map(|_| ())
+    }
+    fn for_each_sent(&self, bytes: &[u8], n: usize, f: &mut dyn FnMut(usize, f32)) -> Result<bool> {
         let mut r = check_header(bytes, CodecId::RgcQuant, n)?;
         let len = read_len(&mut r, n, 4, 4)?;
         let mean = r.finite_f32()?;
@@ -300,9 +343,9 @@ impl Codec for RgcQuant {
         r.finish()?;
         check_indices(idx, n)?;
         for i in u32s(idx) {
-            acc[i] += mean;
+            f(i, mean);
         }
-        Ok(())
+        Ok(true)
     }
 }
 

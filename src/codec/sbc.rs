@@ -284,6 +284,10 @@ impl Codec for Sbc {
         CodecConfig::Sbc { p: self.p }
     }
 
+    fn set_density(&mut self, density: f64) -> Result<()> {
+        *self = Sbc::new(density)?;
+        Ok(())
+    }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_finite(x)?;
         let mean = self.binarize(x);
@@ -305,8 +309,11 @@ impl Codec for Sbc {
     }
 
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
-        let mut r = check_header(bytes, CodecId::Sbc, acc.len())?;
-        let n = acc.len();
+        self.for_each_sent(bytes, acc.len(), &mut |i, v| acc[i] += v)
+            .map(|_| ())
+    }
+    fn for_each_sent(&self, bytes: &[u8], n: usize, f: &mut dyn FnMut(usize, f32)) -> Result<bool> {
+        let mut r = check_header(bytes, CodecId::Sbc, n)?;
         let b = r.u8()?;
         if b > MAX_RICE_PARAMETER {
             return Err(Error::Decode(format!(
@@ -322,7 +329,8 @@ impl Codec for Sbc {
         let payload = r.rest();
         // Validate the whole stream first, then apply it.
         walk_positions(payload, b, count, n, |_| {})?;
-        walk_positions(payload, b, count, n, |p| acc[p] += mean)
+        walk_positions(payload, b, count, n, |p| f(p, mean))?;
+        Ok(true)
     }
 }
 

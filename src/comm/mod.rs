@@ -86,6 +86,13 @@ pub trait Transport {
     /// path until the returned request has been waited on or dropped.
     unsafe fn irecv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<Self::Request>;
 
+    /// Whether this transport may be driven from a helper thread (the
+    /// engine's progress thread) while the thread that created it computes.
+    /// For MPI this needs `MPI_THREAD_SERIALIZED` or better.
+    fn progress_thread_ok(&self) -> bool {
+        true
+    }
+
     /// Synchronize all ranks.
     fn barrier(&self) -> Result<()>;
 

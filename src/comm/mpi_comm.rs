@@ -37,10 +37,12 @@ pub struct MpiComm<C: Communicator = SimpleCommunicator> {
     size: usize,
 }
 
-// SAFETY: MPI communicator handles may be used from any thread the MPI
-// threading level allows; gradsync itself never shares one across threads
-// concurrently.
-unsafe impl<C: Communicator + Send> Send for MpiComm<C> {}
+// SAFETY: an MPI communicator handle is a process-wide reference that any
+// thread may use within the MPI threading level; gradsync moves a communicator
+// to its progress thread only when the level is at least
+// `MPI_THREAD_SERIALIZED` (see `Transport::progress_thread_ok`) and never uses
+// one from two threads at once.
+unsafe impl<C: Communicator> Send for MpiComm<C> {}
 
 impl MpiComm<SimpleCommunicator> {
     /// Duplicate `comm` (`MPI_Comm_dup`, collective over `comm`) and set
@@ -224,6 +226,9 @@ impl<C: Communicator> Transport for MpiComm<C> {
     }
     fn size(&self) -> usize {
         self.size
+    }
+    fn progress_thread_ok(&self) -> bool {
+        mpi::environment::threading_support() >= mpi::Threading::Serialized
     }
 
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {

@@ -194,6 +194,15 @@ pub(crate) fn add_into<T: Real>(dst: &mut [T], src: &[T]) {
     }
 }
 
+/// `dst[i] -= src[i]`.
+#[inline]
+pub(crate) fn sub_from(dst: &mut [f32], src: &[f32]) {
+    debug_assert_eq!(dst.len(), src.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d -= *s;
+    }
+}
+
 #[inline]
 pub(crate) fn scale<T: Real>(buf: &mut [T], f: T) {
     for x in buf {

@@ -382,6 +382,36 @@ impl ThresholdSearch {
         self.searches
     }
 
+    /// Length of [`export_state`](Self::export_state)'s record.
+    pub const STATE_LEN: usize = 29;
+
+    /// The reuse state (stored threshold, calls left, the tensor length and
+    /// `k` it was found for, search count) as a fixed little-endian record,
+    /// so a restored search continues exactly where it stopped.
+    pub fn export_state(&self) -> [u8; Self::STATE_LEN] {
+        let mut b = [0u8; Self::STATE_LEN];
+        b[0] = u8::from(self.threshold.is_some());
+        b[1..5].copy_from_slice(&self.threshold.unwrap_or(0.0).to_le_bytes());
+        b[5..9].copy_from_slice(&self.reuse_left.to_le_bytes());
+        b[9..17].copy_from_slice(&(self.len as u64).to_le_bytes());
+        b[17..25].copy_from_slice(&(self.k as u64).to_le_bytes());
+        b[25..29].copy_from_slice(&(self.searches as u32).to_le_bytes());
+        b
+    }
+
+    /// Restore a record from [`export_state`](Self::export_state). Any bytes
+    /// are safe: a nonsense record only makes the next call search.
+    pub fn import_state(&mut self, b: &[u8; Self::STATE_LEN]) {
+        let f = |r: std::ops::Range<usize>| -> [u8; 4] { b[r].try_into().expect("4 bytes") };
+        let g = |r: std::ops::Range<usize>| -> [u8; 8] { b[r].try_into().expect("8 bytes") };
+        let t = f32::from_le_bytes(f(1..5));
+        self.threshold = (b[0] == 1 && !t.is_nan()).then_some(t);
+        self.reuse_left = u32::from_le_bytes(f(5..9)).min(self.interval);
+        self.len = usize::try_from(u64::from_le_bytes(g(9..17))).unwrap_or(usize::MAX);
+        self.k = usize::try_from(u64::from_le_bytes(g(17..25))).unwrap_or(usize::MAX);
+        self.searches = u64::from(u32::from_le_bytes(f(25..29)));
+    }
+
     /// Forget the stored threshold; the next call searches.
     pub fn reset(&mut self) {
         self.threshold = None;

@@ -1,0 +1,523 @@
+//! Engine tests on the in-process transport; the same scenarios run on real
+//! MPI ranks in `tests/mpi.rs` (through `examples/engine_check.rs`).
+
+use super::*;
+use crate::codec::CodecConfig;
+use crate::comm::LocalComm;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
+    let mut rng = SmallRng::seed_from_u64((rank as u64) << 40 ^ step << 20 ^ layer as u64);
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+fn cfg() -> Config {
+    Config {
+        overlap: false,
+        ..Config::default()
+    }
+}
+
+/// The engine's sparse result equals the average of every rank's decoded
+/// unit, summed in rank order (the reference an MPI test compares against).
+fn check_codec(codec: &str, p: usize, overlap: bool) {
+    let codec: CodecConfig = codec.parse().expect("codec parses");
+    let n = [1000usize, 37, 0];
+    let res = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, Config { overlap, ..cfg() }).expect("engine");
+        let ids: Vec<_> = n
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                s.register_with(
+                    &format!("l{i}"),
+                    &[n],
+                    Strategy::Sparse {
+                        codec: codec.clone(),
+                        density: None,
+                    },
+                )
+                .expect("register")
+            })
+            .collect();
+        let mut runs = Vec::new();
+        for step in 0..3u64 {
+            let mut g: Vec<Vec<f32>> = n
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| grad(rank, step, i, n))
+                .collect();
+            let mut views: Vec<&mut [f32]> = g.iter_mut().map(|v| &mut v[..]).collect();
+            s.sync(&mut views).expect("sync");
+            let units: Vec<Vec<u8>> = ids.iter().map(|&id| s.last_unit(id).to_vec()).collect();
+            runs.push((g, units));
+        }
+        runs
+    });
+    let dec = codec.build().expect("codec");
+    for step in 0..3 {
+        for (li, &len) in n.iter().enumerate() {
+            let mut want = vec![0f32; len];
+            for r in res.iter() {
+                dec.decode_add(&r[step].1[li], &mut want).expect("decode");
+            }
+            for x in &mut want {
+                *x *= 1.0 / p as f32;
+            }
+            for (r, rr) in res.iter().enumerate() {
+                assert_eq!(
+                    rr[step].0[li], want,
+                    "codec {codec:?} p={p} step {step} layer {li} rank {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_sync_equals_sum_of_decoded_units_for_every_codec() {
+    for codec in [
+        "rgc:density=0.01",
+        "rgc:density=0.01,method=threshold",
+        "rgc:density=0.01,method=sampled",
+        "rgc-quant:density=0.02",
+        "sbc:p=0.01",
+        "3lc",
+        "fastsgd:tau=40",
+        "qsgd",
+        "fp16",
+        "none",
+    ] {
+        for p in [1, 2, 3, 5] {
+            check_codec(codec, p, false);
+        }
+    }
+}
+
+#[test]
+fn overlapped_start_wait_gives_the_same_result() {
+    for p in [1, 2, 4] {
+        check_codec("rgc:density=0.05", p, true);
+    }
+}
+
+#[test]
+fn mixed_table_dense_layers_equal_the_average() {
+    let p = 3;
+    let res = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register("small", &[10]).expect("dense by size");
+        s.register_with("big", &[5000], Strategy::rgc(0.001))
+            .expect("sparse");
+        s.register("empty", &[0]).expect("empty");
+        assert_eq!(s.layer(LayerId(0)).expect("layer").2, &Strategy::Dense);
+        let mut a = vec![rank as f32 + 1.0; 10];
+        let mut b = vec![0.0f32; 5000];
+        b[rank * 7] = 5.0; // each rank's single big value
+        let mut e: Vec<f32> = vec![];
+        let st = s
+            .sync(&mut [&mut a[..], &mut b[..], &mut e[..]])
+            .expect("sync")
+            .clone();
+        (a, b, st)
+    });
+    for (a, b, st) in &res {
+        assert!(a.iter().all(|&x| x == 2.0), "average of 1, 2, 3");
+        for r in 0..p {
+            assert_eq!(b[r * 7], 5.0 * (1.0 / 3.0f32));
+        }
+        assert_eq!(st.layers[0].strategy, "dense");
+        assert_eq!(st.layers[1].strategy, "sparse");
+        assert_eq!(st.layers[1].codec, "rgc");
+        assert_eq!(st.layers[1].bytes_sent, 12 + 4 + 8 * 5);
+        assert!(st.fused_bytes > 0 && st.dense_bytes == 40);
+    }
+}
+
+#[test]
+fn empty_selections_and_all_zero_gradients_work() {
+    // fastsgd keeps nothing of an all-zero gradient: an empty unit.
+    let res = LocalComm::run(4, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        let codec: CodecConfig = "fastsgd".parse().expect("codec");
+        s.register_with(
+            "l",
+            &[256],
+            Strategy::Sparse {
+                codec,
+                density: None,
+            },
+        )
+        .expect("register");
+        let mut g = if rank % 2 == 0 {
+            vec![0.0f32; 256]
+        } else {
+            grad(rank, 0, 0, 256)
+        };
+        s.sync(&mut [&mut g[..]]).expect("sync");
+        g
+    });
+    assert!(res.windows(2).all(|w| w[0] == w[1]));
+}
+
+#[test]
+fn mismatched_layer_tables_fail_on_every_rank() {
+    let res = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register("a", &[100]).expect("same on all ranks");
+        let shape = if rank == 1 { [101] } else { [100] };
+        s.register("b", &shape)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    for r in &res {
+        let e = r.as_ref().expect_err("every rank fails");
+        assert!(e.contains("layer #1 \"b\""), "{e}");
+    }
+    // Different numbers of layers: caught before the first step.
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register("a", &[10]).expect("register");
+        let mut g = vec![vec![1.0f32; 10]; 1 + rank];
+        if rank == 1 {
+            if let Err(e) = s.register("b", &[10]) {
+                return e.to_string();
+            }
+        }
+        let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+        s.sync(&mut v)
+            .map(|_| String::new())
+            .unwrap_or_else(|e| e.to_string())
+    });
+    assert!(res.iter().all(|e| e.contains("differs")), "{res:?}");
+    // Different options.
+    let res = LocalComm::run(2, |c| {
+        let m = if c.rank() == 0 { 0.9 } else { 0.0 };
+        GradSync::with_transport(
+            c,
+            Config {
+                momentum: m,
+                ..cfg()
+            },
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    });
+    assert!(res.iter().all(|r| r.is_err()));
+}
+
+fn full_cfg() -> Config {
+    Config {
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 1e-4,
+        clip_norm: Some(5.0),
+        warmup: Warmup::Density {
+            schedule: vec![0.25, 0.0625],
+            steps_per_stage: 1,
+        },
+        ..cfg()
+    }
+}
+
+fn register_full(s: &mut GradSync<LocalComm>) {
+    s.register("dense", &[64]).expect("register");
+    s.register_with(
+        "thr",
+        &[3000],
+        Strategy::Sparse {
+            codec: "rgc:method=threshold".parse().expect("codec"),
+            density: Some(0.01),
+        },
+    )
+    .expect("register");
+    s.register_with(
+        "quant",
+        &[2000],
+        Strategy::Sparse {
+            codec: "rgc-quant".parse().expect("codec"),
+            density: Some(0.01),
+        },
+    )
+    .expect("register");
+    s.register_with(
+        "qsgd",
+        &[500],
+        Strategy::Sparse {
+            codec: "qsgd".parse().expect("codec"),
+            density: None,
+        },
+    )
+    .expect("register");
+}
+
+/// Run steps `from..to`, returning every step's outputs.
+fn steps(s: &mut GradSync<LocalComm>, rank: usize, from: u64, to: u64) -> Vec<Vec<Vec<f32>>> {
+    let n = [64usize, 3000, 2000, 500];
+    let w: Vec<Vec<f32>> = n.iter().map(|&n| vec![0.5; n]).collect();
+    let wv: Vec<&[f32]> = w.iter().map(|x| &x[..]).collect();
+    (from..to)
+        .map(|t| {
+            let mut g: Vec<Vec<f32>> = n
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| grad(rank, t, i, n))
+                .collect();
+            let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+            s.sync_with_weights(&mut v, &wv).expect("sync");
+            g
+        })
+        .collect()
+}
+
+#[test]
+fn snapshot_restore_continues_bitwise() {
+    let p = 3;
+    let straight = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
+        register_full(&mut s);
+        steps(&mut s, rank, 0, 8)
+    });
+    let dir = std::env::temp_dir().join(format!("gradsync-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let resumed = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let path = dir.join(format!("rank{rank}.snap"));
+        let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
+        register_full(&mut s);
+        steps(&mut s, rank, 0, 4);
+        s.save_snapshot(&path).expect("save");
+        drop(s);
+        // A fresh engine (as after a restart) on a fresh transport is built
+        // below; here only the file survives.
+        path
+    });
+    let after = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
+        register_full(&mut s);
+        s.load_snapshot(&resumed[rank]).expect("load");
+        assert_eq!(s.step(), 4);
+        steps(&mut s, rank, 4, 8)
+    });
+    for r in 0..p {
+        for t in 0..4 {
+            let (a, b) = (&straight[r][4 + t], &after[r][t]);
+            for (x, y) in a.iter().zip(b) {
+                let (xb, yb): (Vec<u32>, Vec<u32>) = (
+                    x.iter().map(|v| v.to_bits()).collect(),
+                    y.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(xb, yb, "rank {r} step {}", 4 + t);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn corrupt_or_foreign_snapshots_are_rejected_and_change_nothing() {
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
+        register_full(&mut s);
+        steps(&mut s, 0, 0, 2);
+        let good = s.snapshot_bytes().expect("snapshot");
+        let residual = s.residual(LayerId(1)).expect("sparse").to_vec();
+        for cut in [0, 7, 20, good.len() / 2, good.len() - 1] {
+            assert!(s.restore_bytes(&good[..cut]).is_err(), "truncated at {cut}");
+        }
+        let mut bad = good.clone();
+        bad[9] ^= 1; // version
+        assert!(s.restore_bytes(&bad).is_err());
+        let mut bad = good.clone();
+        bad[30] ^= 0x40; // table hash
+        assert!(s.restore_bytes(&bad).is_err());
+        assert_eq!(s.residual(LayerId(1)).expect("sparse"), &residual[..]);
+        assert_eq!(s.step(), 2);
+        s.restore_bytes(&good).expect("restores");
+    });
+}
+
+#[test]
+fn non_finite_gradients_follow_the_policy() {
+    for policy in [NonFinitePolicy::Error, NonFinitePolicy::Propagate] {
+        let res = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(
+                c,
+                Config {
+                    non_finite: policy,
+                    ..cfg()
+                },
+            )
+            .expect("engine");
+            s.register("d", &[8]).expect("dense");
+            let id = s
+                .register_with("s", &[400], Strategy::rgc(0.01))
+                .expect("sparse");
+            let mut d = vec![1.0f32; 8];
+            let mut g = grad(rank, 0, 1, 400);
+            if rank == 2 {
+                g[17] = f32::NAN;
+            }
+            let r = s.sync(&mut [&mut d[..], &mut g[..]]).map(|_| ());
+            let res_ok = s
+                .residual(id)
+                .expect("sparse")
+                .iter()
+                .all(|x| x.is_finite());
+            (r.map_err(|e| e.to_string()), g, d, res_ok)
+        });
+        for (r, g, d, res_ok) in &res {
+            assert!(res_ok, "residual not poisoned");
+            assert!(d.iter().all(|&x| x == 1.0), "other layers are written");
+            match policy {
+                NonFinitePolicy::Error => {
+                    let e = r.as_ref().expect_err("every rank fails");
+                    assert!(e.contains("\"s\"") && e.contains("rank 2"), "{e}");
+                }
+                NonFinitePolicy::Propagate => {
+                    r.as_ref().expect("no error");
+                    assert!(g.iter().all(|x| x.is_nan()));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn communication_delay_resynchronizes_weights_exactly() {
+    // Codec `none`: every T-th step the weights equal those of T dense steps
+    // on the summed local directions.
+    let (p, t, lr) = (3, 4u64, 0.5f32);
+    let res = LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, Config { delay: t, ..cfg() }).expect("engine");
+        s.register_with(
+            "l",
+            &[64],
+            Strategy::Sparse {
+                codec: CodecConfig::None,
+                density: None,
+            },
+        )
+        .expect("register");
+        s.register("d", &[16]).expect("dense");
+        let mut w = [vec![0.0f32; 64], vec![0.0f32; 16]];
+        let mut hist = Vec::new();
+        for step in 0..2 * t {
+            let mut g = [grad(rank, step, 0, 64), grad(rank, step, 1, 16)];
+            let [a, b] = &mut g;
+            let st = s.sync(&mut [&mut a[..], &mut b[..]]).expect("sync").clone();
+            assert_eq!(st.communicated, (step + 1) % t == 0);
+            for (wi, gi) in w.iter_mut().zip(&g) {
+                for (x, d) in wi.iter_mut().zip(gi) {
+                    *x -= lr * d;
+                }
+            }
+            hist.push(w.clone());
+        }
+        hist
+    });
+    for step in [t - 1, 2 * t - 1] {
+        let want: Vec<Vec<f32>> = [64usize, 16]
+            .iter()
+            .enumerate()
+            .map(|(li, &n)| {
+                (0..n)
+                    .map(|i| {
+                        let s: f64 = (0..=step)
+                            .flat_map(|st| (0..p).map(move |r| f64::from(grad(r, st, li, n)[i])))
+                            .sum();
+                        -(f64::from(lr) * s / p as f64) as f32
+                    })
+                    .collect()
+            })
+            .collect();
+        for h in &res {
+            for (a, b) in h[step as usize].iter().zip(&want) {
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() < 1e-4, "step {step}: {x} vs {y}");
+                }
+            }
+        }
+        // Ranks agree up to the rounding of their different local paths.
+        for h in &res[1..] {
+            for (a, b) in h[step as usize].iter().zip(&res[0][step as usize]) {
+                assert!(a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5));
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_warmup_then_sparse_and_momentum_masking() {
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                warmup: Warmup::Dense { steps: 2 },
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        let id = s
+            .register_with("l", &[1000], Strategy::rgc(0.01))
+            .expect("register");
+        let mut kinds = Vec::new();
+        for step in 0..4 {
+            let mut g = grad(rank, step, 0, 1000);
+            let st = s.sync(&mut [&mut g[..]]).expect("sync");
+            kinds.push(st.layers[0].strategy.clone());
+        }
+        let unit = s.last_unit(id).to_vec();
+        let mut sent = vec![0.0; 1000];
+        s.decode_unit(id, &unit, &mut sent).expect("decode");
+        let l = &s.layers[0];
+        // Momentum factor masking: U is zero wherever this rank sent.
+        let masked = sent.iter().zip(&l.u).all(|(&x, &u)| x == 0.0 || u == 0.0);
+        let exact = sent.iter().zip(&l.v).all(|(&x, &v)| x == 0.0 || v == 0.0);
+        (kinds, masked, exact)
+    });
+    for (kinds, masked, exact) in res {
+        assert_eq!(kinds, ["dense", "dense", "sparse", "sparse"]);
+        assert!(masked && exact);
+    }
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                weight_decay: 0.1,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("a", &[4]).expect("register");
+        let mut g = [0.0f32; 3];
+        assert!(s.sync(&mut [&mut g[..]]).is_err(), "wrong length");
+        let g = [0.0f32; 4];
+        assert!(s.start(&[&g[..]]).is_err(), "weight decay needs weights");
+        let mut out = [0.0f32; 4];
+        assert!(s.wait(&mut [&mut out[..]]).is_err(), "wait without start");
+        s.start_with_weights(&[&g[..]], &[&g[..]]).expect("start");
+        assert!(s.start_with_weights(&[&g[..]], &[&g[..]]).is_err(), "twice");
+        s.wait(&mut [&mut out[..]]).expect("wait");
+        assert!(s.register("late", &[4]).is_err(), "register after a step");
+    });
+    let bad = Config { delay: 0, ..cfg() };
+    LocalComm::run(1, |c| {
+        assert!(GradSync::with_transport(c, bad.clone()).is_err())
+    });
+}
