@@ -239,3 +239,84 @@ fn training_loop_example_runs_on_real_ranks() {
         assert!(out.contains(&format!("{np} ranks")), "{out}");
     }
 }
+
+fn engine_check() -> PathBuf {
+    let ex = example("engine_check");
+    assert!(ex.exists(), "{} not built", ex.display());
+    ex
+}
+
+#[test]
+fn engine_sparse_sync_equals_mpi_allreduce_of_decoded_units() {
+    let ex = engine_check();
+    for np in [1, 2, 3, 4, 5, 8] {
+        let (ok, out, err) = mpirun(np, &ex, &["codecs"], Duration::from_secs(300));
+        assert!(ok, "np={np}: {err}\n{out}");
+        for codec in ["rgc:", "rgc-quant", "sbc", "3lc", "fastsgd", "qsgd", "int8"] {
+            assert!(
+                out.lines().any(|l| l.starts_with(&format!("OK {codec}"))
+                    && l.ends_with(&format!("ranks={np}"))),
+                "np={np}: {codec} missing:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn engine_mismatched_layer_tables_fail_on_every_rank() {
+    let ex = engine_check();
+    for np in [2, 3, 5] {
+        let (ok, out, err) = mpirun(np, &ex, &["mismatch"], Duration::from_secs(120));
+        assert!(ok, "np={np}: {err}");
+        for r in 0..np {
+            assert!(
+                out.contains(&format!("MISMATCH rank {r}: layer table differs")),
+                "np={np} rank {r}:\n{out}"
+            );
+        }
+    }
+}
+
+fn step_hashes(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.starts_with("STEP "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn engine_snapshot_restore_across_jobs_is_bitwise_exact() {
+    let ex = engine_check();
+    for np in [1, 3, 4] {
+        let dir =
+            std::env::temp_dir().join(format!("gradsync-mpi-snap-{}-{np}", std::process::id()));
+        let d = dir.to_str().expect("utf-8 temp dir");
+        let lim = Duration::from_secs(120);
+        let (ok, straight, err) = mpirun(np, &ex, &["run", "--from", "0", "--to", "6"], lim);
+        assert!(ok, "{err}");
+        let (ok, first, err) = mpirun(
+            np,
+            &ex,
+            &["run", "--from", "0", "--to", "3", "--save", d],
+            lim,
+        );
+        assert!(ok, "{err}");
+        let (ok, second, err) = mpirun(
+            np,
+            &ex,
+            &["run", "--from", "3", "--to", "6", "--load", d],
+            lim,
+        );
+        assert!(ok, "{err}");
+        let straight = step_hashes(&straight);
+        assert_eq!(straight.len(), 6);
+        // Every rank's outputs are identical within a step.
+        for l in &straight {
+            let hs: Vec<&str> = l.split(' ').nth(2).expect("hashes").split(',').collect();
+            assert!(hs.iter().all(|h| *h == hs[0]), "ranks differ: {l}");
+        }
+        let resumed = [step_hashes(&first), step_hashes(&second)].concat();
+        assert_eq!(straight, resumed, "np={np}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
