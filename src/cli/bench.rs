@@ -15,7 +15,8 @@ use serde::Serialize;
 /// Arguments of `gradsync bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Collective: allreduce (f32 sum, in place) or allgatherv (bytes per rank).
+    /// Collective: allreduce (f32 sum, in place), allgatherv (bytes per
+    /// rank), or sparse (the engine's sparse synchronization vs dense MPI_Allreduce).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
     /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|all.
@@ -42,6 +43,25 @@ pub struct BenchArgs {
     /// Skip the per-call length validation (one 16-byte collective).
     #[arg(long)]
     pub no_validate: bool,
+    /// `--op sparse`: codec of every layer (`rgc`, `rgc-quant`, `3lc`, `sbc`,
+    /// `fastsgd`, ... with optional `:key=value` parameters).
+    #[arg(long, default_value = "rgc")]
+    pub codec: String,
+    /// `--op sparse`: bytes of each layer (a list runs one record per size).
+    #[arg(long, default_value = "16M")]
+    pub bytes: String,
+    /// `--op sparse`: fraction of elements sent (codecs with a density).
+    #[arg(long, default_value_t = 0.001)]
+    pub density: f64,
+    /// `--op sparse`: number of layers, fused into one allgatherv.
+    #[arg(long, default_value_t = 1)]
+    pub layers: usize,
+    /// `--op sparse`: communicate on the engine's progress thread.
+    #[arg(long)]
+    pub overlap: bool,
+    /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
+    #[arg(long, default_value = "recdbl")]
+    pub allgather: String,
 }
 
 /// One result line of `gradsync bench --json`.
@@ -74,7 +94,7 @@ pub struct BenchRecord {
     pub chunk_elems: usize,
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(super) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -102,7 +122,7 @@ fn any_rank(comm: &MpiComm, failed: bool) -> bool {
 }
 
 /// Barrier, then the time of `f` on this rank (MPI_Wtime).
-fn timed(comm: &MpiComm, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+pub(super) fn timed(comm: &MpiComm, f: impl FnOnce() -> Result<()>) -> Result<f64> {
     comm.barrier()?;
     let t0 = mpi::time();
     f()?;
@@ -112,7 +132,7 @@ fn timed(comm: &MpiComm, f: impl FnOnce() -> Result<()>) -> Result<f64> {
 /// Run `warmup + iters` interleaved rounds of the `nops` operations (index 0 is
 /// the MPI baseline); `round(k)` prepares op `k` untimed and returns its time
 /// from [`timed`]. Returns per-op per-iteration times of the slowest rank.
-fn time_interleaved(
+pub(super) fn time_interleaved(
     comm: &MpiComm,
     iters: usize,
     warmup: usize,
@@ -142,9 +162,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let records = match a.op.as_str() {
         "allreduce" => bench_allreduce(comm, a, &sizes)?,
         "allgatherv" => bench_allgatherv(comm, a, &sizes)?,
+        "sparse" => return super::sparse_bench::run(comm, a),
         other => {
             return Err(Error::InvalidArgument(format!(
-                "unknown --op {other:?} (allreduce, allgatherv)"
+                "unknown --op {other:?} (allreduce, allgatherv, sparse)"
             )))
         }
     };

@@ -4,6 +4,7 @@
 
 mod bench;
 mod codecs;
+mod sparse_bench;
 mod verify;
 
 use crate::comm::MpiComm;
@@ -12,6 +13,7 @@ use clap::{Parser, Subcommand};
 use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
+pub use sparse_bench::SparseRecord;
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use verify::VerifyArgs;
 
@@ -45,7 +47,9 @@ pub fn main() -> i32 {
             1
         });
     }
-    let Some(universe) = mpi::initialize() else {
+    // Serialized: the engine's progress thread may communicate while the
+    // main thread computes (`bench --op sparse --overlap`).
+    let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
         eprintln!("gradsync: MPI was already initialized");
         return 2;
     };

@@ -1,0 +1,260 @@
+//! `gradsync bench --op sparse`: one synchronization step of the engine
+//! ([`crate::sync::GradSync::sync`]) on `--layers` sparse layers of `--bytes`
+//! each, against `MPI_Allreduce` of the same gradient bytes (dense
+//! synchronization by the MPI library) in the same run, iterations
+//! interleaved. Reports the medians of the slowest rank and the time
+//! breakdown of the engine (select / pack / allgather / unpack, as RedSync's
+//! Fig. 10).
+
+use super::bench::{median, time_interleaved, timed, BenchArgs};
+use super::{max_over_ranks, parse_list, parse_size, synthetic};
+use crate::codec::CodecConfig;
+use crate::comm::{MpiComm, Transport};
+use crate::sync::{Config, GradSync, LayerId, Strategy};
+use crate::{Error, Result};
+use mpi::collective::{CommunicatorCollectives, SystemOperation};
+use serde::Serialize;
+
+/// One result line of `gradsync bench --op sparse --json`.
+#[derive(Serialize, Debug, Clone)]
+pub struct SparseRecord {
+    /// `sparse`.
+    pub op: String,
+    /// Codec name.
+    pub codec: String,
+    /// Codec parameters as used (`key=value,...`).
+    pub codec_params: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Bytes of each layer (f32 gradient).
+    pub bytes: usize,
+    /// Requested density (codecs with a density parameter).
+    pub density: f64,
+    /// Number of layers (fused into one allgatherv).
+    pub layers: usize,
+    /// Timed iterations.
+    pub iters: usize,
+    /// Median time of one engine step (slowest rank), seconds.
+    pub median_s: f64,
+    /// Minimum time of one engine step, seconds.
+    pub min_s: f64,
+    /// Median time of `MPI_Allreduce` on all layers' bytes, same run.
+    pub dense_mpi_median_s: f64,
+    /// `dense_mpi_median_s / median_s`.
+    pub speedup_vs_dense: f64,
+    /// Bytes of this rank's fused message (rank 0).
+    pub wire_bytes_per_rank: usize,
+    /// Fraction of elements rank 0 actually sent (last step).
+    pub sent_density: f64,
+    /// Median selection + encoding time, seconds (slowest rank).
+    pub select_s: f64,
+    /// Median residual update + packing time, seconds.
+    pub pack_s: f64,
+    /// Median allgatherv time, seconds.
+    pub allgather_s: f64,
+    /// Median unpack (scatter-add) time, seconds.
+    pub unpack_s: f64,
+    /// Allgatherv algorithm.
+    pub allgather: String,
+    /// Whether communication ran on the progress thread.
+    pub overlap: bool,
+    /// "ok", "failed" or "skipped".
+    pub check: String,
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    let sizes = parse_list(&a.bytes, parse_size)?;
+    let mut failed = false;
+    for (i, &bytes) in sizes.iter().enumerate() {
+        let rec = one(comm, a, bytes)?;
+        failed |= rec.check == "failed";
+        if comm.rank() == 0 {
+            if a.json {
+                println!("{}", serde_json::to_string(&rec)?);
+            } else {
+                if i == 0 {
+                    println!(
+                        "{:<10} {:>5} {:>10} {:>8} {:>6} {:>11} {:>11} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7}",
+                        "codec", "ranks", "bytes", "density", "layers", "median_us", "dense_us",
+                        "speedup", "wire_B", "select_us", "pack_us", "gather_us", "unpack_us", "check"
+                    );
+                }
+                println!(
+                    "{:<10} {:>5} {:>10} {:>8} {:>6} {:>11.1} {:>11.1} {:>8.2} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7}",
+                    rec.codec,
+                    rec.ranks,
+                    rec.bytes,
+                    rec.density,
+                    rec.layers,
+                    rec.median_s * 1e6,
+                    rec.dense_mpi_median_s * 1e6,
+                    rec.speedup_vs_dense,
+                    rec.wire_bytes_per_rank,
+                    rec.select_s * 1e6,
+                    rec.pack_s * 1e6,
+                    rec.allgather_s * 1e6,
+                    rec.unpack_s * 1e6,
+                    rec.check
+                );
+            }
+        }
+    }
+    Ok(i32::from(failed))
+}
+
+fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
+    if a.layers == 0 {
+        return Err(Error::InvalidArgument("--layers must be at least 1".into()));
+    }
+    if !(a.density > 0.0 && a.density <= 1.0) {
+        return Err(Error::InvalidArgument(format!(
+            "--density {} must lie in (0, 1]",
+            a.density
+        )));
+    }
+    let codec: CodecConfig = a.codec.parse()?;
+    let has_density = matches!(
+        codec,
+        CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. } | CodecConfig::Sbc { .. }
+    );
+    let world = comm.communicator();
+    let (rank, p) = (comm.rank(), comm.size());
+    let n = bytes / 4;
+    let cfg = Config {
+        overlap: a.overlap,
+        allgather: a.allgather.parse()?,
+        ..Config::default()
+    };
+    let mut s = GradSync::new(world, cfg)?;
+    let strategy = Strategy::Sparse {
+        codec: codec.clone(),
+        density: has_density.then_some(a.density),
+    };
+    let ids: Vec<LayerId> = (0..a.layers)
+        .map(|l| s.register_with(&format!("layer{l}"), &[n], strategy.clone()))
+        .collect::<Result<_>>()?;
+    let input: Vec<Vec<f32>> = (0..a.layers)
+        .map(|l| synthetic(n, "normal", (rank * 1000 + l) as u64 + 1))
+        .collect::<Result<_>>()?;
+    let mut work = input.clone();
+    let dense_in: Vec<f32> = input.concat();
+    let mut dense_out = vec![0f32; dense_in.len()];
+    // Per-iteration engine stats: select, pack, allgather, unpack.
+    let mut parts: [Vec<f64>; 4] = Default::default();
+    let mut wire = 0usize;
+    let mut sent = 0.0;
+    let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
+        if k == 0 {
+            timed(comm, || {
+                comm.native_allreduce_sum(&dense_in, &mut dense_out)
+                    .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
+            })
+        } else {
+            for (w, i) in work.iter_mut().zip(&input) {
+                w.copy_from_slice(i);
+            }
+            let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
+            let mut st = None;
+            let t = timed(comm, || {
+                st = Some(s.sync(&mut views)?.clone());
+                Ok(())
+            })?;
+            let st = st.expect("sync ran");
+            parts[0].push(st.select_s);
+            parts[1].push(st.pack_s);
+            parts[2].push(st.allgather_s);
+            parts[3].push(st.unpack_s);
+            wire = st.fused_bytes;
+            sent = st.layers.iter().map(|l| l.density).sum::<f64>() / st.layers.len() as f64;
+            Ok(t)
+        }
+    })?;
+    // Breakdown: median over iterations after warm-up, slowest rank.
+    let mut med_parts = [0f64; 4];
+    for (m, v) in med_parts.iter_mut().zip(parts.iter_mut()) {
+        let tail = v.split_off(a.warmup.min(v.len()));
+        *m = median(&mut tail.clone());
+    }
+    max_over_ranks(comm, &mut med_parts);
+    let check = if a.check { check(comm, &mut s, &ids, &input)? } else { "skipped" };
+    let dense = median(&mut times[0]);
+    let t = &mut times[1];
+    let med = median(t);
+    Ok(SparseRecord {
+        op: "sparse".into(),
+        codec: codec.name(),
+        codec_params: strategy_params(&strategy),
+        ranks: p,
+        bytes: n * 4,
+        density: a.density,
+        layers: a.layers,
+        iters: a.iters,
+        median_s: med,
+        min_s: t.iter().copied().fold(f64::INFINITY, f64::min),
+        dense_mpi_median_s: dense,
+        speedup_vs_dense: dense / med,
+        wire_bytes_per_rank: wire,
+        sent_density: sent,
+        select_s: med_parts[0],
+        pack_s: med_parts[1],
+        allgather_s: med_parts[2],
+        unpack_s: med_parts[3],
+        allgather: a.allgather.clone(),
+        overlap: a.overlap,
+        check: check.into(),
+    })
+}
+
+fn strategy_params(s: &Strategy) -> String {
+    match s {
+        Strategy::Sparse { codec, density } => {
+            let mut c = codec.clone();
+            if let Some(d) = density {
+                match &mut c {
+                    CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => {
+                        *density = *d
+                    }
+                    CodecConfig::Sbc { p } => *p = *d,
+                    _ => {}
+                }
+            }
+            c.params()
+        }
+        Strategy::Dense => String::new(),
+    }
+}
+
+/// One more step; the result must equal `MPI_Allreduce` of every rank's
+/// decoded unit divided by `p` (within summation-order rounding).
+fn check(
+    comm: &MpiComm,
+    s: &mut GradSync,
+    ids: &[LayerId],
+    input: &[Vec<f32>],
+) -> Result<&'static str> {
+    let world = comm.communicator();
+    let p = comm.size() as f32;
+    let mut work = input.to_vec();
+    let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
+    s.sync(&mut views)?;
+    let mut bad = 0.0f64;
+    for (l, &id) in ids.iter().enumerate() {
+        let n = input[l].len();
+        let mut mine = vec![0f32; n];
+        s.decode_unit(id, s.last_unit(id), &mut mine)?;
+        let abs_mine: Vec<f32> = mine.iter().map(|x| x.abs()).collect();
+        let (mut sum, mut abs) = (vec![0f32; n], vec![0f32; n]);
+        world.all_reduce_into(&mine[..], &mut sum[..], SystemOperation::sum());
+        world.all_reduce_into(&abs_mine[..], &mut abs[..], SystemOperation::sum());
+        for j in 0..n {
+            let tol = (p + 2.0) * f32::EPSILON * abs[j] / p + 1e-30;
+            if (work[l][j] - sum[j] / p).abs() > tol {
+                bad = 1.0;
+                break;
+            }
+        }
+    }
+    let mut v = [bad];
+    max_over_ranks(comm, &mut v);
+    Ok(if v[0] > 0.0 { "failed" } else { "ok" })
+}
