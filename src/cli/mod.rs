@@ -13,8 +13,8 @@ use clap::{Parser, Subcommand};
 use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
-pub use sparse_bench::SparseRecord;
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
+pub use sparse_bench::SparseRecord;
 pub use verify::VerifyArgs;
 
 /// gradsync: gradient synchronization for data-parallel training over MPI.

@@ -176,7 +176,11 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
         *m = median(&mut tail.clone());
     }
     max_over_ranks(comm, &mut med_parts);
-    let check = if a.check { check(comm, &mut s, &ids, &input)? } else { "skipped" };
+    let check = if a.check {
+        check(comm, &mut s, &ids, &input)?
+    } else {
+        "skipped"
+    };
     let dense = median(&mut times[0]);
     let t = &mut times[1];
     let med = median(t);

@@ -185,31 +185,51 @@ pub fn fused_allgather<C: Transport>(
 }
 
 /// Scatter-add every rank's unit for one layer into `acc` (zeroed first):
-/// `acc = Σ_r decode(unit_r)`, in rank order (so every rank computes the same
-/// bits). `entries[r]` is rank `r`'s parsed entry for this layer. Returns the
+/// `acc = Σ_r scale · decode(unit_r)`, in rank order (so every rank computes
+/// the same bits). Sparse codecs add `scale · v` per sent element (O(k) per
+/// rank after the zero fill); dense codecs decode-add and scale once at the
+/// end. `entries[r]` is rank `r`'s parsed entry for this layer. Returns the
 /// lowest rank that marked the layer non-finite, if any (its unit is skipped).
 pub fn unpack_layer(
     gathered: &Gathered,
     entries: &[Entry],
     codec: &dyn Codec,
     layer_name: &str,
+    scale: f32,
     acc: &mut [f32],
 ) -> Result<Option<usize>> {
     acc.fill(0.0);
+    let n = acc.len();
     let mut non_finite = None;
+    let mut dense = false;
     for (r, e) in entries.iter().enumerate() {
         if e.kind == EntryKind::NonFinite {
             non_finite.get_or_insert(r);
             continue;
         }
         let unit = &gathered.message(r)[e.start..e.end];
-        codec
-            .decode_add(unit, acc)
-            .map_err(|err| Error::PeerMessage {
-                rank: r,
-                layer: layer_name.to_string(),
-                reason: err.to_string(),
-            })?;
+        let res = if dense {
+            codec.decode_add(unit, acc)
+        } else {
+            match codec.for_each_sent(unit, n, &mut |i, v| acc[i] += scale * v) {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    dense = true;
+                    codec.decode_add(unit, acc)
+                }
+                Err(e) => Err(e),
+            }
+        };
+        res.map_err(|err| Error::PeerMessage {
+            rank: r,
+            layer: layer_name.to_string(),
+            reason: err.to_string(),
+        })?;
+    }
+    if dense && scale != 1.0 {
+        for x in acc.iter_mut() {
+            *x *= scale;
+        }
     }
     Ok(non_finite)
 }

@@ -71,7 +71,7 @@ fn a_corrupt_unit_names_rank_and_layer() {
             entries.push(e[0]);
         }
         let mut acc = vec![0f32; 100];
-        unpack_layer(&g, &entries, &codec, "fc1", &mut acc).map_err(|e| e.to_string())
+        unpack_layer(&g, &entries, &codec, "fc1", 1.0, &mut acc).map_err(|e| e.to_string())
     });
     for r in out {
         let e = r.expect_err("rank 1's unit is corrupt");
@@ -96,14 +96,14 @@ fn unpack_adds_every_rank_in_rank_order() {
     .build()
     .expect("codec");
     let mut acc = vec![1f32; 50];
-    let bad = unpack_layer(&g, &entries, codec.as_ref(), "l", &mut acc).expect("unpacks");
+    let bad = unpack_layer(&g, &entries, codec.as_ref(), "l", 1.0, &mut acc).expect("unpacks");
     assert_eq!(bad, None);
     let mut one = vec![0f32; 50];
     codec.decode(&units[0], &mut one).expect("decode");
     let want: Vec<f32> = one.iter().map(|x| x + x).collect();
     assert_eq!(acc, want);
     let entries = [e[2], e[2]];
-    let bad = unpack_layer(&g, &entries, codec.as_ref(), "l", &mut acc).expect("no units");
+    let bad = unpack_layer(&g, &entries, codec.as_ref(), "l", 1.0, &mut acc).expect("no units");
     assert_eq!(bad, Some(0));
 }
 

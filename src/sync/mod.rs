@@ -1031,11 +1031,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Mode::Sparse => {
                     let j = sparse_pos(i).expect("sparse layer is in the fused table");
                     let codec = l.codec.as_deref().expect("sparse layer has a codec");
-                    let bad =
-                        unpack_layer(gathered, &entries[j * p..(j + 1) * p], codec, &l.name, o)?;
-                    for x in o.iter_mut() {
-                        *x *= inv;
-                    }
+                    let bad = unpack_layer(
+                        gathered,
+                        &entries[j * p..(j + 1) * p],
+                        codec,
+                        &l.name,
+                        inv,
+                        o,
+                    )?;
                     if params.2 {
                         crate::dense::sub_from(o, &l.prev);
                     }
