@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,
+    /// `--op sparse`: simulated compute (ms, a sleep) between start and wait.
+    #[arg(long, default_value_t = 0.0)]
+    pub compute_ms: f64,
     /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
     #[arg(long, default_value = "recdbl")]
     pub allgather: String,

@@ -4,7 +4,10 @@
 //! synchronization by the MPI library) in the same run, iterations
 //! interleaved. Reports the medians of the slowest rank and the time
 //! breakdown of the engine (select / pack / allgather / unpack, as RedSync's
-//! Fig. 10).
+//! Fig. 10). With `--compute-ms X` each step is `start`, X ms of simulated
+//! device compute (a sleep: the CPU stays free, as while a GPU computes),
+//! then `wait`; with `--overlap` the communication runs behind that compute
+//! on the engine's progress thread.
 
 use super::bench::{median, time_interleaved, timed, BenchArgs};
 use super::{max_over_ranks, parse_list, parse_size, synthetic};
@@ -58,6 +61,12 @@ pub struct SparseRecord {
     pub allgather: String,
     /// Whether communication ran on the progress thread.
     pub overlap: bool,
+    /// Simulated compute between `start` and `wait` per step, seconds
+    /// (included in `median_s`).
+    pub compute_s: f64,
+    /// Median time `wait` blocked for communication, seconds (≈ 0 when the
+    /// communication was hidden behind the compute).
+    pub wait_s: f64,
     /// "ok", "failed" or "skipped".
     pub check: String,
 }
@@ -143,6 +152,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
     let mut parts: [Vec<f64>; 4] = Default::default();
     let mut wire = 0usize;
     let mut sent = 0.0;
+    let mut waits = Vec::new();
     let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
         if k == 0 {
             timed(comm, || {
@@ -153,13 +163,24 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
             for (w, i) in work.iter_mut().zip(&input) {
                 w.copy_from_slice(i);
             }
-            let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
             let mut st = None;
+            let compute = std::time::Duration::from_secs_f64(a.compute_ms.max(0.0) / 1e3);
             let t = timed(comm, || {
-                st = Some(s.sync(&mut views)?.clone());
+                {
+                    let view: Vec<&[f32]> = work.iter().map(|w| &w[..]).collect();
+                    s.start(&view)?;
+                }
+                if !compute.is_zero() {
+                    // Device compute (backpropagation of earlier layers on
+                    // a GPU) that leaves this CPU free.
+                    std::thread::sleep(compute);
+                }
+                let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
+                st = Some(s.wait(&mut views)?.clone());
                 Ok(())
             })?;
             let st = st.expect("sync ran");
+            waits.push(st.wait_s);
             parts[0].push(st.select_s);
             parts[1].push(st.pack_s);
             parts[2].push(st.allgather_s);
@@ -175,7 +196,9 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
         let tail = v.split_off(a.warmup.min(v.len()));
         *m = median(&mut tail.clone());
     }
+    let mut wait = [median(&mut waits.split_off(a.warmup.min(waits.len())))];
     max_over_ranks(comm, &mut med_parts);
+    max_over_ranks(comm, &mut wait);
     let check = if a.check {
         check(comm, &mut s, &ids, &input)?
     } else {
@@ -205,6 +228,8 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
         unpack_s: med_parts[3],
         allgather: a.allgather.clone(),
         overlap: a.overlap,
+        compute_s: a.compute_ms / 1e3,
+        wait_s: wait[0],
         check: check.into(),
     })
 }
