@@ -44,7 +44,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_validate: bool,
     /// `--op sparse`: codec of every layer (`rgc`, `rgc-quant`, `3lc`, `sbc`,
-    /// `fastsgd`, ... with optional `:key=value` parameters).
+    /// `fastsgd`, ... with optional `:key=value` parameters), or `dense` for
+    /// the engine's fused Rabenseifner path.
     #[arg(long, default_value = "rgc")]
     pub codec: String,
     /// `--op sparse`: bytes of each layer (a list runs one record per size).

@@ -909,11 +909,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let wait_s = t_wait.elapsed().as_secs_f64();
         let result = job.result.take().unwrap_or(Ok(()));
         let r = self.finish(&mut job, out, result);
+        // Reuse the previous step's per-layer records (no allocation once
+        // the names have been copied).
+        let mut layer_stats = std::mem::take(&mut self.last.layers);
+        layer_stats.resize_with(self.layers.len(), LayerStats::default);
+        for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
+            d.clone_from(&l.stats);
+        }
         self.last = StepStats {
             step: self.step,
             communicated: info.communicated,
             overlapped: info.overlapped,
-            layers: self.layers.iter().map(|l| l.stats.clone()).collect(),
+            layers: layer_stats,
             fused_bytes: if self.sparse_ids.is_empty() {
                 0
             } else {
