@@ -32,6 +32,7 @@
 pub mod cli;
 pub mod codec;
 pub mod comm;
+pub mod cost;
 pub mod dense;
 mod error;
 pub mod select;

@@ -1,0 +1,516 @@
+//! The α-β-γ cost model: predicted synchronization time of one layer per
+//! strategy, from a calibrated cluster [`Profile`] (RedSync §5.4 and
+//! Appendix B; Thakur, Rabenseifner & Gropp 2005 for the collectives).
+//!
+//! Sending a message of `b` bytes costs `α + b·β`; reducing `b` bytes locally
+//! costs `b·γ_reduce`, scatter-adding a received sparse unit of `b` bytes
+//! `b·γ_unpack`. A layer has `n` f32 elements (`N = 4n` bytes) on `p` ranks;
+//! a sparse strategy at density `D` selects `k = ⌈D·n⌉` elements.
+//!
+//! | strategy | predicted seconds | source |
+//! |---|---|---|
+//! | `sparse-allgather` | `T_select(n) + ⌈lg p⌉·α + (p−1)·m·β + p·m·γ_unpack`, `m = 4 + 8k` (RGC unit `[len \| indices \| values]`) | RedSync eq. (1), App. B (recursive doubling: `lg p` steps, `(p−1)·m` bytes) |
+//! | `sparse-allgather-quant` | same with `m = 8 + 4k` (`[len \| mean \| indices]`) and the quantized selection's `T_select` | RedSync §5.2.3 |
+//! | `dense-rabenseifner` | `2⌈lg p⌉·α + 2·(p−1)/p·N·β + (p−1)/p·N·γ_reduce`, plus `α + 2N·β + ½N·γ_reduce` when `p` is not a power of two | RedSync eq. (2); Thakur et al. §4.4; the extra term is gradsync's fold (below) |
+//! | `dense-ring` | `2(p−1)·α + 2·(p−1)/p·N·β + (p−1)/p·N·γ_reduce` | Thakur et al. §4.3 (ring reduce-scatter + allgather) |
+//! | `gradiveq-ring` | the ring formula on `N/r` bytes (ratio `r`) plus the compression not hidden behind communication (below) | GradiVeQ Alg. 1 |
+//! | one per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`) | `T_encode(n) + ⌈lg p⌉·α + (p−1)·w·β + p·T_decode(n)`, `w` the codec's wire bytes | the codec's message exchanged by the same allgather, each rank decoding `p` messages |
+//!
+//! The non-power-of-two term: gradsync's Rabenseifner folds the first `2r`
+//! ranks (`r = p − 2^⌊lg p⌋`) as Open MPI does: partners swap halves and
+//! reduce one each (`α + ½N·β + ½N·γ`), the odd rank hands its reduced half
+//! over (`α + ½N·β`) and gets the result back at the end (`α + N·β`). That
+//! is `3α + 2N·β + ½N·γ` beyond the power-of-two core, of which `2α` are
+//! already counted by `⌈lg p⌉` over `⌊lg p⌋`. (MPICH's fold, which sends the
+//! whole vector, costs `2α + 2N·β + N·γ`.)
+//!
+//! GradiVeQ's overlap: compressing the `p` segments costs `T_c(n)`,
+//! decompressing `T_d(n)`. Algorithm 1 compresses the next segment while
+//! the previous one is in flight, so only the first segment's compression
+//! (`T_c/p`) and whatever of the rest exceeds the reduce-scatter's transfer
+//! time `(p−1)·(α + N/(r·p)·β)` add to the ring; decompression likewise
+//! against the allgather phase.
+//!
+//! Selection and codec costs are linear fits `a + b·n` measured by
+//! `gradsync calibrate` (for the sparse strategies `T_select` is the whole
+//! local cost of a sparse step in the engine: residual accumulation,
+//! selection, packing and zeroing the result). Without a profile they are
+//! zero unless given on the command line.
+
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// `seconds = a + b·n`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LinearFit {
+    /// Fixed seconds per call.
+    pub a: f64,
+    /// Seconds per element.
+    pub b: f64,
+}
+
+impl LinearFit {
+    /// Evaluate at `n` elements.
+    pub fn at(&self, n: f64) -> f64 {
+        self.a + self.b * n
+    }
+
+    /// Least-squares fit of `(n, seconds)` points (intercept clamped at 0).
+    pub fn fit(points: &[(f64, f64)]) -> LinearFit {
+        if points.is_empty() {
+            return LinearFit::default();
+        }
+        let m = points.len() as f64;
+        let (sx, sy) = points
+            .iter()
+            .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
+        let (mx, my) = (sx / m, sy / m);
+        let sxx: f64 = points.iter().map(|&(x, _)| (x - mx) * (x - mx)).sum();
+        let sxy: f64 = points.iter().map(|&(x, y)| (x - mx) * (y - my)).sum();
+        let b = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        let a = (my - b * mx).max(0.0);
+        LinearFit { a, b }
+    }
+}
+
+/// Cost of one codec: encode and decode fits and wire size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CodecFit {
+    /// Encoding `n` elements.
+    pub encode: LinearFit,
+    /// Decoding (adding) one message of `n` elements.
+    pub decode: LinearFit,
+    /// Measured wire bytes per element (data-dependent codecs: 3LC, FastSGD);
+    /// `None` uses the codec's analytic size.
+    #[serde(default)]
+    pub bytes_per_element: Option<f64>,
+}
+
+/// Where and when a profile was measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProfileMeta {
+    /// Host name(s) and CPU.
+    #[serde(default)]
+    pub machine: String,
+    /// MPI library version string.
+    #[serde(default)]
+    pub mpi: String,
+    /// Date of the calibration (UTC, ISO 8601).
+    #[serde(default)]
+    pub date: String,
+    /// Ranks of the calibration job.
+    #[serde(default)]
+    pub ranks: usize,
+    /// Free-form note (transport, network emulation, ...).
+    #[serde(default)]
+    pub note: String,
+}
+
+/// Current profile format version.
+pub const PROFILE_VERSION: u32 = 1;
+
+/// A calibrated cluster: the α-β-γ constants and the local cost fits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Format version ([`PROFILE_VERSION`]).
+    #[serde(default = "profile_version")]
+    pub version: u32,
+    /// Seconds per message.
+    pub alpha: f64,
+    /// Seconds per byte sent.
+    pub beta: f64,
+    /// Seconds per byte reduced locally (dense allreduce).
+    #[serde(default)]
+    pub gamma_reduce: f64,
+    /// Seconds per byte of sparse unit scatter-added.
+    #[serde(default)]
+    pub gamma_unpack: f64,
+    /// Local cost of a sparse step per selection method (`trimmed`,
+    /// `threshold`, `sampled`, `exact`, and `quant` for quantized RGC).
+    #[serde(default)]
+    pub select: BTreeMap<String, LinearFit>,
+    /// Per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`).
+    #[serde(default)]
+    pub codecs: BTreeMap<String, CodecFit>,
+    /// GradiVeQ compression of a whole layer.
+    #[serde(default)]
+    pub gradiveq_compress: LinearFit,
+    /// GradiVeQ decompression of a whole layer.
+    #[serde(default)]
+    pub gradiveq_decompress: LinearFit,
+    /// Metadata.
+    #[serde(default)]
+    pub meta: ProfileMeta,
+}
+
+fn profile_version() -> u32 {
+    PROFILE_VERSION
+}
+
+impl Profile {
+    /// A profile with only the network constants (all local costs zero).
+    pub fn from_network(
+        alpha: f64,
+        bandwidth: f64,
+        gamma_reduce: f64,
+        gamma_unpack: f64,
+    ) -> Result<Self> {
+        if !(bandwidth > 0.0 && bandwidth.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "bandwidth {bandwidth} bytes/s must be positive"
+            )));
+        }
+        let p = Profile {
+            version: PROFILE_VERSION,
+            alpha,
+            beta: 1.0 / bandwidth,
+            gamma_reduce,
+            gamma_unpack,
+            select: BTreeMap::new(),
+            codecs: BTreeMap::new(),
+            gradiveq_compress: LinearFit::default(),
+            gradiveq_decompress: LinearFit::default(),
+            meta: ProfileMeta::default(),
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Reject negative or non-finite constants and unknown versions.
+    pub fn validate(&self) -> Result<()> {
+        if self.version != PROFILE_VERSION {
+            return Err(Error::InvalidArgument(format!(
+                "profile version {} (this build reads {PROFILE_VERSION})",
+                self.version
+            )));
+        }
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        let mut bad = Vec::new();
+        for (name, v) in [
+            ("alpha", self.alpha),
+            ("beta", self.beta),
+            ("gamma_reduce", self.gamma_reduce),
+            ("gamma_unpack", self.gamma_unpack),
+        ] {
+            if !ok(v) {
+                bad.push(format!("{name} = {v}"));
+            }
+        }
+        let fits = self
+            .select
+            .iter()
+            .map(|(k, f)| (format!("select.{k}"), *f))
+            .chain(self.codecs.iter().flat_map(|(k, c)| {
+                [
+                    (format!("codecs.{k}.encode"), c.encode),
+                    (format!("codecs.{k}.decode"), c.decode),
+                ]
+            }))
+            .chain([
+                ("gradiveq_compress".to_string(), self.gradiveq_compress),
+                ("gradiveq_decompress".to_string(), self.gradiveq_decompress),
+            ]);
+        for (k, f) in fits {
+            if !ok(f.a) || !ok(f.b) {
+                bad.push(format!("{k} = {f:?}"));
+            }
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "profile constants must be finite and ≥ 0: {}",
+                bad.join(", ")
+            )))
+        }
+    }
+
+    /// Read a JSON profile.
+    pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let p: Profile = serde_json::from_slice(&std::fs::read(path)?)?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Write as pretty JSON.
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        std::fs::write(path, serde_json::to_vec_pretty(self)?)?;
+        Ok(())
+    }
+
+    fn select_fit(&self, method: &str) -> LinearFit {
+        self.select.get(method).copied().unwrap_or_default()
+    }
+}
+
+/// A layer and the parameters of the sparse strategies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Query {
+    /// f32 elements of the layer.
+    pub n: usize,
+    /// Ranks.
+    pub p: usize,
+    /// Density of the sparse strategies, in `(0, 1]`.
+    pub density: f64,
+    /// GradiVeQ compression ratio `r ≥ 1`.
+    pub gradiveq_ratio: f64,
+}
+
+/// One strategy's prediction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Strategy name (`dense-rabenseifner`, `sparse-allgather`, ...).
+    pub name: String,
+    /// Predicted seconds.
+    pub seconds: f64,
+    /// Bytes each rank sends.
+    pub wire_bytes: f64,
+}
+
+/// Strategy names in output order (codecs after the five named strategies).
+pub const STRATEGIES: [&str; 11] = [
+    "dense-rabenseifner",
+    "dense-ring",
+    "sparse-allgather",
+    "sparse-allgather-quant",
+    "gradiveq-ring",
+    "fp16",
+    "int8",
+    "qsgd",
+    "sbc",
+    "3lc",
+    "fastsgd",
+];
+
+/// `⌈lg p⌉` (0 for `p = 1`).
+pub fn ceil_lg(p: usize) -> f64 {
+    if p <= 1 {
+        0.0
+    } else {
+        f64::from(usize::BITS - (p - 1).leading_zeros())
+    }
+}
+
+fn frac(p: usize) -> f64 {
+    (p as f64 - 1.0) / p as f64
+}
+
+/// `k = ⌈D·n⌉`.
+pub fn sparse_k(n: usize, density: f64) -> f64 {
+    (density * n as f64).ceil()
+}
+
+/// Dense Rabenseifner allreduce of `bytes` on `p` ranks (eq. 2 plus the
+/// non-power-of-two fold).
+pub fn dense_rabenseifner(prof: &Profile, bytes: f64, p: usize) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let base = 2.0 * ceil_lg(p) * prof.alpha
+        + 2.0 * frac(p) * bytes * prof.beta
+        + frac(p) * bytes * prof.gamma_reduce;
+    if p.is_power_of_two() {
+        base
+    } else {
+        base + prof.alpha + 2.0 * bytes * prof.beta + 0.5 * bytes * prof.gamma_reduce
+    }
+}
+
+/// Dense ring allreduce of `bytes` on `p` ranks.
+pub fn dense_ring(prof: &Profile, bytes: f64, p: usize) -> f64 {
+    2.0 * (p as f64 - 1.0) * prof.alpha
+        + 2.0 * frac(p) * bytes * prof.beta
+        + frac(p) * bytes * prof.gamma_reduce
+}
+
+/// Recursive-doubling allgather of `m` bytes per rank plus unpacking them
+/// (`p·m·γ_unpack`): the communication part of eq. (1).
+pub fn allgather_unpack(prof: &Profile, m: f64, p: usize) -> f64 {
+    ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * prof.beta + p as f64 * m * prof.gamma_unpack
+}
+
+/// Analytic wire bytes of a codec message for `n` elements at density `d`
+/// (12-byte header included); `None` for data-dependent codecs.
+pub fn codec_wire_bytes(codec: &str, n: usize, d: f64) -> Option<f64> {
+    let nf = n as f64;
+    Some(match codec {
+        "none" => 12.0 + 4.0 * nf,
+        "fp16" => 12.0 + 2.0 * nf,
+        "int8" => 16.0 + nf,
+        "qsgd" => 17.0 + (nf * 4.0 / 8.0).ceil(),
+        "sbc" => {
+            // Golomb-Rice positions: b* + 1/(1 − (1 − p)^(2^b*)) bits each.
+            let p = d.clamp(1e-12, 0.5);
+            let b = crate::codec::Sbc::new(p).map_or(0, |s| s.rice_parameter());
+            let bits = f64::from(b) + 1.0 / (1.0 - (1.0 - p).powf(2f64.powi(i32::from(b))));
+            25.0 + (sparse_k(n, p) * bits / 8.0).ceil()
+        }
+        "rgc" => 16.0 + 8.0 * sparse_k(n, d),
+        "rgc-quant" => 20.0 + 4.0 * sparse_k(n, d),
+        _ => return None,
+    })
+}
+
+/// Nominal bytes per element of the data-dependent codecs when no profile
+/// says otherwise: 3LC's 1.6 bits per value (its paper and issue #3's
+/// measurement); FastSGD 1 byte per value.
+fn nominal_bytes_per_element(codec: &str) -> f64 {
+    match codec {
+        "3lc" => 0.2,
+        _ => 1.0,
+    }
+}
+
+/// Predicted time of every strategy, in [`STRATEGIES`] order.
+///
+/// `select_method` picks the profile's selection fit for
+/// `sparse-allgather` (`trimmed` by default in the CLI); the quantized
+/// strategy uses the `quant` fit.
+pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Prediction>> {
+    if q.p == 0 {
+        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
+    }
+    if !(q.density > 0.0 && q.density <= 1.0) {
+        return Err(Error::InvalidArgument(format!(
+            "density {} must lie in (0, 1]",
+            q.density
+        )));
+    }
+    if !(q.gradiveq_ratio >= 1.0 && q.gradiveq_ratio.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "GradiVeQ ratio {} must be at least 1",
+            q.gradiveq_ratio
+        )));
+    }
+    let (n, p) = (q.n as f64, q.p);
+    let pf = p as f64;
+    let bytes = 4.0 * n;
+    let k = sparse_k(q.n, q.density);
+    let mut out = Vec::with_capacity(STRATEGIES.len());
+    let mut push = |name: &str, seconds: f64, wire: f64| {
+        out.push(Prediction {
+            name: name.into(),
+            seconds,
+            wire_bytes: wire,
+        })
+    };
+    let dense_wire = if p > 1 { 2.0 * frac(p) * bytes } else { 0.0 };
+    push(
+        "dense-rabenseifner",
+        dense_rabenseifner(prof, bytes, p),
+        dense_wire,
+    );
+    push("dense-ring", dense_ring(prof, bytes, p), dense_wire);
+    let m = 4.0 + 8.0 * k;
+    push(
+        "sparse-allgather",
+        prof.select_fit(select_method).at(n) + allgather_unpack(prof, m, p),
+        (pf - 1.0) * m,
+    );
+    let mq = 8.0 + 4.0 * k;
+    push(
+        "sparse-allgather-quant",
+        prof.select_fit("quant").at(n) + allgather_unpack(prof, mq, p),
+        (pf - 1.0) * mq,
+    );
+    // GradiVeQ: ring on N/r bytes, compression partly hidden.
+    let cb = bytes / q.gradiveq_ratio;
+    let ring = dense_ring(prof, cb, p);
+    let phase = (pf - 1.0) * (prof.alpha + cb / pf * prof.beta);
+    let (tc, td) = (prof.gradiveq_compress.at(n), prof.gradiveq_decompress.at(n));
+    let exposed = |t: f64| t / pf + (frac(p) * t - phase).max(0.0);
+    push(
+        "gradiveq-ring",
+        ring + exposed(tc) + exposed(td),
+        if p > 1 { 2.0 * frac(p) * cb } else { 0.0 },
+    );
+    for codec in &STRATEGIES[5..] {
+        let fit = prof.codecs.get(*codec).copied().unwrap_or_default();
+        let w = match fit.bytes_per_element {
+            Some(b) => 12.0 + b * n,
+            None => codec_wire_bytes(codec, q.n, q.density)
+                .unwrap_or_else(|| 12.0 + nominal_bytes_per_element(codec) * n),
+        };
+        let t = fit.encode.at(n)
+            + ceil_lg(p) * prof.alpha
+            + (pf - 1.0) * w * prof.beta
+            + pf * fit.decode.at(n);
+        push(codec, t, (pf - 1.0) * w);
+    }
+    Ok(out)
+}
+
+/// The fastest of `preds` among `allowed` names (all when empty).
+pub fn choose<'a>(preds: &'a [Prediction], allowed: &[&str]) -> Option<&'a Prediction> {
+    preds
+        .iter()
+        .filter(|p| allowed.is_empty() || allowed.contains(&p.name.as_str()))
+        .min_by(|a, b| a.seconds.total_cmp(&b.seconds))
+}
+
+/// Smallest layer size (elements, searched over powers of two and refined
+/// by bisection to 1%) from which `sparse` is predicted faster than `dense`
+/// for every larger size up to `max_n`; `None` if never.
+pub fn crossover(
+    prof: &Profile,
+    p: usize,
+    density: f64,
+    select_method: &str,
+    sparse: &str,
+    dense: &str,
+    max_n: usize,
+) -> Result<Option<usize>> {
+    let diff = |n: usize| -> Result<f64> {
+        let preds = predict(
+            prof,
+            &Query {
+                n,
+                p,
+                density,
+                gradiveq_ratio: 8.0,
+            },
+            select_method,
+        )?;
+        let get = |name: &str| {
+            preds
+                .iter()
+                .find(|x| x.name == name)
+                .map(|x| x.seconds)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown strategy {name:?}")))
+        };
+        Ok(get(sparse)? - get(dense)?)
+    };
+    // Walk powers of two from the top down while sparse stays faster.
+    let mut hi = max_n.max(1);
+    if diff(hi)? >= 0.0 {
+        return Ok(None);
+    }
+    let mut lo = hi;
+    while lo > 1 {
+        let next = lo / 2;
+        if diff(next)? >= 0.0 {
+            break;
+        }
+        lo = next;
+    }
+    if lo == 1 {
+        return Ok(Some(1));
+    }
+    // Sparse loses at lo/2, wins at lo: bisect.
+    let mut a = lo / 2;
+    hi = lo;
+    while hi - a > (hi / 100).max(1) {
+        let mid = a + (hi - a) / 2;
+        if diff(mid)? < 0.0 {
+            hi = mid;
+        } else {
+            a = mid;
+        }
+    }
+    Ok(Some(hi))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+use super::*;
+
+fn prof() -> Profile {
+    let mut p = Profile::from_network(3e-6, 2.5e9, 1.5e-10, 7e-10).expect("profile");
+    p.select
+        .insert("trimmed".into(), LinearFit { a: 2e-5, b: 1.3e-9 });
+    p.select
+        .insert("quant".into(), LinearFit { a: 4e-5, b: 5e-9 });
+    p
+}
+
+fn get(preds: &[Prediction], name: &str) -> f64 {
+    preds.iter().find(|p| p.name == name).expect(name).seconds
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        (a - b).abs() / a.abs().max(b.abs())
+    }
+}
+
+/// The issue's formulas, written out independently of the module.
+#[test]
+fn predictions_equal_the_documented_formulas() {
+    let pr = prof();
+    let (al, be, gr, gu) = (pr.alpha, pr.beta, pr.gamma_reduce, pr.gamma_unpack);
+    for p in [1usize, 2, 3, 4, 5, 6, 7, 8, 12, 16, 100, 128] {
+        for n in [1usize, 1000, 65_536, 4_000_001] {
+            for d in [0.001, 0.01, 0.5] {
+                let q = Query {
+                    n,
+                    p,
+                    density: d,
+                    gradiveq_ratio: 8.0,
+                };
+                let preds = predict(&pr, &q, "trimmed").expect("predict");
+                let pf = p as f64;
+                let lg = (pf).log2().ceil();
+                let nb = 4.0 * n as f64;
+                let k = (d * n as f64).ceil();
+                let m = 4.0 + 8.0 * k;
+                let sparse = 2e-5 + 1.3e-9 * n as f64 + lg * al + (pf - 1.0) * m * be + pf * m * gu;
+                let mq = 8.0 + 4.0 * k;
+                let quant = 4e-5 + 5e-9 * n as f64 + lg * al + (pf - 1.0) * mq * be + pf * mq * gu;
+                let f = (pf - 1.0) / pf;
+                let mut raben = 2.0 * lg * al + 2.0 * f * nb * be + f * nb * gr;
+                if !p.is_power_of_two() {
+                    raben += al + 2.0 * nb * be + 0.5 * nb * gr;
+                }
+                let ring = 2.0 * (pf - 1.0) * al + 2.0 * f * nb * be + f * nb * gr;
+                let cb = nb / 8.0;
+                let gring = 2.0 * (pf - 1.0) * al + 2.0 * f * cb * be + f * cb * gr;
+                for (name, want) in [
+                    ("sparse-allgather", sparse),
+                    ("sparse-allgather-quant", quant),
+                    ("dense-rabenseifner", if p == 1 { 0.0 } else { raben }),
+                    ("dense-ring", ring),
+                    ("gradiveq-ring", gring),
+                ] {
+                    let got = get(&preds, name);
+                    assert!(
+                        rel(got, want) < 1e-9,
+                        "{name} p={p} n={n} d={d}: {got} vs {want}"
+                    );
+                }
+                assert_eq!(preds.len(), STRATEGIES.len());
+            }
+        }
+    }
+}
+
+#[test]
+fn one_rank_costs_only_local_work() {
+    let pr = prof();
+    let preds = predict(
+        &pr,
+        &Query {
+            n: 1 << 20,
+            p: 1,
+            density: 0.001,
+            gradiveq_ratio: 8.0,
+        },
+        "trimmed",
+    )
+    .expect("predict");
+    assert_eq!(get(&preds, "dense-rabenseifner"), 0.0);
+    assert_eq!(get(&preds, "dense-ring"), 0.0);
+    let k = (0.001f64 * f64::from(1u32 << 20)).ceil();
+    let want = 2e-5 + 1.3e-9 * f64::from(1u32 << 20) + (4.0 + 8.0 * k) * pr.gamma_unpack;
+    assert!(rel(get(&preds, "sparse-allgather"), want) < 1e-12);
+}
+
+#[test]
+fn redsync_traffic_remark_at_p128() {
+    // "When p is 128, the communication bandwidth for sparse synchronization
+    // will be 12.8% of dense" at D = 0.1%.
+    let pr = prof();
+    let preds = predict(
+        &pr,
+        &Query {
+            n: 25_000_000,
+            p: 128,
+            density: 0.001,
+            gradiveq_ratio: 8.0,
+        },
+        "trimmed",
+    )
+    .expect("predict");
+    let w = |n: &str| preds.iter().find(|p| p.name == n).expect(n).wire_bytes;
+    let r = w("sparse-allgather") / w("dense-rabenseifner");
+    assert!((r - 0.128).abs() < 0.001, "{r}");
+}
+
+#[test]
+fn gradiveq_compression_is_hidden_up_to_the_transfer_time() {
+    let mut pr = prof();
+    let q = Query {
+        n: 1 << 22,
+        p: 4,
+        density: 0.001,
+        gradiveq_ratio: 8.0,
+    };
+    let base = get(&predict(&pr, &q, "trimmed").expect("p"), "gradiveq-ring");
+    // A tiny compression cost: only the first segment's quarter shows.
+    pr.gradiveq_compress = LinearFit { a: 0.0, b: 1e-12 };
+    let t = get(&predict(&pr, &q, "trimmed").expect("p"), "gradiveq-ring");
+    let tc = 1e-12 * f64::from(1u32 << 22);
+    assert!(rel(t - base, tc / 4.0) < 1e-9);
+    // A huge one: everything beyond the transfer time shows.
+    pr.gradiveq_compress = LinearFit { a: 1.0, b: 0.0 };
+    let t = get(&predict(&pr, &q, "trimmed").expect("p"), "gradiveq-ring");
+    let phase = 3.0 * (pr.alpha + 4.0 * f64::from(1u32 << 22) / 8.0 / 4.0 * pr.beta);
+    assert!(rel(t - base, 0.25 + (0.75 - phase)) < 1e-9);
+}
+
+#[test]
+fn crossover_matches_a_direct_scan() {
+    let pr = prof();
+    let x = crossover(
+        &pr,
+        8,
+        0.001,
+        "trimmed",
+        "sparse-allgather",
+        "dense-rabenseifner",
+        1 << 26,
+    )
+    .expect("crossover")
+    .expect("sparse wins for large layers");
+    let d = |n: usize| {
+        let p = predict(
+            &pr,
+            &Query {
+                n,
+                p: 8,
+                density: 0.001,
+                gradiveq_ratio: 8.0,
+            },
+            "trimmed",
+        )
+        .expect("p");
+        get(&p, "sparse-allgather") - get(&p, "dense-rabenseifner")
+    };
+    assert!(d(x) < 0.0 && d(x * 2) < 0.0);
+    assert!(d(x * 98 / 100) >= 0.0 || x < 100);
+    // A selection cost above the dense per-element cost: sparse never wins.
+    let mut slow = pr.clone();
+    slow.select
+        .insert("trimmed".into(), LinearFit { a: 0.0, b: 1e-6 });
+    assert_eq!(
+        crossover(
+            &slow,
+            8,
+            0.001,
+            "trimmed",
+            "sparse-allgather",
+            "dense-rabenseifner",
+            1 << 26
+        )
+        .expect("crossover"),
+        None
+    );
+}
+
+#[test]
+fn linear_fit_recovers_a_line_and_profiles_validate() {
+    let pts: Vec<(f64, f64)> = (1..10)
+        .map(|i| (i as f64 * 1000.0, 5e-6 + 2e-9 * i as f64 * 1000.0))
+        .collect();
+    let f = LinearFit::fit(&pts);
+    assert!(rel(f.a, 5e-6) < 1e-6 && rel(f.b, 2e-9) < 1e-6);
+    assert!(Profile::from_network(1e-6, 0.0, 0.0, 0.0).is_err());
+    let mut p = prof();
+    p.alpha = f64::NAN;
+    assert!(p.validate().is_err());
+    let p = prof();
+    let json = serde_json::to_string(&p).expect("json");
+    let back: Profile = serde_json::from_str(&json).expect("parse");
+    assert_eq!(back, p);
+    assert!(serde_json::from_str::<Profile>(r#"{"alpha":1,"beta":1,"bogus":2}"#).is_err());
+    assert!(predict(
+        &p,
+        &Query {
+            n: 10,
+            p: 0,
+            density: 0.1,
+            gradiveq_ratio: 8.0
+        },
+        "trimmed"
+    )
+    .is_err());
+    assert!(predict(
+        &p,
+        &Query {
+            n: 10,
+            p: 2,
+            density: 0.0,
+            gradiveq_ratio: 8.0
+        },
+        "trimmed"
+    )
+    .is_err());
+}
