@@ -4,6 +4,7 @@
 
 mod bench;
 mod codecs;
+mod model;
 mod sparse_bench;
 mod verify;
 
@@ -14,6 +15,9 @@ use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
+pub use model::{
+    read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs, PredictRecord,
+};
 pub use sparse_bench::SparseRecord;
 pub use verify::VerifyArgs;
 
@@ -35,14 +39,27 @@ pub enum Command {
     Verify(VerifyArgs),
     /// Ratio, error and throughput of the compression codecs (no MPI needed).
     Codecs(CodecsArgs),
+    /// Predicted synchronization time of one layer per strategy (α-β-γ model; no MPI).
+    Predict(PredictArgs),
+    /// Per-layer strategy choice and total step time for a model's layer table (no MPI).
+    Plan(PlanArgs),
+    /// Layer size at which sparse beats dense, with an optional SVG plot (no MPI).
+    Crossover(CrossoverArgs),
 }
 
 /// Entry point of the binary; returns the process exit code.
 pub fn main() -> i32 {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
-    if let Command::Codecs(a) = &cli.command {
-        return codecs::run(a).unwrap_or_else(|e| {
+    let no_mpi = match &cli.command {
+        Command::Codecs(a) => Some(codecs::run(a)),
+        Command::Predict(a) => Some(model::run_predict(a)),
+        Command::Plan(a) => Some(model::run_plan(a)),
+        Command::Crossover(a) => Some(model::run_crossover(a)),
+        _ => None,
+    };
+    if let Some(r) = no_mpi {
+        return r.unwrap_or_else(|e| {
             eprintln!("gradsync: {e}");
             1
         });
@@ -71,7 +88,11 @@ fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
     match &cli.command {
         Command::Bench(a) => bench::run(&comm, a),
         Command::Verify(a) => verify::run(&comm, a),
+        // Normally run before MPI initialization (see `main`).
         Command::Codecs(a) => codecs::run(a),
+        Command::Predict(a) => model::run_predict(a),
+        Command::Plan(a) => model::run_plan(a),
+        Command::Crossover(a) => model::run_crossover(a),
     }
 }
 

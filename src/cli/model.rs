@@ -1,0 +1,546 @@
+//! `gradsync predict`, `plan` and `crossover`: the cost model
+//! ([`crate::cost`]) on the command line. No MPI needed.
+
+use super::parse_size;
+use crate::cost::{self, LinearFit, Prediction, Profile, Query, STRATEGIES};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where the model's constants come from.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Calibrated profile (JSON from `gradsync calibrate`).
+    #[arg(long, conflicts_with_all = ["alpha", "bandwidth"])]
+    pub profile: Option<PathBuf>,
+    /// Latency α, seconds per message (without --profile).
+    #[arg(long, requires = "bandwidth")]
+    pub alpha: Option<f64>,
+    /// Bandwidth 1/β, bytes per second (without --profile).
+    #[arg(long, requires = "alpha")]
+    pub bandwidth: Option<f64>,
+    /// γ_reduce, seconds per byte reduced (without --profile).
+    #[arg(long)]
+    pub gamma_reduce: Option<f64>,
+    /// γ_unpack, seconds per byte of sparse unit scatter-added (without --profile).
+    #[arg(long)]
+    pub gamma_unpack: Option<f64>,
+    /// Selection cost, seconds per element (overrides the profile's fit).
+    #[arg(long)]
+    pub select_cost: Option<f64>,
+    /// Fixed selection cost, seconds per layer (with --select-cost).
+    #[arg(long)]
+    pub select_fixed: Option<f64>,
+    /// Selection method whose profile fit `sparse-allgather` uses.
+    #[arg(long, default_value = "trimmed")]
+    pub select_method: String,
+    /// GradiVeQ compression ratio r.
+    #[arg(long, default_value_t = 8.0)]
+    pub gradiveq_ratio: f64,
+    /// Strategies the choice is made among (comma list; default: all).
+    #[arg(long, default_value = "")]
+    pub strategies: String,
+}
+
+impl ModelArgs {
+    /// The profile these arguments describe.
+    pub fn profile(&self) -> Result<Profile> {
+        let mut p = match (&self.profile, self.alpha, self.bandwidth) {
+            (Some(path), _, _) => Profile::load(path)?,
+            (None, Some(a), Some(bw)) => Profile::from_network(a, bw, 0.0, 0.0)?,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "give --profile FILE, or --alpha S and --bandwidth BYTES_PER_S".into(),
+                ))
+            }
+        };
+        if let Some(g) = self.gamma_reduce {
+            p.gamma_reduce = g;
+        }
+        if let Some(g) = self.gamma_unpack {
+            p.gamma_unpack = g;
+        }
+        if self.select_cost.is_some() || self.select_fixed.is_some() {
+            let fit = LinearFit {
+                a: self.select_fixed.unwrap_or(0.0),
+                b: self.select_cost.unwrap_or(0.0),
+            };
+            p.select.insert(self.select_method.clone(), fit);
+            p.select.insert("quant".into(), fit);
+        }
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// The candidate strategies of the choice.
+    pub fn allowed(&self) -> Result<Vec<&str>> {
+        let v: Vec<&str> = self
+            .strategies
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        if let Some(bad) = v.iter().find(|s| !STRATEGIES.contains(s)) {
+            return Err(Error::InvalidArgument(format!(
+                "unknown strategy {bad:?} (known: {})",
+                STRATEGIES.join(", ")
+            )));
+        }
+        Ok(v)
+    }
+}
+
+/// Arguments of `gradsync predict`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PredictArgs {
+    /// Layer size in f32 elements.
+    #[arg(long, conflicts_with = "bytes", required_unless_present = "bytes")]
+    pub elements: Option<usize>,
+    /// Layer size in bytes (K/M/G suffixes), 4 bytes per element.
+    #[arg(long)]
+    pub bytes: Option<String>,
+    /// Number of ranks.
+    #[arg(long)]
+    pub ranks: usize,
+    /// Density of the sparse strategies.
+    #[arg(long, default_value_t = 0.001)]
+    pub density: f64,
+    /// Model constants.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `gradsync predict --json` output.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct PredictRecord {
+    /// f32 elements.
+    pub elements: usize,
+    /// Bytes (4 per element).
+    pub bytes: usize,
+    /// Ranks.
+    pub ranks: usize,
+    /// Density.
+    pub density: f64,
+    /// Every strategy's prediction.
+    pub strategies: Vec<Prediction>,
+    /// The fastest allowed strategy.
+    pub choice: String,
+}
+
+fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
+    match (e, b) {
+        (Some(e), _) => Ok(e),
+        (None, Some(b)) => Ok(parse_size(b)? / 4),
+        _ => Err(Error::InvalidArgument("give --elements or --bytes".into())),
+    }
+}
+
+/// Prediction record for one layer.
+pub fn predict_record(
+    prof: &Profile,
+    m: &ModelArgs,
+    n: usize,
+    p: usize,
+    d: f64,
+) -> Result<PredictRecord> {
+    let preds = cost::predict(
+        prof,
+        &Query {
+            n,
+            p,
+            density: d,
+            gradiveq_ratio: m.gradiveq_ratio,
+        },
+        &m.select_method,
+    )?;
+    let choice = cost::choose(&preds, &m.allowed()?)
+        .map(|c| c.name.clone())
+        .unwrap_or_default();
+    Ok(PredictRecord {
+        elements: n,
+        bytes: 4 * n,
+        ranks: p,
+        density: d,
+        strategies: preds,
+        choice,
+    })
+}
+
+pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
+    let prof = a.model.profile()?;
+    let n = elements(a.elements, &a.bytes)?;
+    let r = predict_record(&prof, &a.model, n, a.ranks, a.density)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(0);
+    }
+    println!(
+        "layer: {} elements ({} bytes), {} ranks, density {}",
+        r.elements, r.bytes, r.ranks, r.density
+    );
+    println!(
+        "{:<24} {:>14} {:>16}",
+        "strategy", "predicted_us", "wire_bytes/rank"
+    );
+    for s in &r.strategies {
+        let mark = if s.name == r.choice {
+            "  <- choice"
+        } else {
+            ""
+        };
+        println!(
+            "{:<24} {:>14.3} {:>16.0}{mark}",
+            s.name,
+            s.seconds * 1e6,
+            s.wire_bytes
+        );
+    }
+    Ok(0)
+}
+
+/// Arguments of `gradsync plan`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// Layers file: JSON `{"layers": [{"name": ..., "elements": ...}, ...]}`
+    /// or a bare array of such objects (see `examples/layers/`).
+    #[arg(long)]
+    pub layers: PathBuf,
+    /// Number of ranks.
+    #[arg(long)]
+    pub ranks: usize,
+    /// Density of the sparse strategies.
+    #[arg(long, default_value_t = 0.001)]
+    pub density: f64,
+    /// Model constants.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One entry of a layers file.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct LayerSpec {
+    /// Layer (tensor) name.
+    pub name: String,
+    /// f32 elements.
+    pub elements: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum LayersFile {
+    Wrapped { layers: Vec<LayerSpec> },
+    Bare(Vec<LayerSpec>),
+}
+
+/// Read a layers file.
+pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
+    let f: LayersFile = serde_json::from_slice(&std::fs::read(path)?).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "{}: not a layers file ({e}); expected {{\"layers\": [{{\"name\", \"elements\"}}]}}",
+            path.display()
+        ))
+    })?;
+    Ok(match f {
+        LayersFile::Wrapped { layers } | LayersFile::Bare(layers) => layers,
+    })
+}
+
+/// `gradsync plan --json` output.
+#[derive(Serialize, Debug, Clone)]
+pub struct PlanRecord {
+    /// Ranks.
+    pub ranks: usize,
+    /// Density.
+    pub density: f64,
+    /// Per layer: name, elements, choice, its time, dense time.
+    pub layers: Vec<PlanLayer>,
+    /// Σ dense-rabenseifner over layers.
+    pub dense_total_s: f64,
+    /// Σ of each layer's chosen strategy.
+    pub planned_total_s: f64,
+    /// `dense_total_s / planned_total_s`.
+    pub speedup: f64,
+    /// Number of layers per chosen strategy.
+    pub choices: std::collections::BTreeMap<String, usize>,
+}
+
+/// One planned layer.
+#[derive(Serialize, Debug, Clone)]
+pub struct PlanLayer {
+    /// Name.
+    pub name: String,
+    /// Elements.
+    pub elements: usize,
+    /// Chosen strategy.
+    pub choice: String,
+    /// Its predicted seconds.
+    pub seconds: f64,
+    /// Dense Rabenseifner's predicted seconds.
+    pub dense_s: f64,
+}
+
+pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
+    let prof = a.model.profile()?;
+    let layers = read_layers(&a.layers)?;
+    let mut out = PlanRecord {
+        ranks: a.ranks,
+        density: a.density,
+        layers: Vec::new(),
+        dense_total_s: 0.0,
+        planned_total_s: 0.0,
+        speedup: 0.0,
+        choices: Default::default(),
+    };
+    for l in &layers {
+        let r = predict_record(&prof, &a.model, l.elements, a.ranks, a.density)?;
+        let t = |name: &str| {
+            r.strategies
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(f64::NAN, |s| s.seconds)
+        };
+        let pl = PlanLayer {
+            name: l.name.clone(),
+            elements: l.elements,
+            choice: r.choice.clone(),
+            seconds: t(&r.choice),
+            dense_s: t("dense-rabenseifner"),
+        };
+        out.dense_total_s += pl.dense_s;
+        out.planned_total_s += pl.seconds;
+        *out.choices.entry(pl.choice.clone()).or_default() += 1;
+        out.layers.push(pl);
+    }
+    out.speedup = out.dense_total_s / out.planned_total_s;
+    if a.json {
+        println!("{}", serde_json::to_string(&out)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<32} {:>12} {:<24} {:>12} {:>12}",
+        "layer", "elements", "choice", "planned_us", "dense_us"
+    );
+    for l in &out.layers {
+        println!(
+            "{:<32} {:>12} {:<24} {:>12.2} {:>12.2}",
+            l.name,
+            l.elements,
+            l.choice,
+            l.seconds * 1e6,
+            l.dense_s * 1e6
+        );
+    }
+    println!(
+        "total: dense-only {:.3} ms, planned {:.3} ms ({:.2}x); choices {:?}",
+        out.dense_total_s * 1e3,
+        out.planned_total_s * 1e3,
+        out.speedup,
+        out.choices
+    );
+    Ok(0)
+}
+
+/// Arguments of `gradsync crossover`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CrossoverArgs {
+    /// Number of ranks.
+    #[arg(long)]
+    pub ranks: usize,
+    /// Density of the sparse strategies.
+    #[arg(long, default_value_t = 0.001)]
+    pub density: f64,
+    /// The sparse strategy compared.
+    #[arg(long, default_value = "sparse-allgather")]
+    pub sparse: String,
+    /// The dense strategy compared.
+    #[arg(long, default_value = "dense-rabenseifner")]
+    pub dense: String,
+    /// Largest layer considered (bytes).
+    #[arg(long, default_value = "4G")]
+    pub max_bytes: String,
+    /// Write an SVG plot of predicted time vs layer size per strategy.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Model constants.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `gradsync crossover --json` output.
+#[derive(Serialize, Debug, Clone)]
+pub struct CrossoverRecord {
+    /// Ranks.
+    pub ranks: usize,
+    /// Density.
+    pub density: f64,
+    /// Sparse strategy.
+    pub sparse: String,
+    /// Dense strategy.
+    pub dense: String,
+    /// Layer size (elements) from which sparse is faster; null if never.
+    pub crossover_elements: Option<usize>,
+    /// The same in bytes.
+    pub crossover_bytes: Option<usize>,
+}
+
+pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
+    let prof = a.model.profile()?;
+    for s in [&a.sparse, &a.dense] {
+        if !STRATEGIES.contains(&s.as_str()) {
+            return Err(Error::InvalidArgument(format!("unknown strategy {s:?}")));
+        }
+    }
+    let max_n = (parse_size(&a.max_bytes)? / 4).max(1);
+    let x = cost::crossover(
+        &prof,
+        a.ranks,
+        a.density,
+        &a.model.select_method,
+        &a.sparse,
+        &a.dense,
+        max_n,
+    )?;
+    let rec = CrossoverRecord {
+        ranks: a.ranks,
+        density: a.density,
+        sparse: a.sparse.clone(),
+        dense: a.dense.clone(),
+        crossover_elements: x,
+        crossover_bytes: x.map(|n| 4 * n),
+    };
+    if let Some(path) = &a.plot {
+        plot(&prof, &a.model, a.ranks, a.density, max_n, path, x)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&rec)?);
+    } else {
+        match x {
+            Some(n) => println!(
+                "{} beats {} from {} elements ({}) on {} ranks at density {}",
+                a.sparse,
+                a.dense,
+                n,
+                human(4 * n),
+                a.ranks,
+                a.density
+            ),
+            None => println!(
+                "{} never beats {} up to {} on {} ranks at density {}",
+                a.sparse, a.dense, a.max_bytes, a.ranks, a.density
+            ),
+        }
+    }
+    Ok(0)
+}
+
+fn human(b: usize) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / f64::from(1u32 << 30)),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20)),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+/// Predicted time vs layer size (log-log), one line per strategy.
+fn plot(
+    prof: &Profile,
+    m: &ModelArgs,
+    p: usize,
+    d: f64,
+    max_n: usize,
+    path: &std::path::Path,
+    cross: Option<usize>,
+) -> Result<()> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| Error::Io(std::io::Error::other(format!("plot: {e}")));
+    let sizes: Vec<usize> = (0..)
+        .map(|i| 1usize << i)
+        .take_while(|&n| n <= max_n)
+        .filter(|&n| n >= 16)
+        .collect();
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = STRATEGIES[..5]
+        .iter()
+        .map(|s| (s.to_string(), Vec::new()))
+        .collect();
+    for &n in &sizes {
+        let preds = cost::predict(
+            prof,
+            &Query {
+                n,
+                p,
+                density: d,
+                gradiveq_ratio: m.gradiveq_ratio,
+            },
+            &m.select_method,
+        )?;
+        for (name, pts) in &mut series {
+            if let Some(x) = preds.iter().find(|x| &x.name == name) {
+                pts.push(((4 * n) as f64, x.seconds.max(1e-9)));
+            }
+        }
+    }
+    let (ymin, ymax) = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold((f64::INFINITY, 0f64), |(a, b), y| (a.min(y), b.max(y)));
+    let xmax = (4 * max_n) as f64;
+    let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let title = format!("predicted synchronization time, p = {p}, density = {d}");
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            (64f64..xmax).log_scale(),
+            (ymin * 0.5..ymax * 2.0).log_scale(),
+        )
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("layer size (bytes)")
+        .y_desc("seconds")
+        .draw()
+        .map_err(|e| err(&e))?;
+    let colors = [RED, BLUE, GREEN, MAGENTA, BLACK];
+    for ((name, pts), color) in series.into_iter().zip(colors) {
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    if let Some(n) = cross {
+        let x = (4 * n) as f64;
+        chart
+            .draw_series(LineSeries::new(
+                vec![(x, ymin * 0.5), (x, ymax * 2.0)],
+                BLACK.mix(0.4),
+            ))
+            .map_err(|e| err(&e))?
+            .label(format!("crossover {}", human(4 * n)))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.4)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
