@@ -3,6 +3,7 @@
 //! `MPI_Allreduce`/`MPI_Allgatherv`). Both run under `mpirun`/`srun`.
 
 mod bench;
+mod calibrate;
 mod codecs;
 mod model;
 mod sparse_bench;
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 use mpi::topology::SimpleCommunicator;
 
 pub use bench::BenchArgs;
+pub use calibrate::{CalibrateArgs, CheckRecord, CheckSummary, ModelCheckArgs};
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use model::{
     read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs, PredictRecord,
@@ -39,6 +41,10 @@ pub enum Command {
     Verify(VerifyArgs),
     /// Ratio, error and throughput of the compression codecs (no MPI needed).
     Codecs(CodecsArgs),
+    /// Measure this machine's α, β, γ and local cost fits; write a profile (run under mpirun).
+    Calibrate(CalibrateArgs),
+    /// A profile's predictions against measurements, and the model's choices (run under mpirun).
+    ModelCheck(ModelCheckArgs),
     /// Predicted synchronization time of one layer per strategy (α-β-γ model; no MPI).
     Predict(PredictArgs),
     /// Per-layer strategy choice and total step time for a model's layer table (no MPI).
@@ -88,6 +94,8 @@ fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
     match &cli.command {
         Command::Bench(a) => bench::run(&comm, a),
         Command::Verify(a) => verify::run(&comm, a),
+        Command::Calibrate(a) => calibrate::run_calibrate(&comm, a),
+        Command::ModelCheck(a) => calibrate::run_model_check(&comm, a),
         // Normally run before MPI initialization (see `main`).
         Command::Codecs(a) => codecs::run(a),
         Command::Predict(a) => model::run_predict(a),

@@ -56,22 +56,97 @@ impl LinearFit {
         self.a + self.b * n
     }
 
-    /// Least-squares fit of `(n, seconds)` points (intercept clamped at 0).
+    /// Fit `(n, seconds)` points by least squares on relative errors (see
+    /// [`fit_relative_l2`]).
     pub fn fit(points: &[(f64, f64)]) -> LinearFit {
-        if points.is_empty() {
-            return LinearFit::default();
-        }
-        let m = points.len() as f64;
-        let (sx, sy) = points
-            .iter()
-            .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
-        let (mx, my) = (sx / m, sy / m);
-        let sxx: f64 = points.iter().map(|&(x, _)| (x - mx) * (x - mx)).sum();
-        let sxy: f64 = points.iter().map(|&(x, y)| (x - mx) * (y - my)).sum();
-        let b = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-        let a = (my - b * mx).max(0.0);
+        let rows: Vec<(f64, f64, f64)> = points.iter().map(|&(n, t)| (1.0, n, t)).collect();
+        let (a, b) = fit_relative_l2(&rows);
         LinearFit { a, b }
     }
+}
+
+/// Fit `t ≈ c1·x + c2·y` with `x, y ≥ 0` minimizing `Σ ((c1·x + c2·y − t)/t)²`
+/// (least squares on relative errors; a negative coefficient is clamped to
+/// 0 and the other refitted). Unlike [`fit_relative_l1`] it splits the
+/// difference between regimes (cache-resident and memory-bound sizes).
+pub fn fit_relative_l2(rows: &[(f64, f64, f64)]) -> (f64, f64) {
+    let (mut s11, mut s12, mut s22, mut r1, mut r2) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(c1, c2, t) in rows.iter().filter(|r| r.2 > 0.0 && r.2.is_finite()) {
+        let w = 1.0 / (t * t);
+        s11 += w * c1 * c1;
+        s12 += w * c1 * c2;
+        s22 += w * c2 * c2;
+        r1 += w * c1 * t;
+        r2 += w * c2 * t;
+    }
+    let det = s11 * s22 - s12 * s12;
+    let (x, y) = if det.abs() > 1e-300 * (s11 * s22).max(1e-300) && det != 0.0 {
+        ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det)
+    } else {
+        (-1.0, -1.0)
+    };
+    if x >= 0.0 && y >= 0.0 {
+        (x, y)
+    } else {
+        let only_x = if s11 > 0.0 { (r1 / s11).max(0.0) } else { 0.0 };
+        let only_y = if s22 > 0.0 { (r2 / s22).max(0.0) } else { 0.0 };
+        let cost = |a: f64, b: f64| -> f64 {
+            rows.iter()
+                .filter(|r| r.2 > 0.0 && r.2.is_finite())
+                .map(|&(c1, c2, t)| ((c1 * a + c2 * b - t) / t).powi(2))
+                .sum()
+        };
+        if cost(only_x, 0.0) <= cost(0.0, only_y) {
+            (only_x, 0.0)
+        } else {
+            (0.0, only_y)
+        }
+    }
+}
+
+/// Fit `t ≈ c1·x + c2·y` with `x, y ≥ 0` minimizing `Σ |c1·x + c2·y − t| / t`.
+///
+/// A relative L1 fit is robust: where a machine has two regimes (messages
+/// that stay in cache and messages that do not), it follows the majority of
+/// the measured points instead of splitting the difference, so its errors
+/// concentrate on the few points of the other regime. The optimum of this
+/// linear program lies on a vertex: a line through two points, or through
+/// one point with the other coefficient zero; all are tried (fine for the
+/// few dozen points of a calibration).
+pub fn fit_relative_l1(rows: &[(f64, f64, f64)]) -> (f64, f64) {
+    let rows: Vec<(f64, f64, f64)> = rows
+        .iter()
+        .copied()
+        .filter(|r| r.2 > 0.0 && r.2.is_finite())
+        .collect();
+    let cost = |x: f64, y: f64| -> f64 {
+        rows.iter()
+            .map(|&(c1, c2, t)| (c1 * x + c2 * y - t).abs() / t)
+            .sum()
+    };
+    let mut cands = vec![(0.0, 0.0)];
+    for (i, &(a1, b1, t1)) in rows.iter().enumerate() {
+        if a1 > 0.0 {
+            cands.push((t1 / a1, 0.0));
+        }
+        if b1 > 0.0 {
+            cands.push((0.0, t1 / b1));
+        }
+        for &(a2, b2, t2) in &rows[i + 1..] {
+            let det = a1 * b2 - a2 * b1;
+            if det.abs() > 1e-300 {
+                let x = (t1 * b2 - t2 * b1) / det;
+                let y = (a1 * t2 - a2 * t1) / det;
+                if x >= 0.0 && y >= 0.0 {
+                    cands.push((x, y));
+                }
+            }
+        }
+    }
+    cands
+        .into_iter()
+        .min_by(|p, q| cost(p.0, p.1).total_cmp(&cost(q.0, q.1)))
+        .unwrap_or((0.0, 0.0))
 }
 
 /// Cost of one codec: encode and decode fits and wire size.
@@ -128,7 +203,8 @@ pub struct Profile {
     #[serde(default)]
     pub gamma_unpack: f64,
     /// Local cost of a sparse step per selection method (`trimmed`,
-    /// `threshold`, `sampled`, `exact`, and `quant` for quantized RGC).
+    /// `threshold`, `sampled`, `exact`, and `quant` for quantized RGC);
+    /// `method@density` keys hold fits calibrated at one density.
     #[serde(default)]
     pub select: BTreeMap<String, LinearFit>,
     /// Per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`).
@@ -140,6 +216,16 @@ pub struct Profile {
     /// GradiVeQ decompression of a whole layer.
     #[serde(default)]
     pub gradiveq_decompress: LinearFit,
+    /// One-way ping-pong fit (`a` = latency, `b` = seconds per byte), for
+    /// reference: the model's `alpha`/`beta` are fitted to pairwise
+    /// exchanges (sendrecv), which run both directions at once as the
+    /// collectives' steps do.
+    #[serde(default)]
+    pub pingpong: LinearFit,
+    /// Recursive-doubling allgather fit of `⌈lg p⌉·a + (p−1)·bytes·b`, for
+    /// reference (it includes the copy of the rank's own block).
+    #[serde(default)]
+    pub allgather: LinearFit,
     /// Metadata.
     #[serde(default)]
     pub meta: ProfileMeta,
@@ -172,6 +258,8 @@ impl Profile {
             codecs: BTreeMap::new(),
             gradiveq_compress: LinearFit::default(),
             gradiveq_decompress: LinearFit::default(),
+            pingpong: LinearFit::default(),
+            allgather: LinearFit::default(),
             meta: ProfileMeta::default(),
         };
         p.validate()?;
@@ -240,8 +328,15 @@ impl Profile {
         Ok(())
     }
 
-    fn select_fit(&self, method: &str) -> LinearFit {
-        self.select.get(method).copied().unwrap_or_default()
+    /// The selection fit of `method` at `density`: the fit calibrated at
+    /// exactly that density (`"trimmed@0.01"`) if there is one, else the
+    /// method's default (`"trimmed"`), else zero.
+    pub fn select_fit(&self, method: &str, density: f64) -> LinearFit {
+        self.select
+            .get(&format!("{method}@{density}"))
+            .or_else(|| self.select.get(method))
+            .copied()
+            .unwrap_or_default()
     }
 }
 
@@ -406,13 +501,13 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
     let m = 4.0 + 8.0 * k;
     push(
         "sparse-allgather",
-        prof.select_fit(select_method).at(n) + allgather_unpack(prof, m, p),
+        prof.select_fit(select_method, q.density).at(n) + allgather_unpack(prof, m, p),
         (pf - 1.0) * m,
     );
     let mq = 8.0 + 4.0 * k;
     push(
         "sparse-allgather-quant",
-        prof.select_fit("quant").at(n) + allgather_unpack(prof, mq, p),
+        prof.select_fit("quant", q.density).at(n) + allgather_unpack(prof, mq, p),
         (pf - 1.0) * mq,
     );
     // GradiVeQ: ring on N/r bytes, compression partly hidden.

@@ -756,7 +756,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Mode::Dense => Ok(()),
             }
         };
-        if sparse_elems >= cfg.parallel_min_elems {
+        // Parallel only across two or more sparse layers: one layer gains
+        // nothing, and idle rayon workers spinning next to MPI's polling cost
+        // more than they bring on a few cores.
+        let sparse_layers = self.layers.iter().filter(|l| l.mode != Mode::Dense).count();
+        if sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems {
             self.layers.par_iter_mut().enumerate().try_for_each(work)?;
         } else {
             self.layers.iter_mut().enumerate().try_for_each(work)?;
@@ -1076,7 +1080,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             l.stats.unpack_s = t.elapsed().as_secs_f64();
             Ok(r)
         };
-        let errors: Vec<Option<Error>> = if total >= self.cfg.parallel_min_elems {
+        let errors: Vec<Option<Error>> = if ns >= 2 && total >= self.cfg.parallel_min_elems {
             self.layers
                 .par_iter_mut()
                 .zip(out.par_iter_mut())
