@@ -349,3 +349,79 @@ fn convergence_rgc_at_one_permille_matches_dense() {
     assert!(frozen > 1.05 * dense, "the sparse layer matters: {line}");
     assert!(f("rgc_wire_bytes") < 0.2 * f("dense_wire_bytes"), "{line}");
 }
+
+/// `calibrate` writes a valid profile on real ranks (small and quick here),
+/// `predict --profile` and `model-check` use it.
+#[test]
+fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
+    let prof = std::env::temp_dir().join(format!("gradsync-prof-{}.json", std::process::id()));
+    let p = prof.to_str().expect("utf-8");
+    let (ok, _, err) = mpirun(
+        2,
+        Path::new(gradsync()),
+        &[
+            "calibrate",
+            "--out",
+            p,
+            "--max-bytes",
+            "256K",
+            "--reps",
+            "3",
+            "--quiet",
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile written"))
+            .expect("JSON");
+    for k in ["alpha", "beta", "gamma_reduce", "gamma_unpack"] {
+        let x = v[k].as_f64().unwrap_or(-1.0);
+        assert!(x >= 0.0 && x.is_finite(), "{k} = {x}");
+    }
+    assert!(v["beta"].as_f64().unwrap_or(0.0) > 0.0, "beta measured");
+    assert!(v["select"]["trimmed"]["b"].as_f64().unwrap_or(0.0) > 0.0);
+    assert!(v["select"]["trimmed@0.01"].is_object());
+    assert_eq!(v["meta"]["ranks"], 2);
+    let out = Command::new(gradsync())
+        .args([
+            "predict",
+            "--bytes",
+            "1M",
+            "--ranks",
+            "2",
+            "--profile",
+            p,
+            "--json",
+        ])
+        .output()
+        .expect("predict");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (ok, out, err) = mpirun(
+        2,
+        Path::new(gradsync()),
+        &[
+            "model-check",
+            "--profile",
+            p,
+            "--sizes",
+            "64K,256K",
+            "--iters",
+            "3",
+            "--json",
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{err}");
+    let summary = out.lines().last().expect("summary");
+    let s: serde_json::Value = serde_json::from_str(summary).expect("summary JSON");
+    assert_eq!(s["points"], 4);
+    assert!(
+        s["median_rel_error"].as_f64().is_some() && s["choice_within_10pct"].as_f64().is_some()
+    );
+    std::fs::remove_file(&prof).ok();
+}

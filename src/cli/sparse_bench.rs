@@ -263,7 +263,7 @@ fn strategy_params(s: &Strategy) -> String {
             }
             c.params()
         }
-        Strategy::Dense => String::new(),
+        Strategy::Dense | Strategy::Auto => String::new(),
     }
 }
 

@@ -79,6 +79,12 @@ pub enum Strategy {
         #[serde(default)]
         density: Option<f64>,
     },
+    /// The cost model's choice ([`crate::cost`]) from `Config::profile` at
+    /// registration: `Dense`, RGC (`sparse-allgather`) or, with
+    /// `Config::auto_quant`, quantized RGC, whichever is predicted fastest
+    /// for the layer's size on this communicator. Resolved once, logged, and
+    /// visible in [`GradSync::layer`] and the step stats.
+    Auto,
 }
 
 impl Strategy {
@@ -97,6 +103,7 @@ impl Strategy {
         match self {
             Strategy::Dense => "dense".into(),
             Strategy::Sparse { codec, .. } => codec.name(),
+            Strategy::Auto => "auto".into(),
         }
     }
 }
@@ -172,6 +179,13 @@ pub struct Config {
     /// Compress and unpack layers in parallel (rayon) when the sparse layers
     /// hold at least this many elements in all.
     pub parallel_min_elems: usize,
+    /// A calibrated cluster profile (`gradsync calibrate`). With one,
+    /// [`GradSync::register`] gives every layer [`Strategy::Auto`].
+    pub profile: Option<crate::cost::Profile>,
+    /// Density of the sparse strategies `Auto` considers.
+    pub auto_density: f64,
+    /// Let `Auto` choose quantized RGC too.
+    pub auto_quant: bool,
 }
 
 impl Default for Config {
@@ -193,6 +207,9 @@ impl Default for Config {
             non_finite: NonFinitePolicy::Error,
             overlap: true,
             parallel_min_elems: 1 << 18,
+            profile: None,
+            auto_density: 0.001,
+            auto_quant: false,
         }
     }
 }
@@ -210,6 +227,8 @@ pub struct LayerStats {
     pub strategy: String,
     /// Codec name (`none` for dense).
     pub codec: String,
+    /// Whether the strategy was the cost model's choice (`Strategy::Auto`).
+    pub auto: bool,
     /// Fraction of this rank's elements sent (1 for dense).
     pub density: f64,
     /// Bytes this rank put on the wire for the layer (unit or dense slice).
@@ -501,9 +520,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// The strategy a layer of `n` elements gets from [`register`](Self::register):
-    /// `Dense` below `compress_threshold`, else the configured codec. This is
-    /// the seam where a cost model's `Auto` choice plugs in.
+    /// with a profile, the cost model's choice ([`Strategy::Auto`]);
+    /// otherwise `Dense` below `compress_threshold`, else the configured
+    /// codec.
     pub fn resolve(&self, n: usize) -> Strategy {
+        if self.cfg.profile.is_some() {
+            if let Ok((s, _)) = self.auto_choice(n) {
+                return s;
+            }
+        }
         if n < self.cfg.compress_threshold {
             Strategy::Dense
         } else {
@@ -514,11 +539,72 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
     }
 
+    /// `Auto` for a layer of `n` elements: the predicted-fastest of dense
+    /// (the configured allreduce), RGC and optionally quantized RGC at
+    /// `auto_density`, with the predictions (name, seconds) it chose among.
+    pub fn auto_choice(&self, n: usize) -> Result<(Strategy, Vec<(String, f64)>)> {
+        use crate::cost::{choose, predict, Query};
+        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
+            )
+        })?;
+        let d = self.cfg.auto_density;
+        let method = match &self.cfg.codec {
+            CodecConfig::Rgc { method, .. } => *method,
+            _ => RgcMethod::Trimmed,
+        };
+        let method_name = serde_json::to_value(method)?
+            .as_str()
+            .unwrap_or("trimmed")
+            .to_string();
+        let preds = predict(
+            prof,
+            &Query {
+                n,
+                p: self.size,
+                density: d,
+                gradiveq_ratio: 8.0,
+            },
+            &method_name,
+        )?;
+        let dense = match self.cfg.allreduce {
+            AllreduceAlgo::Ring => "dense-ring",
+            _ => "dense-rabenseifner",
+        };
+        let mut allowed = vec![dense, "sparse-allgather"];
+        if self.cfg.auto_quant {
+            allowed.push("sparse-allgather-quant");
+        }
+        let best = choose(&preds, &allowed)
+            .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
+        let strategy = match best.name.as_str() {
+            "sparse-allgather" => Strategy::Sparse {
+                codec: CodecConfig::Rgc { density: d, method },
+                density: None,
+            },
+            "sparse-allgather-quant" => Strategy::Sparse {
+                codec: CodecConfig::RgcQuant { density: d },
+                density: None,
+            },
+            _ => Strategy::Dense,
+        };
+        let considered = preds
+            .iter()
+            .filter(|p| allowed.contains(&p.name.as_str()))
+            .map(|p| (p.name.clone(), p.seconds))
+            .collect();
+        Ok((strategy, considered))
+    }
+
     /// Register a layer with the default strategy ([`resolve`](Self::resolve)).
     /// Collective: all ranks must register the same layers in the same order.
     pub fn register(&mut self, name: &str, shape: &[usize]) -> Result<LayerId> {
-        let n = shape.iter().product();
-        let strategy = self.resolve(n);
+        let strategy = if self.cfg.profile.is_some() {
+            Strategy::Auto
+        } else {
+            self.resolve(shape.iter().product())
+        };
         self.register_with(name, shape, strategy)
     }
 
@@ -540,8 +626,26 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| Error::InvalidArgument(format!("layer {name:?}: shape overflows")))?;
+        let auto = strategy == Strategy::Auto;
+        let strategy = if strategy == Strategy::Auto {
+            let (s, preds) = self.auto_choice(n)?;
+            log::info!(
+                "gradsync: layer {name:?} ({n} elements, {} ranks): auto chose {} from {}",
+                self.size,
+                s.label(),
+                preds
+                    .iter()
+                    .map(|(k, t)| format!("{k} {:.1} us", t * 1e6))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            s
+        } else {
+            strategy
+        };
         let codec = match &strategy {
-            Strategy::Dense => None,
+            // `Auto` was resolved above.
+            Strategy::Dense | Strategy::Auto => None,
             Strategy::Sparse { codec, density } => {
                 let mut c = codec.build()?;
                 if let Some(d) = density {
@@ -587,6 +691,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             dense_off: 0,
             stats: LayerStats {
                 name: name.to_string(),
+                auto,
                 ..LayerStats::default()
             },
         };
@@ -1240,7 +1345,7 @@ impl Layer {
         let codec = self.codec.as_mut().expect("sparse layer has a codec");
         let want = p.stage_density.or(match &self.strategy {
             Strategy::Sparse { density, codec } => density.or_else(|| config_density(codec)),
-            Strategy::Dense => None,
+            Strategy::Dense | Strategy::Auto => None,
         });
         if want != self.cur_density {
             if let Some(d) = want {

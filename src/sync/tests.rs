@@ -531,3 +531,59 @@ fn bad_calls_are_errors() {
         assert!(GradSync::with_transport(c, bad.clone()).is_err())
     });
 }
+
+/// RedSync's §5.4 rules come out of the model: with its 3.5 GB/s network,
+/// p = 8 and a GPU-like selection cost (60 µs per layer + 0.2 ns per
+/// element), Auto keeps layers below ~100 KB dense and compresses larger ones.
+#[test]
+fn auto_follows_the_cost_model() {
+    let mut prof = crate::cost::Profile::from_network(5e-6, 3.5e9, 0.0, 0.0).expect("profile");
+    prof.select.insert(
+        "trimmed".into(),
+        crate::cost::LinearFit { a: 6e-5, b: 2e-10 },
+    );
+    let res = LocalComm::run(8, |c| {
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                profile: Some(prof.clone()),
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        let small = s.register("small", &[16 * 1024]).expect("64 KB");
+        let big = s.register("big", &[256 * 1024]).expect("1 MB");
+        let explicit = s
+            .register_with("explicit", &[64], Strategy::Dense)
+            .expect("explicit");
+        let mut g = [
+            vec![1.0f32; 16 * 1024],
+            vec![1.0f32; 256 * 1024],
+            vec![1.0f32; 64],
+        ];
+        let [a, b, e] = &mut g;
+        let st = s
+            .sync(&mut [&mut a[..], &mut b[..], &mut e[..]])
+            .expect("sync")
+            .clone();
+        (
+            s.layer(small).expect("l").2.clone(),
+            s.layer(big).expect("l").2.clone(),
+            s.layer(explicit).expect("l").2.clone(),
+            st.layers.iter().map(|l| l.auto).collect::<Vec<_>>(),
+            st.layers[1].strategy.clone(),
+        )
+    });
+    for (small, big, explicit, auto, kind) in res {
+        assert_eq!(small, Strategy::Dense);
+        assert_eq!(big.label(), "rgc");
+        assert_eq!(explicit, Strategy::Dense);
+        assert_eq!(auto, [true, true, false]);
+        assert_eq!(kind, "sparse");
+    }
+    // Auto without a profile is an error.
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        assert!(s.register_with("x", &[10], Strategy::Auto).is_err());
+    });
+}

@@ -1,0 +1,308 @@
+//! `gradsync predict / plan / crossover` (no MPI): the JSON output equals the
+//! issue's formulas, written out here independently of `src/cost`.
+
+use std::process::Command;
+
+fn gradsync(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gradsync"))
+        .args(args)
+        .output()
+        .expect("run gradsync");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        (a - b).abs() / a.abs().max(b.abs())
+    }
+}
+
+#[test]
+fn predict_json_equals_the_formulas() {
+    let (al, bw, gr, gu, sc) = (4e-6f64, 1.25e8f64, 2e-10f64, 9e-10f64, 3e-9f64);
+    let be = 1.0 / bw;
+    for p in [1usize, 2, 3, 4, 6, 7, 8, 13, 64] {
+        for (n, d) in [
+            (1000usize, 0.01f64),
+            (1usize << 20, 0.001),
+            (3_000_001, 0.05),
+        ] {
+            let (ok, out, err) = gradsync(&[
+                "predict",
+                "--elements",
+                &n.to_string(),
+                "--ranks",
+                &p.to_string(),
+                "--density",
+                &d.to_string(),
+                "--alpha",
+                &al.to_string(),
+                "--bandwidth",
+                &bw.to_string(),
+                "--gamma-reduce",
+                &gr.to_string(),
+                "--gamma-unpack",
+                &gu.to_string(),
+                "--select-cost",
+                &sc.to_string(),
+                "--gradiveq-ratio",
+                "8",
+                "--json",
+            ]);
+            assert!(ok, "{err}");
+            let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+            let t = |name: &str| {
+                v["strategies"]
+                    .as_array()
+                    .expect("strategies")
+                    .iter()
+                    .find(|s| s["name"] == name)
+                    .and_then(|s| s["seconds"].as_f64())
+                    .unwrap_or_else(|| panic!("{name} in {out}"))
+            };
+            let pf = p as f64;
+            let lg = if p == 1 { 0.0 } else { (pf).log2().ceil() };
+            let nb = 4.0 * n as f64;
+            let k = (d * n as f64).ceil();
+            let f = (pf - 1.0) / pf;
+            let m = 4.0 + 8.0 * k;
+            let mq = 8.0 + 4.0 * k;
+            let sel = sc * n as f64;
+            let sparse = sel + lg * al + (pf - 1.0) * m * be + pf * m * gu;
+            let quant = sel + lg * al + (pf - 1.0) * mq * be + pf * mq * gu;
+            let mut raben = 2.0 * lg * al + 2.0 * f * nb * be + f * nb * gr;
+            if p > 1 && !p.is_power_of_two() {
+                // The documented fold term.
+                raben += al + 2.0 * nb * be + 0.5 * nb * gr;
+            }
+            let ring = 2.0 * (pf - 1.0) * al + 2.0 * f * nb * be + f * nb * gr;
+            let cb = nb / 8.0;
+            let gring = 2.0 * (pf - 1.0) * al + 2.0 * f * cb * be + f * cb * gr;
+            for (name, want) in [
+                ("sparse-allgather", sparse),
+                ("sparse-allgather-quant", quant),
+                ("dense-rabenseifner", raben),
+                ("dense-ring", ring),
+                ("gradiveq-ring", gring),
+            ] {
+                assert!(
+                    rel(t(name), want) < 1e-9,
+                    "{name} p={p} n={n}: {} vs {want}",
+                    t(name)
+                );
+            }
+            let choice = v["choice"].as_str().expect("choice");
+            let min = v["strategies"]
+                .as_array()
+                .expect("strategies")
+                .iter()
+                .map(|s| s["seconds"].as_f64().expect("seconds"))
+                .fold(f64::INFINITY, f64::min);
+            assert_eq!(t(choice), min, "choice is the fastest");
+        }
+    }
+}
+
+#[test]
+fn redsync_rules_and_traffic_remark() {
+    // RedSync §5.4: 3.5 GB/s, p = 8: allreduce below ~128 KB, sparse above.
+    let net = [
+        "--alpha",
+        "5e-6",
+        "--bandwidth",
+        "3.5e9",
+        "--select-fixed",
+        "6e-5",
+        "--select-cost",
+        "2e-10",
+        "--strategies",
+        "dense-rabenseifner,sparse-allgather",
+    ];
+    let choice = |bytes: &str| {
+        let mut a = vec![
+            "predict",
+            "--bytes",
+            bytes,
+            "--ranks",
+            "8",
+            "--density",
+            "0.001",
+            "--json",
+        ];
+        a.extend(net);
+        let (ok, out, err) = gradsync(&a);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        v["choice"].as_str().expect("choice").to_string()
+    };
+    assert_eq!(choice("32K"), "dense-rabenseifner");
+    assert_eq!(choice("64K"), "dense-rabenseifner");
+    assert_eq!(choice("256K"), "sparse-allgather");
+    assert_eq!(choice("4M"), "sparse-allgather");
+    let mut a = vec!["crossover", "--ranks", "8", "--density", "0.001", "--json"];
+    a.extend(net);
+    let (ok, out, err) = gradsync(&a);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let x = v["crossover_bytes"].as_f64().expect("a crossover");
+    assert!(
+        (64.0 * 1024.0..=192.0 * 1024.0).contains(&x),
+        "roughly 128 KB: {x}"
+    );
+    // p = 128, D = 0.1%: sparse traffic ≈ 12.8% of dense.
+    let (ok, out, err) = gradsync(&[
+        "predict",
+        "--elements",
+        "25000000",
+        "--ranks",
+        "128",
+        "--density",
+        "0.001",
+        "--alpha",
+        "5e-6",
+        "--bandwidth",
+        "3.5e9",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let w = |name: &str| {
+        v["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .find(|s| s["name"] == name)
+            .and_then(|s| s["wire_bytes"].as_f64())
+            .expect("wire bytes")
+    };
+    let r = w("sparse-allgather") / w("dense-rabenseifner");
+    assert!((r - 0.128).abs() < 0.001, "{r}");
+}
+
+#[test]
+fn plan_and_plot_and_bad_input() {
+    let layers = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/layers/resnet50.json");
+    let (ok, out, err) = gradsync(&[
+        "plan",
+        "--layers",
+        layers,
+        "--ranks",
+        "8",
+        "--alpha",
+        "5e-6",
+        "--bandwidth",
+        "3.5e9",
+        "--select-fixed",
+        "6e-5",
+        "--select-cost",
+        "2e-10",
+        "--strategies",
+        "dense-rabenseifner,sparse-allgather",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["layers"].as_array().expect("layers").len(), 161);
+    let (dense, planned) = (
+        v["dense_total_s"].as_f64().expect("dense"),
+        v["planned_total_s"].as_f64().expect("planned"),
+    );
+    assert!(planned <= dense && planned > 0.0);
+    let svg = std::env::temp_dir().join(format!("gradsync-crossover-{}.svg", std::process::id()));
+    let (ok, _, err) = gradsync(&[
+        "crossover",
+        "--ranks",
+        "4",
+        "--alpha",
+        "5e-6",
+        "--bandwidth",
+        "1.25e8",
+        "--plot",
+        svg.to_str().expect("utf-8"),
+    ]);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(text.contains("<svg") && text.contains("sparse-allgather"));
+    std::fs::remove_file(&svg).ok();
+    // Bad input: clear errors, no panic.
+    for args in [
+        vec!["predict", "--elements", "10", "--ranks", "4"],
+        vec![
+            "predict",
+            "--elements",
+            "10",
+            "--ranks",
+            "0",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "1e9",
+        ],
+        vec![
+            "predict",
+            "--elements",
+            "10",
+            "--ranks",
+            "4",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "-1",
+        ],
+        vec![
+            "predict",
+            "--elements",
+            "10",
+            "--ranks",
+            "4",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "1e9",
+            "--density",
+            "2",
+        ],
+        vec![
+            "predict",
+            "--elements",
+            "10",
+            "--ranks",
+            "4",
+            "--profile",
+            "/nonexistent.json",
+        ],
+        vec![
+            "plan",
+            "--layers",
+            "/nonexistent.json",
+            "--ranks",
+            "4",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "1e9",
+        ],
+        vec![
+            "predict",
+            "--elements",
+            "10",
+            "--ranks",
+            "4",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "1e9",
+            "--strategies",
+            "bogus",
+        ],
+    ] {
+        let (ok, _, err) = gradsync(&args);
+        assert!(!ok && err.contains("gradsync"), "{args:?}: {err}");
+    }
+}
