@@ -35,6 +35,7 @@ pub mod comm;
 pub mod cost;
 pub mod dense;
 mod error;
+pub mod gradiveq;
 pub mod select;
 pub mod sparse;
 pub mod sync;

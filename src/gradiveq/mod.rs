@@ -1,0 +1,464 @@
+//! GradiVeQ (Yu et al., NeurIPS 2018): a PCA compressor that commutes with
+//! summation, and a ring all-reduce that aggregates in the compressed
+//! domain (§2, Algorithm 1, eqs. 3–6).
+//!
+//! * [`flatten_conv`]: a convolution's `(H, W, D, F)` gradient reordered so
+//!   the `F` collocated gradients of the filters are adjacent, filled along
+//!   depth, then width, then height (Fig. 3a).
+//! * [`Compressor`]: from `L_t` aggregated samples of a slice of `K`
+//!   adjacent gradients, the mean `μ` and the top-`d` eigenvectors `U_d` of
+//!   the sample covariance (symmetric eigendecomposition with faer, in f64,
+//!   sequential, so every rank computes the same bits from the same
+//!   samples); `d` is the smallest with retained energy `≥ 1 − λ` (eq. 6)
+//!   or given. Compression `U_dᵀ(g_n − μ/N)` (eq. 3), decompression
+//!   `U_d g' + μ` (eq. 5); the sum of the compressed slices of the `N` ranks
+//!   is the compression of the sum (eq. 4).
+//! * [`LayerCompressor`]: a layer of `n` elements as `⌊n/K⌋` slices, one
+//!   compressor per group of `s` consecutive slices (the reuse factor; `s =
+//!   ∞` is one compressor per layer, fitted on its first slice as the paper
+//!   does), the `n mod K` tail carried uncompressed.
+//! * [`ring`]: Algorithm 1 over any [`Transport`](crate::comm::Transport),
+//!   compression of the next segment overlapped with the transfer of the
+//!   previous one, and the QSGD ring the paper compares against.
+//!
+//! Not here yet (issue #6 continues): the L_t/L_c schedule with QSGD-aggregated
+//! training iterations and the eq.-7 loss monitor, and the engine strategy.
+
+pub mod ring;
+
+use crate::{Error, Result};
+use faer::diag::Diag;
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::evd::{self_adjoint_evd, self_adjoint_evd_scratch, ComputeEigenvectors};
+use faer::{Mat, Par};
+
+/// Reorder a convolution gradient stored as `(H, W, D, F)` (row-major,
+/// filter index fastest) into GradiVeQ's flattening: for each position
+/// (height, then width, then depth) the `F` collocated filter gradients are
+/// adjacent, filling along depth first, then width, then height (Fig. 3a).
+///
+/// With the `(H, W, D, F)` row-major layout this is already the order
+/// `((h·W + w)·D + d)·F + f`; the function validates the shape and copies,
+/// and [`flatten_conv_from_fdhw`] converts from the `(F, D, H, W)` layout of
+/// most frameworks.
+pub fn flatten_conv(grad: &[f32], shape: [usize; 4], out: &mut Vec<f32>) -> Result<()> {
+    let n: usize = shape.iter().product();
+    if grad.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "gradient has {} elements, shape {shape:?} needs {n}",
+            grad.len()
+        )));
+    }
+    out.clear();
+    out.extend_from_slice(grad);
+    Ok(())
+}
+
+/// [`flatten_conv`] from a `(F, D, H, W)` (PyTorch `Conv2d.weight`) layout.
+pub fn flatten_conv_from_fdhw(
+    grad: &[f32],
+    shape_fdhw: [usize; 4],
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let [f, d, h, w] = shape_fdhw;
+    let n = f * d * h * w;
+    if grad.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "gradient has {} elements, shape {shape_fdhw:?} needs {n}",
+            grad.len()
+        )));
+    }
+    out.clear();
+    out.resize(n, 0.0);
+    for hi in 0..h {
+        for wi in 0..w {
+            for di in 0..d {
+                let base = ((hi * w + wi) * d + di) * f;
+                for fi in 0..f {
+                    out[base + fi] = grad[((fi * d + di) * h + hi) * w + wi];
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The default slice size for a convolution with `f` filters of depth `d`
+/// and kernel height `h`: `K = h·F·D` (the paper's 768 for a (3,3,16,16)
+/// layer: a multiple of `F·D`, where its Fig. 5 shows the loss drops).
+pub fn default_slice_size(kernel_h: usize, depth: usize, filters: usize) -> usize {
+    kernel_h * depth * filters
+}
+
+/// How many components to keep.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Dim {
+    /// The smallest `d` with retained energy `≥ 1 − λ` (eq. 6).
+    Lambda(f64),
+    /// Exactly `d` (at most `K`).
+    Fixed(usize),
+}
+
+/// A slice compressor: `U_d` (`K × d`) and the whitening vector `μ`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Compressor {
+    k: usize,
+    d: usize,
+    /// `U_dᵀ`, row-major `d × K`: row `j` is eigenvector `j`.
+    ut: Vec<f32>,
+    mu: Vec<f32>,
+    /// Eigenvalues, descending (all `K`).
+    eig: Vec<f64>,
+}
+
+impl Compressor {
+    /// PCA of `samples` (each of length `K`, at least 2): mean, covariance,
+    /// symmetric eigendecomposition, top `d` by `dim`.
+    pub fn fit(samples: &[&[f32]], dim: Dim) -> Result<Self> {
+        let l = samples.len();
+        let k = samples.first().map_or(0, |s| s.len());
+        if l < 2 || k == 0 || samples.iter().any(|s| s.len() != k) {
+            return Err(Error::InvalidArgument(format!(
+                "PCA needs at least 2 samples of one positive length (got {l} of lengths {:?})",
+                samples
+                    .iter()
+                    .map(|s| s.len())
+                    .collect::<std::collections::BTreeSet<_>>()
+            )));
+        }
+        if samples.iter().any(|s| s.iter().any(|x| !x.is_finite())) {
+            return Err(Error::InvalidArgument("PCA samples hold NaN/Inf".into()));
+        }
+        let mut mean = vec![0f64; k];
+        for s in samples {
+            for (m, &x) in mean.iter_mut().zip(s.iter()) {
+                *m += f64::from(x);
+            }
+        }
+        for m in &mut mean {
+            *m /= l as f64;
+        }
+        // Covariance (K × K, column-major), a fixed summation order.
+        let mut cov = Mat::<f64>::zeros(k, k);
+        let mut centered = vec![0f64; k];
+        for s in samples {
+            for ((c, &x), m) in centered.iter_mut().zip(s.iter()).zip(&mean) {
+                *c = f64::from(x) - m;
+            }
+            for j in 0..k {
+                let cj = centered[j];
+                if cj == 0.0 {
+                    continue;
+                }
+                let col = cov
+                    .col_mut(j)
+                    .try_as_col_major_mut()
+                    .expect("owned columns are contiguous");
+                let col = col.as_slice_mut();
+                for i in j..k {
+                    col[i] += centered[i] * cj;
+                }
+            }
+        }
+        let scale = 1.0 / (l as f64 - 1.0);
+        for j in 0..k {
+            for i in j..k {
+                let v = cov[(i, j)] * scale;
+                cov[(i, j)] = v;
+                cov[(j, i)] = v;
+            }
+        }
+        let mut s = Diag::<f64>::zeros(k);
+        let mut u = Mat::<f64>::zeros(k, k);
+        let params = Default::default();
+        let mut mem = MemBuffer::new(self_adjoint_evd_scratch::<f64>(
+            k,
+            ComputeEigenvectors::Yes,
+            Par::Seq,
+            params,
+        ));
+        self_adjoint_evd(
+            cov.as_ref(),
+            s.as_mut(),
+            Some(u.as_mut()),
+            Par::Seq,
+            MemStack::new(&mut mem),
+            params,
+        )
+        .map_err(|e| Error::InvalidArgument(format!("eigendecomposition failed: {e:?}")))?;
+        // Descending order of eigenvalues.
+        let mut order: Vec<usize> = (0..k).collect();
+        let sv: Vec<f64> = (0..k).map(|i| s[i].max(0.0)).collect();
+        order.sort_by(|&a, &b| sv[b].total_cmp(&sv[a]).then(a.cmp(&b)));
+        let eig: Vec<f64> = order.iter().map(|&i| sv[i]).collect();
+        let d = match dim {
+            Dim::Fixed(d) => d.clamp(1, k),
+            Dim::Lambda(lambda) => {
+                if !(0.0..1.0).contains(&lambda) {
+                    return Err(Error::InvalidArgument(format!(
+                        "lambda {lambda} must lie in [0, 1)"
+                    )));
+                }
+                select_d(&eig, lambda)
+            }
+        };
+        let mut ut = vec![0f32; d * k];
+        for (j, &col) in order.iter().take(d).enumerate() {
+            // A sign convention (largest-magnitude entry positive) so the
+            // basis does not depend on the solver's arbitrary signs.
+            let c = u.col(col);
+            let (mut best, mut sign) = (0f64, 1f64);
+            for i in 0..k {
+                if c[i].abs() > best {
+                    best = c[i].abs();
+                    sign = c[i].signum();
+                }
+            }
+            for i in 0..k {
+                ut[j * k + i] = (sign * c[i]) as f32;
+            }
+        }
+        Ok(Compressor {
+            k,
+            d,
+            ut,
+            mu: mean.iter().map(|&m| m as f32).collect(),
+            eig,
+        })
+    }
+
+    /// Slice size `K`.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Kept components `d`.
+    pub fn d(&self) -> usize {
+        self.d
+    }
+    /// Eigenvalues of the sample covariance, descending.
+    pub fn eigenvalues(&self) -> &[f64] {
+        &self.eig
+    }
+    /// Fraction of the sample energy the kept components retain.
+    pub fn retained_energy(&self) -> f64 {
+        let total: f64 = self.eig.iter().sum();
+        if total <= 0.0 {
+            1.0
+        } else {
+            self.eig[..self.d].iter().sum::<f64>() / total
+        }
+    }
+
+    /// Eq. (3): `out = U_dᵀ(g − μ/N)` (`out.len() == d`).
+    pub fn compress(&self, g: &[f32], n_ranks: usize, out: &mut [f32]) {
+        debug_assert_eq!(g.len(), self.k);
+        debug_assert_eq!(out.len(), self.d);
+        let inv = 1.0 / n_ranks as f32;
+        for (j, o) in out.iter_mut().enumerate() {
+            let row = &self.ut[j * self.k..(j + 1) * self.k];
+            let mut acc = [0f32; 8];
+            let (rc, gc, mc) = (
+                row.chunks_exact(8),
+                g.chunks_exact(8),
+                self.mu.chunks_exact(8),
+            );
+            let tail: f32 = row[rc.len() * 8..]
+                .iter()
+                .zip(&g[gc.len() * 8..])
+                .zip(&self.mu[mc.len() * 8..])
+                .map(|((u, x), m)| u * (x - m * inv))
+                .sum();
+            for ((r, x), m) in rc.zip(gc).zip(mc) {
+                for l in 0..8 {
+                    acc[l] += r[l] * (x[l] - m[l] * inv);
+                }
+            }
+            *o = acc.iter().sum::<f32>() + tail;
+        }
+    }
+
+    /// Eq. (5): `out = U_d g' + μ`.
+    pub fn decompress(&self, gc: &[f32], out: &mut [f32]) {
+        debug_assert_eq!(gc.len(), self.d);
+        out.copy_from_slice(&self.mu);
+        for (j, &c) in gc.iter().enumerate() {
+            let row = &self.ut[j * self.k..(j + 1) * self.k];
+            for (o, &u) in out.iter_mut().zip(row) {
+                *o += c * u;
+            }
+        }
+    }
+
+    /// A hash of the compressor's bits (to compare across ranks).
+    pub fn hash(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: &[u8]| {
+            for &x in b {
+                h = (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        eat(&(self.k as u64).to_le_bytes());
+        eat(&(self.d as u64).to_le_bytes());
+        for v in self.ut.iter().chain(&self.mu) {
+            eat(&v.to_bits().to_le_bytes());
+        }
+        h
+    }
+}
+
+/// The smallest `d` with `Σ_{k<d} s_k / Σ s_k ≥ 1 − λ` (eq. 6), at least 1.
+pub fn select_d(eig_desc: &[f64], lambda: f64) -> usize {
+    let total: f64 = eig_desc.iter().sum();
+    if total <= 0.0 {
+        return 1;
+    }
+    let mut acc = 0.0;
+    for (i, &e) in eig_desc.iter().enumerate() {
+        acc += e;
+        if acc / total >= 1.0 - lambda {
+            return i + 1;
+        }
+    }
+    eig_desc.len().max(1)
+}
+
+/// A layer of `n` elements: `⌊n/K⌋` slices compressed in groups of `s`
+/// slices sharing one compressor, the `n mod K` tail uncompressed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerCompressor {
+    n: usize,
+    k: usize,
+    reuse: usize,
+    groups: Vec<Compressor>,
+}
+
+impl LayerCompressor {
+    /// Fit from `samples` of the whole aggregated layer (each of length
+    /// `n`): the compressor of each group of `reuse` slices (`None` = one
+    /// group) is fitted on the samples of the group's first slice.
+    pub fn fit(samples: &[&[f32]], k: usize, reuse: Option<usize>, dim: Dim) -> Result<Self> {
+        let n = samples.first().map_or(0, |s| s.len());
+        if k == 0 || n < k {
+            return Err(Error::InvalidArgument(format!(
+                "slice size {k} must be in 1..={n} (the layer length)"
+            )));
+        }
+        let slices = n / k;
+        let reuse = reuse.unwrap_or(slices).clamp(1, slices);
+        let mut groups = Vec::new();
+        let mut first = 0;
+        while first < slices {
+            let sl: Vec<&[f32]> = samples
+                .iter()
+                .map(|s| &s[first * k..(first + 1) * k])
+                .collect();
+            groups.push(Compressor::fit(&sl, dim)?);
+            first += reuse;
+        }
+        Ok(LayerCompressor {
+            n,
+            k,
+            reuse,
+            groups,
+        })
+    }
+
+    /// Layer length.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    /// True for an empty layer (never: fitting needs `n ≥ K`).
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Slice size.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Number of whole slices.
+    pub fn slices(&self) -> usize {
+        self.n / self.k
+    }
+    /// The compressors (one per group of slices).
+    pub fn groups(&self) -> &[Compressor] {
+        &self.groups
+    }
+    fn comp(&self, slice: usize) -> &Compressor {
+        &self.groups[slice / self.reuse]
+    }
+    /// Compressed length of slices `a..b` (plus the tail when `b` is the
+    /// last slice and `with_tail`).
+    pub fn compressed_len(&self, a: usize, b: usize, with_tail: bool) -> usize {
+        (a..b).map(|m| self.comp(m).d()).sum::<usize>()
+            + if with_tail { self.n % self.k } else { 0 }
+    }
+    /// Compression ratio `n / compressed length`.
+    pub fn ratio(&self) -> f64 {
+        self.n as f64 / self.compressed_len(0, self.slices(), true) as f64
+    }
+    /// Compress slices `a..b` of `g` (the whole layer) into `out`, and the
+    /// tail (divided by nothing: it is summed as is) when `with_tail`.
+    pub fn compress_range(
+        &self,
+        g: &[f32],
+        n_ranks: usize,
+        a: usize,
+        b: usize,
+        with_tail: bool,
+        out: &mut [f32],
+    ) {
+        let mut o = 0;
+        for m in a..b {
+            let c = self.comp(m);
+            c.compress(
+                &g[m * self.k..(m + 1) * self.k],
+                n_ranks,
+                &mut out[o..o + c.d()],
+            );
+            o += c.d();
+        }
+        if with_tail {
+            let t = self.slices() * self.k;
+            out[o..o + (self.n - t)].copy_from_slice(&g[t..]);
+        }
+    }
+    /// Decompress `gc` (slices `a..b`, tail when `with_tail`) into the
+    /// matching range of `out` (the whole layer).
+    pub fn decompress_range(
+        &self,
+        gc: &[f32],
+        a: usize,
+        b: usize,
+        with_tail: bool,
+        out: &mut [f32],
+    ) {
+        let mut o = 0;
+        for m in a..b {
+            let c = self.comp(m);
+            c.decompress(&gc[o..o + c.d()], &mut out[m * self.k..(m + 1) * self.k]);
+            o += c.d();
+        }
+        if with_tail {
+            let t = self.slices() * self.k;
+            let len = self.n - t;
+            out[t..].copy_from_slice(&gc[o..o + len]);
+        }
+    }
+    /// Centralized reference: `U(Uᵀ(g − μ)) + μ` of an aggregated `g`.
+    pub fn round_trip(&self, g: &[f32], out: &mut [f32]) {
+        let mut c = vec![0f32; self.compressed_len(0, self.slices(), true)];
+        self.compress_range(g, 1, 0, self.slices(), true, &mut c);
+        self.decompress_range(&c, 0, self.slices(), true, out);
+    }
+    /// Hash of every compressor (to compare across ranks).
+    pub fn hash(&self) -> u64 {
+        self.groups
+            .iter()
+            .fold(self.n as u64 ^ (self.k as u64) << 32, |h, c| {
+                (h ^ c.hash()).wrapping_mul(0x0100_0000_01b3)
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests;
