@@ -16,7 +16,8 @@ use serde::Serialize;
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Collective: allreduce (f32 sum, in place), allgatherv (bytes per
-    /// rank), or sparse (the engine's sparse synchronization vs dense MPI_Allreduce).
+    /// rank), sparse (the engine's sparse synchronization vs dense
+    /// MPI_Allreduce) or gradiveq (compressed-domain ring vs ring and QSGD ring).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
     /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|all.
@@ -63,6 +64,22 @@ pub struct BenchArgs {
     /// `--op sparse`: simulated compute (ms, a sleep) between start and wait.
     #[arg(long, default_value_t = 0.0)]
     pub compute_ms: f64,
+    /// `--op gradiveq`: slice size K.
+    #[arg(long, default_value_t = 768)]
+    pub k: usize,
+    /// `--op gradiveq`: loss threshold λ of eq. 6 (d = smallest with
+    /// retained energy ≥ 1 − λ).
+    #[arg(long, default_value_t = 0.01)]
+    pub lambda: f64,
+    /// `--op gradiveq`: fixed d instead of --lambda.
+    #[arg(long)]
+    pub d: Option<usize>,
+    /// `--op gradiveq`: `lowrank` (synthetic) or a (steps, n) .npy of gradients.
+    #[arg(long, default_value = "lowrank")]
+    pub data: String,
+    /// `--op gradiveq`: aggregated samples the compressor is fitted on (L_t).
+    #[arg(long, default_value_t = 100)]
+    pub lt: usize,
     /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
     #[arg(long, default_value = "recdbl")]
     pub allgather: String,
@@ -167,9 +184,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         "allreduce" => bench_allreduce(comm, a, &sizes)?,
         "allgatherv" => bench_allgatherv(comm, a, &sizes)?,
         "sparse" => return super::sparse_bench::run(comm, a),
+        "gradiveq" => return super::gradiveq_bench::run(comm, a),
         other => {
             return Err(Error::InvalidArgument(format!(
-                "unknown --op {other:?} (allreduce, allgatherv, sparse)"
+                "unknown --op {other:?} (allreduce, allgatherv, sparse, gradiveq)"
             )))
         }
     };

@@ -5,6 +5,7 @@
 mod bench;
 mod calibrate;
 mod codecs;
+mod gradiveq_bench;
 mod model;
 mod sparse_bench;
 mod verify;
@@ -20,6 +21,7 @@ pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use model::{
     read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs, PredictRecord,
 };
+pub use gradiveq_bench::GradiveqRecord;
 pub use sparse_bench::SparseRecord;
 pub use verify::VerifyArgs;
 

@@ -107,6 +107,8 @@ pub struct Compressor {
     /// `U_dᵀ`, row-major `d × K`: row `j` is eigenvector `j`.
     ut: Vec<f32>,
     mu: Vec<f32>,
+    /// `U_dᵀ μ` (subtracted, divided by N, from every compressed slice).
+    ut_mu: Vec<f32>,
     /// Eigenvalues, descending (all `K`).
     eig: Vec<f64>,
 }
@@ -218,11 +220,22 @@ impl Compressor {
                 ut[j * k + i] = (sign * c[i]) as f32;
             }
         }
+        let mu: Vec<f32> = mean.iter().map(|&m| m as f32).collect();
+        let ut_mu = (0..d)
+            .map(|j| {
+                ut[j * k..(j + 1) * k]
+                    .iter()
+                    .zip(&mu)
+                    .map(|(u, m)| f64::from(*u) * f64::from(*m))
+                    .sum::<f64>() as f32
+            })
+            .collect();
         Ok(Compressor {
             k,
             d,
             ut,
-            mu: mean.iter().map(|&m| m as f32).collect(),
+            mu,
+            ut_mu,
             eig,
         })
     }
@@ -234,6 +247,10 @@ impl Compressor {
     /// Kept components `d`.
     pub fn d(&self) -> usize {
         self.d
+    }
+    /// The whitening vector `μ` (mean of the samples).
+    pub fn mu(&self) -> &[f32] {
+        &self.mu
     }
     /// Eigenvalues of the sample covariance, descending.
     pub fn eigenvalues(&self) -> &[f64] {
@@ -363,6 +380,23 @@ impl LayerCompressor {
         })
     }
 
+    /// One compressor for the whole layer of `n` elements (`s = ∞`),
+    /// fitted beforehand on samples of one slice.
+    pub fn single(n: usize, c: Compressor) -> Result<Self> {
+        let k = c.k();
+        if k == 0 || n < k {
+            return Err(Error::InvalidArgument(format!(
+                "slice size {k} must be in 1..={n} (the layer length)"
+            )));
+        }
+        Ok(LayerCompressor {
+            n,
+            k,
+            reuse: n / k,
+            groups: vec![c],
+        })
+    }
+
     /// Layer length.
     pub fn len(&self) -> usize {
         self.n
@@ -396,26 +430,42 @@ impl LayerCompressor {
     pub fn ratio(&self) -> f64 {
         self.n as f64 / self.compressed_len(0, self.slices(), true) as f64
     }
-    /// Compress slices `a..b` of `g` (the whole layer) into `out`, and the
-    /// tail (divided by nothing: it is summed as is) when `with_tail`.
-    pub fn compress_range(
-        &self,
-        g: &[f32],
-        n_ranks: usize,
-        a: usize,
-        b: usize,
-        with_tail: bool,
-        out: &mut [f32],
-    ) {
+    /// Runs `[x, y)` of slices in `a..b` that share one compressor.
+    fn runs(&self, a: usize, b: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let mut x = a;
+        std::iter::from_fn(move || {
+            if x >= b {
+                return None;
+            }
+            let end = ((x / self.reuse + 1) * self.reuse).min(b);
+            let r = (x, end);
+            x = end;
+            Some(r)
+        })
+    }
+
+    /// Compress slices `a..b` of `g` (the whole layer) into `out` (eq. 3 for
+    /// every slice, as one matrix product `U_dᵀ X` over the slices of each
+    /// compressor group), and the tail, unchanged, when `with_tail`.
+    pub fn compress_range(&self, g: &[f32], n_ranks: usize, a: usize, b: usize, with_tail: bool, out: &mut [f32]) {
+        use faer::linalg::matmul::matmul;
+        use faer::{Accum, MatMut, MatRef};
         let mut o = 0;
-        for m in a..b {
-            let c = self.comp(m);
-            c.compress(
-                &g[m * self.k..(m + 1) * self.k],
-                n_ranks,
-                &mut out[o..o + c.d()],
-            );
-            o += c.d();
+        let inv = 1.0 / n_ranks as f32;
+        for (x, y) in self.runs(a, b) {
+            let c = self.comp(x);
+            let (k, d, cols) = (self.k, c.d(), y - x);
+            let xs = MatRef::from_column_major_slice(&g[x * k..y * k], k, cols);
+            let u = MatRef::from_column_major_slice(&c.ut, k, d);
+            let dst = MatMut::from_column_major_slice_mut(&mut out[o..o + d * cols], d, cols);
+            matmul(dst, Accum::Replace, u.transpose(), xs, 1.0f32, Par::Seq);
+            // − U_dᵀ μ / N for every slice.
+            for col in out[o..o + d * cols].chunks_exact_mut(d) {
+                for (v, w) in col.iter_mut().zip(&c.ut_mu) {
+                    *v -= w * inv;
+                }
+            }
+            o += d * cols;
         }
         if with_tail {
             let t = self.slices() * self.k;
@@ -423,20 +473,24 @@ impl LayerCompressor {
         }
     }
     /// Decompress `gc` (slices `a..b`, tail when `with_tail`) into the
-    /// matching range of `out` (the whole layer).
-    pub fn decompress_range(
-        &self,
-        gc: &[f32],
-        a: usize,
-        b: usize,
-        with_tail: bool,
-        out: &mut [f32],
-    ) {
+    /// matching range of `out` (the whole layer): eq. 5, `U_d C + μ`, as one
+    /// matrix product per compressor group.
+    pub fn decompress_range(&self, gc: &[f32], a: usize, b: usize, with_tail: bool, out: &mut [f32]) {
+        use faer::linalg::matmul::matmul;
+        use faer::{Accum, MatMut, MatRef};
         let mut o = 0;
-        for m in a..b {
-            let c = self.comp(m);
-            c.decompress(&gc[o..o + c.d()], &mut out[m * self.k..(m + 1) * self.k]);
-            o += c.d();
+        for (x, y) in self.runs(a, b) {
+            let c = self.comp(x);
+            let (k, d, cols) = (self.k, c.d(), y - x);
+            let dst_slice = &mut out[x * k..y * k];
+            for col in dst_slice.chunks_exact_mut(k) {
+                col.copy_from_slice(&c.mu);
+            }
+            let cs = MatRef::from_column_major_slice(&gc[o..o + d * cols], d, cols);
+            let u = MatRef::from_column_major_slice(&c.ut, k, d);
+            let dst = MatMut::from_column_major_slice_mut(dst_slice, k, cols);
+            matmul(dst, Accum::Add, u, cs, 1.0f32, Par::Seq);
+            o += d * cols;
         }
         if with_tail {
             let t = self.slices() * self.k;
