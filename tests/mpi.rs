@@ -425,3 +425,46 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
     );
     std::fs::remove_file(&prof).ok();
 }
+
+/// GradiVeQ's ring on real ranks, p = 1..5: every rank fits the same
+/// compressor (hash compared), gets the same result, equal to the
+/// centralized `U(Uᵀ(Σg − μ)) + μ`; the JSON has the documented fields.
+#[test]
+fn gradiveq_ring_matches_the_centralized_compressor_on_real_ranks() {
+    for np in 1..=5 {
+        let (ok, out, err) = mpirun(
+            np,
+            Path::new(gradsync()),
+            &[
+                "bench", "--op", "gradiveq", "--bytes", "1M", "--k", "256", "--d", "32", "--lt",
+                "40", "--iters", "2", "--warmup", "1", "--check", "--json",
+            ],
+            Duration::from_secs(300),
+        );
+        assert!(ok, "np={np}: {err}\n{out}");
+        let line = out.lines().find(|l| l.starts_with('{')).expect("JSON line");
+        let v: serde_json::Value = serde_json::from_str(line).expect("JSON");
+        for k in [
+            "op",
+            "ranks",
+            "bytes",
+            "k",
+            "d",
+            "ratio",
+            "rel_l2_error",
+            "median_s",
+            "ring_median_s",
+            "qsgd_ring_median_s",
+            "speedup_vs_ring",
+            "check",
+        ] {
+            assert!(!v[k].is_null(), "np={np}: field {k} missing: {line}");
+        }
+        assert_eq!(v["check"], "ok", "np={np}: {line}");
+        assert_eq!(v["ranks"], np);
+        assert_eq!(v["d"], 32);
+        let ratio = v["ratio"].as_f64().expect("ratio");
+        assert!((ratio - 8.0).abs() < 0.1, "{ratio}");
+        assert!(v["rel_l2_error"].as_f64().expect("err") < 0.05, "{line}");
+    }
+}

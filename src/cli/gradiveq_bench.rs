@@ -21,7 +21,9 @@ use crate::comm::{MpiComm, Transport};
 use crate::dense::{
     rabenseifner_allreduce, ring_allreduce_with, AllreduceOptions, ReduceOp, Workspace,
 };
-use crate::gradiveq::ring::{gradiveq_ring_allreduce, qsgd_ring_allreduce, RingStats, RingWorkspace};
+use crate::gradiveq::ring::{
+    gradiveq_ring_allreduce, qsgd_ring_allreduce, RingStats, RingWorkspace,
+};
 use crate::gradiveq::{Compressor, Dim, LayerCompressor};
 use crate::{Error, Result};
 use mpi::collective::CommunicatorCollectives;
@@ -178,9 +180,13 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         }),
         1 => {
             dense.copy_from_slice(&g);
-            timed(comm, || ring_allreduce_with(comm, &mut dense, &sum_opts, &mut dws))
+            timed(comm, || {
+                ring_allreduce_with(comm, &mut dense, &sum_opts, &mut dws)
+            })
         }
-        _ => timed(comm, || qsgd_ring_allreduce(comm, &g, &mut qout, 4, 99, &mut qws)),
+        _ => timed(comm, || {
+            qsgd_ring_allreduce(comm, &g, &mut qout, 4, 99, &mut qws)
+        }),
     })?;
     let tail = stats.split_off(a.warmup.min(stats.len()));
     let mut parts = [
@@ -224,13 +230,15 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let h = lc.hash();
         comm.communicator().all_gather_into(&h, &mut hashes[..]);
         let same_compressor = hashes.iter().all(|&x| x == h);
-        let oh = out
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3));
+        let oh = out.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+        });
         let mut ohs = vec![0u64; p];
         comm.communicator().all_gather_into(&oh, &mut ohs[..]);
         let same_result = ohs.iter().all(|&x| x == oh);
-        let mut bad = [f64::from(u8::from(!(close && same_compressor && same_result)))];
+        let mut bad = [f64::from(u8::from(
+            !(close && same_compressor && same_result),
+        ))];
         max_over_ranks(comm, &mut bad);
         if bad[0] > 0.0 {
             if rank == 0 {
@@ -296,4 +304,3 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     }
     Ok(i32::from(rec.check == "failed"))
 }
-

@@ -21,10 +21,15 @@
 //!   compression of the next segment overlapped with the transfer of the
 //!   previous one, and the QSGD ring the paper compares against.
 //!
-//! Not here yet (issue #6 continues): the L_t/L_c schedule with QSGD-aggregated
-//! training iterations and the eq.-7 loss monitor, and the engine strategy.
+//! * [`schedule`]: warm-up, `L_t` QSGD-aggregated iterations that supply the
+//!   PCA samples, up to `L_c` compressed iterations, and the eq.-7 loss
+//!   monitor whose majority vote triggers an early rebuild.
+//!
+//! Not here yet (issue #6 continues): the engine strategy and snapshots of
+//! this state.
 
 pub mod ring;
+pub mod schedule;
 
 use crate::{Error, Result};
 use faer::diag::Diag;
@@ -420,6 +425,32 @@ impl LayerCompressor {
     fn comp(&self, slice: usize) -> &Compressor {
         &self.groups[slice / self.reuse]
     }
+    /// The compressor of slice `slice`.
+    pub fn group_of(&self, slice: usize) -> &Compressor {
+        self.comp(slice)
+    }
+    /// A layer from compressors already fitted: group `i` covers slices
+    /// `i·reuse .. (i+1)·reuse`.
+    pub fn from_groups(n: usize, k: usize, reuse: usize, groups: Vec<Compressor>) -> Result<Self> {
+        let slices = if k == 0 { 0 } else { n / k };
+        if k == 0
+            || slices == 0
+            || reuse == 0
+            || groups.len() != slices.div_ceil(reuse)
+            || groups.iter().any(|c| c.k() != k)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{} compressors do not cover {slices} slices of {k} in groups of {reuse}",
+                groups.len()
+            )));
+        }
+        Ok(LayerCompressor {
+            n,
+            k,
+            reuse,
+            groups,
+        })
+    }
     /// Compressed length of slices `a..b` (plus the tail when `b` is the
     /// last slice and `with_tail`).
     pub fn compressed_len(&self, a: usize, b: usize, with_tail: bool) -> usize {
@@ -447,7 +478,15 @@ impl LayerCompressor {
     /// Compress slices `a..b` of `g` (the whole layer) into `out` (eq. 3 for
     /// every slice, as one matrix product `U_dᵀ X` over the slices of each
     /// compressor group), and the tail, unchanged, when `with_tail`.
-    pub fn compress_range(&self, g: &[f32], n_ranks: usize, a: usize, b: usize, with_tail: bool, out: &mut [f32]) {
+    pub fn compress_range(
+        &self,
+        g: &[f32],
+        n_ranks: usize,
+        a: usize,
+        b: usize,
+        with_tail: bool,
+        out: &mut [f32],
+    ) {
         use faer::linalg::matmul::matmul;
         use faer::{Accum, MatMut, MatRef};
         let mut o = 0;
@@ -475,7 +514,14 @@ impl LayerCompressor {
     /// Decompress `gc` (slices `a..b`, tail when `with_tail`) into the
     /// matching range of `out` (the whole layer): eq. 5, `U_d C + μ`, as one
     /// matrix product per compressor group.
-    pub fn decompress_range(&self, gc: &[f32], a: usize, b: usize, with_tail: bool, out: &mut [f32]) {
+    pub fn decompress_range(
+        &self,
+        gc: &[f32],
+        a: usize,
+        b: usize,
+        with_tail: bool,
+        out: &mut [f32],
+    ) {
         use faer::linalg::matmul::matmul;
         use faer::{Accum, MatMut, MatRef};
         let mut o = 0;

@@ -243,3 +243,73 @@ fn qsgd_ring_is_identical_on_all_ranks_and_sharper_with_more_bits() {
         assert!(errs[1] < errs[0] && errs[1] < 0.5, "p={p}: {errs:?}");
     }
 }
+
+/// The schedule: warm-up, L_t QSGD-aggregated samples, compressed steps
+/// with small eq.-7 loss, then the data's subspace changes: every rank's
+/// loss jumps, the majority vote rebuilds the compressor from new samples,
+/// and the loss is small again. Compressors are identical on every rank.
+#[test]
+fn loss_monitor_rebuilds_when_the_subspace_changes() {
+    use super::schedule::{GradiveqLayer, ScheduleConfig, StepKind};
+    let (k, slices, p) = (32usize, 6usize, 3usize);
+    let n = k * slices;
+    let (a, b) = (LowRank::new(k, 4, 21), LowRank::new(k, 4, 22));
+    let cfg = ScheduleConfig {
+        k,
+        dim: Dim::Fixed(4),
+        reuse: None,
+        warmup: 2,
+        lt: 12,
+        lc: 1000,
+        loss_threshold: 0.05,
+        qsgd_bits: 8,
+    };
+    let res = LocalComm::run(p, |c| {
+        let r = c.rank();
+        let mut layer = GradiveqLayer::new(n, cfg.clone()).expect("layer");
+        let mut kinds = Vec::new();
+        let mut hashes = Vec::new();
+        for step in 0..60u64 {
+            let src = if step < 30 { &a } else { &b };
+            let g = src.sample(slices, 0.001, step * 10 + r as u64);
+            let mut out = vec![0f32; n];
+            let kind = layer.step(&c, &g, &mut out).expect("step");
+            kinds.push(kind);
+            hashes.push(layer.compressor_hash());
+        }
+        (kinds, hashes, layer.rebuilds())
+    });
+    for (kinds, hashes, rebuilds) in &res {
+        assert_eq!(kinds[0], StepKind::Warmup);
+        assert_eq!(kinds[2], StepKind::Collect(0));
+        assert_eq!(kinds[13], StepKind::Collect(11));
+        // Compressed on subspace A: small loss, no votes.
+        for kd in &kinds[14..30] {
+            match kd {
+                StepKind::Compressed { loss, votes } => {
+                    assert!(*loss < 0.05 && *votes == 0, "{kd:?}");
+                }
+                other => panic!("expected compressed, got {other:?}"),
+            }
+        }
+        // The switch: all three ranks vote, the layer collects again.
+        match kinds[30] {
+            StepKind::Compressed { loss, votes } => {
+                assert!(loss > 0.05 && votes == 3, "{:?}", kinds[30])
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(kinds[31], StepKind::Collect(0));
+        assert_eq!(kinds[42], StepKind::Collect(11));
+        match kinds[50] {
+            StepKind::Compressed { loss, .. } => assert!(loss < 0.05, "{:?}", kinds[50]),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(*rebuilds, 2);
+        assert_ne!(hashes[20], hashes[50]);
+    }
+    // Bit-identical compressors on every rank at every step.
+    for r in 1..p {
+        assert_eq!(res[r].1, res[0].1);
+    }
+}
