@@ -432,7 +432,7 @@ impl LayerCompressor {
     /// A layer from compressors already fitted: group `i` covers slices
     /// `i·reuse .. (i+1)·reuse`.
     pub fn from_groups(n: usize, k: usize, reuse: usize, groups: Vec<Compressor>) -> Result<Self> {
-        let slices = if k == 0 { 0 } else { n / k };
+        let slices = n.checked_div(k).unwrap_or(0);
         if k == 0
             || slices == 0
             || reuse == 0
