@@ -468,3 +468,65 @@ fn gradiveq_ring_matches_the_centralized_compressor_on_real_ranks() {
         assert!(v["rel_l2_error"].as_f64().expect("err") < 0.05, "{line}");
     }
 }
+
+/// Real convolution gradients: the CNN example trains, dumps its (3,3,16,16)
+/// layer's gradients as .npy and reports GradiVeQ's ratio and eq.-7 loss;
+/// the bench then runs Algorithm 1 on that file on real ranks.
+#[test]
+fn gradiveq_on_real_cnn_gradients() {
+    let ex = example("gradiveq_cnn");
+    assert!(ex.exists(), "{} not built", ex.display());
+    let npy = std::env::temp_dir().join(format!("gradsync-conv2-{}.npy", std::process::id()));
+    let out = Command::new(&ex)
+        .args([
+            "--steps",
+            "130",
+            "--lt",
+            "100",
+            "--out",
+            npy.to_str().expect("utf-8"),
+        ])
+        .output()
+        .expect("run example");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("JSON");
+    let d = v["d"].as_u64().expect("d");
+    assert!((1..=768).contains(&d), "{text}");
+    assert!(v["ratio"].as_f64().expect("ratio") >= 1.0);
+    let loss = v["eq7_loss_mean"].as_f64().expect("eq7");
+    assert!(loss.is_finite() && loss >= 0.0, "{text}");
+    assert!(
+        v["train_loss_last"].as_f64() < v["train_loss_first"].as_f64(),
+        "the CNN learns: {text}"
+    );
+    let (ok, out, err) = mpirun(
+        2,
+        Path::new(gradsync()),
+        &[
+            "bench",
+            "--op",
+            "gradiveq",
+            "--data",
+            npy.to_str().expect("utf-8"),
+            "--k",
+            "768",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--check",
+            "--json",
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with('{')).expect("JSON");
+    let b: serde_json::Value = serde_json::from_str(line).expect("JSON");
+    assert_eq!(b["check"], "ok", "{line}");
+    std::fs::remove_file(&npy).ok();
+}
