@@ -54,12 +54,12 @@ impl Conv {
                     for d in 0..self.d {
                         for u in 0..3 {
                             let ii = i + u;
-                            if ii < 1 || ii > S {
+                            if !(1..=S).contains(&ii) {
                                 continue;
                             }
                             for v in 0..3 {
                                 let jj = j + v;
-                                if jj < 1 || jj > S {
+                                if !(1..=S).contains(&jj) {
                                     continue;
                                 }
                                 acc += self.w[((f * self.d + d) * 3 + u) * 3 + v]
@@ -95,12 +95,12 @@ impl Conv {
                     for d in 0..self.d {
                         for u in 0..3 {
                             let ii = i + u;
-                            if ii < 1 || ii > S {
+                            if !(1..=S).contains(&ii) {
                                 continue;
                             }
                             for v in 0..3 {
                                 let jj = j + v;
-                                if jj < 1 || jj > S {
+                                if !(1..=S).contains(&jj) {
                                     continue;
                                 }
                                 let wi = ((f * self.d + d) * 3 + u) * 3 + v;
@@ -159,7 +159,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut c2 = Conv::new(C2, C1, &mut r);
     let s = (1.0 / C2 as f32).sqrt();
     let mut fc: Vec<f32> = (0..CLASSES * C2).map(|_| r.gen_range(-s..s)).collect();
-    let mut fcb = vec![0f32; CLASSES];
+    let mut fcb = [0f32; CLASSES];
     let n2 = C2 * C1 * 9;
     let mut dumps = Array2::<f32>::zeros((steps, n2));
     let (mut h1, mut h2) = (vec![0f32; C1 * S * S], vec![0f32; C2 * S * S]);
@@ -189,7 +189,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             loss -= z[y].max(1e-30).ln();
             z[y] -= 1.0;
             let inv = 1.0 / BATCH as f32;
-            let mut dpool = vec![0f32; C2];
+            let mut dpool = [0f32; C2];
             for c in 0..CLASSES {
                 let dz = z[c] * inv;
                 dfcb[c] += dz;
