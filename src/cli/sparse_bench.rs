@@ -263,7 +263,7 @@ fn strategy_params(s: &Strategy) -> String {
             }
             c.params()
         }
-        Strategy::Dense | Strategy::Auto => String::new(),
+        Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => String::new(),
     }
 }
 

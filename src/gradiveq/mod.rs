@@ -96,7 +96,8 @@ pub fn default_slice_size(kernel_h: usize, depth: usize, filters: usize) -> usiz
 }
 
 /// How many components to keep.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Dim {
     /// The smallest `d` with retained energy `≥ 1 − λ` (eq. 6).
     Lambda(f64),
@@ -105,7 +106,7 @@ pub enum Dim {
 }
 
 /// A slice compressor: `U_d` (`K × d`) and the whitening vector `μ`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Compressor {
     k: usize,
     d: usize,
@@ -311,6 +312,24 @@ impl Compressor {
         }
     }
 
+    /// Check the internal sizes (after deserializing untrusted bytes).
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.k > 0
+            && (1..=self.k).contains(&self.d)
+            && self.ut.len() == self.d * self.k
+            && self.mu.len() == self.k
+            && self.ut_mu.len() == self.d
+            && self.eig.len() == self.k;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Decode(format!(
+                "inconsistent GradiVeQ compressor (K {}, d {})",
+                self.k, self.d
+            )))
+        }
+    }
+
     /// A hash of the compressor's bits (to compare across ranks).
     pub fn hash(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -346,7 +365,7 @@ pub fn select_d(eig_desc: &[f64], lambda: f64) -> usize {
 
 /// A layer of `n` elements: `⌊n/K⌋` slices compressed in groups of `s`
 /// slices sharing one compressor, the `n mod K` tail uncompressed.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LayerCompressor {
     n: usize,
     k: usize,
@@ -400,6 +419,21 @@ impl LayerCompressor {
             reuse: n / k,
             groups: vec![c],
         })
+    }
+
+    /// Check the internal sizes (after deserializing untrusted bytes).
+    pub fn validate(&self) -> Result<()> {
+        let slices = self.n.checked_div(self.k).unwrap_or(0);
+        if slices == 0
+            || self.reuse == 0
+            || self.groups.len() != slices.div_ceil(self.reuse)
+            || self.groups.iter().any(|c| c.k() != self.k)
+        {
+            return Err(Error::Decode(
+                "inconsistent GradiVeQ layer compressor".into(),
+            ));
+        }
+        self.groups.iter().try_for_each(Compressor::validate)
     }
 
     /// Layer length.

@@ -19,7 +19,8 @@ use crate::dense::{rabenseifner_allreduce, ring_allreduce_with, AllreduceOptions
 use crate::{Error, Result};
 
 /// Parameters of the schedule.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ScheduleConfig {
     /// Slice size K.
     pub k: usize,
@@ -71,8 +72,9 @@ pub enum StepKind {
     },
 }
 
-/// One layer's GradiVeQ state.
-#[derive(Debug)]
+/// One layer's GradiVeQ state. Serializes (without its scratch buffers) for
+/// the engine's snapshots.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct GradiveqLayer {
     cfg: ScheduleConfig,
     n: usize,
@@ -82,9 +84,13 @@ pub struct GradiveqLayer {
     compressor: Option<LayerCompressor>,
     compressed_steps: usize,
     rebuilds: u64,
+    #[serde(skip)]
     ws: RingWorkspace,
+    #[serde(skip)]
     dws: Workspace<f32>,
+    #[serde(skip)]
     scratch: Vec<f32>,
+    #[serde(skip)]
     scratch2: Vec<f32>,
 }
 
@@ -110,6 +116,29 @@ impl GradiveqLayer {
             scratch: Vec::new(),
             scratch2: Vec::new(),
         })
+    }
+
+    /// Check a deserialized state against the layer it is restored into.
+    pub fn validate(&self, n: usize, cfg: &ScheduleConfig) -> Result<()> {
+        if self.n != n || &self.cfg != cfg {
+            return Err(Error::Decode(
+                "GradiVeQ state is for another layer or other parameters".into(),
+            ));
+        }
+        let sample_len = {
+            let slices = n / cfg.k;
+            slices.div_ceil(cfg.reuse.unwrap_or(slices).clamp(1, slices)) * cfg.k
+        };
+        if self.samples.len() > cfg.lt || self.samples.iter().any(|s| s.len() != sample_len) {
+            return Err(Error::Decode("inconsistent GradiVeQ samples".into()));
+        }
+        match &self.compressor {
+            Some(c) if c.len() != n || c.k() != cfg.k => {
+                Err(Error::Decode("GradiVeQ compressor of another shape".into()))
+            }
+            Some(c) => c.validate(),
+            None => Ok(()),
+        }
     }
 
     /// Compressors built so far (the first one included).

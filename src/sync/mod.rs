@@ -79,6 +79,13 @@ pub enum Strategy {
         #[serde(default)]
         density: Option<f64>,
     },
+    /// GradiVeQ ([`crate::gradiveq`]): the layer is aggregated by the
+    /// compressed-domain ring, with its own schedule (warm-up, `L_t`
+    /// QSGD-aggregated samples, `L_c` compressed steps, the eq.-7 loss
+    /// monitor). Meant for convolution layers flattened by
+    /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
+    /// of at least `K` elements. Not combinable with `delay > 1`.
+    Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
     /// The cost model's choice ([`crate::cost`]) from `Config::profile` at
     /// registration: `Dense`, RGC (`sparse-allgather`) or, with
     /// `Config::auto_quant`, quantized RGC, whichever is predicted fastest
@@ -104,6 +111,7 @@ impl Strategy {
             Strategy::Dense => "dense".into(),
             Strategy::Sparse { codec, .. } => codec.name(),
             Strategy::Auto => "auto".into(),
+            Strategy::Gradiveq(_) => "gradiveq".into(),
         }
     }
 }
@@ -274,6 +282,7 @@ pub struct StepStats {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
+    Gradiveq,
     Dense,
     Sparse,
     Local,
@@ -297,6 +306,8 @@ struct Layer {
     dir: Vec<f32>,
     /// This step's encoded unit.
     unit: Vec<u8>,
+    /// GradiVeQ state (moved into the communication job during a step).
+    gvq: Option<crate::gradiveq::schedule::GradiveqLayer>,
     mode: Mode,
     /// Density the codec was last set to.
     cur_density: Option<f64>,
@@ -320,7 +331,18 @@ struct Job {
     reduce_algo: Option<AllreduceAlgo>,
     allgather_s: f64,
     allreduce_s: f64,
+    /// GradiVeQ layers of this step: state, input, output.
+    gvq: Vec<GvqEntry>,
+    gvq_s: f64,
     result: Option<Result<()>>,
+}
+
+#[derive(Default)]
+struct GvqEntry {
+    layer: usize,
+    state: Option<crate::gradiveq::schedule::GradiveqLayer>,
+    input: Vec<f32>,
+    output: Vec<f32>,
 }
 
 impl Job {
@@ -346,6 +368,14 @@ impl Job {
                 allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
                 self.allreduce_s = t.elapsed().as_secs_f64();
             }
+            let t = Instant::now();
+            for e in &mut self.gvq {
+                let st = e.state.as_mut().ok_or_else(|| {
+                    Error::Transport("GradiVeQ state missing from the job".into())
+                })?;
+                st.step(comm, &e.input, &mut e.output)?;
+            }
+            self.gvq_s = t.elapsed().as_secs_f64();
             Ok(())
         })();
         self.result = Some(r);
@@ -643,9 +673,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         } else {
             strategy
         };
+        let gvq = match &strategy {
+            Strategy::Gradiveq(sc) => {
+                if self.cfg.delay > 1 {
+                    return Err(Error::InvalidArgument(format!(
+                        "layer {name:?}: GradiVeQ cannot be combined with delay > 1"
+                    )));
+                }
+                Some(crate::gradiveq::schedule::GradiveqLayer::new(
+                    n,
+                    sc.clone(),
+                )?)
+            }
+            _ => None,
+        };
         let codec = match &strategy {
             // `Auto` was resolved above.
-            Strategy::Dense | Strategy::Auto => None,
+            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
             Strategy::Sparse { codec, density } => {
                 let mut c = codec.build()?;
                 if let Some(d) = density {
@@ -685,6 +729,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             prev: if delay { vec![0.0; n] } else { Vec::new() },
             dir: Vec::new(),
             unit: Vec::new(),
+            gvq,
             mode: Mode::Dense,
             cur_density: None,
             non_finite: false,
@@ -826,6 +871,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for l in &mut self.layers {
             l.mode = if !communicates {
                 Mode::Local
+            } else if l.gvq.is_some() && !dense_warmup {
+                Mode::Gradiveq
             } else if l.codec.is_none() || dense_warmup {
                 Mode::Dense
             } else {
@@ -858,7 +905,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     l.local_step(grads[i], w, &params);
                     Ok(())
                 }
-                Mode::Dense => Ok(()),
+                Mode::Dense | Mode::Gradiveq => Ok(()),
             }
         };
         // Parallel only across two or more sparse layers: one layer gains
@@ -874,13 +921,28 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // Dense layers: fused buffer.
         job.dense.clear();
         job.dense.resize(dense_len, 0.0);
+        let mut gi = 0;
         for (i, l) in self.layers.iter_mut().enumerate() {
+            let w = weights.map(|w| w[i]);
             if l.mode == Mode::Dense {
-                let w = weights.map(|w| w[i]);
                 let dst = &mut job.dense[l.dense_off..l.dense_off + l.n];
                 l.dense_contribution(grads[i], w, &params, dst);
+            } else if l.mode == Mode::Gradiveq {
+                if job.gvq.len() == gi {
+                    job.gvq.push(GvqEntry::default());
+                }
+                let e = &mut job.gvq[gi];
+                e.layer = i;
+                e.input.resize(l.n, 0.0);
+                e.output.resize(l.n, 0.0);
+                l.dense_contribution(grads[i], w, &params, &mut e.input);
+                l.stats.strategy = "gradiveq".into();
+                l.stats.codec = "gradiveq".into();
+                e.state = l.gvq.take();
+                gi += 1;
             }
         }
+        job.gvq.truncate(gi);
         // Sparse layers: one fused message.
         self.sparse_ids.clear();
         self.sparse_ids.extend(
@@ -906,6 +968,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         );
         job.do_gather = !self.sparse_ids.is_empty() && self.size > 1;
         job.do_reduce = dense_len > 0;
+        job.gvq_s = 0.0;
         job.gather_algo = Some(self.cfg.allgather);
         job.reduce_algo = Some(self.cfg.allreduce);
         job.allgather_s = 0.0;
@@ -921,7 +984,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let select_s: f64 = self.layers.iter().map(|l| l.stats.select_s).sum();
         let pack_s = (t_pack.elapsed().as_secs_f64() - select_s).max(0.0);
         let mut overlapped = false;
-        if job.do_gather || job.do_reduce {
+        if job.do_gather || job.do_reduce || !job.gvq.is_empty() {
             if self.cfg.overlap && self.ensure_worker() {
                 let w = self.worker.as_ref().expect("worker just ensured");
                 w.jobs
@@ -1060,6 +1123,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     fn finish(&mut self, job: &mut Job, out: &mut [&mut [f32]], comm: Result<()>) -> Result<()> {
+        // GradiVeQ states go back to their layers whatever happened.
+        for e in &mut job.gvq {
+            if let Some(st) = e.state.take() {
+                self.layers[e.layer].gvq = Some(st);
+            }
+        }
         comm?;
         if out.len() != self.layers.len() {
             return Err(Error::InvalidArgument(format!(
@@ -1128,6 +1197,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let entries = &self.entries;
         let sparse_pos = |i: usize| self.sparse_ids.binary_search(&(i as u32)).ok();
         let dense = &job.dense;
+        let gvq = &job.gvq;
         let total: usize = self
             .layers
             .iter()
@@ -1167,6 +1237,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                             layer: l.name.clone(),
                         }
                     })
+                }
+                Mode::Gradiveq => {
+                    let e = gvq
+                        .iter()
+                        .find(|e| e.layer == i)
+                        .expect("every GradiVeQ layer has a job entry");
+                    for (x, y) in o.iter_mut().zip(&e.output) {
+                        *x = y * inv;
+                    }
+                    if o.iter().any(|x| !x.is_finite()) {
+                        Some(Error::NonFinite {
+                            rank: None,
+                            layer: l.name.clone(),
+                        })
+                    } else {
+                        l.dense_update(o, params);
+                        None
+                    }
                 }
                 Mode::Dense => {
                     let g = &dense[l.dense_off..l.dense_off + l.n];
@@ -1345,7 +1433,7 @@ impl Layer {
         let codec = self.codec.as_mut().expect("sparse layer has a codec");
         let want = p.stage_density.or(match &self.strategy {
             Strategy::Sparse { density, codec } => density.or_else(|| config_density(codec)),
-            Strategy::Dense | Strategy::Auto => None,
+            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
         });
         if want != self.cur_density {
             if let Some(d) = want {

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// Version of the snapshot format.
-pub const SNAPSHOT_VERSION: u32 = 1;
+pub const SNAPSHOT_VERSION: u32 = 2;
 const MAGIC: [u8; 8] = *b"GSSNAP\0\0";
 
 #[derive(Serialize, Deserialize)]
@@ -37,6 +37,8 @@ struct LayerSnap {
     acc: Vec<f32>,
     codec_state: Vec<u8>,
     cur_density: Option<f64>,
+    /// GradiVeQ schedule and compressors (bincode), for GradiVeQ layers.
+    gradiveq: Option<Vec<u8>>,
 }
 
 fn options(limit: u64) -> impl Options {
@@ -72,9 +74,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     acc: l.acc.clone(),
                     codec_state: l.codec.as_ref().map_or_else(Vec::new, |c| c.state()),
                     cur_density: l.cur_density,
+                    gradiveq: None,
                 })
                 .collect(),
         };
+        let mut snap = snap;
+        for (ls, l) in snap.layers.iter_mut().zip(&self.layers) {
+            if let Some(g) = &l.gvq {
+                ls.gradiveq = Some(
+                    options(u64::MAX)
+                        .serialize(g)
+                        .map_err(|e| Error::Snapshot(format!("encoding GradiVeQ state: {e}")))?,
+                );
+            }
+        }
         options(u64::MAX)
             .serialize(&snap)
             .map_err(|e| Error::Snapshot(format!("encoding: {e}")))
@@ -141,7 +154,38 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 None => None,
             });
         }
-        for ((s, l), c) in snap.layers.into_iter().zip(&mut self.layers).zip(codecs) {
+        let mut gvqs = Vec::with_capacity(self.layers.len());
+        for (s, l) in snap.layers.iter().zip(&self.layers) {
+            gvqs.push(match (&s.gradiveq, &l.strategy) {
+                (Some(bytes), super::Strategy::Gradiveq(cfg)) => {
+                    let g: crate::gradiveq::schedule::GradiveqLayer = options(bytes.len() as u64)
+                        .deserialize(bytes)
+                        .map_err(|e| {
+                            Error::Snapshot(format!("layer {:?}: GradiVeQ state: {e}", s.name))
+                        })?;
+                    g.validate(l.n, cfg)
+                        .map_err(|e| Error::Snapshot(format!("layer {:?}: {e}", s.name)))?;
+                    Some(g)
+                }
+                (None, super::Strategy::Gradiveq(_)) | (Some(_), _) => {
+                    return Err(Error::Snapshot(format!(
+                        "layer {:?}: GradiVeQ state does not match the layer's strategy",
+                        s.name
+                    )))
+                }
+                (None, _) => None,
+            });
+        }
+        for (((s, l), c), g) in snap
+            .layers
+            .into_iter()
+            .zip(&mut self.layers)
+            .zip(codecs)
+            .zip(gvqs)
+        {
+            if g.is_some() {
+                l.gvq = g;
+            }
             l.v = s.residual;
             l.u = s.momentum;
             l.acc = s.acc;
