@@ -14,6 +14,10 @@
 //! * [`sparse`]: packed per-layer units fused into one message per rank and
 //!   exchanged by one allgatherv (RedSync §5.3).
 //! * [`sync`]: the engine a training loop calls every step ([`sync::GradSync`]).
+//! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
+//!   all-reduce (Algorithm 1), with the training schedule.
+//! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
+//!   drives the engine's `Auto` strategy.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
 //!
 //! ```

@@ -45,8 +45,13 @@
 //! an [`Error::PeerMessage`] naming rank and layer. State snapshots
 //! ([`GradSync::save_snapshot`]) restore bitwise.
 //!
-//! The strategy of a layer is resolved once, at registration, by
-//! [`GradSync::resolve`]; the cost-model issue plugs its `Auto` choice there.
+//! * `Gradiveq` layers are aggregated by GradiVeQ's compressed-domain ring
+//!   ([`crate::gradiveq`]) on the progress thread, each with its own schedule,
+//!   and get momentum like dense layers.
+//!
+//! The strategy of a layer is resolved once, at registration:
+//! [`GradSync::resolve`] gives the default, and `Auto` asks the cost model
+//! ([`crate::cost`]) with `Config::profile`.
 
 mod snapshot;
 
