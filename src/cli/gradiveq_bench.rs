@@ -57,7 +57,7 @@ pub struct GradiveqRecord {
     pub median_s: f64,
     /// Median of the uncompressed ring all-reduce.
     pub ring_median_s: f64,
-    /// Median of the 4-bit QSGD ring.
+    /// Median of the 4-bit QSGD ring (buckets of 512).
     pub qsgd_ring_median_s: f64,
     /// `ring_median_s / median_s`.
     pub speedup_vs_ring: f64,
@@ -185,7 +185,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             })
         }
         _ => timed(comm, || {
-            qsgd_ring_allreduce(comm, &g, &mut qout, 4, 99, &mut qws)
+            qsgd_ring_allreduce(comm, &g, &mut qout, 4, 512, 99, &mut qws)
         }),
     })?;
     let tail = stats.split_off(a.warmup.min(stats.len()));

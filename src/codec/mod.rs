@@ -310,6 +310,10 @@ pub enum CodecConfig {
         /// RNG seed.
         #[serde(default)]
         seed: u64,
+        /// Elements per norm (0, the default: one norm for the vector; the
+        /// QSGD paper buckets by 512).
+        #[serde(default)]
+        bucket: usize,
     },
     /// Sparse binary compression: top/bottom fraction `p ∈ (0, 0.5]`, one
     /// mean, Golomb-Rice positions ([`Sbc`]).
@@ -412,7 +416,9 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
-            Self::Qsgd { bits, seed } => Box::new(Qsgd::new(*bits, *seed)?),
+            Self::Qsgd { bits, seed, bucket } => {
+                Box::new(Qsgd::new(*bits, *seed)?.with_bucket(*bucket)?)
+            }
             Self::Sbc { p } => Box::new(Sbc::new(*p)?),
             Self::Rgc { density, method } => Box::new(Rgc::new(*density, *method)?),
             Self::RgcQuant { density } => Box::new(RgcQuant::new(*density)?),

@@ -11,6 +11,12 @@
 //! Wire format after the header: `bits u8 | norm f32 | packed codes`, each code
 //! `bits` wide (sign in the top bit, level below), packed LSB-first;
 //! `ceil(n·bits/8)` bytes. Default 4 bits: 7 levels + sign.
+//!
+//! With `bucket = b > 0` (the QSGD paper's bucketing, typically 512) each run
+//! of `b` elements is quantized with its own norm, which bounds the error by
+//! the bucket's norm instead of the whole vector's: the `bits` byte then has
+//! its top bit set and is followed by `b` as u32 and `⌈n/b⌉` norms, then the
+//! codes as above. `bucket = 0` (the default) is one norm for the vector.
 
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
 use crate::{Error, Result};
@@ -21,6 +27,8 @@ use rand::{Rng, SeedableRng};
 pub struct Qsgd {
     bits: u32,
     seed: u64,
+    /// Elements per norm (0: the whole vector).
+    bucket: usize,
     /// Messages encoded so far; call `c` draws from an RNG seeded with
     /// `seed` and `c`, so a restored encoder continues the same stream.
     calls: u64,
@@ -37,8 +45,21 @@ impl Qsgd {
         Ok(Qsgd {
             bits,
             seed,
+            bucket: 0,
             calls: 0,
         })
+    }
+
+    /// Quantize each run of `bucket` elements with its own norm (0: one norm
+    /// for the whole vector).
+    pub fn with_bucket(mut self, bucket: usize) -> Result<Self> {
+        if bucket > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "qsgd bucket {bucket} too large"
+            )));
+        }
+        self.bucket = bucket;
+        Ok(self)
     }
     fn levels(bits: u32) -> u32 {
         (1 << (bits - 1)) - 1
@@ -53,24 +74,41 @@ impl Codec for Qsgd {
         CodecConfig::Qsgd {
             bits: self.bits,
             seed: self.seed,
+            bucket: self.bucket,
         }
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_finite(x)?;
         write_header(out, CodecId::Qsgd, x.len());
-        let norm64 = x
-            .iter()
-            .map(|&v| (v as f64) * (v as f64))
-            .sum::<f64>()
-            .sqrt();
-        if norm64 > f32::MAX as f64 {
-            return Err(Error::InvalidArgument(format!(
-                "qsgd: the norm {norm64:e} overflows f32; scale the gradient down"
-            )));
+        let b = if self.bucket == 0 {
+            x.len().max(1)
+        } else {
+            self.bucket
+        };
+        let mut norms = Vec::with_capacity(x.len().div_ceil(b).max(1));
+        for chunk in x.chunks(b) {
+            let norm64 = chunk
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum::<f64>()
+                .sqrt();
+            if norm64 > f64::from(f32::MAX) {
+                return Err(Error::InvalidArgument(format!(
+                    "qsgd: the norm {norm64:e} overflows f32; scale the gradient down"
+                )));
+            }
+            norms.push(norm64 as f32);
         }
-        let norm = norm64 as f32;
-        out.push(self.bits as u8);
-        out.extend_from_slice(&norm.to_le_bytes());
+        if self.bucket == 0 {
+            out.push(self.bits as u8);
+            out.extend_from_slice(&norms.first().copied().unwrap_or(0.0).to_le_bytes());
+        } else {
+            out.push(self.bits as u8 | BUCKETED);
+            out.extend_from_slice(&(self.bucket as u32).to_le_bytes());
+            for n in &norms {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
         let mut rng =
             SmallRng::seed_from_u64(self.seed ^ self.calls.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         self.calls += 1;
@@ -78,7 +116,8 @@ impl Codec for Qsgd {
         let sign_bit = 1u64 << (self.bits - 1);
         out.reserve((x.len() * self.bits as usize).div_ceil(8));
         let (mut acc, mut nacc) = (0u64, 0u32);
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
+            let norm = norms[i / b];
             // |v|/‖x‖ ≤ 1 first: no overflow even for tiny norms.
             let r = if norm > 0.0 {
                 (v.abs() / norm * s).min(s)
@@ -116,11 +155,31 @@ impl Codec for Qsgd {
     }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
         let mut r = check_header(bytes, CodecId::Qsgd, acc.len())?;
-        let bits = u32::from(r.u8()?);
+        let flag = r.u8()?;
+        let bits = u32::from(flag & !BUCKETED);
         if !(2..=8).contains(&bits) {
             return Err(Error::Decode(format!("qsgd bits {bits} out of range")));
         }
-        let norm = r.finite_f32()?;
+        let n = acc.len();
+        let (b, norms) = if flag & BUCKETED == 0 {
+            (n.max(1), vec![r.finite_f32()?])
+        } else {
+            let b = r.u32()? as usize;
+            if b == 0 {
+                return Err(Error::Decode("qsgd bucket of 0 elements".into()));
+            }
+            let nb = n.div_ceil(b);
+            if nb > r.remaining() / 4 {
+                return Err(Error::Decode(format!(
+                    "qsgd: {nb} bucket norms do not fit in {} bytes",
+                    r.remaining()
+                )));
+            }
+            let norms = (0..nb)
+                .map(|_| r.finite_f32())
+                .collect::<Result<Vec<f32>>>()?;
+            (b, norms)
+        };
         let payload = r.rest();
         let want = (acc.len() * bits as usize).div_ceil(8);
         if payload.len() != want {
@@ -130,29 +189,37 @@ impl Codec for Qsgd {
             )));
         }
         let s = Self::levels(bits);
-        let step = norm / s as f32;
         let (sign_bit, mask) = (1u64 << (bits - 1), (1u64 << (bits - 1)) - 1);
+        // Validate every level before writing (decoders write nothing on error).
+        let mut codes = Vec::with_capacity(n);
         let mut bytes_it = payload.iter();
         let (mut buf, mut nbuf) = (0u64, 0u32);
-        for a in acc.iter_mut() {
+        for _ in 0..n {
             while nbuf < bits {
-                // Length checked above: enough bytes for every code.
                 buf |= u64::from(*bytes_it.next().unwrap_or(&0)) << nbuf;
                 nbuf += 8;
             }
             let code = buf & ((1 << bits) - 1);
             buf >>= bits;
             nbuf -= bits;
-            let level = (code & mask) as u32;
-            if level > s {
-                return Err(Error::Decode(format!("qsgd level {level} exceeds {s}")));
+            if (code & mask) as u32 > s {
+                return Err(Error::Decode(format!(
+                    "qsgd level {} exceeds {s}",
+                    code & mask
+                )));
             }
-            let v = level as f32 * step;
+            codes.push(code);
+        }
+        for (i, (a, &code)) in acc.iter_mut().zip(&codes).enumerate() {
+            let step = norms[i / b] / s as f32;
+            let v = (code & mask) as f32 * step;
             *a += if code & sign_bit != 0 { -v } else { v };
         }
         Ok(())
     }
 }
+
+const BUCKETED: u8 = 0x80;
 
 #[cfg(test)]
 mod tests {
@@ -232,5 +299,51 @@ mod tests {
         q.decode(&m, &mut out).expect("dec");
         assert_eq!(out[1], 0.0);
         assert!((out[0] - 1e-38).abs() <= 1e-38 / 7.0 * 1.01);
+    }
+
+    #[test]
+    fn buckets_bound_the_error_by_the_bucket_norm() {
+        // One huge element: without buckets its norm sets every element's
+        // step (error bound 100/7); with buckets only its own bucket's.
+        let mut x: Vec<f32> = (0..4096).map(|i| ((i as f32) * 0.3).sin() * 1e-2).collect();
+        x[0] = 100.0;
+        let run = |bucket: usize| {
+            let mut q = Qsgd::new(4, 3)
+                .expect("bits")
+                .with_bucket(bucket)
+                .expect("bucket");
+            let mut msg = Vec::new();
+            q.encode(&x, &mut msg).expect("encode");
+            let mut y = vec![0f32; x.len()];
+            q.decode(&msg, &mut y).expect("decode");
+            (y, msg.len())
+        };
+        let (y, len512) = run(512);
+        for (bi, (xc, yc)) in x.chunks(512).zip(y.chunks(512)).enumerate() {
+            let norm = xc.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt() as f32;
+            let bound = norm / 7.0 * 1.0001;
+            for (a, b) in xc.iter().zip(yc) {
+                assert!(
+                    (a - b).abs() <= bound,
+                    "bucket {bi}: {a} vs {b}, bound {bound}"
+                );
+            }
+            if bi > 0 {
+                assert!(bound < 0.05, "small buckets get small steps: {bound}");
+            }
+        }
+        let (_, len0) = run(0);
+        // 8 buckets: 4 bytes for the size and 4 per extra norm.
+        assert_eq!(len512, len0 + 4 + 4 * 7);
+        // The bucket is part of the config and survives a round trip.
+        let cfg: CodecConfig = "qsgd:bucket=512".parse().expect("parse");
+        assert_eq!(cfg.build().expect("build").config(), cfg);
+        // Hostile bucket headers are errors.
+        let q = Qsgd::new(4, 0).expect("bits");
+        let mut msg = Vec::new();
+        super::write_header(&mut msg, CodecId::Qsgd, 10);
+        msg.push(4 | BUCKETED);
+        msg.extend_from_slice(&0u32.to_le_bytes());
+        assert!(q.decode(&msg, &mut [0f32; 10]).is_err());
     }
 }

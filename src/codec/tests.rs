@@ -12,8 +12,19 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         CodecConfig::None => 0.0,
         CodecConfig::Fp16 => x[i].abs() * 2f32.powi(-11) + 6.0e-8,
         CodecConfig::Int8 => maxabs / 254.0 * 1.0001 + f32::MIN_POSITIVE,
-        CodecConfig::Qsgd { bits, .. } => {
-            let norm = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt() as f32;
+        CodecConfig::Qsgd { bits, bucket, .. } => {
+            // The norm of the bucket holding element i.
+            let b = if *bucket == 0 {
+                x.len().max(1)
+            } else {
+                *bucket
+            };
+            let chunk = &x[i / b * b..((i / b + 1) * b).min(x.len())];
+            let norm = chunk
+                .iter()
+                .map(|v| (*v as f64).powi(2))
+                .sum::<f64>()
+                .sqrt() as f32;
             norm / ((1u32 << (bits - 1)) - 1) as f32 * 1.0001 + f32::MIN_POSITIVE
         }
         // Top-k binarization: no per-element bound (dedicated tests in sbc.rs).
@@ -27,6 +38,14 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         // §3.1: |x − q·M| ≤ M/2 with M = max|x|·s (saturated to f32::MAX).
         CodecConfig::ThreeLc { s, .. } => (maxabs * s).min(f32::MAX) / 2.0 + f32::from_bits(1),
     }
+}
+
+/// Every codec with its defaults, plus the variants the defaults do not
+/// exercise (bucketed QSGD).
+fn contract_configs() -> Vec<CodecConfig> {
+    let mut v = CodecConfig::all_defaults();
+    v.push("qsgd:bucket=16".parse().expect("bucketed qsgd"));
+    v
 }
 
 fn roundtrip(cfg: &CodecConfig, x: &[f32]) -> Vec<f32> {
@@ -83,7 +102,7 @@ fn header_rejects_garbage() {
 
 #[test]
 fn baselines_round_trip_edge_cases() {
-    for cfg in CodecConfig::all_defaults() {
+    for cfg in contract_configs() {
         for x in [
             vec![],
             vec![0.0; 17],
@@ -154,7 +173,7 @@ proptest! {
 
     #[test]
     fn prop_round_trip_within_bound(x in proptest::collection::vec(-1e3f32..1e3, 0..2000), which in 0usize..16) {
-        let all = CodecConfig::all_defaults();
+        let all = contract_configs();
         let cfg = &all[which % all.len()];
         let y = roundtrip(cfg, &x);
         for i in 0..x.len() {
@@ -164,7 +183,7 @@ proptest! {
 
     #[test]
     fn prop_decoders_survive_hostile_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300), n in 0usize..100) {
-        for cfg in CodecConfig::all_defaults() {
+        for cfg in contract_configs() {
             let c = cfg.build().expect("test");
             let mut out = vec![0f32; n];
             let _ = c.decode(&bytes, &mut out);
@@ -176,7 +195,7 @@ proptest! {
     fn prop_decoders_survive_mutated_messages(x in proptest::collection::vec(-10f32..10.0, 0..200),
                                               flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
                                               cut in any::<usize>()) {
-        for cfg in CodecConfig::all_defaults() {
+        for cfg in contract_configs() {
             let mut c = cfg.build().expect("test");
             let mut msg = Vec::new();
             c.encode(&x, &mut msg).expect("test");

@@ -16,7 +16,8 @@
 //!
 //! The QSGD ring cannot add in the compressed domain: every reduce step
 //! decodes the received segment, adds the local one and re-encodes the sum
-//! (4 bits per value, one norm per segment), so nothing overlaps.
+//! (4 bits per value, one norm per bucket of 512 in the bench), so nothing
+//! overlaps.
 
 use super::LayerCompressor;
 use crate::codec::{Codec, Qsgd};
@@ -168,13 +169,15 @@ fn element_segments(n: usize, p: usize) -> Vec<(usize, usize)> {
 }
 
 /// The paper's comparator: ring all-reduce of `g` (sum over ranks) where
-/// every transfer is 4-bit QSGD (`bits`), each reduce step decoding,
-/// adding and re-encoding. `out` is identical on every rank.
+/// every transfer is QSGD (`bits` per value, one norm per `bucket` values,
+/// 0 = per segment), each reduce step decoding, adding and re-encoding.
+/// `out` is identical on every rank.
 pub fn qsgd_ring_allreduce<C: Transport>(
     comm: &C,
     g: &[f32],
     out: &mut [f32],
     bits: u32,
+    bucket: usize,
     seed: u64,
     ws: &mut RingWorkspace,
 ) -> Result<()> {
@@ -186,7 +189,8 @@ pub fn qsgd_ring_allreduce<C: Transport>(
         )));
     }
     let (r, p) = (comm.rank(), comm.size());
-    let mut codec = Qsgd::new(bits, seed ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))?;
+    let mut codec = Qsgd::new(bits, seed ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))?
+        .with_bucket(bucket)?;
     let segs = element_segments(n, p);
     let wrap = |x: isize| x.rem_euclid(p as isize) as usize;
     ws.bytes.resize_with(p, Vec::new);
@@ -202,7 +206,7 @@ pub fn qsgd_ring_allreduce<C: Transport>(
     for i in 1..p {
         let idx = wrap(r as isize - i as isize);
         let (a, b) = segs[idx];
-        let want = encoded_len(b - a, bits);
+        let want = encoded_len(b - a, bits, bucket);
         ws.recv_bytes.resize(want, 0);
         let send = std::mem::take(&mut ws.bytes[outgoing]);
         comm.sendrecv(&send[..], next, &mut ws.recv_bytes[..], prev, TAG_QSGD_RING)?;
@@ -218,7 +222,7 @@ pub fn qsgd_ring_allreduce<C: Transport>(
         let s_idx = wrap(r as isize + 1 - i as isize);
         let r_idx = wrap(r as isize - i as isize);
         let (a, b) = segs[r_idx];
-        ws.recv_bytes.resize(encoded_len(b - a, bits), 0);
+        ws.recv_bytes.resize(encoded_len(b - a, bits, bucket), 0);
         let send = std::mem::take(&mut ws.bytes[s_idx]);
         comm.sendrecv(&send[..], next, &mut ws.recv_bytes[..], prev, TAG_QSGD_RING)?;
         ws.bytes[s_idx] = send;
@@ -231,6 +235,11 @@ pub fn qsgd_ring_allreduce<C: Transport>(
 }
 
 /// Bytes of a QSGD message of `n` values at `bits` bits.
-fn encoded_len(n: usize, bits: u32) -> usize {
-    crate::codec::HEADER_LEN + 1 + 4 + (n * bits as usize).div_ceil(8)
+fn encoded_len(n: usize, bits: u32, bucket: usize) -> usize {
+    let norms = if bucket == 0 {
+        4
+    } else {
+        4 + 4 * n.div_ceil(bucket)
+    };
+    crate::codec::HEADER_LEN + 1 + norms + (n * bits as usize).div_ceil(8)
 }

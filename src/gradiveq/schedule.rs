@@ -38,6 +38,8 @@ pub struct ScheduleConfig {
     pub loss_threshold: f64,
     /// QSGD bits of the sample-collecting iterations (the paper's 4).
     pub qsgd_bits: u32,
+    /// QSGD bucket of those iterations (0: one norm per segment).
+    pub qsgd_bucket: usize,
 }
 
 impl Default for ScheduleConfig {
@@ -51,6 +53,7 @@ impl Default for ScheduleConfig {
             lc: 400,
             loss_threshold: 0.05,
             qsgd_bits: 4,
+            qsgd_bucket: 512,
         }
     }
 }
@@ -214,7 +217,15 @@ impl GradiveqLayer {
             return Ok(StepKind::Compressed { loss, votes });
         }
         // Collect: QSGD-aggregated, the result is a sample.
-        qsgd_ring_allreduce(comm, g, out, self.cfg.qsgd_bits, self.step, &mut self.ws)?;
+        qsgd_ring_allreduce(
+            comm,
+            g,
+            out,
+            self.cfg.qsgd_bits,
+            self.cfg.qsgd_bucket,
+            self.step,
+            &mut self.ws,
+        )?;
         let k = self.cfg.k;
         let slices = self.n / k;
         let reuse = self.cfg.reuse.unwrap_or(slices).clamp(1, slices);

@@ -226,6 +226,7 @@ fn qsgd_ring_is_identical_on_all_ranks_and_sharper_with_more_bits() {
                     &grads[c.rank()],
                     &mut o,
                     bits,
+                    0,
                     7,
                     &mut RingWorkspace::default(),
                 )
@@ -263,6 +264,7 @@ fn loss_monitor_rebuilds_when_the_subspace_changes() {
         lc: 1000,
         loss_threshold: 0.05,
         qsgd_bits: 8,
+        qsgd_bucket: 0,
     };
     let res = LocalComm::run(p, |c| {
         let r = c.rank();

@@ -598,6 +598,7 @@ fn gvq_cfg() -> crate::gradiveq::schedule::ScheduleConfig {
         lc: 1000,
         loss_threshold: 0.5,
         qsgd_bits: 8,
+        qsgd_bucket: 0,
     }
 }
 
