@@ -311,8 +311,8 @@ pub enum CodecConfig {
         #[serde(default)]
         seed: u64,
         /// Elements per norm (0, the default: one norm for the vector; the
-        /// QSGD paper buckets by 512).
-        #[serde(default)]
+        /// QSGD paper buckets by 512). Omitted from JSON and strings when 0.
+        #[serde(default, skip_serializing_if = "is_zero")]
         bucket: usize,
     },
     /// Sparse binary compression: top/bottom fraction `p ∈ (0, 0.5]`, one
@@ -374,6 +374,10 @@ fn fastsgd_default_tau() -> u32 {
 }
 fn fastsgd_default_l() -> u32 {
     2
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
 }
 
 fn default_qsgd_bits() -> u32 {
@@ -469,9 +473,11 @@ impl std::str::FromStr for CodecConfig {
         }
         let cfg: CodecConfig = serde_json::from_value(serde_json::Value::Object(m.clone()))
             .map_err(|e| Error::InvalidArgument(format!("codec {s:?}: {e}")))?;
-        // Unit variants ignore extra keys in serde; reject them here.
+        // Unit variants ignore extra keys in serde (struct variants reject
+        // them through `deny_unknown_fields`); reject them here.
         if let Ok(serde_json::Value::Object(back)) = serde_json::to_value(&cfg) {
-            if let Some(k) = m.keys().find(|k| !back.contains_key(*k)) {
+            let unit = back.len() == 1;
+            if let Some(k) = m.keys().find(|k| unit && !back.contains_key(*k)) {
                 return Err(Error::InvalidArgument(format!(
                     "codec {s:?}: unknown parameter {k:?}"
                 )));

@@ -335,9 +335,15 @@ mod tests {
         let (_, len0) = run(0);
         // 8 buckets: 4 bytes for the size and 4 per extra norm.
         assert_eq!(len512, len0 + 4 + 4 * 7);
-        // The bucket is part of the config and survives a round trip.
+        // The bucket is part of the config and survives a round trip; 0 is
+        // the default and stays out of the parameter string.
         let cfg: CodecConfig = "qsgd:bucket=512".parse().expect("parse");
         assert_eq!(cfg.build().expect("build").config(), cfg);
+        assert_eq!(cfg.params(), "bits=4,bucket=512,seed=0");
+        let cfg0: CodecConfig = "qsgd:bucket=0".parse().expect("parse");
+        assert_eq!(cfg0.params(), "bits=4,seed=0");
+        assert!("qsgd:buckets=3".parse::<CodecConfig>().is_err());
+        assert!("fp16:bucket=3".parse::<CodecConfig>().is_err());
         // Hostile bucket headers are errors.
         let q = Qsgd::new(4, 0).expect("bits");
         let mut msg = Vec::new();
