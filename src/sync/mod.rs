@@ -279,6 +279,8 @@ pub struct StepStats {
     pub allgather_s: f64,
     /// Dense allreduce, seconds.
     pub allreduce_s: f64,
+    /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
+    pub gradiveq_s: f64,
     /// Unpacking, seconds.
     pub unpack_s: f64,
     /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
@@ -1108,6 +1110,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             pack_s: info.pack_s,
             allgather_s: job.allgather_s,
             allreduce_s: job.allreduce_s,
+            gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
         };
