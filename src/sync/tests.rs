@@ -717,3 +717,51 @@ fn gradiveq_layers_in_the_engine_and_their_snapshot() {
     });
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Hostile snapshot bytes (mutated or truncated, GradiVeQ state included)
+/// never panic; a refused restore leaves the engine as it was.
+#[test]
+fn mutated_snapshots_with_gradiveq_state_never_panic() {
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register_with("conv", &[256], Strategy::Gradiveq(gvq_cfg()))
+            .expect("gvq");
+        s.register_with("fc", &[500], Strategy::rgc(0.02))
+            .expect("rgc");
+        gvq_steps_one(&mut s, 0, 9);
+        let good = s.snapshot_bytes().expect("snapshot");
+        let mut rng = SmallRng::seed_from_u64(5);
+        for trial in 0..400 {
+            let mut bad = good.clone();
+            for _ in 0..1 + trial % 4 {
+                let i = rng.gen_range(0..bad.len());
+                bad[i] ^= 1 << rng.gen_range(0..8);
+            }
+            if trial % 5 == 0 {
+                bad.truncate(rng.gen_range(0..bad.len()));
+            }
+            let before = s.snapshot_bytes().expect("snapshot");
+            if s.restore_bytes(&bad).is_err() {
+                assert_eq!(
+                    s.snapshot_bytes().expect("snapshot"),
+                    before,
+                    "trial {trial}"
+                );
+            } else {
+                // A mutation that still parses (a flipped float bit): put the
+                // good state back for the next trial.
+                s.restore_bytes(&good).expect("restore");
+            }
+        }
+        // The restored engine still runs.
+        gvq_steps_one(&mut s, 9, 11);
+    });
+}
+
+fn gvq_steps_one(s: &mut GradSync<LocalComm>, from: u64, to: u64) {
+    for t in from..to {
+        let mut g = gvq_grad(0, t);
+        let mut f = grad(0, t, 1, 500);
+        s.sync(&mut [&mut g[..], &mut f[..]]).expect("sync");
+    }
+}
