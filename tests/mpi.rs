@@ -367,6 +367,8 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
             "256K",
             "--reps",
             "3",
+            "--min-seconds",
+            "0",
             "--quiet",
         ],
         Duration::from_secs(300),
@@ -380,6 +382,14 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
         assert!(x >= 0.0 && x.is_finite(), "{k} = {x}");
     }
     assert!(v["beta"].as_f64().unwrap_or(0.0) > 0.0, "beta measured");
+    // The β curve: one point per exchange size from 4 KiB to --max-bytes.
+    let c = v["beta_curve"].as_array().expect("beta_curve");
+    let sizes: Vec<f64> = c.iter().filter_map(|x| x["bytes"].as_f64()).collect();
+    assert_eq!(sizes.first(), Some(&4096.0), "{c:?}");
+    assert_eq!(sizes.last(), Some(&262144.0), "{c:?}");
+    assert!(sizes.windows(2).all(|w| w[0] < w[1]), "{c:?}");
+    assert!(c.iter().all(|x| x["per_byte"].as_f64().is_some_and(|b| b >= 0.0)));
+    assert_eq!(v["version"], 2);
     assert!(v["select"]["trimmed"]["b"].as_f64().unwrap_or(0.0) > 0.0);
     assert!(v["select"]["trimmed@0.01"].is_object());
     assert_eq!(v["meta"]["ranks"], 2);
@@ -412,6 +422,8 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
             "64K,256K",
             "--iters",
             "3",
+            "--min-seconds",
+            "0",
             "--json",
         ],
         Duration::from_secs(300),

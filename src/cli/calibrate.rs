@@ -18,6 +18,8 @@ use crate::dense::{
 };
 use crate::sync::{Config, GradSync, Strategy};
 use crate::{Error, Result};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -48,122 +50,144 @@ pub struct CalibrateArgs {
     /// machine state; its default grid, JSON lines).
     #[arg(long)]
     pub check: bool,
+    /// Spread the network and allreduce measurements over at least this
+    /// many seconds (rounds over all sizes; see the docs of `calibrate`).
+    #[arg(long, default_value_t = 10.0)]
+    pub min_seconds: f64,
 }
 
-struct Progress {
-    total: usize,
-    done: usize,
-    show: bool,
-}
+/// One measurement of a calibration or check round: this rank's seconds (0
+/// where the rank takes no part). Each probe owns its buffers.
+type Probe<'a> = Box<dyn FnMut(usize) -> Result<f64> + 'a>;
 
-impl Progress {
-    fn step(&mut self, what: &str) {
-        self.done += 1;
-        if self.show {
-            let w = 30;
-            let filled = (self.done * w / self.total.max(1)).min(w);
-            eprint!(
-                "\r[{}{}] {:>3}% {:<40}",
-                "#".repeat(filled),
-                ".".repeat(w - filled),
-                100 * self.done / self.total.max(1),
-                what
-            );
-            if self.done >= self.total {
-                eprintln!();
-            }
-        }
-    }
-}
-
-/// Median of `reps` timings of `f` on this rank (after one warm-up call).
-fn local_median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    let mut t = Vec::with_capacity(reps);
-    for _ in 0..reps {
+/// A local measurement run on every rank at once (after a barrier, so the
+/// ranks contend for memory bandwidth as they do in a real step).
+fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + 'a) -> Probe<'a> {
+    Box::new(move |_| {
+        comm.barrier()?;
         let t0 = Instant::now();
         f()?;
-        t.push(t0.elapsed().as_secs_f64());
+        Ok(t0.elapsed().as_secs_f64())
+    })
+}
+
+/// Runs every probe once per round until at least `min_rounds` rounds and
+/// `min_seconds` have passed (rank 0 decides, every rank follows), after
+/// one untimed round. Returns each probe's median, the slowest rank's, and
+/// the number of rounds; `on_round(round, seconds)` reports progress.
+///
+/// Every round runs all probes in a new order, the same on every rank.
+/// This is what makes a calibration on a shared machine repeatable. On the
+/// 2-vCPU KVM guests of this project the two vCPUs share a core complex
+/// most of the time and sit in different ones, where cache-to-cache
+/// transfers are 3–5× slower, for episodes of a fraction of a second to
+/// tens of seconds. Measuring one size after the other catches an episode
+/// in some sizes and not in others, and a calibration followed by a check
+/// compares two different machines. Rounds spread over seconds give every
+/// probe the same mix of states, so their medians describe the same
+/// machine, and the shuffled order stops one probe from always following
+/// the one that filled the caches (a fixed order cost one strategy 40 %).
+fn rounds(
+    comm: &MpiComm,
+    probes: &mut [Probe<'_>],
+    min_rounds: usize,
+    min_seconds: f64,
+    seed: u64,
+    mut on_round: impl FnMut(usize, f64),
+) -> Result<(Vec<f64>, usize)> {
+    let mut t: Vec<Vec<f64>> = vec![Vec::new(); probes.len()];
+    let mut order: Vec<usize> = (0..probes.len()).collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let start = Instant::now();
+    let mut round = 0;
+    loop {
+        order.shuffle(&mut rng);
+        for &i in &order {
+            // A short burst, as `gradsync bench` and a training loop run
+            // them back to back: the first call warms the caches (a probe
+            // right after another one's 16 MiB finds them full of that
+            // data), the next BURST are timed.
+            for b in 0..=BURST {
+                let x = probes[i](round * (BURST + 1) + b)?;
+                if round > 0 && b > 0 {
+                    t[i].push(x);
+                }
+            }
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        on_round(round, elapsed);
+        let more = round < min_rounds || (elapsed < min_seconds && round < MAX_ROUNDS);
+        let mut flag = [if comm.rank() == 0 && more { 1.0 } else { 0.0 }];
+        max_over_ranks(comm, &mut flag);
+        if flag[0] == 0.0 {
+            break;
+        }
+        round += 1;
     }
-    Ok(median(&mut t))
+    let mut med: Vec<f64> = t.iter_mut().map(|v| median(v)).collect();
+    max_over_ranks(comm, &mut med);
+    Ok((med, round))
 }
 
-/// The slowest rank's value.
-fn slowest(comm: &MpiComm, v: f64) -> f64 {
-    let mut x = [v];
-    max_over_ranks(comm, &mut x);
-    x[0]
-}
+/// Upper bound on measurement rounds, whatever `--min-seconds` says.
+const MAX_ROUNDS: usize = 100_000;
 
-/// One-way time of a `bytes` message between ranks 0 and 1 (ping-pong / 2).
-fn pingpong(comm: &MpiComm, bytes: usize, reps: usize) -> Result<f64> {
-    let mut buf = vec![0u8; bytes];
+/// Timed calls of a probe per round (after one untimed call).
+const BURST: usize = 3;
+
+/// One-way time of a message between ranks 0 and 1 (ping-pong / 2).
+fn pingpong(comm: &MpiComm, buf: &mut [u8]) -> Result<f64> {
     let rank = comm.rank();
-    let mut t = Vec::new();
-    for i in 0..=reps {
-        comm.barrier()?;
-        let t0 = mpi::time();
-        match rank {
-            0 => {
-                comm.send(&buf, 1, 77)?;
-                comm.recv(&mut buf, 1, 77)?;
-            }
-            1 => {
-                comm.recv(&mut buf, 0, 77)?;
-                comm.send(&buf, 0, 77)?;
-            }
-            _ => {}
+    comm.barrier()?;
+    let t0 = mpi::time();
+    match rank {
+        0 => {
+            comm.send(buf, 1, 77)?;
+            comm.recv(buf, 1, 77)?;
         }
-        if i > 0 {
-            t.push((mpi::time() - t0) / 2.0);
+        1 => {
+            comm.recv(buf, 0, 77)?;
+            comm.send(buf, 0, 77)?;
         }
+        _ => return Ok(0.0),
     }
-    Ok(slowest(comm, if rank <= 1 { median(&mut t) } else { 0.0 }))
+    Ok((mpi::time() - t0) / 2.0)
 }
 
-/// Time of a pairwise exchange (`sendrecv` of `bytes` each way between
+/// Time of a pairwise exchange (`sendrecv` of the buffer each way between
 /// ranks `2i` and `2i+1`): one step of Rabenseifner's or recursive
 /// doubling's schedule, `α + bytes·β` in the model.
-fn exchange_time(comm: &MpiComm, bytes: usize, reps: usize) -> Result<f64> {
+fn exchange_time(comm: &MpiComm, send: &mut [u8], recv: &mut [u8], round: usize) -> Result<f64> {
     let (rank, p) = (comm.rank(), comm.size());
-    let send = vec![1u8; bytes];
-    let mut recv = vec![0u8; bytes];
     let peer = rank ^ 1;
-    let mut t = Vec::new();
-    for i in 0..=reps {
-        comm.barrier()?;
-        let t0 = mpi::time();
-        if peer < p {
-            comm.sendrecv(&send, peer, &mut recv, peer, 78)?;
-        }
-        if i > 0 {
-            t.push(mpi::time() - t0);
-        }
+    // Fresh data every time, as a gradient is: the sender's cache holds the
+    // lines modified, so the copy pays the cache-to-cache transfer that a
+    // collective's steps pay (a send buffer that never changes ends up
+    // cached on both cores and measures a local copy: 2-4x too fast here).
+    send.fill(round as u8);
+    comm.barrier()?;
+    let t0 = mpi::time();
+    if peer >= p {
+        return Ok(0.0);
     }
-    Ok(slowest(comm, if peer < p { median(&mut t) } else { 0.0 }))
+    comm.sendrecv(send, peer, recv, peer, 78)?;
+    Ok(mpi::time() - t0)
 }
 
-fn allgather_time(comm: &MpiComm, bytes: usize, reps: usize) -> Result<f64> {
-    let mine = vec![1u8; bytes];
-    let mut g = Gathered::default();
-    let mut t = Vec::new();
-    for i in 0..=reps {
-        comm.barrier()?;
-        let t0 = mpi::time();
-        allgatherv_with(comm, &mine, AllgathervAlgo::RecursiveDoubling, &mut g)?;
-        if i > 0 {
-            t.push(mpi::time() - t0);
-        }
-    }
-    Ok(slowest(comm, median(&mut t)))
+/// Time of the recursive-doubling allgather of the buffer (fresh data).
+fn allgather_time(comm: &MpiComm, send: &mut [u8], g: &mut Gathered, round: usize) -> Result<f64> {
+    send.fill(round as u8);
+    comm.barrier()?;
+    let t0 = mpi::time();
+    allgatherv_with(comm, send, AllgathervAlgo::RecursiveDoubling, g)?;
+    Ok(mpi::time() - t0)
 }
 
 /// Local cost of one sparse engine step (one rank, in process): residual
 /// accumulation, selection, packing, zeroing and unpacking its own unit.
-fn sparse_step_time(codec: CodecConfig, n: usize, reps: usize) -> Result<f64> {
-    let comm = LocalComm::create(1).pop().expect("one rank");
+fn sparse_step_probe(comm: &MpiComm, codec: CodecConfig, n: usize) -> Result<Probe<'_>> {
     let mut s = GradSync::with_transport(
-        comm,
+        LocalComm::create(1).pop().expect("one rank"),
         Config {
             overlap: false,
             ..Config::default()
@@ -179,10 +203,10 @@ fn sparse_step_time(codec: CodecConfig, n: usize, reps: usize) -> Result<f64> {
     )?;
     let g = synthetic(n, "normal", n as u64)?;
     let mut w = g.clone();
-    local_median(reps, || {
+    Ok(local(comm, move || {
         w.copy_from_slice(&g);
         s.sync(&mut [&mut w[..]]).map(|_| ())
-    })
+    }))
 }
 
 fn sizes_up_to(max_bytes: usize) -> Vec<usize> {
@@ -217,14 +241,11 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         .collect();
     let methods = ["trimmed", "threshold", "sampled", "exact"];
     let codecs = ["fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"];
-    let mut prog = Progress {
-        total: 2 * net_sizes.len()
-            + 2
-            + densities.len() * (methods.len() + 1) * ns.len()
-            + codecs.len() * ns.len(),
-        done: 0,
-        show: comm.rank() == 0 && !a.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr()),
-    };
+    let show = comm.rank() == 0 && !a.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let x = synthetic(ns.last().copied().unwrap_or(1 << 16), "normal", 1)?;
+    // Every measurement is a probe; all of them (and the check's, with
+    // `--check`) run in the same rounds, spread over `--min-seconds`.
+    let mut probes: Vec<Probe<'_>> = Vec::new();
     // 1. α and β. Three measurements over sizes: ping-pong between ranks 0
     // and 1 (one-way latency and bandwidth), pairwise exchange (sendrecv
     // both ways at once) and the recursive-doubling allgather. The
@@ -232,72 +253,50 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
     // ping-pong does not measure (both directions at once), and the
     // allgather adds a copy of the rank's own block; so `alpha` and `beta`
     // are fitted to the exchanges, and the other two fits are kept in the
-    // profile for reference.
-    let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
-    for &b in &net_sizes {
-        if p > 1 {
-            pp_rows.push((1.0, b as f64, pingpong(comm, b, reps)?));
-            ex_rows.push((1.0, b as f64, exchange_time(comm, b, reps)?));
-        }
-        prog.step(&format!("ping-pong, exchange {b} B"));
-        if p > 1 {
-            let t = allgather_time(comm, b, reps)?;
-            ag_rows.push((cost::ceil_lg(p), (p as f64 - 1.0) * b as f64, t));
-        }
-        prog.step(&format!("allgather {b} B"));
+    // profile for reference. The β curve is the exchanges' per-byte cost
+    // at each size from 4 KiB up, `(T(m) − α)/m`.
+    let net = if p > 1 { net_sizes.len() } else { 0 };
+    for &b in &net_sizes[..net] {
+        let mut buf = vec![0u8; b];
+        probes.push(Box::new(move |_| pingpong(comm, &mut buf)));
     }
-    let (alpha, beta) = cost::fit_relative_l2(&ex_rows);
-    let fit = |rows: &[(f64, f64, f64)]| {
-        let (a, b) = cost::fit_relative_l2(rows);
-        LinearFit { a, b }
-    };
-    let (pingpong_fit, allgather_fit) = (fit(&pp_rows), fit(&ag_rows));
+    for &b in &net_sizes[..net] {
+        let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        probes.push(Box::new(move |r| {
+            exchange_time(comm, &mut send, &mut recv, r)
+        }));
+    }
+    for &b in &net_sizes[..net] {
+        let (mut send, mut g) = (vec![0u8; b], Gathered::default());
+        probes.push(Box::new(move |r| {
+            allgather_time(comm, &mut send, &mut g, r)
+        }));
+    }
     // 2. γ_reduce: what the allreduce costs beyond its α-β part, per
     // reduced byte. Measured on gradsync's Rabenseifner allreduce over the
-    // layer sizes, minus `2⌈lg p⌉α + 2(p−1)/p·N·β` (with the fold's extra
-    // term for p ≠ 2^k), fitted against the reduced bytes. This is the
-    // effective γ of the reduction steps on this machine (cache effects
-    // included), which a bare add loop in cache underestimates.
-    let big = ns.last().copied().unwrap_or(1 << 16);
-    let x = synthetic(big, "normal", 1)?;
-    let mut y = vec![0f32; big];
-    let mut rows = Vec::new();
-    if p > 1 {
-        let mut ws = Workspace::<f32>::new();
-        let opts = AllreduceOptions {
-            validate: false,
-            ..AllreduceOptions::default()
-        };
-        let no_gamma = Profile::from_network(alpha, 1.0 / beta.max(1e-300), 0.0, 0.0)?;
-        for &n in &ns {
-            let mut t = Vec::new();
-            for i in 0..=reps {
-                y[..n].copy_from_slice(&x[..n]);
-                comm.barrier()?;
-                let t0 = mpi::time();
-                allreduce_with(
-                    comm,
-                    &mut y[..n],
-                    AllreduceAlgo::Rabenseifner,
-                    &opts,
-                    &mut ws,
-                )?;
-                if i > 0 {
-                    t.push(mpi::time() - t0);
-                }
-            }
-            let t = slowest(comm, median(&mut t));
-            let bytes = (4 * n) as f64;
-            let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
-            let per = (p as f64 - 1.0) / p as f64 + if p.is_power_of_two() { 0.0 } else { 0.5 };
-            rows.push((0.0, per * bytes, (t - ab).max(t * 1e-3)));
-        }
+    // layer sizes (fresh data each time), minus its α-β part under the β
+    // curve, fitted against the reduced bytes. This is the effective γ of
+    // the reduction steps on this machine (cache effects included), which
+    // a bare add loop in cache underestimates.
+    let reduce_at = probes.len();
+    for &n in if p > 1 { &ns[..] } else { &[] } {
+        let (x, mut y, mut ws) = (x[..n].to_vec(), vec![0f32; n], Workspace::<f32>::new());
+        probes.push(Box::new(move |_| {
+            y.copy_from_slice(&x);
+            comm.barrier()?;
+            let t0 = mpi::time();
+            let opts = AllreduceOptions {
+                validate: false,
+                ..AllreduceOptions::default()
+            };
+            allreduce_with(comm, &mut y, AllreduceAlgo::Rabenseifner, &opts, &mut ws)?;
+            Ok(mpi::time() - t0)
+        }));
     }
-    let gamma_reduce = cost::fit_relative_l2(&rows).1;
-    prog.step("gamma_reduce");
     // 3. γ_unpack: scatter-add of RGC units (1% of the elements), per unit
     // byte, over the layer sizes.
-    let mut rows = Vec::new();
+    let unpack_at = probes.len();
+    let mut unit_bytes = Vec::new();
     for &n in &ns {
         let k = (n / 100).max(1);
         let mut codec = CodecConfig::Rgc {
@@ -307,14 +306,14 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         .build()?;
         let mut unit = Vec::new();
         codec.encode(&x[..n], &mut unit)?;
-        let t = local_median(reps, || codec.decode_add(&unit, &mut y[..n]))?;
-        rows.push((0.0, unit.len() as f64, slowest(comm, t)));
+        unit_bytes.push(unit.len() as f64);
+        let mut y = vec![0f32; n];
+        probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
     }
-    let gamma_unpack = cost::fit_relative_l2(&rows).1;
-    prog.step("gamma_unpack");
     // 4. Local cost of a sparse step per selection method and density.
-    let mut select = BTreeMap::new();
-    for (di, &d) in densities.iter().enumerate() {
+    let select_at = probes.len();
+    let mut select_names = Vec::new();
+    for &d in &densities {
         let mut cfgs: Vec<(String, CodecConfig)> = methods
             .iter()
             .map(|m| {
@@ -325,44 +324,130 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             .collect();
         cfgs.push(("quant".into(), CodecConfig::RgcQuant { density: d }));
         for (name, cfg) in cfgs {
-            let mut pts = Vec::new();
             for &n in &ns {
-                let t = slowest(comm, sparse_step_time(cfg.clone(), n, reps)?);
-                pts.push((n as f64, t));
-                prog.step(&format!("select {name} D={d} n={n}"));
+                probes.push(sparse_step_probe(comm, cfg.clone(), n)?);
             }
-            let fit = LinearFit::fit(&pts);
-            if di == 0 {
-                select.insert(name.clone(), fit);
-            }
-            select.insert(format!("{name}@{d}"), fit);
+            select_names.push((name, d));
         }
     }
     // 5. Codecs: encode / decode fits and measured size.
-    let mut codec_fits = BTreeMap::new();
+    let codec_at = probes.len();
+    let mut codec_bpe = Vec::new();
     for name in codecs {
         let cfg: CodecConfig = name.parse()?;
-        let (mut enc, mut dec) = (Vec::new(), Vec::new());
-        let mut bpe = None;
+        let mut bpe = 0.0;
         for &n in &ns {
-            let x = synthetic(n, "normal", 7)?;
-            let mut c = cfg.build()?;
+            let xn = synthetic(n, "normal", 7)?;
+            let mut enc = cfg.build()?;
             let mut msg = Vec::new();
-            let te = slowest(comm, local_median(reps, || c.encode(&x, &mut msg))?);
+            enc.encode(&xn, &mut msg)?;
+            bpe = (msg.len() as f64 - 12.0).max(0.0) / n as f64;
+            let dec = cfg.build()?;
             let mut acc = vec![0f32; n];
-            let td = slowest(comm, local_median(reps, || c.decode_add(&msg, &mut acc))?);
-            enc.push((n as f64, te));
-            dec.push((n as f64, td));
-            bpe = Some((msg.len() as f64 - 12.0).max(0.0) / n as f64);
-            prog.step(&format!("codec {name} n={n}"));
+            let mut out = Vec::new();
+            probes.push(local(comm, move || enc.encode(&xn, &mut out)));
+            probes.push(local(comm, move || dec.decode_add(&msg, &mut acc)));
         }
-        let data_dependent = matches!(name, "3lc" | "fastsgd");
+        codec_bpe.push(bpe);
+    }
+    // With --check: the check's measurements in the same rounds.
+    let check_sizes = parse_list("64K,256K,1M,4M,16M", parse_size)?;
+    let check_at = probes.len();
+    if a.check {
+        probes.extend(check_probes(comm, &check_sizes, &densities)?);
+    }
+    let (med, nrounds) = rounds(comm, &mut probes, reps, a.min_seconds, 1, |r, t| {
+        if show {
+            let f = (r as f64 / reps as f64).max(t / a.min_seconds).min(1.0);
+            let w = 30;
+            let filled = (f * w as f64) as usize;
+            eprint!(
+                "\r[{}{}] {:>3.0}% round {r}, {t:.1} s",
+                "#".repeat(filled),
+                ".".repeat(w - filled),
+                100.0 * f
+            );
+        }
+    })?;
+    drop(probes);
+    if show {
+        eprintln!();
+    }
+    log::debug!("calibrate: {nrounds} rounds");
+    let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, &b) in net_sizes[..net].iter().enumerate() {
+        let (pp, ex, ag) = (med[i], med[net + i], med[2 * net + i]);
+        log::debug!(
+            "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
+        );
+        let bf = b as f64;
+        pp_rows.push((1.0, bf, pp));
+        ex_rows.push((1.0, bf, ex));
+        ag_rows.push((cost::ceil_lg(p), (p as f64 - 1.0) * bf, ag));
+    }
+    let (alpha, beta) = cost::fit_relative_l2(&ex_rows);
+    let beta_curve: Vec<cost::CurvePoint> = ex_rows
+        .iter()
+        .filter(|r| r.1 >= 4096.0)
+        .map(|&(_, b, t)| cost::CurvePoint {
+            bytes: b,
+            per_byte: ((t - alpha) / b).max(0.0),
+        })
+        .collect();
+    let fit = |rows: &[(f64, f64, f64)]| {
+        let (a, b) = cost::fit_relative_l2(rows);
+        LinearFit { a, b }
+    };
+    let (pingpong_fit, allgather_fit) = (fit(&pp_rows), fit(&ag_rows));
+    let mut rows = Vec::new();
+    if p > 1 {
+        let mut no_gamma = Profile::from_network(alpha, 1.0 / beta.max(1e-300), 0.0, 0.0)?;
+        no_gamma.beta_curve = beta_curve.clone();
+        let mut unit_gamma = no_gamma.clone();
+        unit_gamma.gamma_reduce = 1.0;
+        for (i, &n) in ns.iter().enumerate() {
+            let (bytes, t) = ((4 * n) as f64, med[reduce_at + i]);
+            log::debug!("calibrate: rabenseifner allreduce {bytes} B {t:.3e} s");
+            let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
+            let per = cost::dense_rabenseifner(&unit_gamma, bytes, p) - ab;
+            rows.push((0.0, per, (t - ab).max(t * 1e-3)));
+        }
+    }
+    let gamma_reduce = cost::fit_relative_l2(&rows).1;
+    let rows: Vec<(f64, f64, f64)> = unit_bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &u)| (0.0, u, med[unpack_at + i]))
+        .collect();
+    let gamma_unpack = cost::fit_relative_l2(&rows).1;
+    let mut select = BTreeMap::new();
+    for (c, (name, d)) in select_names.iter().enumerate() {
+        let pts: Vec<(f64, f64)> = ns
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (n as f64, med[select_at + c * ns.len() + i]))
+            .collect();
+        let fit = LinearFit::fit(&pts);
+        if *d == densities[0] {
+            select.insert(name.clone(), fit);
+        }
+        select.insert(format!("{name}@{d}"), fit);
+    }
+    let mut codec_fits = BTreeMap::new();
+    for (c, name) in codecs.iter().enumerate() {
+        let base = codec_at + 2 * c * ns.len();
+        let (mut enc, mut dec) = (Vec::new(), Vec::new());
+        for (i, &n) in ns.iter().enumerate() {
+            enc.push((n as f64, med[base + 2 * i]));
+            dec.push((n as f64, med[base + 2 * i + 1]));
+        }
+        let data_dependent = matches!(*name, "3lc" | "fastsgd");
         codec_fits.insert(
             name.to_string(),
             CodecFit {
                 encode: LinearFit::fit(&enc),
                 decode: LinearFit::fit(&dec),
-                bytes_per_element: if data_dependent { bpe } else { None },
+                bytes_per_element: data_dependent.then_some(codec_bpe[c]),
             },
         );
     }
@@ -372,6 +457,8 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         beta,
         gamma_reduce,
         gamma_unpack,
+        beta_curve,
+        gamma_reduce_curve: Vec::new(),
         select,
         codecs: codec_fits,
         gradiveq_compress: LinearFit::default(),
@@ -392,10 +479,8 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
     profile.validate()?;
     if comm.rank() == 0 {
         profile.save(&a.out)?;
-    }
-    if comm.rank() == 0 {
         eprintln!(
-            "calibrate: alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s), gamma_reduce {:.3e} s/B, gamma_unpack {:.3e} s/B -> {}",
+            "calibrate: alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s), gamma_reduce {:.3e} s/B, gamma_unpack {:.3e} s/B, {nrounds} rounds -> {}",
             alpha,
             beta,
             1e-9 / beta.max(1e-30),
@@ -405,8 +490,14 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         );
     }
     if a.check {
-        let sizes = parse_list("64K,256K,1M,4M,16M", parse_size)?;
-        model_check(comm, &profile, &sizes, &densities, 10, true)?;
+        check_report(
+            comm,
+            &profile,
+            &check_sizes,
+            &densities,
+            &med[check_at..],
+            true,
+        )?;
     }
     Ok(0)
 }
@@ -472,6 +563,10 @@ pub struct ModelCheckArgs {
     /// JSON lines instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Spread the measurements over at least this many seconds (rounds
+    /// over every size and strategy).
+    #[arg(long, default_value_t = 10.0)]
+    pub min_seconds: f64,
 }
 
 /// One grid point of `gradsync model-check`.
@@ -519,53 +614,48 @@ pub(super) fn run_model_check(comm: &MpiComm, a: &ModelCheckArgs) -> Result<i32>
         s.parse::<f64>()
             .map_err(|e| Error::InvalidArgument(format!("density {s:?}: {e}")))
     })?;
-    model_check(comm, &prof, &sizes, &densities, a.iters, a.json)?;
+    model_check(
+        comm,
+        &prof,
+        &sizes,
+        &densities,
+        a.iters,
+        a.min_seconds,
+        a.json,
+    )?;
     Ok(0)
 }
 
-fn model_check(
-    comm: &MpiComm,
-    prof: &Profile,
+/// The probes of `model-check`: for every size, Rabenseifner, ring, and one
+/// sparse engine step (RGC) per density, in that order.
+fn check_probes<'a>(
+    comm: &'a MpiComm,
     sizes: &[usize],
     densities: &[f64],
-    iters: usize,
-    json: bool,
-) -> Result<CheckSummary> {
-    let p = comm.size();
-    let iters = iters.max(3);
-    let mut records = Vec::new();
-    let mut ws = Workspace::<f32>::new();
+) -> Result<Vec<Probe<'a>>> {
+    // Dense: the collectives as `gradsync bench --op allreduce` runs them,
+    // without length validation as the engine runs its fused allreduce;
+    // sparse: one engine step per density as `gradsync bench --op sparse`
+    // runs it. Fresh data (the rank's synthetic gradient) before each.
+    let mut probes: Vec<Probe<'a>> = Vec::new();
     for &bytes in sizes {
         let n = bytes / 4;
         let input = synthetic(n, "normal", comm.rank() as u64 + 1)?;
-        let mut buf = input.clone();
-        // Dense: the collectives as `gradsync bench --op allreduce` runs them.
-        let mut dense = BTreeMap::new();
-        for (name, algo) in [
-            ("dense-rabenseifner", AllreduceAlgo::Rabenseifner),
-            ("dense-ring", AllreduceAlgo::Ring),
-        ] {
-            // As the engine runs its fused allreduce: no length validation.
-            let opts = AllreduceOptions {
-                validate: false,
-                ..AllreduceOptions::default()
-            };
-            let mut t = Vec::new();
-            for i in 0..=iters {
+        for algo in [AllreduceAlgo::Rabenseifner, AllreduceAlgo::Ring] {
+            let (input, mut buf, mut ws) = (input.clone(), input.clone(), Workspace::new());
+            probes.push(Box::new(move |_| {
                 buf.copy_from_slice(&input);
                 comm.barrier()?;
                 let t0 = mpi::time();
+                let opts = AllreduceOptions {
+                    validate: false,
+                    ..AllreduceOptions::default()
+                };
                 allreduce_with(comm, &mut buf, algo, &opts, &mut ws)?;
-                if i > 0 {
-                    t.push(mpi::time() - t0);
-                }
-            }
-            let mut m = [median(&mut t)];
-            max_over_ranks(comm, &mut m);
-            dense.insert(name.to_string(), m[0]);
+                Ok(mpi::time() - t0)
+            }));
         }
         for &d in densities {
-            // Sparse: one engine step as `gradsync bench --op sparse` runs it.
             let mut s = GradSync::new(
                 comm.communicator(),
                 Config {
@@ -574,19 +664,54 @@ fn model_check(
                 },
             )?;
             s.register_with("layer", &[n], Strategy::rgc(d))?;
-            let mut w = input.clone();
-            let mut t = Vec::new();
-            for i in 0..=iters {
-                w.copy_from_slice(&input);
+            let (input, mut buf) = (input.clone(), input.clone());
+            probes.push(Box::new(move |_| {
+                buf.copy_from_slice(&input);
                 comm.barrier()?;
                 let t0 = mpi::time();
-                s.sync(&mut [&mut w[..]])?;
-                if i > 0 {
-                    t.push(mpi::time() - t0);
-                }
-            }
-            let mut m = [median(&mut t)];
-            max_over_ranks(comm, &mut m);
+                s.sync(&mut [&mut buf[..]])?;
+                Ok(mpi::time() - t0)
+            }));
+        }
+    }
+    Ok(probes)
+}
+
+fn model_check(
+    comm: &MpiComm,
+    prof: &Profile,
+    sizes: &[usize],
+    densities: &[f64],
+    iters: usize,
+    min_seconds: f64,
+    json: bool,
+) -> Result<CheckSummary> {
+    let mut probes = check_probes(comm, sizes, densities)?;
+    let (med, _) = rounds(comm, &mut probes, iters.max(3), min_seconds, 2, |_, _| {})?;
+    drop(probes);
+    check_report(comm, prof, sizes, densities, &med, json)
+}
+
+/// Compare the check probes' medians `med` (layout of [`check_probes`])
+/// with the profile's predictions; print records and the summary.
+fn check_report(
+    comm: &MpiComm,
+    prof: &Profile,
+    sizes: &[usize],
+    densities: &[f64],
+    med: &[f64],
+    json: bool,
+) -> Result<CheckSummary> {
+    let p = comm.size();
+    let per = 2 + densities.len();
+    let mut records = Vec::new();
+    for (si, &bytes) in sizes.iter().enumerate() {
+        let n = bytes / 4;
+        let mut dense = BTreeMap::new();
+        dense.insert("dense-rabenseifner".to_string(), med[si * per]);
+        dense.insert("dense-ring".to_string(), med[si * per + 1]);
+        for (di, &d) in densities.iter().enumerate() {
+            let m = [med[si * per + 2 + di]];
             let mut measured = dense.clone();
             measured.insert("sparse-allgather".into(), m[0]);
             let preds = cost::predict(

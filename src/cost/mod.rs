@@ -31,6 +31,29 @@
 //! time `(p−1)·(α + N/(r·p)·β)` add to the ring; decompression likewise
 //! against the allgather phase.
 //!
+//! ## β and γ_reduce as functions of the message size
+//!
+//! One β cannot describe a machine whose copies run at cache speed for
+//! messages that stay in cache and at memory speed for the others (over
+//! shared memory the two differ by 2–5×; LogGP's `G` and NCCL's per-protocol
+//! bandwidths make the same point). A profile may therefore carry a
+//! **β curve**: the effective seconds per byte of one pairwise exchange step
+//! of `m` bytes each way, `β(m) = (T_exchange(m) − α)/m`, measured by
+//! `gradsync calibrate` at powers of two and interpolated linearly in
+//! `log m` (constant beyond the ends); likewise a γ_reduce curve. Every
+//! formula above is then evaluated with the byte-weighted mean over the
+//! algorithm's own messages,
+//!
+//! `β_eff = Σ mᵢ·β(mᵢ) / Σ mᵢ`,
+//!
+//! the messages being `N/2, N/4, …, N/p'` twice for Rabenseifner (plus the
+//! fold's `N/2, N/2, N` for `p ≠ 2^k`), `2(p−1)` segments of `N/p` for the
+//! ring, and `min(2^i, p − 2^i)·m` at step `i` of the recursive-doubling
+//! allgather (γ_reduce over the reduced halves `N/2, …, N/p'` and the
+//! fold's `N/2`, or `N/p` for the ring). With constant β and γ (no curves,
+//! e.g. `--alpha --bandwidth` on the command line) `β_eff = β` and the
+//! formulas are exactly the closed forms of the table.
+//!
 //! Selection and codec costs are linear fits `a + b·n` measured by
 //! `gradsync calibrate` (for the sparse strategies `T_select` is the whole
 //! local cost of a sparse step in the engine: residual accumulation,
@@ -63,6 +86,51 @@ impl LinearFit {
         let (a, b) = fit_relative_l2(&rows);
         LinearFit { a, b }
     }
+}
+
+/// One point of a per-message-size curve (β or γ_reduce).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurvePoint {
+    /// Message bytes.
+    pub bytes: f64,
+    /// Seconds per byte at that size.
+    pub per_byte: f64,
+}
+
+/// `curve` at `m` bytes: linear in `log m` between points, constant beyond
+/// the ends; `fallback` when the curve is empty. Points must be sorted by
+/// `bytes` (see [`Profile::validate`]).
+pub fn curve_at(curve: &[CurvePoint], fallback: f64, m: f64) -> f64 {
+    let (Some(first), Some(last)) = (curve.first(), curve.last()) else {
+        return fallback;
+    };
+    if m <= first.bytes {
+        return first.per_byte;
+    }
+    if m >= last.bytes {
+        return last.per_byte;
+    }
+    let i = curve.partition_point(|c| c.bytes <= m);
+    let (a, b) = (curve[i - 1], curve[i]);
+    let t = (m.ln() - a.bytes.ln()) / (b.bytes.ln() - a.bytes.ln());
+    a.per_byte + t * (b.per_byte - a.per_byte)
+}
+
+/// Byte-weighted mean of `curve` over the messages `msgs` (`Σ m·c(m) / Σ m`);
+/// exactly `fallback` when the curve is empty or no bytes move.
+pub fn curve_mean(curve: &[CurvePoint], fallback: f64, msgs: &[f64]) -> f64 {
+    if curve.is_empty() {
+        return fallback;
+    }
+    let total: f64 = msgs.iter().sum();
+    if total <= 0.0 {
+        return fallback;
+    }
+    msgs.iter()
+        .map(|&m| m * curve_at(curve, fallback, m))
+        .sum::<f64>()
+        / total
 }
 
 /// Fit `t ≈ c1·x + c2·y` with `x, y ≥ 0` minimizing `Σ ((c1·x + c2·y − t)/t)²`
@@ -182,8 +250,9 @@ pub struct ProfileMeta {
     pub note: String,
 }
 
-/// Current profile format version.
-pub const PROFILE_VERSION: u32 = 1;
+/// Current profile format version (2 added the β and γ_reduce curves;
+/// version-1 profiles still load, with constant β and γ).
+pub const PROFILE_VERSION: u32 = 2;
 
 /// A calibrated cluster: the α-β-γ constants and the local cost fits.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -202,6 +271,14 @@ pub struct Profile {
     /// Seconds per byte of sparse unit scatter-added.
     #[serde(default)]
     pub gamma_unpack: f64,
+    /// β by message size (pairwise exchange steps; see the module docs);
+    /// empty: the constant `beta`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub beta_curve: Vec<CurvePoint>,
+    /// γ_reduce by the size of the reduced message; empty: the constant
+    /// `gamma_reduce`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gamma_reduce_curve: Vec<CurvePoint>,
     /// Local cost of a sparse step per selection method (`trimmed`,
     /// `threshold`, `sampled`, `exact`, and `quant` for quantized RGC);
     /// `method@density` keys hold fits calibrated at one density.
@@ -254,6 +331,8 @@ impl Profile {
             beta: 1.0 / bandwidth,
             gamma_reduce,
             gamma_unpack,
+            beta_curve: Vec::new(),
+            gamma_reduce_curve: Vec::new(),
             select: BTreeMap::new(),
             codecs: BTreeMap::new(),
             gradiveq_compress: LinearFit::default(),
@@ -268,7 +347,7 @@ impl Profile {
 
     /// Reject negative or non-finite constants and unknown versions.
     pub fn validate(&self) -> Result<()> {
-        if self.version != PROFILE_VERSION {
+        if !(1..=PROFILE_VERSION).contains(&self.version) {
             return Err(Error::InvalidArgument(format!(
                 "profile version {} (this build reads {PROFILE_VERSION})",
                 self.version
@@ -305,6 +384,18 @@ impl Profile {
                 bad.push(format!("{k} = {f:?}"));
             }
         }
+        for (name, curve) in [
+            ("beta_curve", &self.beta_curve),
+            ("gamma_reduce_curve", &self.gamma_reduce_curve),
+        ] {
+            for (i, c) in curve.iter().enumerate() {
+                if !(c.bytes.is_finite() && c.bytes > 0.0 && ok(c.per_byte)) {
+                    bad.push(format!("{name}[{i}] = {c:?}"));
+                } else if i > 0 && curve[i - 1].bytes >= c.bytes {
+                    bad.push(format!("{name}[{i}]: sizes must increase"));
+                }
+            }
+        }
         if bad.is_empty() {
             Ok(())
         } else {
@@ -326,6 +417,16 @@ impl Profile {
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(self)?)?;
         Ok(())
+    }
+
+    /// β at a message of `m` bytes (the curve if there is one).
+    pub fn beta_at(&self, m: f64) -> f64 {
+        curve_at(&self.beta_curve, self.beta, m)
+    }
+
+    /// γ_reduce at a reduced message of `m` bytes.
+    pub fn gamma_reduce_at(&self, m: f64) -> f64 {
+        curve_at(&self.gamma_reduce_curve, self.gamma_reduce, m)
     }
 
     /// The selection fit of `method` at `density`: the fit calibrated at
@@ -397,33 +498,82 @@ pub fn sparse_k(n: usize, density: f64) -> f64 {
     (density * n as f64).ceil()
 }
 
+/// The messages of Rabenseifner's allreduce of `bytes` on `p` ranks: those
+/// sent (halving and doubling on `p' = 2^⌊lg p⌋` ranks, plus the fold's) and
+/// those reduced.
+fn rabenseifner_messages(bytes: f64, p: usize) -> (Vec<f64>, Vec<f64>) {
+    let pp = if p.is_power_of_two() {
+        p
+    } else {
+        1usize << (usize::BITS - 1 - p.leading_zeros())
+    };
+    let mut halves = Vec::new();
+    let mut m = bytes;
+    let mut q = 1;
+    while q < pp {
+        m /= 2.0;
+        halves.push(m);
+        q *= 2;
+    }
+    let mut sent: Vec<f64> = halves.iter().chain(halves.iter()).copied().collect();
+    let mut reduced = halves;
+    if !p.is_power_of_two() {
+        sent.extend([bytes / 2.0, bytes / 2.0, bytes]);
+        reduced.push(bytes / 2.0);
+    }
+    (sent, reduced)
+}
+
 /// Dense Rabenseifner allreduce of `bytes` on `p` ranks (eq. 2 plus the
-/// non-power-of-two fold).
+/// non-power-of-two fold; β and γ_reduce averaged over its messages).
 pub fn dense_rabenseifner(prof: &Profile, bytes: f64, p: usize) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    let base = 2.0 * ceil_lg(p) * prof.alpha
-        + 2.0 * frac(p) * bytes * prof.beta
-        + frac(p) * bytes * prof.gamma_reduce;
+    let (sent, reduced) = rabenseifner_messages(bytes, p);
+    let beta = curve_mean(&prof.beta_curve, prof.beta, &sent);
+    let gamma = curve_mean(&prof.gamma_reduce_curve, prof.gamma_reduce, &reduced);
+    let base =
+        2.0 * ceil_lg(p) * prof.alpha + 2.0 * frac(p) * bytes * beta + frac(p) * bytes * gamma;
     if p.is_power_of_two() {
         base
     } else {
-        base + prof.alpha + 2.0 * bytes * prof.beta + 0.5 * bytes * prof.gamma_reduce
+        base + prof.alpha + 2.0 * bytes * beta + 0.5 * bytes * gamma
     }
 }
 
-/// Dense ring allreduce of `bytes` on `p` ranks.
+/// Dense ring allreduce of `bytes` on `p` ranks (segments of `bytes/p`).
 pub fn dense_ring(prof: &Profile, bytes: f64, p: usize) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let seg = bytes / p as f64;
     2.0 * (p as f64 - 1.0) * prof.alpha
-        + 2.0 * frac(p) * bytes * prof.beta
-        + frac(p) * bytes * prof.gamma_reduce
+        + 2.0 * frac(p) * bytes * prof.beta_at(seg)
+        + frac(p) * bytes * prof.gamma_reduce_at(seg)
+}
+
+/// β averaged over the steps of a recursive-doubling allgather of `m` bytes
+/// per rank (step `i` moves `min(2^i, p − 2^i)` blocks).
+fn allgather_beta(prof: &Profile, m: f64, p: usize) -> f64 {
+    if prof.beta_curve.is_empty() {
+        return prof.beta;
+    }
+    let mut msgs = Vec::new();
+    let mut q = 1usize;
+    while q < p {
+        msgs.push(q.min(p - q) as f64 * m);
+        q *= 2;
+    }
+    curve_mean(&prof.beta_curve, prof.beta, &msgs)
 }
 
 /// Recursive-doubling allgather of `m` bytes per rank plus unpacking them
 /// (`p·m·γ_unpack`): the communication part of eq. (1).
 pub fn allgather_unpack(prof: &Profile, m: f64, p: usize) -> f64 {
-    ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * prof.beta + p as f64 * m * prof.gamma_unpack
+    ceil_lg(p) * prof.alpha
+        + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
+        + p as f64 * m * prof.gamma_unpack
 }
 
 /// Analytic wire bytes of a codec message for `n` elements at density `d`
@@ -513,7 +663,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
     // GradiVeQ: ring on N/r bytes, compression partly hidden.
     let cb = bytes / q.gradiveq_ratio;
     let ring = dense_ring(prof, cb, p);
-    let phase = (pf - 1.0) * (prof.alpha + cb / pf * prof.beta);
+    let phase = (pf - 1.0) * (prof.alpha + cb / pf * prof.beta_at(cb / pf));
     let (tc, td) = (prof.gradiveq_compress.at(n), prof.gradiveq_decompress.at(n));
     let exposed = |t: f64| t / pf + (frac(p) * t - phase).max(0.0);
     push(
@@ -530,7 +680,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         };
         let t = fit.encode.at(n)
             + ceil_lg(p) * prof.alpha
-            + (pf - 1.0) * w * prof.beta
+            + (pf - 1.0) * w * allgather_beta(prof, w, p)
             + pf * fit.decode.at(n);
         push(codec, t, (pf - 1.0) * w);
     }
