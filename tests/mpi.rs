@@ -388,7 +388,9 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
     assert_eq!(sizes.first(), Some(&4096.0), "{c:?}");
     assert_eq!(sizes.last(), Some(&262144.0), "{c:?}");
     assert!(sizes.windows(2).all(|w| w[0] < w[1]), "{c:?}");
-    assert!(c.iter().all(|x| x["per_byte"].as_f64().is_some_and(|b| b >= 0.0)));
+    assert!(c
+        .iter()
+        .all(|x| x["per_byte"].as_f64().is_some_and(|b| b >= 0.0)));
     assert_eq!(v["version"], 2);
     assert!(v["select"]["trimmed"]["b"].as_f64().unwrap_or(0.0) > 0.0);
     assert!(v["select"]["trimmed@0.01"].is_object());

@@ -3,9 +3,14 @@
 //! predictions against measurements of the same strategies, and how often
 //! the model's choice is the measured-fastest). Both run under `mpirun`.
 //!
+//! Every measurement is a *probe* that owns its buffers. Probes run in
+//! rounds, each round in a new shuffled order and each probe as a short
+//! warm burst, for at least `--min-seconds` (see `rounds` for why a shared
+//! machine needs this), and the slowest rank's interquartile mean is kept.
 //! Local costs are measured on every rank at once (so ranks contend for
-//! memory bandwidth as they do in a real step) and the slowest rank's
-//! median is kept.
+//! memory bandwidth as they do in a real step). With `calibrate --check`
+//! the check's probes share the network probes' rounds, so the model is
+//! compared with measurements taken in the same machine states.
 
 use super::bench::median;
 use super::{max_over_ranks, parse_list, parse_size, synthetic};
@@ -73,7 +78,8 @@ fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + 'a) -> Probe
 
 /// Runs every probe once per round until at least `min_rounds` rounds and
 /// `min_seconds` have passed (rank 0 decides, every rank follows), after
-/// one untimed round. Returns each probe's median, the slowest rank's, and
+/// one untimed round. Returns each probe's [`interquartile_mean`], the
+/// slowest rank's, and
 /// the number of rounds; `on_round(round, seconds)` reports progress.
 ///
 /// Every round runs all probes in a new order, the same on every rank.
@@ -124,9 +130,30 @@ fn rounds(
         }
         round += 1;
     }
-    let mut med: Vec<f64> = t.iter_mut().map(|v| median(v)).collect();
+    let mut med: Vec<f64> = t.iter_mut().map(|v| interquartile_mean(v)).collect();
     max_over_ranks(comm, &mut med);
     Ok((med, round))
+}
+
+/// Mean of the middle half of the samples (the interquartile mean; the
+/// median for fewer than 4).
+///
+/// The statistic of `calibrate` and `model-check`. Where a machine runs in
+/// two states (here a fast and a 3–5× slower one), the median of a probe
+/// jumps from one state to the other as the share of slow samples crosses
+/// one half, so two probes measured in the same rounds, say Rabenseifner
+/// and the ring with identical schedules at p = 2, could differ by 40 %.
+/// The interquartile mean moves continuously with that share, and like the
+/// median it ignores the quarter of outliers at either end (preempted
+/// calls).
+pub(crate) fn interquartile_mean(v: &mut [f64]) -> f64 {
+    if v.len() < 4 {
+        return median(v);
+    }
+    v.sort_by(f64::total_cmp);
+    let q = v.len() / 4;
+    let mid = &v[q..v.len() - q];
+    mid.iter().sum::<f64>() / mid.len() as f64
 }
 
 /// Upper bound on measurement rounds, whatever `--min-seconds` says.
@@ -350,29 +377,66 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         }
         codec_bpe.push(bpe);
     }
-    // With --check: the check's measurements in the same rounds.
+    // The local costs take their own rounds (a few seconds per round at
+    // 16 MiB layers); the network probes, the allreduces and the check's
+    // measurements then share rounds of a few hundred milliseconds for at
+    // least `--min-seconds`, so each gets dozens of samples from the same
+    // mix of machine states.
+    let mut local_probes: Vec<Probe<'_>> = probes.drain(unpack_at..).collect();
     let check_sizes = parse_list("64K,256K,1M,4M,16M", parse_size)?;
-    let check_at = probes.len();
     if a.check {
         probes.extend(check_probes(comm, &check_sizes, &densities)?);
     }
-    let (med, nrounds) = rounds(comm, &mut probes, reps, a.min_seconds, 1, |r, t| {
-        if show {
-            let f = (r as f64 / reps as f64).max(t / a.min_seconds).min(1.0);
-            let w = 30;
-            let filled = (f * w as f64) as usize;
-            eprint!(
-                "\r[{}{}] {:>3.0}% round {r}, {t:.1} s",
-                "#".repeat(filled),
-                ".".repeat(w - filled),
-                100.0 * f
-            );
+    let progress = |phase: &'static str, min_rounds: usize, min_s: f64| {
+        move |r: usize, t: f64| {
+            if show {
+                let f = (r as f64 / min_rounds.max(1) as f64)
+                    .max(if min_s > 0.0 { t / min_s } else { 1.0 })
+                    .min(1.0);
+                let w = 30;
+                let filled = (f * w as f64) as usize;
+                eprint!(
+                    "\r{phase:<14} [{}{}] {:>3.0}% round {r}, {t:.1} s   ",
+                    "#".repeat(filled),
+                    ".".repeat(w - filled),
+                    100.0 * f
+                );
+            }
         }
-    })?;
+    };
+    let (local_med, local_rounds) = rounds(
+        comm,
+        &mut local_probes,
+        reps,
+        0.0,
+        3,
+        progress("local costs", reps, 0.0),
+    )?;
+    drop(local_probes);
+    if show {
+        eprintln!();
+    }
+    let (remote_med, nrounds) = rounds(
+        comm,
+        &mut probes,
+        reps,
+        a.min_seconds,
+        1,
+        progress("network", reps, a.min_seconds),
+    )?;
     drop(probes);
     if show {
         eprintln!();
     }
+    log::debug!("calibrate: {local_rounds} rounds of local costs");
+    // One vector in probe order: network, allreduce, local, check.
+    let check_at = unpack_at + local_med.len();
+    let med: Vec<f64> = remote_med[..unpack_at]
+        .iter()
+        .chain(&local_med)
+        .chain(&remote_med[unpack_at..])
+        .copied()
+        .collect();
     log::debug!("calibrate: {nrounds} rounds");
     let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &b) in net_sizes[..net].iter().enumerate() {
@@ -810,4 +874,26 @@ fn check_report(
         println!("{}", serde_json::to_string(&summary)?);
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interquartile_mean;
+
+    #[test]
+    fn interquartile_mean_drops_a_quarter_at_each_end() {
+        assert_eq!(interquartile_mean(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(
+            interquartile_mean(&mut [100.0, 1.0, 2.0, 3.0, 4.0, 0.0, 5.0, 6.0]),
+            3.5
+        );
+        // Moves continuously with the share of slow samples, unlike the median.
+        let mix = |slow: usize| {
+            let mut v: Vec<f64> = (0..20).map(|i| if i < slow { 3.0 } else { 1.0 }).collect();
+            interquartile_mean(&mut v)
+        };
+        assert_eq!(mix(0), 1.0);
+        assert!(mix(9) > 1.0 && mix(9) < mix(11) && mix(11) < 3.0);
+        assert!(interquartile_mean(&mut []).is_nan());
+    }
 }
