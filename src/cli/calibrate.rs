@@ -667,7 +667,17 @@ pub struct CheckSummary {
     pub median_rel_error_by_strategy: BTreeMap<String, f64>,
     /// Fraction of points where the choice is within 10% of the fastest.
     pub choice_within_10pct: f64,
+    /// A 64 KiB pairwise exchange measured with the check (ranks 0 and 1;
+    /// 0 on one rank): the machine's state now...
+    pub exchange_64k_s: f64,
+    /// ...and the profile's `α + β(64 KiB)·64 KiB`, the calibration's
+    /// measurement of the same. A ratio far from 1 means the machine is not
+    /// in the state it was calibrated in (see `docs/benchmarks.md`).
+    pub exchange_64k_profile_s: f64,
 }
+
+/// Bytes of the state probe of `model-check`.
+const STATE_PROBE_BYTES: usize = 65536;
 
 const CHECKED: [&str; 3] = ["dense-rabenseifner", "dense-ring", "sparse-allgather"];
 
@@ -738,6 +748,11 @@ fn check_probes<'a>(
             }));
         }
     }
+    // Last: the state probe, one exchange as `calibrate` measures it.
+    let (mut send, mut recv) = (vec![0u8; STATE_PROBE_BYTES], vec![0u8; STATE_PROBE_BYTES]);
+    probes.push(Box::new(move |r| {
+        exchange_time(comm, &mut send, &mut recv, r)
+    }));
     Ok(probes)
 }
 
@@ -863,12 +878,32 @@ fn check_report(
         .iter()
         .filter(|r| r.choice_over_fastest <= 1.10)
         .count();
+    let m = STATE_PROBE_BYTES as f64;
+    let (now, then) = (
+        med[sizes.len() * per],
+        if p > 1 {
+            prof.alpha + m * prof.beta_at(m)
+        } else {
+            0.0
+        },
+    );
+    if comm.rank() == 0 && p > 1 && !(then / 1.5..=then * 1.5).contains(&now) {
+        log::warn!(
+            "model-check: a 64 KiB exchange takes {:.1} us now and took {:.1} us in the calibration: \
+             the machine is not in the state it was calibrated in, so the predictions are off by \
+             about that factor (re-calibrate, or use `calibrate --check`)",
+            now * 1e6,
+            then * 1e6
+        );
+    }
     let summary = CheckSummary {
         ranks: p,
         points: records.len(),
         median_rel_error: median(&mut all),
         median_rel_error_by_strategy: by,
         choice_within_10pct: ok as f64 / records.len().max(1) as f64,
+        exchange_64k_s: now,
+        exchange_64k_profile_s: then,
     };
     if comm.rank() == 0 {
         println!("{}", serde_json::to_string(&summary)?);
