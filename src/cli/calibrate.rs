@@ -42,7 +42,8 @@ pub struct CalibrateArgs {
     /// Largest layer for the local fits (bytes).
     #[arg(long, default_value = "16M")]
     pub max_bytes: String,
-    /// Repetitions per measurement (medians).
+    /// Least number of measurement rounds (each round times every probe
+    /// 3 times after a warm-up call; interquartile means over the rounds).
     #[arg(long, default_value_t = 7)]
     pub reps: usize,
     /// Free-form note stored in the profile (e.g. "netem 1gbit").
@@ -51,12 +52,13 @@ pub struct CalibrateArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
-    /// Then run `model-check` on the new profile in the same job (same
-    /// machine state; its default grid, JSON lines).
+    /// Also measure `model-check`'s grid in the same rounds as the network
+    /// probes and print its comparison with the new profile (JSON lines).
     #[arg(long)]
     pub check: bool,
-    /// Spread the network and allreduce measurements over at least this
-    /// many seconds (rounds over all sizes; see the docs of `calibrate`).
+    /// Spread the network, allreduce (and check) measurements over at
+    /// least this many seconds of shuffled rounds, so that a machine whose
+    /// speed drifts is sampled alike by every probe.
     #[arg(long, default_value_t = 10.0)]
     pub min_seconds: f64,
 }
@@ -621,7 +623,8 @@ pub struct ModelCheckArgs {
     /// Densities.
     #[arg(long, default_value = "0.001,0.01")]
     pub densities: String,
-    /// Timed iterations per point.
+    /// Least number of rounds (each times every point 3 times after a
+    /// warm-up call; interquartile means over the rounds).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
     /// JSON lines instead of a table.
