@@ -153,6 +153,12 @@ pub(super) fn timed(comm: &MpiComm, f: impl FnOnce() -> Result<()>) -> Result<f6
 /// Run `warmup + iters` interleaved rounds of the `nops` operations (index 0 is
 /// the MPI baseline); `round(k)` prepares op `k` untimed and returns its time
 /// from [`timed`]. Returns per-op per-iteration times of the slowest rank.
+///
+/// Each round runs the operations in a new order (the same on every rank).
+/// In a fixed order the first gradsync algorithm always ran right after
+/// `MPI_Allreduce`, whose fresh temporary evicts the caches: at 4 MiB on
+/// p = 2 that made Rabenseifner look 1.6× slower than the ring, whose
+/// schedule at p = 2 is the same.
 pub(super) fn time_interleaved(
     comm: &MpiComm,
     iters: usize,
@@ -160,12 +166,17 @@ pub(super) fn time_interleaved(
     nops: usize,
     mut round: impl FnMut(usize) -> Result<f64>,
 ) -> Result<Vec<Vec<f64>>> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
     let mut times = vec![vec![0.0; iters]; nops];
+    let mut order: Vec<usize> = (0..nops).collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x6273);
     for it in 0..warmup + iters {
-        for (k, t) in times.iter_mut().enumerate() {
+        order.shuffle(&mut rng);
+        for &k in &order {
             let dt = round(k)?;
             if it >= warmup {
-                t[it - warmup] = dt;
+                times[k][it - warmup] = dt;
             }
         }
     }
