@@ -322,69 +322,16 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             Ok(mpi::time() - t0)
         }));
     }
-    // 3. γ_unpack: scatter-add of RGC units (1% of the elements), per unit
-    // byte, over the layer sizes.
+    // The network probes, the allreduces and the check's measurements
+    // share rounds of a few hundred milliseconds for at least
+    // `--min-seconds`, so each gets dozens of samples from the same mix of
+    // machine states. The local costs come after, in their own rounds (a
+    // few seconds each at 16 MiB layers), with their own buffers: run
+    // first, they left the network phase 2-3x slower than the same probes
+    // in a `model-check` job (measured; a guess at the cause: these VMs
+    // report freed memory to the host through virtio-balloon free page
+    // reporting, and the gigabyte the local probes free comes back slower).
     let unpack_at = probes.len();
-    let mut unit_bytes = Vec::new();
-    for &n in &ns {
-        let k = (n / 100).max(1);
-        let mut codec = CodecConfig::Rgc {
-            density: k as f64 / n as f64,
-            method: RgcMethod::Exact,
-        }
-        .build()?;
-        let mut unit = Vec::new();
-        codec.encode(&x[..n], &mut unit)?;
-        unit_bytes.push(unit.len() as f64);
-        let mut y = vec![0f32; n];
-        probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
-    }
-    // 4. Local cost of a sparse step per selection method and density.
-    let select_at = probes.len();
-    let mut select_names = Vec::new();
-    for &d in &densities {
-        let mut cfgs: Vec<(String, CodecConfig)> = methods
-            .iter()
-            .map(|m| {
-                let method: RgcMethod =
-                    serde_json::from_value(serde_json::json!(m)).expect("method names parse");
-                (m.to_string(), CodecConfig::Rgc { density: d, method })
-            })
-            .collect();
-        cfgs.push(("quant".into(), CodecConfig::RgcQuant { density: d }));
-        for (name, cfg) in cfgs {
-            for &n in &ns {
-                probes.push(sparse_step_probe(comm, cfg.clone(), n)?);
-            }
-            select_names.push((name, d));
-        }
-    }
-    // 5. Codecs: encode / decode fits and measured size.
-    let codec_at = probes.len();
-    let mut codec_bpe = Vec::new();
-    for name in codecs {
-        let cfg: CodecConfig = name.parse()?;
-        let mut bpe = 0.0;
-        for &n in &ns {
-            let xn = synthetic(n, "normal", 7)?;
-            let mut enc = cfg.build()?;
-            let mut msg = Vec::new();
-            enc.encode(&xn, &mut msg)?;
-            bpe = (msg.len() as f64 - 12.0).max(0.0) / n as f64;
-            let dec = cfg.build()?;
-            let mut acc = vec![0f32; n];
-            let mut out = Vec::new();
-            probes.push(local(comm, move || enc.encode(&xn, &mut out)));
-            probes.push(local(comm, move || dec.decode_add(&msg, &mut acc)));
-        }
-        codec_bpe.push(bpe);
-    }
-    // The local costs take their own rounds (a few seconds per round at
-    // 16 MiB layers); the network probes, the allreduces and the check's
-    // measurements then share rounds of a few hundred milliseconds for at
-    // least `--min-seconds`, so each gets dozens of samples from the same
-    // mix of machine states.
-    let mut local_probes: Vec<Probe<'_>> = probes.drain(unpack_at..).collect();
     let check_sizes = parse_list("64K,256K,1M,4M,16M", parse_size)?;
     if a.check {
         probes.extend(check_probes(comm, &check_sizes, &densities)?);
@@ -406,18 +353,6 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             }
         }
     };
-    let (local_med, local_rounds) = rounds(
-        comm,
-        &mut local_probes,
-        reps,
-        0.0,
-        3,
-        progress("local costs", reps, 0.0),
-    )?;
-    drop(local_probes);
-    if show {
-        eprintln!();
-    }
     let (remote_med, nrounds) = rounds(
         comm,
         &mut probes,
@@ -427,6 +362,75 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         progress("network", reps, a.min_seconds),
     )?;
     drop(probes);
+    if show {
+        eprintln!();
+    }
+    let mut local_probes: Vec<Probe<'_>> = Vec::new();
+    // 3. γ_unpack: scatter-add of RGC units (1% of the elements), per unit
+    // byte, over the layer sizes.
+    let mut unit_bytes = Vec::new();
+    for &n in &ns {
+        let k = (n / 100).max(1);
+        let mut codec = CodecConfig::Rgc {
+            density: k as f64 / n as f64,
+            method: RgcMethod::Exact,
+        }
+        .build()?;
+        let mut unit = Vec::new();
+        codec.encode(&x[..n], &mut unit)?;
+        unit_bytes.push(unit.len() as f64);
+        let mut y = vec![0f32; n];
+        local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
+    }
+    // 4. Local cost of a sparse step per selection method and density.
+    let select_at = unpack_at + local_probes.len();
+    let mut select_names = Vec::new();
+    for &d in &densities {
+        let mut cfgs: Vec<(String, CodecConfig)> = methods
+            .iter()
+            .map(|m| {
+                let method: RgcMethod =
+                    serde_json::from_value(serde_json::json!(m)).expect("method names parse");
+                (m.to_string(), CodecConfig::Rgc { density: d, method })
+            })
+            .collect();
+        cfgs.push(("quant".into(), CodecConfig::RgcQuant { density: d }));
+        for (name, cfg) in cfgs {
+            for &n in &ns {
+                local_probes.push(sparse_step_probe(comm, cfg.clone(), n)?);
+            }
+            select_names.push((name, d));
+        }
+    }
+    // 5. Codecs: encode / decode fits and measured size.
+    let codec_at = unpack_at + local_probes.len();
+    let mut codec_bpe = Vec::new();
+    for name in codecs {
+        let cfg: CodecConfig = name.parse()?;
+        let mut bpe = 0.0;
+        for &n in &ns {
+            let xn = synthetic(n, "normal", 7)?;
+            let mut enc = cfg.build()?;
+            let mut msg = Vec::new();
+            enc.encode(&xn, &mut msg)?;
+            bpe = (msg.len() as f64 - 12.0).max(0.0) / n as f64;
+            let dec = cfg.build()?;
+            let mut acc = vec![0f32; n];
+            let mut out = Vec::new();
+            local_probes.push(local(comm, move || enc.encode(&xn, &mut out)));
+            local_probes.push(local(comm, move || dec.decode_add(&msg, &mut acc)));
+        }
+        codec_bpe.push(bpe);
+    }
+    let (local_med, local_rounds) = rounds(
+        comm,
+        &mut local_probes,
+        reps,
+        0.0,
+        3,
+        progress("local costs", reps, 0.0),
+    )?;
+    drop(local_probes);
     if show {
         eprintln!();
     }
