@@ -103,6 +103,9 @@ fn rounds(
     seed: u64,
     mut on_round: impl FnMut(usize, f64),
 ) -> Result<(Vec<f64>, usize)> {
+    if probes.is_empty() {
+        return Ok((Vec::new(), 0));
+    }
     let mut t: Vec<Vec<f64>> = vec![Vec::new(); probes.len()];
     let mut order: Vec<usize> = (0..probes.len()).collect();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
