@@ -275,8 +275,9 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
     let codecs = ["fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"];
     let show = comm.rank() == 0 && !a.quiet && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let x = synthetic(ns.last().copied().unwrap_or(1 << 16), "normal", 1)?;
-    // Every measurement is a probe; all of them (and the check's, with
-    // `--check`) run in the same rounds, spread over `--min-seconds`.
+    // Every measurement is a probe. Two phases of rounds: the network
+    // probes, the allreduces and (with `--check`) the check's, then the
+    // local costs (see below).
     let mut probes: Vec<Probe<'_>> = Vec::new();
     // 1. α and β. Three measurements over sizes: ping-pong between ranks 0
     // and 1 (one-way latency and bandwidth), pairwise exchange (sendrecv
@@ -334,7 +335,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
     // in a `model-check` job (measured; a guess at the cause: these VMs
     // report freed memory to the host through virtio-balloon free page
     // reporting, and the gigabyte the local probes free comes back slower).
-    let unpack_at = probes.len();
+    let check_at = probes.len();
     let check_sizes = parse_list("64K,256K,1M,4M,16M", parse_size)?;
     if a.check {
         probes.extend(check_probes(comm, &check_sizes, &densities)?);
@@ -386,7 +387,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
     }
     // 4. Local cost of a sparse step per selection method and density.
-    let select_at = unpack_at + local_probes.len();
+    let select_at = local_probes.len();
     let mut select_names = Vec::new();
     for &d in &densities {
         let mut cfgs: Vec<(String, CodecConfig)> = methods
@@ -406,7 +407,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         }
     }
     // 5. Codecs: encode / decode fits and measured size.
-    let codec_at = unpack_at + local_probes.len();
+    let codec_at = local_probes.len();
     let mut codec_bpe = Vec::new();
     for name in codecs {
         let cfg: CodecConfig = name.parse()?;
@@ -438,18 +439,10 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         eprintln!();
     }
     log::debug!("calibrate: {local_rounds} rounds of local costs");
-    // One vector in probe order: network, allreduce, local, check.
-    let check_at = unpack_at + local_med.len();
-    let med: Vec<f64> = remote_med[..unpack_at]
-        .iter()
-        .chain(&local_med)
-        .chain(&remote_med[unpack_at..])
-        .copied()
-        .collect();
     log::debug!("calibrate: {nrounds} rounds");
     let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &b) in net_sizes[..net].iter().enumerate() {
-        let (pp, ex, ag) = (med[i], med[net + i], med[2 * net + i]);
+        let (pp, ex, ag) = (remote_med[i], remote_med[net + i], remote_med[2 * net + i]);
         log::debug!(
             "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
         );
@@ -479,7 +472,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         let mut unit_gamma = no_gamma.clone();
         unit_gamma.gamma_reduce = 1.0;
         for (i, &n) in ns.iter().enumerate() {
-            let (bytes, t) = ((4 * n) as f64, med[reduce_at + i]);
+            let (bytes, t) = ((4 * n) as f64, remote_med[reduce_at + i]);
             log::debug!("calibrate: rabenseifner allreduce {bytes} B {t:.3e} s");
             let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
             let per = cost::dense_rabenseifner(&unit_gamma, bytes, p) - ab;
@@ -490,7 +483,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
     let rows: Vec<(f64, f64, f64)> = unit_bytes
         .iter()
         .enumerate()
-        .map(|(i, &u)| (0.0, u, med[unpack_at + i]))
+        .map(|(i, &u)| (0.0, u, local_med[i]))
         .collect();
     let gamma_unpack = cost::fit_relative_l2(&rows).1;
     let mut select = BTreeMap::new();
@@ -498,7 +491,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         let pts: Vec<(f64, f64)> = ns
             .iter()
             .enumerate()
-            .map(|(i, &n)| (n as f64, med[select_at + c * ns.len() + i]))
+            .map(|(i, &n)| (n as f64, local_med[select_at + c * ns.len() + i]))
             .collect();
         let fit = LinearFit::fit(&pts);
         if *d == densities[0] {
@@ -511,8 +504,8 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         let base = codec_at + 2 * c * ns.len();
         let (mut enc, mut dec) = (Vec::new(), Vec::new());
         for (i, &n) in ns.iter().enumerate() {
-            enc.push((n as f64, med[base + 2 * i]));
-            dec.push((n as f64, med[base + 2 * i + 1]));
+            enc.push((n as f64, local_med[base + 2 * i]));
+            dec.push((n as f64, local_med[base + 2 * i + 1]));
         }
         let data_dependent = matches!(*name, "3lc" | "fastsgd");
         codec_fits.insert(
@@ -568,7 +561,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             &profile,
             &check_sizes,
             &densities,
-            &med[check_at..],
+            &remote_med[check_at..],
             true,
         )?;
     }
