@@ -81,6 +81,20 @@ pub enum Error {
         /// Layer name.
         layer: String,
     },
+    /// One or more ranks failed in a collective phase (a step, a set-up
+    /// phase agreed by [`crate::failure::agree`]); returned alike on every
+    /// rank, failing or not, naming the lowest failing rank and its error.
+    #[error("rank {rank} failed{}{}: {message}", match .step { Some(s) => format!(" in step {s}"), None => String::new() }, if *.others > 0 { format!(" (and {} other rank{})", .others, if *.others == 1 { "" } else { "s" }) } else { String::new() })]
+    RankFailed {
+        /// The lowest failing rank.
+        rank: usize,
+        /// How many other ranks failed too.
+        others: usize,
+        /// The engine's step, when the failure happened inside one.
+        step: Option<u64>,
+        /// The failing rank's error.
+        message: String,
+    },
     /// A snapshot file is unreadable, from another version, or from another
     /// layer table or rank.
     #[error("snapshot: {0}")]
@@ -91,6 +105,25 @@ pub enum Error {
     /// JSON (de)serialization error.
     #[error("JSON error: {0}")]
     Json(#[from] serde_json::Error),
+}
+
+impl Error {
+    /// Whether every rank of the communicator returns this error at the same
+    /// point when one does (the failure model, [`crate::failure`]): agreed
+    /// failures, table and size mismatches found by a collective check,
+    /// corrupt data every rank received alike, NaN/Inf found in a collective
+    /// result or reported through the fused message. Anything else may be
+    /// local to one rank; the CLI then aborts the job instead of finalizing.
+    pub fn is_collective(&self) -> bool {
+        matches!(
+            self,
+            Error::RankFailed { .. }
+                | Error::TableMismatch(_)
+                | Error::SizeMismatch { .. }
+                | Error::PeerMessage { .. }
+                | Error::NonFinite { .. }
+        )
+    }
 }
 
 /// `Result<T, gradsync::Error>`.

@@ -18,6 +18,8 @@
 //!   all-reduce (Algorithm 1), with the training schedule.
 //! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
 //!   drives the engine's `Auto` strategy.
+//! * [`failure`]: the failure model — an error on some ranks reaches every
+//!   rank in the same step, or the job is aborted; never a hang.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
 //!
 //! ```
@@ -39,6 +41,7 @@ pub mod comm;
 pub mod cost;
 pub mod dense;
 mod error;
+pub mod failure;
 pub mod gradiveq;
 pub mod select;
 pub mod sparse;

@@ -13,7 +13,7 @@ mod verify;
 use crate::comm::MpiComm;
 use crate::{Error, Result};
 use clap::{Parser, Subcommand};
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Communicator, SimpleCommunicator};
 
 pub use bench::BenchArgs;
 pub use calibrate::{CalibrateArgs, CheckRecord, CheckSummary, ModelCheckArgs};
@@ -79,16 +79,60 @@ pub fn main() -> i32 {
         return 2;
     };
     let world = universe.world();
+    install_abort_on_panic();
     let code = match run(&cli, &world) {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("gradsync: {e}");
+        Err(e) if e.is_collective() => {
+            // Every rank returned this error at the same point (the failure
+            // model, `crate::failure`): no peer is left in a collective, so
+            // finalizing is safe. One rank prints it for the job.
+            if world.rank() == 0 {
+                eprintln!("gradsync: {e}");
+            }
             1
+        }
+        Err(e) => {
+            // Possibly this rank alone: a peer may be blocked in a
+            // collective, and MPI_Finalize would hang next to it.
+            abort_world(&world, &format!("{e}"))
         }
     };
     drop(world);
     drop(universe);
     code
+}
+
+/// `MPI_Abort` on `MPI_COMM_WORLD` after printing `msg` with this rank.
+fn abort_world(world: &SimpleCommunicator, msg: &str) -> ! {
+    use mpi::raw::AsRaw;
+    eprintln!(
+        "gradsync: rank {} of {}: {msg}; aborting the job (MPI_Abort)",
+        world.rank(),
+        world.size()
+    );
+    // SAFETY: `world` is live; MPI_Abort does not return when it succeeds.
+    unsafe { mpi::ffi::MPI_Abort(world.as_raw(), 1) };
+    std::process::exit(1)
+}
+
+/// A panic on one rank (a bug) ends the whole job with `MPI_Abort` instead of
+/// leaving its peers in a collective.
+fn install_abort_on_panic() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+            let rank = {
+                let mut r: std::os::raw::c_int = -1;
+                // SAFETY: MPI is initialized; RSMPI_COMM_WORLD is a valid handle.
+                unsafe { mpi::ffi::MPI_Comm_rank(mpi::ffi::RSMPI_COMM_WORLD, &mut r) };
+                r
+            };
+            eprintln!("gradsync: rank {rank}: panic; aborting the job (MPI_Abort)");
+            // SAFETY: as above; MPI_Abort ends every process of the job.
+            unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70) };
+        }
+    }));
 }
 
 fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {

@@ -127,7 +127,7 @@ impl LocalComm {
             }
             if self.shared.aborted.load(Ordering::SeqCst) {
                 return Err(Error::Transport(format!(
-                    "rank {}: another rank panicked while this one waited for rank {src} (tag {tag})",
+                    "rank {}: another rank panicked or aborted while this one waited for rank {src} (tag {tag})",
                     self.rank
                 )));
             }
@@ -220,6 +220,19 @@ impl Transport for LocalComm {
     }
     fn size(&self) -> usize {
         self.shared.boxes.len()
+    }
+
+    fn abort(&self, code: i32, msg: &str) -> ! {
+        self.shared.aborted.store(true, Ordering::SeqCst);
+        for mb in &self.shared.boxes {
+            let _q = mb.queue.lock();
+            mb.arrived.notify_all();
+        }
+        panic!(
+            "gradsync: rank {} of {}: {msg}; aborting the job (code {code})",
+            self.rank,
+            self.size()
+        )
     }
 
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {

@@ -96,6 +96,15 @@ pub trait Transport {
     /// Synchronize all ranks.
     fn barrier(&self) -> Result<()>;
 
+    /// End the whole job now, on every rank: the last resort of the failure
+    /// model ([`crate::failure`]) when an error on some ranks cannot be
+    /// agreed on because peers may be blocked in a collective. Prints `msg`
+    /// (naming this rank) to stderr first. MPI: `MPI_Abort` on this
+    /// communicator, which ends every process of the job with `code`. In
+    /// process: marks every rank aborted (their receives fail at once) and
+    /// panics on this thread.
+    fn abort(&self, code: i32, msg: &str) -> !;
+
     /// The MPI library's own `MPI_Allreduce` (sum), out of place, if this
     /// transport has one. `None` means "not available here".
     fn native_allreduce_sum<T: Elem>(&self, _send: &[T], _recv: &mut [T]) -> Option<Result<()>> {

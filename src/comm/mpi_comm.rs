@@ -231,6 +231,20 @@ impl<C: Communicator> Transport for MpiComm<C> {
         mpi::environment::threading_support() >= mpi::Threading::Serialized
     }
 
+    fn abort(&self, code: i32, msg: &str) -> ! {
+        eprintln!(
+            "gradsync: rank {} of {}: {msg}; aborting the job (MPI_Abort, code {code})",
+            self.rank, self.size
+        );
+        // SAFETY: `raw` is this transport's live communicator; MPI_Abort
+        // does not return when it succeeds.
+        unsafe {
+            ffi::MPI_Abort(self.raw, code);
+        }
+        // MPI_Abort returned (it should not): end this process at least.
+        std::process::exit(code.max(1))
+    }
+
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {
         check_peer(self.size, dest)?;
         let mut chunks = buf.chunks(MAX_COUNT);

@@ -266,9 +266,9 @@ pub fn validate_same_len<C: Transport>(comm: &C, len: usize) -> Result<()> {
 
 /// Element-wise max of a tiny `u64` vector over all ranks, by recursive
 /// doubling with the non-power-of-two fold.
-pub(crate) fn small_allreduce_max<C: Transport>(
+pub(crate) fn small_allreduce_max<C: Transport, const N: usize>(
     comm: &C,
-    v: &mut [u64; 2],
+    v: &mut [u64; N],
     tag: Tag,
 ) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
@@ -276,10 +276,11 @@ pub(crate) fn small_allreduce_max<C: Transport>(
         return Ok(());
     }
     let f = Fold::new(p);
-    let mut other = [0u64; 2];
-    let merge = |v: &mut [u64; 2], o: &[u64; 2]| {
-        v[0] = v[0].max(o[0]);
-        v[1] = v[1].max(o[1]);
+    let mut other = [0u64; N];
+    let merge = |v: &mut [u64; N], o: &[u64; N]| {
+        for (a, b) in v.iter_mut().zip(o) {
+            *a = (*a).max(*b);
+        }
     };
     if rank < 2 * f.r {
         if rank % 2 == 1 {
