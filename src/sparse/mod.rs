@@ -21,6 +21,12 @@
 //! step, lengths that add up): a corrupt or truncated message becomes
 //! [`Error::PeerMessage`] naming the rank and layer, never a panic.
 //! A rank that selected nothing still sends a unit (with `len = 0`).
+//!
+//! A rank that failed before the exchange (a caller error, an encoder error:
+//! the failure model of [`crate::failure`]) still takes part in it, with a
+//! *failure message* instead: magic `b"GSFX"`, its step (u64 LE), then its
+//! error text (UTF-8). Every rank sees every message, so every rank learns
+//! which rank failed and why in the same exchange ([`failure_text`]).
 
 use crate::codec::Codec;
 use crate::comm::Transport;
@@ -29,6 +35,8 @@ use crate::{Error, Result};
 
 /// Magic bytes of a fused message.
 pub const FUSED_MAGIC: [u8; 4] = *b"GSF1";
+/// Magic bytes of a failure message (a rank that failed before the exchange).
+pub const FAILED_MAGIC: [u8; 4] = *b"GSFX";
 /// Bytes before the table of contents.
 pub const FUSED_HEADER_LEN: usize = 16;
 /// Bytes per table-of-contents entry.
@@ -69,6 +77,29 @@ where
     for (_, _, unit) in entries {
         buf.extend_from_slice(unit);
     }
+}
+
+/// Lay out a failure message for step `step` in `buf` (cleared): the
+/// sender failed before the exchange with the error text `why`.
+pub fn write_failed(buf: &mut Vec<u8>, step: u64, why: &str) {
+    buf.clear();
+    buf.extend_from_slice(&FAILED_MAGIC);
+    buf.extend_from_slice(&step.to_le_bytes());
+    buf.extend_from_slice(why.as_bytes());
+}
+
+/// The error text of a failure message ([`write_failed`]), `None` for any
+/// other message. Hostile bytes give a lossy text, never a panic.
+pub fn failure_text(msg: &[u8]) -> Option<String> {
+    if msg.len() < 12 || msg[0..4] != FAILED_MAGIC {
+        return None;
+    }
+    let t = String::from_utf8_lossy(&msg[12..]).into_owned();
+    Some(if t.is_empty() {
+        "(no message)".into()
+    } else {
+        t
+    })
 }
 
 /// One entry of a parsed fused message.

@@ -60,7 +60,10 @@ use crate::comm::{MpiComm, Transport};
 use crate::dense::{
     allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
-use crate::sparse::{fused_allgather, parse_fused, unpack_layer, write_fused, Entry, EntryKind};
+use crate::sparse::{
+    failure_text, fused_allgather, parse_fused, unpack_layer, write_failed, write_fused, Entry,
+    EntryKind,
+};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -319,6 +322,9 @@ struct Layer {
     /// Density the codec was last set to.
     cur_density: Option<f64>,
     non_finite: bool,
+    /// This step's unit was subtracted from the residual (undone by
+    /// `unsend` when the step fails).
+    sent: bool,
     /// Offset in the fused dense buffer.
     dense_off: usize,
     stats: LayerStats,
@@ -334,6 +340,13 @@ struct Job {
     ws: Workspace<f32>,
     do_gather: bool,
     do_reduce: bool,
+    do_gvq: bool,
+    /// Elements of `dense` before its status word.
+    dense_len: usize,
+    /// The step, for failure messages.
+    step: u64,
+    /// This rank's own failure in the local phase (error text).
+    local_failed: Option<String>,
     gather_algo: Option<AllgathervAlgo>,
     reduce_algo: Option<AllreduceAlgo>,
     allgather_s: f64,
@@ -353,39 +366,90 @@ struct GvqEntry {
 }
 
 impl Job {
+    /// Run the step's collectives. Errors every rank got alike (a failure
+    /// flagged in the step's status, corrupt data every rank received)
+    /// return to the caller; any other error may be this rank's alone while
+    /// its peers block in a collective, so it ends the job
+    /// ([`Transport::abort`], the failure model of [`crate::failure`]).
     fn run<C: Transport>(&mut self, comm: &C) {
-        let r = (|| {
-            if self.do_gather {
-                let t = Instant::now();
-                let algo = self
-                    .gather_algo
-                    .unwrap_or(AllgathervAlgo::RecursiveDoubling);
-                fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
-                self.allgather_s = t.elapsed().as_secs_f64();
+        let r = self.communicate(comm);
+        if let Err(e) = &r {
+            if !e.is_collective() {
+                comm.abort(1, &format!("step {}: {e}", self.step));
             }
-            if self.do_reduce {
-                let t = Instant::now();
-                let opts = AllreduceOptions {
-                    op: ReduceOp::Average,
-                    // The layer table was checked at registration.
-                    validate: false,
-                    chunk_elems: 0,
-                };
-                let algo = self.reduce_algo.unwrap_or(AllreduceAlgo::Rabenseifner);
-                allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
-                self.allreduce_s = t.elapsed().as_secs_f64();
-            }
+        }
+        self.result = Some(r);
+    }
+
+    fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        // Every rank's failure text (empty = ok), once any rank failed.
+        let mut failed: Option<Vec<String>> = None;
+        if self.do_gather {
             let t = Instant::now();
+            let algo = self
+                .gather_algo
+                .unwrap_or(AllgathervAlgo::RecursiveDoubling);
+            fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
+            self.allgather_s = t.elapsed().as_secs_f64();
+            let texts: Vec<String> = (0..self.gathered.len())
+                .map(|r| failure_text(self.gathered.message(r)).unwrap_or_default())
+                .collect();
+            if texts.iter().any(|t| !t.is_empty()) {
+                failed = Some(texts);
+            }
+        }
+        if self.do_reduce && failed.is_none() {
+            let t = Instant::now();
+            let opts = AllreduceOptions {
+                op: ReduceOp::Average,
+                // The layer table was checked at registration.
+                validate: false,
+                chunk_elems: 0,
+            };
+            let algo = self.reduce_algo.unwrap_or(AllreduceAlgo::Rabenseifner);
+            allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
+            self.allreduce_s = t.elapsed().as_secs_f64();
+            // The status word: the fraction of ranks that failed.
+            if self.dense[self.dense_len] != 0.0 {
+                let mine = self.local_failed.clone().unwrap_or_default();
+                let g = crate::dense::allgatherv(
+                    comm,
+                    mine.as_bytes(),
+                    AllgathervAlgo::RecursiveDoubling,
+                )?;
+                failed = Some(
+                    (0..g.len())
+                        .map(|r| String::from_utf8_lossy(g.message(r)).into_owned())
+                        .collect(),
+                );
+            }
+        }
+        if failed.is_none() && comm.size() == 1 {
+            failed = self.local_failed.clone().map(|t| vec![t]);
+        }
+        if let Some(texts) = failed {
+            return Err(
+                crate::failure::rank_failed(&texts, Some(self.step)).unwrap_or_else(|| {
+                    Error::RankFailed {
+                        rank: 0,
+                        others: 0,
+                        step: Some(self.step),
+                        message: "(a rank flagged a failure without a message)".into(),
+                    }
+                }),
+            );
+        }
+        let t = Instant::now();
+        if self.do_gvq {
             for e in &mut self.gvq {
                 let st = e.state.as_mut().ok_or_else(|| {
                     Error::Transport("GradiVeQ state missing from the job".into())
                 })?;
                 st.step(comm, &e.input, &mut e.output)?;
             }
-            self.gvq_s = t.elapsed().as_secs_f64();
-            Ok(())
-        })();
-        self.result = Some(r);
+        }
+        self.gvq_s = t.elapsed().as_secs_f64();
+        Ok(())
     }
 }
 
@@ -421,6 +485,9 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     layers: Vec<Layer>,
     table_hash: u64,
     table_checked: bool,
+    /// Set (alike on every rank) when the table check failed: the engine
+    /// communicates no more and every later step returns this error.
+    broken: Option<String>,
     step: u64,
     job: Option<Box<Job>>,
     in_flight: bool,
@@ -499,6 +566,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             layers: Vec::new(),
             table_hash,
             table_checked: false,
+            broken: None,
             step: 0,
             job: Some(Box::default()),
             in_flight: false,
@@ -509,21 +577,31 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             last: StepStats::default(),
             warned_no_thread: false,
         };
-        s.agree(table_hash, || {
+        s.agree(Ok(table_hash), || {
             "the engine options (Config) differ".to_string()
         })?;
         Ok(s)
     }
 
-    /// Compare `h` across ranks (one 16-byte collective); on a mismatch every
-    /// rank returns [`Error::TableMismatch`] with `what()`.
-    fn agree(&mut self, h: u64, what: impl FnOnce() -> String) -> Result<()> {
+    /// Compare `h` across ranks (one 24-byte collective); on a mismatch every
+    /// rank returns [`Error::TableMismatch`] with `what()`. A rank that
+    /// passes `Err` still enters the collective: every rank then returns
+    /// the same [`Error::RankFailed`] (the failure model, [`crate::failure`]).
+    fn agree(&mut self, h: Result<u64>, what: impl FnOnce() -> String) -> Result<()> {
         let comm = self.comm.as_ref().ok_or_else(|| {
             Error::InvalidArgument("the layer table is fixed once steps have started".into())
         })?;
-        let mut v = [h, !h];
+        let (rank, p) = (comm.rank(), comm.size());
+        let mut v = match &h {
+            Ok(h) => [0, *h, !*h],
+            Err(_) => [(p - rank) as u64, 0, 0],
+        };
         crate::dense::small_allreduce_max(comm, &mut v, TAG_TABLE)?;
-        if v[0] != h || !v[1] != h {
+        if v[0] != 0 {
+            return crate::failure::agree(comm, h).map(|_| ());
+        }
+        let h = h?;
+        if v[1] != h || !v[2] != h {
             return Err(Error::TableMismatch(what()));
         }
         Ok(())
@@ -655,71 +733,36 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         strategy: Strategy,
     ) -> Result<LayerId> {
         if self.step > 0 || self.worker.is_some() {
+            // Local misuse after the table was fixed: no peer is in a
+            // registration collective any more (they are in steps).
             return Err(Error::InvalidArgument(
                 "register every layer before the first step".into(),
             ));
         }
-        let n = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::InvalidArgument(format!("layer {name:?}: shape overflows")))?;
-        let auto = strategy == Strategy::Auto;
-        let strategy = if strategy == Strategy::Auto {
-            let (s, preds) = self.auto_choice(n)?;
-            log::info!(
-                "gradsync: layer {name:?} ({n} elements, {} ranks): auto chose {} from {}",
-                self.size,
-                s.label(),
-                preds
-                    .iter()
-                    .map(|(k, t)| format!("{k} {:.1} us", t * 1e6))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            s
-        } else {
-            strategy
-        };
-        let gvq = match &strategy {
-            Strategy::Gradiveq(sc) => {
-                if self.cfg.delay > 1 {
-                    return Err(Error::InvalidArgument(format!(
-                        "layer {name:?}: GradiVeQ cannot be combined with delay > 1"
-                    )));
-                }
-                Some(crate::gradiveq::schedule::GradiveqLayer::new(
-                    n,
-                    sc.clone(),
-                )?)
-            }
-            _ => None,
-        };
-        let codec = match &strategy {
-            // `Auto` was resolved above.
-            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
-            Strategy::Sparse { codec, density } => {
-                let mut c = codec.build()?;
-                if let Some(d) = density {
-                    c.set_density(*d)?;
-                }
-                Some(c)
-            }
-        };
         let id = self.layers.len();
-        let h = {
-            let mut h = fnv(self.table_hash, b"layer");
-            h = fnv(h, &(id as u64).to_le_bytes());
-            h = fnv(h, name.as_bytes());
-            h = fnv(h, &[0xff]);
-            for d in shape {
-                h = fnv(h, &(*d as u64).to_le_bytes());
-            }
-            fnv(h, serde_json::to_string(&strategy)?.as_bytes())
-        };
-        let label = strategy.label();
-        self.agree(h, || {
+        // Everything rank-local first; a failure still enters the
+        // registration collective so no peer waits in it.
+        let local = self.prepare_layer(id, name, shape, strategy);
+        let label = local
+            .as_ref()
+            .map_or_else(|_| String::new(), |l| l.4.clone());
+        let h = local
+            .as_ref()
+            .map(|l| l.3)
+            .map_err(|e| Error::InvalidArgument(format!("layer #{id} {name:?}: {e}")));
+        if let Some(why) = &self.broken {
+            return Err(Error::TableMismatch(why.clone()));
+        }
+        let r = self.agree(h, || {
             format!("layer #{id} {name:?} (shape {shape:?}, {label}) is not the same on every rank")
-        })?;
+        });
+        if let Err(Error::TableMismatch(why)) = &r {
+            // The ranks' tables are out of step (this collective may even
+            // have met a peer's final table check): no rank may go on.
+            self.broken = Some(why.clone());
+        }
+        r?;
+        let (n, strategy, codec, h, label, gvq, auto) = local?;
         self.table_hash = h;
         let sparse = codec.is_some();
         let delay = self.cfg.delay > 1;
@@ -740,6 +783,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             mode: Mode::Dense,
             cur_density: None,
             non_finite: false,
+            sent: false,
             dense_off: 0,
             stats: LayerStats {
                 name: name.to_string(),
@@ -752,6 +796,85 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok(LayerId(id))
     }
 
+    /// The rank-local part of [`register_with`](Self::register_with):
+    /// element count, resolved strategy, codec, table hash, label, GradiVeQ
+    /// state, whether `Auto` chose.
+    #[allow(clippy::type_complexity)]
+    fn prepare_layer(
+        &self,
+        id: usize,
+        name: &str,
+        shape: &[usize],
+        strategy: Strategy,
+    ) -> Result<(
+        usize,
+        Strategy,
+        Option<Box<dyn Codec>>,
+        u64,
+        String,
+        Option<crate::gradiveq::schedule::GradiveqLayer>,
+        bool,
+    )> {
+        let n = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} overflows")))?;
+        let auto = strategy == Strategy::Auto;
+        let strategy = if strategy == Strategy::Auto {
+            let (s, preds) = self.auto_choice(n)?;
+            log::info!(
+                "gradsync: layer {name:?} ({n} elements, {} ranks): auto chose {} from {}",
+                self.size,
+                s.label(),
+                preds
+                    .iter()
+                    .map(|(k, t)| format!("{k} {:.1} us", t * 1e6))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            s
+        } else {
+            strategy
+        };
+        let gvq = match &strategy {
+            Strategy::Gradiveq(sc) => {
+                if self.cfg.delay > 1 {
+                    return Err(Error::InvalidArgument(
+                        "GradiVeQ cannot be combined with delay > 1".to_string(),
+                    ));
+                }
+                Some(crate::gradiveq::schedule::GradiveqLayer::new(
+                    n,
+                    sc.clone(),
+                )?)
+            }
+            _ => None,
+        };
+        let codec = match &strategy {
+            // `Auto` was resolved above.
+            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
+            Strategy::Sparse { codec, density } => {
+                let mut c = codec.build()?;
+                if let Some(d) = density {
+                    c.set_density(*d)?;
+                }
+                Some(c)
+            }
+        };
+        let h = {
+            let mut h = fnv(self.table_hash, b"layer");
+            h = fnv(h, &(id as u64).to_le_bytes());
+            h = fnv(h, name.as_bytes());
+            h = fnv(h, &[0xff]);
+            for d in shape {
+                h = fnv(h, &(*d as u64).to_le_bytes());
+            }
+            fnv(h, serde_json::to_string(&strategy)?.as_bytes())
+        };
+        let label = strategy.label();
+        Ok((n, strategy, codec, h, label, gvq, auto))
+    }
+
     /// Check once, before the first step, that every rank registered the
     /// same number of layers.
     fn check_table(&mut self) -> Result<()> {
@@ -762,12 +885,27 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             fnv(self.table_hash, b"complete"),
             &(self.layers.len() as u64).to_le_bytes(),
         );
+        if let Some(why) = &self.broken {
+            return Err(Error::TableMismatch(why.clone()));
+        }
         let n = self.layers.len();
-        self.agree(h, || {
+        let r = self.agree(Ok(h), || {
             format!("this rank registered {n} layers; some rank registered others")
-        })?;
-        self.table_checked = true;
-        Ok(())
+        });
+        match r {
+            Ok(()) => {
+                self.table_checked = true;
+                Ok(())
+            }
+            Err(e) => {
+                // Every rank got an error here: none may run a step.
+                self.broken = Some(match &e {
+                    Error::TableMismatch(why) => why.clone(),
+                    e => e.to_string(),
+                });
+                Err(e)
+            }
+        }
     }
 
     /// One synchronous step: `grads[i]` (layer `i`'s local gradient, in
@@ -812,9 +950,165 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     fn start_impl(&mut self, grads: &[&[f32]], weights: Option<&[&[f32]]>) -> Result<()> {
         if self.started.is_some() {
+            // Local misuse; this rank's own round is still pending, so no
+            // peer waits for this call.
             return Err(Error::InvalidArgument(
                 "start called twice without wait".into(),
             ));
+        }
+        self.check_table()?;
+        let t_pack = Instant::now();
+        let step = self.step;
+        let communicates = (step + 1) % self.cfg.delay == 0;
+        let dense_len = self.plan_modes(communicates);
+        let mut job = self.job.take().expect("job buffers present when idle");
+        // The rank-local half of the step. From here on this rank enters the
+        // step's collectives whatever happens, carrying a failure flag if
+        // this half failed, so no peer is left waiting (crate::failure).
+        let local = self.local_phase(grads, weights, &mut job, dense_len);
+        if let Err(e) = &local {
+            log::debug!("gradsync: rank {} step {step}: {e}", self.rank);
+        }
+        // Dense layers: the status word after the fused buffer (0 = ok).
+        job.dense.resize(dense_len + 1, 0.0);
+        job.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
+        job.dense_len = dense_len;
+        self.sparse_ids.clear();
+        self.sparse_ids.extend(
+            self.layers
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.mode == Mode::Sparse)
+                .map(|(i, _)| i as u32),
+        );
+        match &local {
+            Ok(()) => {
+                let layers = &self.layers;
+                write_fused(
+                    &mut job.fused,
+                    step,
+                    self.sparse_ids.iter().map(|&i| {
+                        let l = &layers[i as usize];
+                        let kind = if l.non_finite {
+                            EntryKind::NonFinite
+                        } else {
+                            EntryKind::Unit
+                        };
+                        (i, kind, if l.non_finite { &[][..] } else { &l.unit[..] })
+                    }),
+                );
+            }
+            Err(e) => write_failed(&mut job.fused, step, &e.to_string()),
+        }
+        job.step = step;
+        job.local_failed = local.as_ref().err().map(|e| e.to_string());
+        job.do_gather = !self.sparse_ids.is_empty() && self.size > 1;
+        job.do_gvq = self.layers.iter().any(|l| l.mode == Mode::Gradiveq);
+        // A step with GradiVeQ layers and no fused message carries its
+        // status in a one-word allreduce before the rings.
+        job.do_reduce = dense_len > 0 || (job.do_gvq && !job.do_gather);
+        job.gvq_s = 0.0;
+        job.gather_algo = Some(self.cfg.allgather);
+        job.reduce_algo = Some(self.cfg.allreduce);
+        job.allgather_s = 0.0;
+        job.allreduce_s = 0.0;
+        job.result = None;
+        if !job.do_gather && !self.sparse_ids.is_empty() {
+            // One rank: the gathered data is our own message.
+            job.gathered.data.clear();
+            job.gathered.data.extend_from_slice(&job.fused);
+            job.gathered.displs.clear();
+            job.gathered.displs.extend([0, job.fused.len()]);
+        }
+        let select_s: f64 = self.layers.iter().map(|l| l.stats.select_s).sum();
+        let pack_s = (t_pack.elapsed().as_secs_f64() - select_s).max(0.0);
+        let mut overlapped = false;
+        if job.do_gather || job.do_reduce || job.do_gvq {
+            if self.cfg.overlap && self.ensure_worker() {
+                let w = self.worker.as_ref().expect("worker just ensured");
+                if let Err(mpsc::SendError(job)) = w.jobs.send(job) {
+                    // The progress thread is gone (it panicked): peers may
+                    // be waiting for this rank's part of the step.
+                    let comm = self.comm.as_ref();
+                    drop(job);
+                    let msg = "gradsync: the progress thread has exited";
+                    match comm {
+                        Some(c) => c.abort(1, msg),
+                        None => panic!("{msg}"),
+                    }
+                }
+                self.in_flight = true;
+                overlapped = true;
+            } else {
+                job.run(self.comm.as_ref().expect("transport held without a worker"));
+                self.job = Some(job);
+            }
+        } else {
+            job.result = Some(match &local {
+                Ok(()) => Ok(()),
+                // No exchange this step (a delayed local step or one rank):
+                // the error is this rank's alone.
+                Err(e) => Err(Error::RankFailed {
+                    rank: self.rank,
+                    others: 0,
+                    step: Some(step),
+                    message: e.to_string(),
+                }),
+            });
+            self.job = Some(job);
+        }
+        self.started = Some(StartInfo {
+            communicated: communicates,
+            overlapped,
+            select_s,
+            pack_s,
+        });
+        Ok(())
+    }
+
+    /// The step plan, a pure function of (step, config, layer table): each
+    /// layer's mode and offset in the fused dense buffer. Returns the fused
+    /// dense length. The same on every rank whatever the inputs.
+    fn plan_modes(&mut self, communicates: bool) -> usize {
+        let dense_warmup = matches!(self.cfg.warmup, Warmup::Dense { steps } if self.step < steps);
+        let mut dense_len = 0usize;
+        for l in &mut self.layers {
+            l.mode = if !communicates {
+                Mode::Local
+            } else if l.gvq.is_some() && !dense_warmup {
+                Mode::Gradiveq
+            } else if l.codec.is_none() || dense_warmup {
+                Mode::Dense
+            } else {
+                Mode::Sparse
+            };
+            l.non_finite = false;
+            l.sent = false;
+            l.stats.select_s = 0.0;
+            l.stats.unpack_s = 0.0;
+            if l.mode == Mode::Dense {
+                l.dense_off = dense_len;
+                dense_len += l.n;
+            }
+        }
+        dense_len
+    }
+
+    /// Validate this rank's inputs, run the local math (Algorithm 4's
+    /// residual and momentum updates, selection and encoding), and fill the
+    /// fused dense buffer and GradiVeQ inputs of `job`. An error here is
+    /// this rank's alone; the caller still enters the step's collectives.
+    fn local_phase(
+        &mut self,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+        job: &mut Job,
+        dense_len: usize,
+    ) -> Result<()> {
+        job.dense.clear();
+        job.dense.resize(dense_len, 0.0);
+        for e in &mut job.gvq {
+            e.state = None;
         }
         if grads.len() != self.layers.len() {
             return Err(Error::InvalidArgument(format!(
@@ -833,22 +1127,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         for (i, l) in self.layers.iter().enumerate() {
-            let wl = weights.map_or(l.n, |w| w[i].len());
-            if grads[i].len() != l.n || wl != l.n {
+            if grads[i].len() != l.n {
                 return Err(Error::InvalidArgument(format!(
-                    "layer {:?}: gradient has {} elements, weights {wl}, registered {}",
+                    "layer {:?}: gradient has {} elements, registered {}",
                     l.name,
                     grads[i].len(),
                     l.n
                 )));
             }
+            if let Some(w) = weights.map(|w| w[i].len()).filter(|&w| w != l.n) {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: weights have {w} elements, registered {}",
+                    l.name, l.n
+                )));
+            }
         }
-        self.check_table()?;
-        let t_pack = Instant::now();
-        let step = self.step;
         let cfg = &self.cfg;
-        let communicates = (step + 1) % cfg.delay == 0;
-        let dense_warmup = matches!(cfg.warmup, Warmup::Dense { steps } if step < steps);
+        let step = self.step;
         let stage_density = match &cfg.warmup {
             Warmup::Density {
                 schedule,
@@ -873,28 +1168,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             None => 1.0,
         };
-        let mut dense_len = 0usize;
-        let mut sparse_elems = 0usize;
-        for l in &mut self.layers {
-            l.mode = if !communicates {
-                Mode::Local
-            } else if l.gvq.is_some() && !dense_warmup {
-                Mode::Gradiveq
-            } else if l.codec.is_none() || dense_warmup {
-                Mode::Dense
-            } else {
-                Mode::Sparse
-            };
-            l.non_finite = false;
-            l.stats.select_s = 0.0;
-            l.stats.unpack_s = 0.0;
-            if l.mode == Mode::Dense {
-                l.dense_off = dense_len;
-                dense_len += l.n;
-            } else if l.mode == Mode::Sparse {
-                sparse_elems += l.n;
-            }
-        }
+        let sparse_elems: usize = self
+            .layers
+            .iter()
+            .filter(|l| l.mode == Mode::Sparse)
+            .map(|l| l.n)
+            .sum();
         let params = StepParams {
             factor,
             momentum: cfg.momentum,
@@ -919,15 +1198,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // nothing, and idle rayon workers spinning next to MPI's polling cost
         // more than they bring on a few cores.
         let sparse_layers = self.layers.iter().filter(|l| l.mode != Mode::Dense).count();
-        if sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems {
-            self.layers.par_iter_mut().enumerate().try_for_each(work)?;
+        let r = if sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems {
+            self.layers.par_iter_mut().enumerate().try_for_each(work)
         } else {
-            self.layers.iter_mut().enumerate().try_for_each(work)?;
+            self.layers.iter_mut().enumerate().try_for_each(work)
+        };
+        if let Err(e) = r {
+            // Nothing this rank encoded is sent: put it back in the residuals.
+            for l in &mut self.layers {
+                l.unsend();
+            }
+            return Err(e);
         }
-        let mut job = self.job.take().expect("job buffers present when idle");
-        // Dense layers: fused buffer.
-        job.dense.clear();
-        job.dense.resize(dense_len, 0.0);
+        // Dense layers: the fused buffer; GradiVeQ layers: their inputs.
         let mut gi = 0;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let w = weights.map(|w| w[i]);
@@ -945,74 +1228,25 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 l.dense_contribution(grads[i], w, &params, &mut e.input);
                 l.stats.strategy = "gradiveq".into();
                 l.stats.codec = "gradiveq".into();
-                e.state = l.gvq.take();
                 gi += 1;
             }
         }
         job.gvq.truncate(gi);
-        // Sparse layers: one fused message.
-        self.sparse_ids.clear();
-        self.sparse_ids.extend(
-            self.layers
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.mode == Mode::Sparse)
-                .map(|(i, _)| i as u32),
-        );
-        let layers = &self.layers;
-        write_fused(
-            &mut job.fused,
-            step,
-            self.sparse_ids.iter().map(|&i| {
-                let l = &layers[i as usize];
-                let kind = if l.non_finite {
-                    EntryKind::NonFinite
-                } else {
-                    EntryKind::Unit
-                };
-                (i, kind, if l.non_finite { &[][..] } else { &l.unit[..] })
-            }),
-        );
-        job.do_gather = !self.sparse_ids.is_empty() && self.size > 1;
-        job.do_reduce = dense_len > 0;
-        job.gvq_s = 0.0;
-        job.gather_algo = Some(self.cfg.allgather);
-        job.reduce_algo = Some(self.cfg.allreduce);
-        job.allgather_s = 0.0;
-        job.allreduce_s = 0.0;
-        job.result = None;
-        if !job.do_gather && !self.sparse_ids.is_empty() {
-            // One rank: the gathered data is our own message.
-            job.gathered.data.clear();
-            job.gathered.data.extend_from_slice(&job.fused);
-            job.gathered.displs.clear();
-            job.gathered.displs.extend([0, job.fused.len()]);
-        }
-        let select_s: f64 = self.layers.iter().map(|l| l.stats.select_s).sum();
-        let pack_s = (t_pack.elapsed().as_secs_f64() - select_s).max(0.0);
-        let mut overlapped = false;
-        if job.do_gather || job.do_reduce || !job.gvq.is_empty() {
-            if self.cfg.overlap && self.ensure_worker() {
-                let w = self.worker.as_ref().expect("worker just ensured");
-                w.jobs
-                    .send(job)
-                    .map_err(|_| Error::Transport("progress thread has exited".into()))?;
-                self.in_flight = true;
-                overlapped = true;
-            } else {
-                job.run(self.comm.as_ref().expect("transport held without a worker"));
-                self.job = Some(job);
+        // A NaN/Inf in a GradiVeQ layer's input would poison its ring on
+        // every rank: the step fails on every rank instead.
+        if let Some(e) = job.gvq.iter().find(|e| !all_finite(&e.input)) {
+            let layer = self.layers[e.layer].name.clone();
+            for l in &mut self.layers {
+                l.unsend();
             }
-        } else {
-            job.result = Some(Ok(()));
-            self.job = Some(job);
+            return Err(Error::NonFinite {
+                rank: Some(self.rank),
+                layer,
+            });
         }
-        self.started = Some(StartInfo {
-            communicated: communicates,
-            overlapped,
-            select_s,
-            pack_s,
-        });
+        for e in &mut job.gvq {
+            e.state = self.layers[e.layer].gvq.take();
+        }
         Ok(())
     }
 
@@ -1105,7 +1339,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             } else {
                 job.fused.len()
             },
-            dense_bytes: 4 * job.dense.len(),
+            dense_bytes: 4 * job.dense_len,
             select_s: info.select_s,
             pack_s: info.pack_s,
             allgather_s: job.allgather_s,
@@ -1135,6 +1369,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for e in &mut job.gvq {
             if let Some(st) = e.state.take() {
                 self.layers[e.layer].gvq = Some(st);
+            }
+        }
+        if comm.is_err() {
+            // The step failed on every rank and nothing is applied: what
+            // this rank encoded goes back into its residuals (nothing lost).
+            for l in &mut self.layers {
+                l.unsend();
             }
         }
         comm?;
@@ -1482,6 +1723,7 @@ impl Layer {
                 }
             }
         }
+        self.sent = true;
         self.stats.strategy = "sparse".into();
         self.stats.codec = codec.config().name();
         self.stats.density = if n == 0 { 0.0 } else { sent as f64 / n as f64 };
@@ -1489,6 +1731,29 @@ impl Layer {
         self.stats.select_s = (t2 - t1).as_secs_f64();
         self.stats.pack_s = (pre + t2.elapsed()).as_secs_f64();
         Ok(())
+    }
+
+    /// Undo `V -= sent` of this step (a failed step sends nothing): the
+    /// residual again holds this step's gradient. Momentum masking is not
+    /// undone (it only zeroes `U` where values were selected).
+    fn unsend(&mut self) {
+        if !self.sent {
+            return;
+        }
+        self.sent = false;
+        let Some(codec) = self.codec.as_ref() else {
+            return;
+        };
+        let v = &mut self.v;
+        match codec.for_each_sent(&self.unit, self.n, &mut |i, x| v[i] += x) {
+            Ok(true) => {}
+            _ => {
+                self.dir.resize(self.n, 0.0);
+                if codec.decode(&self.unit, &mut self.dir).is_ok() {
+                    crate::dense::add_into(&mut self.v, &self.dir);
+                }
+            }
+        }
     }
 
     /// Dense step: what this rank puts in the fused allreduce buffer.

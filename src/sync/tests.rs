@@ -765,3 +765,55 @@ fn gvq_steps_one(s: &mut GradSync<LocalComm>, from: u64, to: u64) {
         s.sync(&mut [&mut g[..], &mut f[..]]).expect("sync");
     }
 }
+
+/// Issue #11: a rank that fails inside a step (here a gradient of the wrong
+/// length on rank 1) makes every rank return the same `RankFailed` in that
+/// step; nothing is applied, every rank's residual again holds its
+/// gradient (what it had encoded is put back), and the next step runs.
+#[test]
+fn a_failed_step_fails_every_rank_alike_and_loses_nothing() {
+    for overlap in [false, true] {
+        let out = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, Config { overlap, ..cfg() }).expect("engine");
+            let sp = s.register_with("w", &[1000], Strategy::rgc(0.01)).unwrap();
+            s.register_with("b", &[10], Strategy::Dense).unwrap();
+            let g = |step: usize| -> Vec<f32> {
+                (0..1000)
+                    .map(|i| ((i * 31 + rank * 7 + step) % 101) as f32 - 50.0)
+                    .collect()
+            };
+            let (mut w, mut b) = (g(0), vec![1.0f32; 10]);
+            s.sync(&mut [&mut w[..], &mut b[..]]).expect("step 0");
+            let before: Vec<f32> = s.residual(sp).unwrap().to_vec();
+            let g1 = g(1);
+            let mut w = g1.clone();
+            let mut b = vec![1.0f32; if rank == 1 { 11 } else { 10 }];
+            let err = s
+                .sync(&mut [&mut w[..], &mut b[..]])
+                .unwrap_err()
+                .to_string();
+            let after: Vec<f32> = s.residual(sp).unwrap().to_vec();
+            // Ranks that encoded get their unit back (V = V₀ + g); rank 1
+            // failed its validation before touching anything (V = V₀).
+            let kept = before.iter().zip(&g1).zip(&after).all(|((v, g), a)| {
+                let want = if rank == 1 { *v } else { v + g };
+                (want - a).abs() <= 1e-4 * want.abs().max(1.0)
+            });
+            let (mut w, mut b) = (g(2), vec![1.0f32; 10]);
+            let next = s.sync(&mut [&mut w[..], &mut b[..]]).map(|_| b[0]);
+            (err, kept, next.ok(), s.step())
+        });
+        for (err, kept, next, step) in &out {
+            assert_eq!(err, &out[0].0, "same error on every rank");
+            assert!(
+                err.starts_with("rank 1 failed in step 1: ")
+                    && err.contains("layer \"b\": gradient has 11 elements"),
+                "{err}"
+            );
+            assert!(kept, "the residual holds the failed step's gradient");
+            assert_eq!(*next, Some(1.0), "the next step runs");
+            assert_eq!(*step, 3);
+        }
+    }
+}
