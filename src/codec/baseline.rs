@@ -13,13 +13,13 @@
 //!   overflow half's ±65504 and tiny ones are not flushed to zero. Elements
 //!   about 2²⁸ times smaller than `m` land in half's subnormals (the `2⁻³⁹·m`
 //!   term); decoded values are exact multiples of `2^k` and are clamped to
-//!   ±`f32::MAX` (only a tensor within 2⁻¹² of `f32::MAX` can round up to it).
+//!   ±`f32::MAX` (only elements within a relative 2⁻¹² of `f32::MAX` can round up to 2¹²⁸).
 //! * `int8`: `|x − y| ≤ (1 + 2⁻¹⁵)·m/254 + 2⁻¹⁴⁹` (half a step, plus the
 //!   final rounding to f32; the `2⁻¹⁴⁹` matters only for subnormal results).
 //!   `127/m` and `q·m/127` are computed in f64, so nothing overflows for any
 //!   finite `m` (in f32, `127/m` was infinite for `m < 3.7e-37`).
 //!
-//! Unit formats after the 12-byte header (little endian):
+//! # Wire format (after the common header, little endian)
 //!
 //! | codec | parameters | payload |
 //! |---|---|---|
@@ -34,11 +34,13 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoCompression;
 
-/// IEEE 754 half precision.
+/// IEEE 754 half precision after a per-tensor power-of-two scale (see the
+/// module docs for the bound).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Fp16;
 
-/// 255-level linear quantization with one f32 scale.
+/// 255-level linear quantization with one f32 scale (see the module docs for
+/// the bound).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Int8;
 
