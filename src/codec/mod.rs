@@ -53,7 +53,7 @@ const MAGIC: [u8; 2] = *b"GS";
 pub enum CodecId {
     /// fp32, uncompressed.
     None = 0,
-    /// IEEE half precision.
+    /// IEEE half precision with a per-tensor power-of-two scale.
     Fp16 = 1,
     /// 255-level linear quantization.
     Int8 = 2,
@@ -298,7 +298,7 @@ pub fn check_finite(x: &[f32]) -> Result<()> {
 pub enum CodecConfig {
     /// fp32, uncompressed.
     None,
-    /// IEEE half precision.
+    /// IEEE half precision with a per-tensor power-of-two scale (any finite f32).
     Fp16,
     /// 255-level linear quantization (`round(x / max|x| · 127)`).
     Int8,

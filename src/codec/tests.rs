@@ -10,8 +10,7 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
     let maxabs = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     match cfg {
         CodecConfig::None => 0.0,
-        CodecConfig::Fp16 => x[i].abs() * 2f32.powi(-11) + 6.0e-8,
-        CodecConfig::Int8 => maxabs / 254.0 * 1.0001 + f32::MIN_POSITIVE,
+        CodecConfig::Fp16 | CodecConfig::Int8 => baseline_bound(cfg, x[i], maxabs) as f32,
         CodecConfig::Qsgd { bits, bucket, .. } => {
             // The norm of the bucket holding element i.
             let b = if *bucket == 0 {
@@ -38,6 +37,104 @@ pub(crate) fn bound(cfg: &CodecConfig, x: &[f32], i: usize) -> f32 {
         // §3.1: |x − q·M| ≤ M/2 with M = max|x|·s (saturated to f32::MAX).
         CodecConfig::ThreeLc { s, .. } => (maxabs * s).min(f32::MAX) / 2.0 + f32::from_bits(1),
     }
+}
+
+/// The documented bounds of the baselines (src/codec/baseline.rs), in f64.
+fn baseline_bound(cfg: &CodecConfig, x: f32, maxabs: f32) -> f64 {
+    let (x, m) = (f64::from(x), f64::from(maxabs));
+    match cfg {
+        CodecConfig::None => 0.0,
+        CodecConfig::Fp16 => x.abs() * 2f64.powi(-11) + m * 2f64.powi(-39),
+        CodecConfig::Int8 => (1.0 + 2f64.powi(-15)) * m / 254.0 + 2f64.powi(-149),
+        _ => unreachable!("not a baseline"),
+    }
+}
+
+/// Round-trip `x` through a baseline and check every element against its
+/// documented bound, in f64 (no rounding in the comparison).
+fn check_baseline(cfg: &CodecConfig, x: &[f32]) -> std::result::Result<(), String> {
+    let y = roundtrip(cfg, x);
+    let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for i in 0..x.len() {
+        let err = (f64::from(x[i]) - f64::from(y[i])).abs();
+        let b = baseline_bound(cfg, x[i], m);
+        if !y[i].is_finite() || err > b {
+            return Err(format!(
+                "{} element {i} of {}: {:e} decoded as {:e} (error {err:e} > bound {b:e}, max|x| {m:e})",
+                cfg.name(),
+                x.len(),
+                x[i],
+                y[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn baseline_configs() -> [CodecConfig; 3] {
+    [CodecConfig::None, CodecConfig::Fp16, CodecConfig::Int8]
+}
+
+/// Issue #11, class 4: int8 returned ±max|x| everywhere when max|x| < 3.7e-37
+/// (`127/scale` overflowed in f32) and inf for ±f32::MAX; fp16 rejected
+/// values beyond ±65504 and flushed tiny tensors to zero.
+#[test]
+fn baselines_cover_the_whole_finite_range() {
+    let tiny = f32::from_bits(1);
+    let cases: Vec<Vec<f32>> = vec![
+        vec![1e-38, -5e-39, 2.5e-39, 0.0],
+        vec![3e-37, -1e-37, 7e-38],
+        vec![tiny, -tiny, 0.0, f32::from_bits(3)],
+        vec![f32::from_bits(0x007f_ffff), -1e-40, 1e-45],
+        vec![f32::MAX, -f32::MAX, 1.0, -3e38, 1e30],
+        vec![f32::MAX; 5],
+        vec![-f32::MAX],
+        vec![1e6, -7e4, 65504.0, 65520.0, 3.0, -1e-3],
+        vec![1e-10, -3e-9, 1e-40, 2e-12],
+        vec![f32::MAX, tiny, -tiny, 1e-30],
+        vec![0.0; 9],
+        vec![-0.0, 0.0],
+        vec![5e-8],
+    ];
+    for cfg in baseline_configs() {
+        for x in &cases {
+            check_baseline(&cfg, x).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    // The specific failures of the report.
+    let y = roundtrip(&CodecConfig::Int8, &[1e-38, 2.5e-39]);
+    assert!((y[1] - 2.5e-39).abs() < 1e-40, "{y:?}");
+    let y = roundtrip(&CodecConfig::Int8, &[f32::MAX, -f32::MAX]);
+    assert_eq!(y, vec![f32::MAX, -f32::MAX]);
+    let y = roundtrip(&CodecConfig::Fp16, &[1e6, -3.0]);
+    assert!((y[0] - 1e6).abs() <= 1e6 / 2048.0 && y[1] == -3.0, "{y:?}");
+    let y = roundtrip(&CodecConfig::Fp16, &[1e-10, -3e-9]);
+    assert!((y[0] - 1e-10).abs() <= 1e-10 / 2048.0, "{y:?}");
+}
+
+#[test]
+fn baseline_decoders_reject_bad_parameters() {
+    let mut msg = Vec::new();
+    Fp16.encode(&[1.0, 2.0], &mut msg).expect("test");
+    let mut out = [0f32; 2];
+    for k in [-164i16, 114, i16::MIN, i16::MAX] {
+        msg[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&k.to_le_bytes());
+        assert!(Fp16.decode(&msg, &mut out).is_err(), "k = {k}");
+    }
+    // The extreme exponents decode to finite values.
+    for k in [-163i16, 113] {
+        msg[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&k.to_le_bytes());
+        let mut m2 = msg.clone();
+        m2[HEADER_LEN + 2..].copy_from_slice(&[0xff, 0x7b, 0xff, 0xfb]); // ±65504
+        Fp16.decode(&m2, &mut out).expect("finite");
+        assert!(out.iter().all(|v| v.is_finite()), "{out:?}");
+    }
+    Int8.encode(&[1.0, -2.0], &mut msg).expect("test");
+    msg[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(-2f32).to_le_bytes());
+    assert!(Int8.decode(&msg, &mut out).is_err());
+    msg[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&f32::MAX.to_le_bytes());
+    Int8.decode(&msg, &mut out).expect("f32::MAX scale");
+    assert!(out.iter().all(|v| v.is_finite()), "{out:?}");
 }
 
 /// Every codec with its defaults, plus the variants the defaults do not
@@ -162,9 +259,23 @@ fn error_feedback_tracks_the_running_sum() {
     bad[3] = f32::NAN;
     assert!(ef.step(&mut c, &bad, &mut msg).is_err());
     assert_eq!(ef.residual(), &before[..]);
-    // A codec error (fp16 range) after the add is rolled back as well.
-    let mut h = Fp16;
-    assert!(ef.step(&mut h, &vec![1e6f32; n], &mut msg).is_err());
+    // A codec error after the add is rolled back as well.
+    struct Failing;
+    impl Codec for Failing {
+        fn id(&self) -> CodecId {
+            CodecId::None
+        }
+        fn config(&self) -> CodecConfig {
+            CodecConfig::None
+        }
+        fn encode(&mut self, _: &[f32], _: &mut Vec<u8>) -> Result<()> {
+            Err(Error::InvalidArgument("always fails".into()))
+        }
+        fn decode_add(&self, _: &[u8], _: &mut [f32]) -> Result<()> {
+            Ok(())
+        }
+    }
+    assert!(ef.step(&mut Failing, &vec![1e6f32; n], &mut msg).is_err());
     assert_eq!(ef.residual(), &before[..]);
 }
 
@@ -178,6 +289,36 @@ proptest! {
         let y = roundtrip(cfg, &x);
         for i in 0..x.len() {
             prop_assert!((x[i] - y[i]).abs() <= bound(cfg, &x, i), "{:?} i={} {} vs {}", cfg, i, x[i], y[i]);
+        }
+    }
+
+    /// The baselines' documented bounds over every finite magnitude: a
+    /// tensor at scale 2^`mag` (subnormal to f32::MAX) whose elements spread
+    /// over up to 2^-60 of it, with zeros, ±f32::MAX, the smallest
+    /// subnormal, single elements and all-zero tensors mixed in.
+    #[test]
+    fn prop_baselines_within_bound_at_every_magnitude(
+        mag in -149i32..=128,
+        els in proptest::collection::vec((-1f64..=1.0, 0i32..60), 1..300),
+        special in 0u8..8,
+    ) {
+        let mut x: Vec<f32> = els
+            .iter()
+            .map(|&(u, d)| (u * 2f64.powi(mag - d)).clamp(-f64::from(f32::MAX), f64::from(f32::MAX)) as f32)
+            .collect();
+        match special {
+            1 => x[0] = f32::MAX,
+            2 => x[0] = -f32::MAX,
+            3 => x.iter_mut().for_each(|v| *v = 0.0),
+            4 => x.truncate(1),
+            5 => x[0] = f32::from_bits(1),
+            6 => x[0] = 0.0,
+            _ => {}
+        }
+        for cfg in baseline_configs() {
+            if let Err(e) = check_baseline(&cfg, &x) {
+                prop_assert!(false, "{}", e);
+            }
         }
     }
 

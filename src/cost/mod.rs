@@ -582,7 +582,7 @@ pub fn codec_wire_bytes(codec: &str, n: usize, d: f64) -> Option<f64> {
     let nf = n as f64;
     Some(match codec {
         "none" => 12.0 + 4.0 * nf,
-        "fp16" => 12.0 + 2.0 * nf,
+        "fp16" => 14.0 + 2.0 * nf,
         "int8" => 16.0 + nf,
         "qsgd" => 17.0 + (nf * 4.0 / 8.0).ceil(),
         "sbc" => {
