@@ -264,6 +264,14 @@ fn differences(first: &[(String, String)], theirs: &[(String, String)]) -> Strin
     }
 }
 
+/// `e` (a parse error of a flag's value) prefixed with the flag.
+pub(super) fn flag_error(flag: impl std::fmt::Display, e: Error) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("{flag}: {m}")),
+        e => Error::InvalidArgument(format!("{flag}: {e}")),
+    }
+}
+
 /// Longest simulated compute of `--compute-ms` (one hour).
 const MAX_COMPUTE_MS: f64 = 3_600_000.0;
 
@@ -304,8 +312,7 @@ pub(super) fn common_must_match(a: &BenchArgs) -> MustMatch {
 /// `--sizes` (or `--bytes`) parsed: a non-empty list; with `elem` > 1,
 /// every size a whole number of elements.
 pub(super) fn parse_sizes(flag: &str, s: &str, elem: usize) -> Result<Vec<usize>> {
-    let sizes = parse_list(s, parse_size)
-        .map_err(|e| Error::InvalidArgument(format!("{flag} {s:?}: {e}")))?;
+    let sizes = parse_list(s, parse_size).map_err(|e| flag_error(format!("{flag} {s:?}"), e))?;
     if sizes.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "{flag} {s:?}: no sizes given"
@@ -333,8 +340,7 @@ fn parse_algos<T: std::str::FromStr<Err = Error>>(
     let v = if algo.trim() == "all" {
         all
     } else {
-        parse_list(algo, str::parse)
-            .map_err(|e| Error::InvalidArgument(format!("--algo {algo:?}: {e}")))?
+        parse_list(algo, str::parse).map_err(|e| flag_error(format!("--algo {algo:?}"), e))?
     };
     if v.is_empty() {
         return Err(Error::InvalidArgument(format!(

@@ -12,7 +12,7 @@
 //! the check's probes share the network probes' rounds, so the model is
 //! compared with measurements taken in the same machine states.
 
-use super::bench::{agree_inputs, median, parse_sizes, MustMatch};
+use super::bench::{agree_inputs, flag_error, median, parse_sizes, MustMatch};
 use super::{max_over_ranks, parse_list, parse_size, synthetic};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::comm::{LocalComm, MpiComm, Transport};
@@ -262,7 +262,7 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
             .filter(|d| *d > 0.0 && *d <= 1.0)
             .ok_or_else(|| Error::InvalidArgument(format!("density {x:?} is not in (0, 1]")))
     })
-    .map_err(|e| Error::InvalidArgument(format!("--densities {s:?}: {e}")))?;
+    .map_err(|e| flag_error(format!("--densities {s:?}"), e))?;
     if v.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "--densities {s:?}: no densities given"
@@ -312,8 +312,7 @@ fn calibrate_inputs(a: &CalibrateArgs, rank: usize, p: usize) -> Result<(Vec<f64
         )));
     }
     let densities = parse_densities(&a.densities)?;
-    let max_bytes = parse_size(&a.max_bytes)
-        .map_err(|e| Error::InvalidArgument(format!("--max-bytes: {e}")))?;
+    let max_bytes = parse_size(&a.max_bytes).map_err(|e| flag_error("--max-bytes", e))?;
     if sizes_up_to(max_bytes).is_empty() {
         return Err(Error::InvalidArgument(format!(
             "--max-bytes {}: must be at least 64K (the smallest layer of the local fits)",

@@ -16,7 +16,8 @@
 //! compressor, rank `r` compresses row `lt + r` (wrapping).
 
 use super::bench::{
-    agree_inputs, check_common, common_must_match, median, time_interleaved, timed, BenchArgs,
+    agree_inputs, check_common, common_must_match, flag_error, median, time_interleaved, timed,
+    BenchArgs,
 };
 use super::{max_over_ranks, parse_size, read_npy};
 use crate::comm::{MpiComm, Transport};
@@ -142,8 +143,7 @@ fn inputs(a: &BenchArgs, rank: usize, p: usize) -> Result<(Dim, Data)> {
     };
     // Samples of the first slice (this rank's) and this rank's gradient.
     let data = if a.data == "lowrank" {
-        let bytes =
-            parse_size(&a.bytes).map_err(|e| Error::InvalidArgument(format!("--bytes: {e}")))?;
+        let bytes = parse_size(&a.bytes).map_err(|e| flag_error("--bytes", e))?;
         if bytes % 4 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "--bytes {}: {bytes} bytes is not a whole number of f32 elements (a multiple of 4)",

@@ -10,8 +10,8 @@
 //! on the engine's progress thread.
 
 use super::bench::{
-    agree_inputs, check_common, common_must_match, median, parse_sizes, time_interleaved, timed,
-    BenchArgs,
+    agree_inputs, check_common, common_must_match, flag_error, median, parse_sizes,
+    time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, synthetic};
 use crate::codec::CodecConfig;
@@ -120,7 +120,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
     let allgather: AllgathervAlgo = a
         .allgather
         .parse()
-        .map_err(|e| Error::InvalidArgument(format!("--allgather {:?}: {e}", a.allgather)))?;
+        .map_err(|e| flag_error(format!("--allgather {:?}", a.allgather), e))?;
     let compute = std::time::Duration::from_secs_f64(a.compute_ms / 1e3);
     // `dense`: the engine's fused Rabenseifner path (for overlap runs).
     if a.codec == "dense" {
@@ -135,10 +135,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             compute,
         });
     }
-    let mut codec: CodecConfig = a
-        .codec
-        .parse()
-        .map_err(|e| Error::InvalidArgument(format!("--codec: {e}")))?;
+    let mut codec: CodecConfig = a.codec.parse().map_err(|e| flag_error("--codec", e))?;
     let density = match density_key(&codec) {
         None => {
             if let Some(d) = a.density {
@@ -181,7 +178,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             // Validates the density (and every other parameter).
             codec
                 .build()
-                .map_err(|e| Error::InvalidArgument(format!("--codec {:?}: {e}", a.codec)))?;
+                .map_err(|e| flag_error(format!("--codec {:?}", a.codec), e))?;
             Some(d)
         }
     };

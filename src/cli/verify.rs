@@ -4,7 +4,7 @@
 //! against `MPI_Allgatherv` and the known pattern. `--mismatch` gives each rank
 //! another length and expects `SizeMismatch` on every rank.
 
-use super::bench::agree_inputs;
+use super::bench::{agree_inputs, flag_error};
 use super::{max_over_ranks, parse_list};
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
@@ -84,12 +84,12 @@ impl Report<'_> {
 /// The rank-local input phase: `--counts` and `--chunks` parsed.
 fn inputs(a: &VerifyArgs, p: usize) -> Result<(Vec<usize>, Vec<usize>)> {
     let counts = parse_list(&a.counts, |s| parse_count(s, p))
-        .map_err(|e| Error::InvalidArgument(format!("--counts {:?}: {e}", a.counts)))?;
+        .map_err(|e| flag_error(format!("--counts {:?}", a.counts), e))?;
     let chunks = parse_list(&a.chunks, |s| {
         s.parse::<usize>()
             .map_err(|_| Error::InvalidArgument(format!("bad chunk {s:?}")))
     })
-    .map_err(|e| Error::InvalidArgument(format!("--chunks {:?}: {e}", a.chunks)))?;
+    .map_err(|e| flag_error(format!("--chunks {:?}", a.chunks), e))?;
     if counts.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "--counts {:?}: no counts given",
