@@ -592,7 +592,38 @@ fn bench_allgatherv(
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{differences, median};
+
+    #[test]
+    fn differences_name_each_flag_with_both_values() {
+        let v = |x: &[(&str, &str)]| -> Vec<(String, String)> {
+            x.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        let r0 = v(&[
+            ("subcommand", "bench --op sparse"),
+            ("--layers", "2"),
+            ("--bytes", "[4]"),
+        ]);
+        assert_eq!(differences(&r0, &r0), "");
+        let r1 = v(&[
+            ("subcommand", "bench --op sparse"),
+            ("--layers", "3"),
+            ("--bytes", "[8]"),
+        ]);
+        assert_eq!(
+            differences(&r0, &r1),
+            "arguments differ from rank 0's (every rank must pass the same): \
+             --layers 3 (rank 0: 2), --bytes [8] (rank 0: [4])"
+        );
+        let other = v(&[("subcommand", "verify"), ("--counts", "[5]")]);
+        assert!(differences(&r0, &other).contains("subcommand verify (rank 0: bench --op sparse)"));
+        assert!(differences(&r0, &r0[..1]).contains("no --layers (rank 0: 2)"));
+        assert!(differences(&r0[..1], &r0).contains("--layers 2 (rank 0: none)"));
+        // Garbage from a peer (an empty list) still differs.
+        assert!(!differences(&r0, &[]).is_empty());
+    }
     #[test]
     fn median_of_odd_and_even_lengths() {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
