@@ -99,6 +99,15 @@ pub enum Error {
     /// layer table or rank.
     #[error("snapshot: {0}")]
     Snapshot(String),
+    /// An input or output file of the CLI could not be read, parsed or
+    /// written: names the file ([`Error::file`]).
+    #[error("{}: {reason}", .path.display())]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong (the I/O or parse error).
+        reason: String,
+    },
     /// I/O error (CLI and reports).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
@@ -108,6 +117,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// [`Error::File`]: `reason` (an I/O or parse error) about `path`.
+    pub fn file(path: impl AsRef<std::path::Path>, reason: impl std::fmt::Display) -> Self {
+        Error::File {
+            path: path.as_ref().to_path_buf(),
+            reason: reason.to_string(),
+        }
+    }
+
     /// Whether every rank of the communicator returns this error at the same
     /// point when one does (the failure model, [`crate::failure`]): agreed
     /// failures, table and size mismatches found by a collective check,

@@ -306,3 +306,180 @@ fn plan_and_plot_and_bad_input() {
         assert!(!ok && err.contains("gradsync"), "{args:?}: {err}");
     }
 }
+
+/// A file in a fresh temporary directory of this test (name, contents).
+fn temp_file(test: &str, name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gradsync-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let p = dir.join(name);
+    std::fs::write(&p, contents).expect("write temp file");
+    p
+}
+
+const NET: [&str; 4] = ["--alpha", "1e-6", "--bandwidth", "1e9"];
+
+#[test]
+fn layer_sizes_whose_bytes_overflow_are_errors_not_zero() {
+    // 2^62 elements: 4·n wrapped to `bytes: 0`.
+    let mut args = vec![
+        "predict",
+        "--elements",
+        "4611686018427387904",
+        "--ranks",
+        "4",
+    ];
+    args.extend(NET);
+    args.push("--json");
+    let (ok, out, err) = gradsync(&args);
+    assert!(!ok, "accepted: {out}");
+    assert!(
+        err.contains("--elements 4611686018427387904") && err.contains("do not fit"),
+        "{err}"
+    );
+    // The largest that fits is fine.
+    let max = (usize::MAX / 4).to_string();
+    let mut args = vec!["predict", "--elements", &max, "--ranks", "4"];
+    args.extend(NET);
+    args.push("--json");
+    let (ok, out, err) = gradsync(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["bytes"].as_u64(), Some((usize::MAX / 4 * 4) as u64));
+    // --bytes that are not whole f32 elements (3 bytes gave 0 elements).
+    let mut args = vec!["predict", "--bytes", "3", "--ranks", "4"];
+    args.extend(NET);
+    let (ok, _, err) = gradsync(&args);
+    assert!(
+        !ok && err.contains("--bytes 3") && err.contains("multiple of 4"),
+        "{err}"
+    );
+    // The same overflow in a layers file names the file, layer and field.
+    let f = temp_file(
+        "overflow",
+        "layers.json",
+        r#"{"layers": [{"name": "fc", "elements": 4611686018427387904}]}"#,
+    );
+    let mut args = vec!["plan", "--layers", f.to_str().unwrap(), "--ranks", "4"];
+    args.extend(NET);
+    let (ok, _, err) = gradsync(&args);
+    assert!(!ok, "accepted");
+    for want in [
+        f.to_str().unwrap(),
+        "layer 0 (\"fc\")",
+        "\"elements\"",
+        "do not fit",
+    ] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
+}
+
+#[test]
+fn file_errors_name_the_file_entry_and_field() {
+    // A missing profile: the I/O error names the path.
+    let mut args = vec!["predict", "--elements", "10", "--ranks", "4"];
+    args.extend(["--profile", "/nonexistent/gradsync-p.json"]);
+    let (ok, _, err) = gradsync(&args);
+    assert!(!ok && err.contains("/nonexistent/gradsync-p.json"), "{err}");
+    assert!(err.contains("No such file"), "{err}");
+    // A truncated profile ("EOF while parsing" without a file name).
+    let f = temp_file(
+        "files",
+        "truncated.json",
+        r#"{"version": 1, "alpha": 1e-6, "be"#,
+    );
+    let args = [
+        "predict",
+        "--elements",
+        "10",
+        "--ranks",
+        "4",
+        "--profile",
+        f.to_str().unwrap(),
+    ];
+    let (ok, _, err) = gradsync(&args);
+    assert!(!ok, "accepted");
+    assert!(
+        err.contains(f.to_str().unwrap()) && err.contains("EOF") && err.contains("profile"),
+        "{err}"
+    );
+    // A profile with a negative constant names the file and the constant.
+    let f = temp_file(
+        "files",
+        "negative.json",
+        r#"{"version": 1, "alpha": -1, "beta": 1e-9, "gamma_reduce": 0, "gamma_unpack": 0}"#,
+    );
+    let args = [
+        "predict",
+        "--elements",
+        "10",
+        "--ranks",
+        "4",
+        "--profile",
+        f.to_str().unwrap(),
+    ];
+    let (ok, _, err) = gradsync(&args);
+    assert!(
+        !ok && err.contains(f.to_str().unwrap()) && err.contains("alpha = -1"),
+        "{err}"
+    );
+    // Layers files: "data did not match any variant of untagged enum
+    // LayersFile" named neither the entry nor the field.
+    for (name, contents, wants) in [
+        (
+            "string.json",
+            r#"{"layers": [{"name": "a", "elements": 1}, {"name": "conv2", "elements": "big"}]}"#,
+            vec!["layer 1 (\"conv2\")", "field \"elements\"", "not a number"],
+        ),
+        (
+            "noname.json",
+            r#"[{"elements": 5}]"#,
+            vec!["layer 0", "missing field \"name\""],
+        ),
+        (
+            "negative.json",
+            r#"[{"name": "x", "elements": 3}, {"name": "y", "elements": -3}]"#,
+            vec![
+                "layer 1 (\"y\")",
+                "field \"elements\"",
+                "non-negative integer",
+            ],
+        ),
+        (
+            "missing.json",
+            r#"{"layers": [{"name": "fc"}]}"#,
+            vec!["layer 0 (\"fc\")", "missing field \"elements\""],
+        ),
+        (
+            "shape.json",
+            r#"{"model": "x"}"#,
+            vec!["no \"layers\" field"],
+        ),
+        (
+            "broken.json",
+            r#"{"layers": [{"name""#,
+            vec!["not a layers file", "EOF"],
+        ),
+    ] {
+        let f = temp_file("files", name, contents);
+        let mut args = vec!["plan", "--layers", f.to_str().unwrap(), "--ranks", "4"];
+        args.extend(NET);
+        let (ok, _, err) = gradsync(&args);
+        assert!(!ok, "{name} accepted");
+        assert!(err.contains(f.to_str().unwrap()), "{name}: {err}");
+        for w in wants {
+            assert!(err.contains(w), "{name}: {w:?} not in {err}");
+        }
+        assert!(!err.contains("untagged"), "{err}");
+    }
+    // A plot that cannot be written names its path.
+    let mut args = vec![
+        "crossover",
+        "--ranks",
+        "4",
+        "--plot",
+        "/nonexistent/dir/x.svg",
+    ];
+    args.extend(NET);
+    let (ok, _, err) = gradsync(&args);
+    assert!(!ok && err.contains("/nonexistent/dir/x.svg"), "{err}");
+}

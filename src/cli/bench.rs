@@ -6,9 +6,10 @@
 use super::{max_over_ranks, parse_list, parse_size};
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
-    allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
-    Workspace,
+    allgatherv, allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions,
+    Gathered, Workspace,
 };
+use crate::failure::{agree, rank_failed};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -52,16 +53,20 @@ pub struct BenchArgs {
     /// `--op sparse`: bytes of each layer (a list runs one record per size).
     #[arg(long, default_value = "16M")]
     pub bytes: String,
-    /// `--op sparse`: fraction of elements sent (codecs with a density).
-    #[arg(long, default_value_t = 0.001)]
-    pub density: f64,
+    /// `--op sparse`: fraction of elements sent, in (0, 1], for codecs with
+    /// a density (`rgc`, `rgc-quant`: `density`; `sbc`: `p`) whose `--codec`
+    /// string does not set it [default: 0.001]. A density in the codec
+    /// string is used as given; `--density` with another value is an error.
+    #[arg(long)]
+    pub density: Option<f64>,
     /// `--op sparse`: number of layers, fused into one allgatherv.
     #[arg(long, default_value_t = 1)]
     pub layers: usize,
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,
-    /// `--op sparse`: simulated compute (ms, a sleep) between start and wait.
+    /// `--op sparse`: simulated compute (ms, a sleep) between start and
+    /// wait, in [0, 3600000].
     #[arg(long, default_value_t = 0.0)]
     pub compute_ms: f64,
     /// `--op gradiveq`: slice size K.
@@ -71,13 +76,14 @@ pub struct BenchArgs {
     /// retained energy ≥ 1 − λ).
     #[arg(long, default_value_t = 0.01)]
     pub lambda: f64,
-    /// `--op gradiveq`: fixed d instead of --lambda.
+    /// `--op gradiveq`: fixed d (1..=K) instead of --lambda.
     #[arg(long)]
     pub d: Option<usize>,
     /// `--op gradiveq`: `lowrank` (synthetic) or a (steps, n) .npy of gradients.
     #[arg(long, default_value = "lowrank")]
     pub data: String,
-    /// `--op gradiveq`: aggregated samples the compressor is fitted on (L_t).
+    /// `--op gradiveq`: aggregated samples the compressor is fitted on
+    /// (L_t, at least 2).
     #[arg(long, default_value_t = 100)]
     pub lt: usize,
     /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
@@ -186,21 +192,216 @@ pub(super) fn time_interleaved(
     Ok(times)
 }
 
-pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    if a.iters == 0 {
-        return Err(Error::InvalidArgument("--iters must be at least 1".into()));
+/// Arguments that must be the same on every rank, as (flag, value) pairs
+/// (the first names the subcommand), compared by [`agree_inputs`].
+pub(super) type MustMatch = Vec<(&'static str, String)>;
+
+/// The end of a subcommand's rank-local input phase (flags parsed into
+/// values, files loaded, everything validated), and the first collective of
+/// the subcommand: every rank learns whether any rank failed, and every
+/// rank then fails alike ([`agree`]: [`Error::RankFailed`] naming the
+/// lowest failing rank and its error). Then `must_match` of the parsed
+/// inputs is compared across ranks ([`same_on_every_rank`]), so that ranks
+/// launched with different arguments (an MPMD `mpirun ... : ...`) fail
+/// alike instead of entering collectives of different lengths or
+/// different counts.
+pub(super) fn agree_inputs<T>(
+    comm: &MpiComm,
+    local: Result<T>,
+    must_match: impl FnOnce(&T) -> MustMatch,
+) -> Result<T> {
+    let v = agree(comm, local)?;
+    same_on_every_rank(comm, &must_match(&v))?;
+    Ok(v)
+}
+
+/// Collective: gathers every rank's `mine` (one small allgatherv) and
+/// returns the same [`Error::RankFailed`] on every rank when some rank's
+/// values differ from rank 0's, naming the lowest such rank and each flag
+/// that differs with both values.
+pub(super) fn same_on_every_rank(comm: &MpiComm, mine: &[(&'static str, String)]) -> Result<()> {
+    let enc = serde_json::to_vec(mine)?;
+    let g = allgatherv(comm, &enc, AllgathervAlgo::RecursiveDoubling)?;
+    let all: Vec<Vec<(String, String)>> = (0..g.len())
+        .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
+        .collect();
+    let msgs: Vec<String> = all.iter().map(|v| differences(&all[0], v)).collect();
+    rank_failed(&msgs, None).map_or(Ok(()), Err)
+}
+
+/// What differs in `theirs` from rank 0's `first`; empty when nothing does.
+fn differences(first: &[(String, String)], theirs: &[(String, String)]) -> String {
+    let mut d = Vec::new();
+    for i in 0..first.len().max(theirs.len()) {
+        match (first.get(i), theirs.get(i)) {
+            (Some((k0, v0)), Some((k, v))) if k0 == k => {
+                if v0 != v {
+                    d.push(format!("{k} {v} (rank 0: {v0})"));
+                }
+            }
+            (Some((k0, v0)), Some((k, v))) => {
+                d.push(format!("{k} {v} where rank 0 has {k0} {v0}"));
+                break;
+            }
+            (Some((k0, v0)), None) => {
+                d.push(format!("no {k0} (rank 0: {v0})"));
+                break;
+            }
+            (None, Some((k, v))) => {
+                d.push(format!("{k} {v} (rank 0: none)"));
+                break;
+            }
+            (None, None) => break,
+        }
     }
-    let sizes = parse_list(&a.sizes, parse_size)?;
-    let records = match a.op.as_str() {
-        "allreduce" => bench_allreduce(comm, a, &sizes)?,
-        "allgatherv" => bench_allgatherv(comm, a, &sizes)?,
+    if d.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "arguments differ from rank 0's (every rank must pass the same): {}",
+            d.join(", ")
+        )
+    }
+}
+
+/// `e` (a parse error of a flag's value) prefixed with the flag.
+pub(super) fn flag_error(flag: impl std::fmt::Display, e: Error) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("{flag}: {m}")),
+        e => Error::InvalidArgument(format!("{flag}: {e}")),
+    }
+}
+
+/// Longest simulated compute of `--compute-ms` (one hour).
+const MAX_COMPUTE_MS: f64 = 3_600_000.0;
+
+/// Range checks of the flags every `--op` reads or could read: `--iters`,
+/// `--compute-ms`, `--density`.
+pub(super) fn check_common(a: &BenchArgs) -> Result<()> {
+    if a.iters == 0 {
+        return Err(Error::InvalidArgument(
+            "--iters 0: must be at least 1".into(),
+        ));
+    }
+    if !(a.compute_ms >= 0.0 && a.compute_ms <= MAX_COMPUTE_MS) {
+        return Err(Error::InvalidArgument(format!(
+            "--compute-ms {}: must be a number of milliseconds in [0, {MAX_COMPUTE_MS}]",
+            a.compute_ms
+        )));
+    }
+    if let Some(d) = a.density {
+        if !(d > 0.0 && d <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "--density {d}: must lie in (0, 1]"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The common arguments every `--op` must agree on.
+pub(super) fn common_must_match(a: &BenchArgs) -> MustMatch {
+    vec![
+        ("subcommand", format!("bench --op {}", a.op)),
+        ("--iters", a.iters.to_string()),
+        ("--warmup", a.warmup.to_string()),
+        ("--check", a.check.to_string()),
+    ]
+}
+
+/// `--sizes` (or `--bytes`) parsed: a non-empty list; with `elem` > 1,
+/// every size a whole number of elements.
+pub(super) fn parse_sizes(flag: &str, s: &str, elem: usize) -> Result<Vec<usize>> {
+    let sizes = parse_list(s, parse_size).map_err(|e| flag_error(format!("{flag} {s:?}"), e))?;
+    if sizes.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "{flag} {s:?}: no sizes given"
+        )));
+    }
+    if let Some(b) = sizes.iter().find(|&&b| b % elem != 0) {
+        return Err(Error::InvalidArgument(format!(
+            "{flag}: {b} bytes is not a whole number of {elem}-byte elements (a multiple of {elem})"
+        )));
+    }
+    Ok(sizes)
+}
+
+/// The dense collectives' inputs.
+enum DenseOp {
+    Allreduce(Vec<AllreduceAlgo>),
+    Allgatherv(Vec<AllgathervAlgo>),
+}
+
+fn parse_algos<T: std::str::FromStr<Err = Error>>(
+    algo: &str,
+    all: Vec<T>,
+    known: &str,
+) -> Result<Vec<T>> {
+    let v = if algo.trim() == "all" {
+        all
+    } else {
+        parse_list(algo, str::parse).map_err(|e| flag_error(format!("--algo {algo:?}"), e))?
+    };
+    if v.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--algo {algo:?}: no algorithm given ({known} or all)"
+        )));
+    }
+    Ok(v)
+}
+
+/// The rank-local input phase of `bench --op allreduce|allgatherv`.
+fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
+    check_common(a)?;
+    match a.op.as_str() {
+        "allreduce" => Ok((
+            DenseOp::Allreduce(parse_algos(
+                &a.algo,
+                vec![
+                    AllreduceAlgo::Rabenseifner,
+                    AllreduceAlgo::Ring,
+                    AllreduceAlgo::Mpi,
+                ],
+                "rabenseifner, ring, mpi",
+            )?),
+            // f32 buffers.
+            parse_sizes("--sizes", &a.sizes, 4)?,
+        )),
+        "allgatherv" => Ok((
+            DenseOp::Allgatherv(parse_algos(
+                &a.algo,
+                vec![AllgathervAlgo::RecursiveDoubling, AllgathervAlgo::Mpi],
+                "recdbl, mpi",
+            )?),
+            parse_sizes("--sizes", &a.sizes, 1)?,
+        )),
+        other => Err(Error::InvalidArgument(format!(
+            "unknown --op {other:?} (allreduce, allgatherv, sparse, gradiveq)"
+        ))),
+    }
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    match a.op.as_str() {
         "sparse" => return super::sparse_bench::run(comm, a),
         "gradiveq" => return super::gradiveq_bench::run(comm, a),
-        other => {
-            return Err(Error::InvalidArgument(format!(
-                "unknown --op {other:?} (allreduce, allgatherv, sparse, gradiveq)"
-            )))
-        }
+        _ => {}
+    }
+    let (op, sizes) = agree_inputs(comm, dense_inputs(a), |(op, sizes)| {
+        let mut m = common_must_match(a);
+        let algos: Vec<&str> = match op {
+            DenseOp::Allreduce(v) => v.iter().map(|x| x.name()).collect(),
+            DenseOp::Allgatherv(v) => v.iter().map(|x| x.name()).collect(),
+        };
+        m.push(("--algo", algos.join(",")));
+        m.push(("--sizes", format!("{sizes:?}")));
+        m.push(("--chunk", a.chunk.to_string()));
+        m.push(("--no-validate", a.no_validate.to_string()));
+        m
+    })?;
+    let records = match op {
+        DenseOp::Allreduce(algos) => bench_allreduce(comm, a, &sizes, &algos)?,
+        DenseOp::Allgatherv(algos) => bench_allgatherv(comm, a, &sizes, &algos)?,
     };
     Ok(i32::from(records.iter().any(|r| r.check == "failed")))
 }
@@ -246,16 +447,12 @@ fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) -> Result<(
     Ok(())
 }
 
-fn bench_allreduce(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec<BenchRecord>> {
-    let algos: Vec<AllreduceAlgo> = if a.algo == "all" {
-        vec![
-            AllreduceAlgo::Rabenseifner,
-            AllreduceAlgo::Ring,
-            AllreduceAlgo::Mpi,
-        ]
-    } else {
-        parse_list(&a.algo, str::parse)?
-    };
+fn bench_allreduce(
+    comm: &MpiComm,
+    a: &BenchArgs,
+    sizes: &[usize],
+    algos: &[AllreduceAlgo],
+) -> Result<Vec<BenchRecord>> {
     let (rank, p) = (comm.rank(), comm.size());
     let opts = AllreduceOptions {
         chunk_elems: a.chunk,
@@ -274,7 +471,7 @@ fn bench_allreduce(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec
         comm.native_allreduce_sum(&input, &mut reference)
             .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))??;
         let mut checks = Vec::with_capacity(algos.len());
-        for &algo in &algos {
+        for &algo in algos {
             let check = if a.check {
                 buf.copy_from_slice(&input);
                 allreduce_with(comm, &mut buf, algo, &opts, &mut ws)?;
@@ -330,12 +527,12 @@ fn bench_allreduce(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec
     Ok(out)
 }
 
-fn bench_allgatherv(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Vec<BenchRecord>> {
-    let algos: Vec<AllgathervAlgo> = if a.algo == "all" {
-        vec![AllgathervAlgo::RecursiveDoubling, AllgathervAlgo::Mpi]
-    } else {
-        parse_list(&a.algo, str::parse)?
-    };
+fn bench_allgatherv(
+    comm: &MpiComm,
+    a: &BenchArgs,
+    sizes: &[usize],
+    algos: &[AllgathervAlgo],
+) -> Result<Vec<BenchRecord>> {
     let (rank, p) = (comm.rank(), comm.size());
     let mut out = Vec::new();
     let mut g = Gathered::default();
@@ -344,7 +541,7 @@ fn bench_allgatherv(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Ve
         let mine: Vec<u8> = (0..bytes).map(|i| (i * 7 + rank * 13) as u8).collect();
         allgatherv_with(comm, &mine, AllgathervAlgo::Mpi, &mut reference)?;
         let mut checks = Vec::with_capacity(algos.len());
-        for &algo in &algos {
+        for &algo in algos {
             let check = if a.check {
                 allgatherv_with(comm, &mine, algo, &mut g)?;
                 if any_rank(
@@ -395,7 +592,38 @@ fn bench_allgatherv(comm: &MpiComm, a: &BenchArgs, sizes: &[usize]) -> Result<Ve
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{differences, median};
+
+    #[test]
+    fn differences_name_each_flag_with_both_values() {
+        let v = |x: &[(&str, &str)]| -> Vec<(String, String)> {
+            x.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        let r0 = v(&[
+            ("subcommand", "bench --op sparse"),
+            ("--layers", "2"),
+            ("--bytes", "[4]"),
+        ]);
+        assert_eq!(differences(&r0, &r0), "");
+        let r1 = v(&[
+            ("subcommand", "bench --op sparse"),
+            ("--layers", "3"),
+            ("--bytes", "[8]"),
+        ]);
+        assert_eq!(
+            differences(&r0, &r1),
+            "arguments differ from rank 0's (every rank must pass the same): \
+             --layers 3 (rank 0: 2), --bytes [8] (rank 0: [4])"
+        );
+        let other = v(&[("subcommand", "verify"), ("--counts", "[5]")]);
+        assert!(differences(&r0, &other).contains("subcommand verify (rank 0: bench --op sparse)"));
+        assert!(differences(&r0, &r0[..1]).contains("no --layers (rank 0: 2)"));
+        assert!(differences(&r0[..1], &r0).contains("--layers 2 (rank 0: none)"));
+        // Garbage from a peer (an empty list) still differs.
+        assert!(!differences(&r0, &[]).is_empty());
+    }
     #[test]
     fn median_of_odd_and_even_lengths() {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);

@@ -12,7 +12,7 @@
 //! the check's probes share the network probes' rounds, so the model is
 //! compared with measurements taken in the same machine states.
 
-use super::bench::median;
+use super::bench::{agree_inputs, flag_error, median, parse_sizes, MustMatch};
 use super::{max_over_ranks, parse_list, parse_size, synthetic};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::comm::{LocalComm, MpiComm, Transport};
@@ -21,6 +21,7 @@ use crate::dense::{
     allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
     Workspace,
 };
+use crate::failure::agree;
 use crate::sync::{Config, GradSync, Strategy};
 use crate::{Error, Result};
 use rand::seq::SliceRandom;
@@ -42,8 +43,9 @@ pub struct CalibrateArgs {
     /// Largest layer for the local fits (bytes).
     #[arg(long, default_value = "16M")]
     pub max_bytes: String,
-    /// Least number of measurement rounds (each round times every probe
-    /// 3 times after a warm-up call; interquartile means over the rounds).
+    /// Least number of measurement rounds, at least 3 (each round times
+    /// every probe 3 times after a warm-up call; interquartile means over
+    /// the rounds).
     #[arg(long, default_value_t = 7)]
     pub reps: usize,
     /// Free-form note stored in the profile (e.g. "netem 1gbit").
@@ -252,16 +254,101 @@ fn sizes_up_to(max_bytes: usize) -> Vec<usize> {
     v
 }
 
-pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
-    let p = comm.size();
-    let densities = parse_list(&a.densities, |s| {
-        s.parse::<f64>()
+/// `--densities`: a non-empty list of numbers in (0, 1].
+fn parse_densities(s: &str) -> Result<Vec<f64>> {
+    let v = parse_list(s, |x| {
+        x.parse::<f64>()
             .ok()
             .filter(|d| *d > 0.0 && *d <= 1.0)
-            .ok_or_else(|| Error::InvalidArgument(format!("bad density {s:?}")))
-    })?;
-    let max_bytes = parse_size(&a.max_bytes)?;
-    let reps = a.reps.max(3);
+            .ok_or_else(|| Error::InvalidArgument(format!("density {x:?} is not in (0, 1]")))
+    })
+    .map_err(|e| flag_error(format!("--densities {s:?}"), e))?;
+    if v.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--densities {s:?}: no densities given"
+        )));
+    }
+    Ok(v)
+}
+
+/// `--min-seconds`: finite and ≥ 0.
+fn check_min_seconds(s: f64) -> Result<()> {
+    if s.is_finite() && s >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "--min-seconds {s}: must be a finite number of seconds ≥ 0"
+        )))
+    }
+}
+
+/// Least rounds of `calibrate --reps` and `model-check --iters`: an
+/// interquartile mean needs a few samples.
+const MIN_ROUNDS: usize = 3;
+
+/// Fails now, naming the file, if the profile cannot be written to `out`
+/// (rather than after minutes of measuring). Leaves an existing file as it
+/// is and no new file behind.
+fn check_writable(out: &std::path::Path) -> Result<()> {
+    let existed = out.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(out)
+        .map_err(|e| Error::file(out, format!("--out: cannot write the profile: {e}")))?;
+    if !existed {
+        std::fs::remove_file(out)
+            .map_err(|e| Error::file(out, format!("--out: cannot remove the test file: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The rank-local input phase of `calibrate`: (densities, max bytes).
+fn calibrate_inputs(a: &CalibrateArgs, rank: usize, p: usize) -> Result<(Vec<f64>, usize)> {
+    if p < 2 {
+        return Err(Error::InvalidArgument(format!(
+            "calibrate needs at least 2 ranks (it runs on {p}): a profile's alpha and beta are \
+             measured between ranks; run it under mpirun -np 2 or more"
+        )));
+    }
+    let densities = parse_densities(&a.densities)?;
+    let max_bytes = parse_size(&a.max_bytes).map_err(|e| flag_error("--max-bytes", e))?;
+    if sizes_up_to(max_bytes).is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--max-bytes {}: must be at least 64K (the smallest layer of the local fits)",
+            a.max_bytes
+        )));
+    }
+    if a.reps < MIN_ROUNDS {
+        return Err(Error::InvalidArgument(format!(
+            "--reps {}: must be at least {MIN_ROUNDS}",
+            a.reps
+        )));
+    }
+    check_min_seconds(a.min_seconds)?;
+    if rank == 0 {
+        check_writable(&a.out)?;
+    }
+    Ok((densities, max_bytes))
+}
+
+pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
+    let p = comm.size();
+    let (densities, max_bytes) = agree_inputs(
+        comm,
+        calibrate_inputs(a, comm.rank(), p),
+        |(densities, max_bytes)| {
+            vec![
+                ("subcommand", "calibrate".to_string()),
+                ("--densities", format!("{densities:?}")),
+                ("--max-bytes", max_bytes.to_string()),
+                ("--reps", a.reps.to_string()),
+                ("--min-seconds", a.min_seconds.to_string()),
+                ("--check", a.check.to_string()),
+            ]
+        },
+    )?;
+    let reps = a.reps;
     let ns = sizes_up_to(max_bytes);
     // A few small messages for α, then every power of two of the layer
     // range (32 KiB .. --max-bytes).
@@ -543,8 +630,16 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         },
     };
     profile.validate()?;
+    // Every rank learns whether rank 0 could write it.
+    agree(
+        comm,
+        if comm.rank() == 0 {
+            profile.save(&a.out)
+        } else {
+            Ok(())
+        },
+    )?;
     if comm.rank() == 0 {
-        profile.save(&a.out)?;
         eprintln!(
             "calibrate: alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s), gamma_reduce {:.3e} s/B, gamma_unpack {:.3e} s/B, {nrounds} rounds -> {}",
             alpha,
@@ -684,13 +779,43 @@ const STATE_PROBE_BYTES: usize = 65536;
 
 const CHECKED: [&str; 3] = ["dense-rabenseifner", "dense-ring", "sparse-allgather"];
 
-pub(super) fn run_model_check(comm: &MpiComm, a: &ModelCheckArgs) -> Result<i32> {
+/// The rank-local input phase of `model-check`: (profile, sizes, densities).
+fn model_check_inputs(a: &ModelCheckArgs) -> Result<(Profile, Vec<usize>, Vec<f64>)> {
     let prof = Profile::load(&a.profile)?;
-    let sizes = parse_list(&a.sizes, parse_size)?;
-    let densities = parse_list(&a.densities, |s| {
-        s.parse::<f64>()
-            .map_err(|e| Error::InvalidArgument(format!("density {s:?}: {e}")))
-    })?;
+    let sizes = parse_sizes("--sizes", &a.sizes, 4)?;
+    if sizes.contains(&0) {
+        return Err(Error::InvalidArgument(
+            "--sizes: a layer needs at least one element (4 bytes)".into(),
+        ));
+    }
+    let densities = parse_densities(&a.densities)?;
+    if a.iters < MIN_ROUNDS {
+        return Err(Error::InvalidArgument(format!(
+            "--iters {}: must be at least {MIN_ROUNDS}",
+            a.iters
+        )));
+    }
+    check_min_seconds(a.min_seconds)?;
+    Ok((prof, sizes, densities))
+}
+
+pub(super) fn run_model_check(comm: &MpiComm, a: &ModelCheckArgs) -> Result<i32> {
+    let (prof, sizes, densities) =
+        agree_inputs(comm, model_check_inputs(a), |(prof, sizes, densities)| {
+            use std::hash::{Hash, Hasher};
+            // Fixed keys: the same on every rank.
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            serde_json::to_string(prof).unwrap_or_default().hash(&mut h);
+            let m: MustMatch = vec![
+                ("subcommand", "model-check".to_string()),
+                ("--profile (contents hash)", format!("{:016x}", h.finish())),
+                ("--sizes", format!("{sizes:?}")),
+                ("--densities", format!("{densities:?}")),
+                ("--iters", a.iters.to_string()),
+                ("--min-seconds", a.min_seconds.to_string()),
+            ];
+            m
+        })?;
     model_check(
         comm,
         &prof,
@@ -769,7 +894,7 @@ fn model_check(
     json: bool,
 ) -> Result<CheckSummary> {
     let mut probes = check_probes(comm, sizes, densities)?;
-    let (med, _) = rounds(comm, &mut probes, iters.max(3), min_seconds, 2, |_, _| {})?;
+    let (med, _) = rounds(comm, &mut probes, iters, min_seconds, 2, |_, _| {})?;
     drop(probes);
     check_report(comm, prof, sizes, densities, &med, json)
 }

@@ -15,7 +15,10 @@
 //! `(steps, n)` array of real gradients: the first `--lt` rows train the
 //! compressor, rank `r` compresses row `lt + r` (wrapping).
 
-use super::bench::{median, time_interleaved, timed, BenchArgs};
+use super::bench::{
+    agree_inputs, check_common, common_must_match, flag_error, median, time_interleaved, timed,
+    BenchArgs,
+};
 use super::{max_over_ranks, parse_size, read_npy};
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
@@ -107,18 +110,48 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
-pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let (rank, p) = (comm.rank(), comm.size());
-    let k = a.k;
-    let lt = a.lt.max(2);
+/// This rank's samples of the first slice (`lt · k`), its gradient, and
+/// the data source's name.
+type Data = (Vec<f32>, Vec<f32>, String);
+
+/// The rank-local input phase: flags checked, the data synthesized or read.
+fn inputs(a: &BenchArgs, rank: usize, p: usize) -> Result<(Dim, Data)> {
+    check_common(a)?;
+    let (k, lt) = (a.k, a.lt);
+    if k == 0 {
+        return Err(Error::InvalidArgument("--k 0: must be at least 1".into()));
+    }
+    if lt < 2 {
+        return Err(Error::InvalidArgument(format!(
+            "--lt {lt}: the compressor is fitted on at least 2 samples"
+        )));
+    }
     let dim = match a.d {
+        Some(d) if d == 0 || d > k => {
+            return Err(Error::InvalidArgument(format!(
+                "--d {d}: must lie in 1..={k} (1..=--k)"
+            )))
+        }
         Some(d) => Dim::Fixed(d),
+        None if !(0.0..1.0).contains(&a.lambda) => {
+            return Err(Error::InvalidArgument(format!(
+                "--lambda {}: must lie in [0, 1)",
+                a.lambda
+            )))
+        }
         None => Dim::Lambda(a.lambda),
     };
     // Samples of the first slice (this rank's) and this rank's gradient.
-    let (mut samples, g, data) = if a.data == "lowrank" {
-        let n = parse_size(&a.bytes)? / 4;
-        if n < k || k == 0 {
+    let data = if a.data == "lowrank" {
+        let bytes = parse_size(&a.bytes).map_err(|e| flag_error("--bytes", e))?;
+        if bytes % 4 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "--bytes {}: {bytes} bytes is not a whole number of f32 elements (a multiple of 4)",
+                a.bytes
+            )));
+        }
+        let n = bytes / 4;
+        if n < k {
             return Err(Error::InvalidArgument(format!(
                 "--bytes gives {n} elements, fewer than --k {k}"
             )));
@@ -132,7 +165,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let g = lowrank(&basis, k, d0, n, 1_000_000 + rank as u64);
         (s, g, "lowrank".to_string())
     } else {
-        let (shape, v) = read_npy(std::path::Path::new(&a.data))?;
+        let path = std::path::Path::new(&a.data);
+        let (shape, v) = read_npy(path).map_err(|e| match e {
+            // The reader's I/O errors do not name the file.
+            Error::Io(e) => Error::file(path, format!("--data: {e}")),
+            e => e,
+        })?;
         if shape.len() < 2 || shape[0] <= lt {
             return Err(Error::InvalidArgument(format!(
                 "{}: need a (steps, n) array with more than --lt {lt} steps, got {shape:?}",
@@ -153,6 +191,20 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let row = lt + rank % (shape[0] - lt);
         (s, v[row * n..(row + 1) * n].to_vec(), a.data.clone())
     };
+    Ok((dim, data))
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let (k, lt) = (a.k, a.lt);
+    let (dim, (mut samples, g, data)) = agree_inputs(comm, inputs(a, rank, p), |(dim, d)| {
+        let mut m = common_must_match(a);
+        m.push(("--k", k.to_string()));
+        m.push(("--lt", lt.to_string()));
+        m.push(("--d/--lambda", format!("{dim:?}")));
+        m.push(("layer elements (--bytes or --data)", d.1.len().to_string()));
+        m
+    })?;
     let n = g.len();
     // Aggregate the samples (sum over ranks), identically on every rank.
     rabenseifner_allreduce(comm, &mut samples, &AllreduceOptions::default())?;

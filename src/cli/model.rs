@@ -132,10 +132,33 @@ pub struct PredictRecord {
 
 fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
     match (e, b) {
-        (Some(e), _) => Ok(e),
-        (None, Some(b)) => Ok(parse_size(b)? / 4),
+        (Some(e), _) => {
+            layer_bytes(e).map_err(|m| Error::InvalidArgument(format!("--elements {e}: {m}")))?;
+            Ok(e)
+        }
+        (None, Some(b)) => {
+            let bytes = parse_size(b)?;
+            if bytes % 4 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "--bytes {b}: {bytes} bytes is not a whole number of f32 elements \
+                     (a multiple of 4)"
+                )));
+            }
+            Ok(bytes / 4)
+        }
         _ => Err(Error::InvalidArgument("give --elements or --bytes".into())),
     }
+}
+
+/// Bytes of a layer of `n` f32 elements, or why it has no byte size
+/// (`4·n` overflows).
+pub(crate) fn layer_bytes(n: usize) -> std::result::Result<usize, String> {
+    n.checked_mul(4).ok_or_else(|| {
+        format!(
+            "{n} f32 elements do not fit in memory (at most {} elements)",
+            usize::MAX / 4
+        )
+    })
 }
 
 /// Prediction record for one layer.
@@ -146,6 +169,7 @@ pub fn predict_record(
     p: usize,
     d: f64,
 ) -> Result<PredictRecord> {
+    layer_bytes(n).map_err(Error::InvalidArgument)?;
     let preds = cost::predict(
         prof,
         &Query {
@@ -161,7 +185,7 @@ pub fn predict_record(
         .unwrap_or_default();
     Ok(PredictRecord {
         elements: n,
-        bytes: 4 * n,
+        bytes: layer_bytes(n).map_err(Error::InvalidArgument)?,
         ranks: p,
         density: d,
         strategies: preds,
@@ -231,24 +255,62 @@ pub struct LayerSpec {
     pub elements: usize,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum LayersFile {
-    Wrapped { layers: Vec<LayerSpec> },
-    Bare(Vec<LayerSpec>),
-}
-
-/// Read a layers file.
+/// Read a layers file. Every error ([`Error::File`]) names the file and,
+/// for a bad entry, its index, its name when it has one, and the field.
 pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
-    let f: LayersFile = serde_json::from_slice(&std::fs::read(path)?).map_err(|e| {
-        Error::InvalidArgument(format!(
-            "{}: not a layers file ({e}); expected {{\"layers\": [{{\"name\", \"elements\"}}]}}",
-            path.display()
-        ))
-    })?;
-    Ok(match f {
-        LayersFile::Wrapped { layers } | LayersFile::Bare(layers) => layers,
-    })
+    use serde_json::Value;
+    const SHAPE: &str =
+        "expected {\"layers\": [{\"name\": ..., \"elements\": ...}, ...]} or a bare array";
+    let bad = |m: String| Error::file(path, m);
+    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read layers file: {e}")))?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| bad(format!("not a layers file: {e}; {SHAPE}")))?;
+    let entries = match &v {
+        Value::Array(a) => a,
+        Value::Object(o) => match o.get("layers") {
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(bad(format!("\"layers\" is not an array; {SHAPE}"))),
+            None => return Err(bad(format!("no \"layers\" field; {SHAPE}"))),
+        },
+        _ => return Err(bad(format!("not a layers file; {SHAPE}"))),
+    };
+    let mut out = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        let Value::Object(o) = e else {
+            return Err(bad(format!(
+                "layer {i}: not an object {{\"name\": ..., \"elements\": ...}}"
+            )));
+        };
+        let name = match o.get("name") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => {
+                return Err(bad(format!(
+                    "layer {i}: field \"name\" is {other}, not a string"
+                )))
+            }
+            None => return Err(bad(format!("layer {i}: missing field \"name\""))),
+        };
+        let at = format!("layer {i} ({name:?})");
+        let elements = match o.get("elements") {
+            Some(Value::Number(x)) => x
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "{at}: field \"elements\" is {x}, not a non-negative integer"
+                    ))
+                })?,
+            Some(other) => {
+                return Err(bad(format!(
+                    "{at}: field \"elements\" is {other}, not a number"
+                )))
+            }
+            None => return Err(bad(format!("{at}: missing field \"elements\""))),
+        };
+        layer_bytes(elements).map_err(|m| bad(format!("{at}: field \"elements\": {m}")))?;
+        out.push(LayerSpec { name, elements });
+    }
+    Ok(out)
 }
 
 /// `gradsync plan --json` output.
@@ -462,7 +524,7 @@ fn plot(
     cross: Option<usize>,
 ) -> Result<()> {
     use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| Error::Io(std::io::Error::other(format!("plot: {e}")));
+    let err = |e: &dyn std::fmt::Display| Error::file(path, format!("cannot write plot: {e}"));
     let sizes: Vec<usize> = (0..)
         .map(|i| 1usize << i)
         .take_while(|&n| n <= max_n)

@@ -9,10 +9,14 @@
 //! then `wait`; with `--overlap` the communication runs behind that compute
 //! on the engine's progress thread.
 
-use super::bench::{median, time_interleaved, timed, BenchArgs};
-use super::{max_over_ranks, parse_list, parse_size, synthetic};
+use super::bench::{
+    agree_inputs, check_common, common_must_match, flag_error, median, parse_sizes,
+    time_interleaved, timed, BenchArgs,
+};
+use super::{max_over_ranks, synthetic};
 use crate::codec::CodecConfig;
 use crate::comm::{MpiComm, Transport};
+use crate::dense::AllgathervAlgo;
 use crate::sync::{Config, GradSync, LayerId, Strategy};
 use crate::{Error, Result};
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
@@ -31,8 +35,8 @@ pub struct SparseRecord {
     pub ranks: usize,
     /// Bytes of each layer (f32 gradient).
     pub bytes: usize,
-    /// Requested density (codecs with a density parameter).
-    pub density: f64,
+    /// Density used (codecs with a density parameter; `null` for others).
+    pub density: Option<f64>,
     /// Number of layers (fused into one allgatherv).
     pub layers: usize,
     /// Timed iterations.
@@ -71,11 +75,147 @@ pub struct SparseRecord {
     pub check: String,
 }
 
+/// Default of `--density` (for codecs whose string sets none).
+const DEFAULT_DENSITY: f64 = 0.001;
+
+/// `bench --op sparse`'s arguments, parsed and validated.
+struct Inputs {
+    /// Layer sizes (bytes, multiples of 4).
+    sizes: Vec<usize>,
+    /// The layers' strategy (`Dense` for `--codec dense`).
+    strategy: Strategy,
+    /// The density used, for codecs with one.
+    density: Option<f64>,
+    allgather: AllgathervAlgo,
+    compute: std::time::Duration,
+}
+
+/// The parameter of `codec` that is its density, if it has one.
+fn density_key(codec: &CodecConfig) -> Option<&'static str> {
+    match codec {
+        CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. } => Some("density"),
+        CodecConfig::Sbc { .. } => Some("p"),
+        _ => None,
+    }
+}
+
+/// The rank-local input phase. The density: one given in the codec string
+/// (`rgc:density=0.5`) is used as given; `--density` applies to a codec
+/// string without one (default 0.001); both given and different is an
+/// error. `--density` with a codec that has no density is ignored with a
+/// warning.
+fn inputs(a: &BenchArgs) -> Result<Inputs> {
+    check_common(a)?;
+    if a.layers == 0 {
+        return Err(Error::InvalidArgument(
+            "--layers 0: must be at least 1".into(),
+        ));
+    }
+    let sizes = parse_sizes("--bytes", &a.bytes, 4)?;
+    if sizes.contains(&0) {
+        return Err(Error::InvalidArgument(
+            "--bytes: a layer needs at least one element (4 bytes)".into(),
+        ));
+    }
+    let allgather: AllgathervAlgo = a
+        .allgather
+        .parse()
+        .map_err(|e| flag_error(format!("--allgather {:?}", a.allgather), e))?;
+    let compute = std::time::Duration::from_secs_f64(a.compute_ms / 1e3);
+    // `dense`: the engine's fused Rabenseifner path (for overlap runs).
+    if a.codec == "dense" {
+        if let Some(d) = a.density {
+            log::warn!("--density {d} does not apply to --codec dense; ignored");
+        }
+        return Ok(Inputs {
+            sizes,
+            strategy: Strategy::Dense,
+            density: None,
+            allgather,
+            compute,
+        });
+    }
+    let mut codec: CodecConfig = a.codec.parse().map_err(|e| flag_error("--codec", e))?;
+    let density = match density_key(&codec) {
+        None => {
+            if let Some(d) = a.density {
+                log::warn!(
+                    "--density {d} does not apply to codec {} (it has no density); ignored",
+                    codec.name()
+                );
+            }
+            None
+        }
+        Some(key) => {
+            let given = a.codec.split_once(':').and_then(|(_, params)| {
+                params
+                    .split(',')
+                    .filter_map(|kv| kv.split_once('='))
+                    .find(|(k, _)| k.trim() == key)
+            });
+            let d = match (given, a.density) {
+                (Some(_), Some(flag)) => {
+                    let in_codec = codec_density(&codec);
+                    if in_codec != flag {
+                        return Err(Error::InvalidArgument(format!(
+                            "--codec {:?} sets {key}={in_codec} but --density is {flag}: \
+                             give the density once",
+                            a.codec
+                        )));
+                    }
+                    flag
+                }
+                (Some(_), None) => codec_density(&codec),
+                (None, flag) => flag.unwrap_or(DEFAULT_DENSITY),
+            };
+            match &mut codec {
+                CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => {
+                    *density = d
+                }
+                CodecConfig::Sbc { p } => *p = d,
+                _ => {}
+            }
+            // Validates the density (and every other parameter).
+            codec
+                .build()
+                .map_err(|e| flag_error(format!("--codec {:?}", a.codec), e))?;
+            Some(d)
+        }
+    };
+    Ok(Inputs {
+        sizes,
+        strategy: Strategy::Sparse {
+            codec,
+            density: None,
+        },
+        density,
+        allgather,
+        compute,
+    })
+}
+
+/// The density parameter of a codec with one ([`density_key`]).
+fn codec_density(c: &CodecConfig) -> f64 {
+    match c {
+        CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => *density,
+        CodecConfig::Sbc { p } => *p,
+        _ => f64::NAN,
+    }
+}
+
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let sizes = parse_list(&a.bytes, parse_size)?;
+    let inp = agree_inputs(comm, inputs(a), |i| {
+        let mut m = common_must_match(a);
+        m.push(("--codec", strategy_params(&i.strategy)));
+        m.push(("--bytes", format!("{:?}", i.sizes)));
+        m.push(("--layers", a.layers.to_string()));
+        m.push(("--allgather", i.allgather.name().to_string()));
+        m.push(("--overlap", a.overlap.to_string()));
+        m
+    })?;
     let mut failed = false;
-    for (i, &bytes) in sizes.iter().enumerate() {
-        let rec = one(comm, a, bytes)?;
+    for (i, &bytes) in inp.sizes.iter().enumerate() {
+        let rec = one(comm, a, &inp, bytes)?;
         failed |= rec.check == "failed";
         if comm.rank() == 0 {
             if a.json {
@@ -93,7 +233,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                     rec.codec,
                     rec.ranks,
                     rec.bytes,
-                    rec.density,
+                    rec.density.map_or("-".to_string(), |d| d.to_string()),
                     rec.layers,
                     rec.median_s * 1e6,
                     rec.dense_mpi_median_s * 1e6,
@@ -111,44 +251,17 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     Ok(i32::from(failed))
 }
 
-fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
-    if a.layers == 0 {
-        return Err(Error::InvalidArgument("--layers must be at least 1".into()));
-    }
-    if !(a.density > 0.0 && a.density <= 1.0) {
-        return Err(Error::InvalidArgument(format!(
-            "--density {} must lie in (0, 1]",
-            a.density
-        )));
-    }
-    // `dense`: the engine's fused Rabenseifner path (for overlap runs).
-    let dense_layers = a.codec == "dense";
-    let codec: CodecConfig = if dense_layers {
-        CodecConfig::None
-    } else {
-        a.codec.parse()?
-    };
-    let has_density = matches!(
-        codec,
-        CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. } | CodecConfig::Sbc { .. }
-    );
+fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<SparseRecord> {
+    let strategy = inp.strategy.clone();
     let world = comm.communicator();
     let (rank, p) = (comm.rank(), comm.size());
     let n = bytes / 4;
     let cfg = Config {
         overlap: a.overlap,
-        allgather: a.allgather.parse()?,
+        allgather: inp.allgather,
         ..Config::default()
     };
     let mut s = GradSync::new(world, cfg)?;
-    let strategy = if dense_layers {
-        Strategy::Dense
-    } else {
-        Strategy::Sparse {
-            codec: codec.clone(),
-            density: has_density.then_some(a.density),
-        }
-    };
     let ids: Vec<LayerId> = (0..a.layers)
         .map(|l| s.register_with(&format!("layer{l}"), &[n], strategy.clone()))
         .collect::<Result<_>>()?;
@@ -174,7 +287,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
                 w.copy_from_slice(i);
             }
             let mut st = None;
-            let compute = std::time::Duration::from_secs_f64(a.compute_ms.max(0.0) / 1e3);
+            let compute = inp.compute;
             let t = timed(comm, || {
                 {
                     let view: Vec<&[f32]> = work.iter().map(|w| &w[..]).collect();
@@ -219,15 +332,14 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
     let med = median(t);
     Ok(SparseRecord {
         op: "sparse".into(),
-        codec: if dense_layers {
-            "dense".into()
-        } else {
-            codec.name()
+        codec: match &strategy {
+            Strategy::Sparse { codec, .. } => codec.name(),
+            _ => "dense".into(),
         },
         codec_params: strategy_params(&strategy),
         ranks: p,
         bytes: n * 4,
-        density: a.density,
+        density: inp.density,
         layers: a.layers,
         iters: a.iters,
         median_s: med,
@@ -240,7 +352,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, bytes: usize) -> Result<SparseRecord> {
         pack_s: med_parts[1],
         allgather_s: med_parts[2],
         unpack_s: med_parts[3],
-        allgather: a.allgather.clone(),
+        allgather: inp.allgather.name().into(),
         overlap: a.overlap,
         compute_s: a.compute_ms / 1e3,
         wait_s: wait[0],

@@ -4,6 +4,7 @@
 //! against `MPI_Allgatherv` and the known pattern. `--mismatch` gives each rank
 //! another length and expects `SizeMismatch` on every rank.
 
+use super::bench::{agree_inputs, flag_error};
 use super::{max_over_ranks, parse_list};
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
@@ -38,8 +39,10 @@ fn parse_count(s: &str, p: usize) -> Result<usize> {
         let (sign, num) = rest.split_at(1);
         let k: usize = num.parse().map_err(|_| bad())?;
         return match sign {
-            "+" => Ok(p + k),
-            "-" => Ok(p.saturating_sub(k)),
+            "+" => p.checked_add(k).ok_or_else(bad),
+            "-" => p.checked_sub(k).ok_or_else(|| {
+                Error::InvalidArgument(format!("count {s:?} is negative with {p} ranks"))
+            }),
             _ => Err(bad()),
         };
     }
@@ -78,12 +81,39 @@ impl Report<'_> {
     }
 }
 
-pub(super) fn run(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
-    let p = comm.size();
-    let counts = parse_list(&a.counts, |s| parse_count(s, p))?;
+/// The rank-local input phase: `--counts` and `--chunks` parsed.
+fn inputs(a: &VerifyArgs, p: usize) -> Result<(Vec<usize>, Vec<usize>)> {
+    let counts = parse_list(&a.counts, |s| parse_count(s, p))
+        .map_err(|e| flag_error(format!("--counts {:?}", a.counts), e))?;
     let chunks = parse_list(&a.chunks, |s| {
         s.parse::<usize>()
             .map_err(|_| Error::InvalidArgument(format!("bad chunk {s:?}")))
+    })
+    .map_err(|e| flag_error(format!("--chunks {:?}", a.chunks), e))?;
+    if counts.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--counts {:?}: no counts given",
+            a.counts
+        )));
+    }
+    if chunks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--chunks {:?}: no chunk sizes given",
+            a.chunks
+        )));
+    }
+    Ok((counts, chunks))
+}
+
+pub(super) fn run(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
+    let p = comm.size();
+    let (counts, chunks) = agree_inputs(comm, inputs(a, p), |(counts, chunks)| {
+        vec![
+            ("subcommand", "verify".to_string()),
+            ("--counts", format!("{counts:?}")),
+            ("--chunks", format!("{chunks:?}")),
+            ("--mismatch", a.mismatch.to_string()),
+        ]
     })?;
     let mut rep = Report {
         comm,

@@ -406,17 +406,25 @@ impl Profile {
         }
     }
 
-    /// Read a JSON profile.
+    /// Read a JSON profile. Every error ([`Error::File`]) names the file:
+    /// unreadable, not a profile (truncated, a field of the wrong type), or
+    /// constants out of range.
     pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
-        let p: Profile = serde_json::from_slice(&std::fs::read(path)?)?;
-        p.validate()?;
+        let path = path.as_ref();
+        let bytes = std::fs::read(path)
+            .map_err(|e| Error::file(path, format!("cannot read profile: {e}")))?;
+        let p: Profile = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::file(path, format!("not a gradsync profile: {e}")))?;
+        p.validate()
+            .map_err(|e| Error::file(path, format!("bad profile: {e}")))?;
         Ok(p)
     }
 
-    /// Write as pretty JSON.
+    /// Write as pretty JSON (errors name the file).
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        std::fs::write(path, serde_json::to_vec_pretty(self)?)?;
-        Ok(())
+        let path = path.as_ref();
+        std::fs::write(path, serde_json::to_vec_pretty(self)?)
+            .map_err(|e| Error::file(path, format!("cannot write profile: {e}")))
     }
 
     /// β at a message of `m` bytes (the curve if there is one).
