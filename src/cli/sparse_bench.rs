@@ -71,7 +71,9 @@ pub struct SparseRecord {
     /// Median time `wait` blocked for communication, seconds (≈ 0 when the
     /// communication was hidden behind the compute).
     pub wait_s: f64,
-    /// "ok", "failed" or "skipped".
+    /// "ok", "failed" (result differs from the reference), "starved" (a
+    /// layer sent nothing for `STARVED_STEPS` consecutive steps, or for every
+    /// step of a shorter run, while its residual grew) or "skipped".
     pub check: String,
 }
 
@@ -216,7 +218,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let mut failed = false;
     for (i, &bytes) in inp.sizes.iter().enumerate() {
         let rec = one(comm, a, &inp, bytes)?;
-        failed |= rec.check == "failed";
+        failed |= rec.check != "ok" && rec.check != "skipped";
         if comm.rank() == 0 {
             if a.json {
                 println!("{}", serde_json::to_string(&rec)?);
@@ -276,6 +278,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
     let mut wire = 0usize;
     let mut sent = 0.0;
     let mut waits = Vec::new();
+    let mut steps = 0u64;
     let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
         if k == 0 {
             timed(comm, || {
@@ -303,6 +306,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
                 Ok(())
             })?;
             let st = st.expect("sync ran");
+            steps += 1;
             waits.push(st.wait_s);
             parts[0].push(st.select_s);
             parts[1].push(st.pack_s);
@@ -323,7 +327,12 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
     max_over_ranks(comm, &mut med_parts);
     max_over_ranks(comm, &mut wait);
     let check = if a.check {
-        check(comm, &mut s, &ids, &input)?
+        let c = check(comm, &mut s, &ids, &input)?;
+        if starved(comm, &s, steps + 1) {
+            "starved"
+        } else {
+            c
+        }
     } else {
         "skipped"
     };
@@ -377,6 +386,31 @@ fn strategy_params(s: &Strategy) -> String {
         }
         Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => String::new(),
     }
+}
+
+/// Whether a layer on any rank sent nothing for
+/// [`STARVED_STEPS`](crate::codec::STARVED_STEPS) consecutive steps (or all
+/// `steps` of a shorter run) while its residual was not zero; names them on
+/// stderr.
+fn starved(comm: &MpiComm, s: &GradSync, steps: u64) -> bool {
+    let lim = crate::codec::STARVED_STEPS.min(steps.max(1));
+    let names: Vec<String> = s
+        .last_stats()
+        .layers
+        .iter()
+        .filter(|l| l.starved_steps >= lim)
+        .map(|l| format!("{:?} ({} steps)", l.name, l.starved_steps))
+        .collect();
+    if !names.is_empty() {
+        eprintln!(
+            "gradsync bench: rank {}: layer {} sent nothing while its residual grew: it starves",
+            comm.rank(),
+            names.join(", ")
+        );
+    }
+    let mut v = [f64::from(u8::from(!names.is_empty()))];
+    max_over_ranks(comm, &mut v);
+    v[0] > 0.0
 }
 
 /// One more step; the result must equal `MPI_Allreduce` of every rank's

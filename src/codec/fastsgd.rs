@@ -38,11 +38,49 @@
 //! decoded as `sum / b` instead of `sum`, still an underestimate inside the
 //! bound below. The decoder returns `±sum · b^-max(L,1)`.
 //!
+//! # A threshold that cannot starve (deviation from the paper)
+//!
+//! The paper's filter keeps nothing when `Σ|x| > b^τ · max|x|`, which dense
+//! tensors of more than about `b^τ` elements (`1.1^128 ≈ 196 000`) reach
+//! under error feedback: the residual's sum grows faster than its maximum,
+//! and the layer then sends nothing, for ever (issue #11). FastSGD is meant
+//! for sparse gradients, where `Σ|x|` runs over the few values sent. So
+//! gradsync encodes against a reference sum `S` in place of `Σ|x|` (levels
+//! `L_i = ceil(log_b(S/|x_i|))`, kept iff `|x_i| ≥ S/b^τ`, `S` on the wire
+//! where the paper puts `sum`; the decoder is unchanged):
+//!
+//! * `S = Σ|x|`, the paper's, whenever that keeps every nonzero
+//!   (`Σ|x| · b^-τ ≤ min_{x_i ≠ 0}|x_i|`; sparse gradients, the paper's
+//!   case): the output is then exactly the paper's, and `S` is the sum over
+//!   what is sent;
+//! * otherwise `S = Σ_{|x_i| ≥ max·b^-j} |x_i|`, the sum over the set of
+//!   elements within `b^j` of the maximum, for the largest `j ∈ 0..=τ` whose
+//!   whole set passes the threshold it implies (`S·b^-τ ≤ max·b^-j`): the
+//!   paper's `Σ|x|` over (at least) what is sent. `S ≤ Σ|x|`, so this keeps
+//!   a superset of what the paper keeps (e.g. 15–20% of a dense N(0,1)
+//!   residual of 1.5M elements, where the paper keeps nothing, and the
+//!   residual stays bounded);
+//! * if no `j` qualifies (more than `b^τ` elements equal the maximum),
+//!   `S = max·b^τ` (rounded down until `S·b^-τ ≤ max`), which keeps the
+//!   elements equal to the maximum.
+//!
+//! The maximum is therefore always kept. `fastsgd:paper=true` keeps the
+//! paper's `S = Σ|x|` in every case (to reproduce it; it can starve).
+//!
+//! # Error feedback
+//!
+//! Every element's error is at most its magnitude (kept: `|x|/b ≤ |decoded|
+//! ≤ |x|`; dropped: decoded 0), and the maximum is always kept, so
+//! `‖x − C(x)‖² ≤ ‖x‖² − (1 − (1 − 1/b)²)·max² ≤ (1 − (2b − 1)/(b²n))‖x‖²`:
+//! contractive, full error feedback is bounded. With `paper=true` the codec
+//! is only non-expansive (`‖x − C(x)‖ ≤ ‖x‖`): the residual cannot grow
+//! geometrically but a layer can starve, which the engine flags.
+//!
 //! # Wire format (after the common header)
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 8 | `sum`, f64 LE (f64, not f32: `Σ|x|` can exceed `f32::MAX`) |
+//! | 8 | `sum`: the reference sum `S`, f64 LE (f64, not f32: `Σ|x|` can exceed `f32::MAX`) |
 //! | 8 | `b`, f64 LE (finite, `> 1`) |
 //! | 1 | `τ` (`≤ 128`) |
 //! | 1 | `l` (`1..=4`) |
@@ -79,6 +117,8 @@ pub struct FastSgd {
     b: f64,
     tau: u32,
     l: u32,
+    /// The paper's `S = Σ|x|` even where it keeps nothing.
+    paper: bool,
     /// Reused buffer of key deltas.
     deltas: Vec<u64>,
 }
@@ -106,9 +146,58 @@ impl FastSgd {
             b,
             tau,
             l,
+            paper: false,
             deltas: Vec::new(),
         })
     }
+
+    /// Use the paper's threshold `Σ|x|/b^τ` in every case (it can keep
+    /// nothing; see the module docs).
+    pub fn with_paper_threshold(mut self, paper: bool) -> Self {
+        self.paper = paper;
+        self
+    }
+}
+
+/// The reference sum `S` (module docs): `Σ|x|` when that keeps the maximum,
+/// else the sum over the largest set near the maximum that passes its own
+/// threshold. `S · p[tau] ≤ max` always holds for a nonzero `x`.
+fn reference_sum(x: &[f32], sum: f64, p: &[f64; TABLE], tau: usize, ln_b: f64) -> f64 {
+    let (min, max) = x.iter().fold((f32::INFINITY, 0f32), |(lo, hi), v| {
+        let a = v.abs();
+        (if a > 0.0 { lo.min(a) } else { lo }, hi.max(a))
+    });
+    let (min, max) = (f64::from(min), f64::from(max));
+    if max == 0.0 || sum * p[tau] <= min {
+        // The paper's filter keeps every nonzero: Σ|x| is the sum sent.
+        return sum;
+    }
+    // bucket[j]: sum of |x_i| with level j relative to the maximum.
+    let mut bucket = [0f64; TABLE];
+    let floor = max * p[tau];
+    for &v in x {
+        let a = v.abs() as f64;
+        if a >= floor {
+            bucket[level(max, a, p, tau, ln_b)] += a;
+        }
+    }
+    let mut cum = 0.0;
+    let mut best = None;
+    // Valid j form a prefix: cum grows with j while max·p[j] falls.
+    for (j, b) in bucket.iter().enumerate() {
+        cum += b;
+        if cum * p[tau] > max * p[j] {
+            break;
+        }
+        best = Some(cum);
+    }
+    best.unwrap_or_else(|| {
+        let mut s = max / p[tau];
+        while s * p[tau] > max {
+            s = f64::from_bits(s.to_bits() - 1);
+        }
+        s
+    })
 }
 
 /// `p[L] = b^-L` for `L ∈ 0..=128`, by repeated division (monotone
@@ -268,6 +357,7 @@ impl Codec for FastSgd {
             b: self.b,
             tau: self.tau,
             l: self.l,
+            paper: self.paper,
         }
     }
 
@@ -277,6 +367,14 @@ impl Codec for FastSgd {
         // Algorithm 1, line 1.
         // fold from +0.0 (an empty f64 `sum()` is -0.0).
         let sum = x.iter().fold(0f64, |s, v| s + v.abs() as f64);
+        let p = inv_powers(self.b);
+        let tau = self.tau as usize;
+        let ln_b = self.b.ln();
+        let sum = if self.paper {
+            sum
+        } else {
+            reference_sum(x, sum, &p, tau, ln_b)
+        };
         out.extend_from_slice(&sum.to_le_bytes());
         out.extend_from_slice(&self.b.to_le_bytes());
         out.push(self.tau as u8);
@@ -287,10 +385,7 @@ impl Codec for FastSgd {
         out.extend_from_slice(&0u64.to_le_bytes());
 
         // Algorithm 1, lines 2-10, with the keys of Algorithm 2, lines 1-6.
-        let p = inv_powers(self.b);
-        let tau = self.tau as usize;
         let tau_e = sum * p[tau];
-        let ln_b = self.b.ln();
         self.deltas.clear();
         let mut prev = 0usize;
         let mut max_delta = 0u64;
@@ -505,7 +600,9 @@ mod tests {
     /// sum = 8, R = 2, 4, 8, 8 → L = 1, 2, 3, 3; L = 3 > τ is dropped.
     #[test]
     fn exact_small_message() {
-        let mut c = FastSgd::new(2.0, 2, 2).expect("params");
+        let mut c = FastSgd::new(2.0, 2, 2)
+            .expect("params")
+            .with_paper_threshold(true);
         let x = [4.0, -2.0, 1.0, 1.0];
         let m = enc(&mut c, &x);
         let mut want = Vec::new();
@@ -519,10 +616,53 @@ mod tests {
         want.push(0b0000_0100);
         assert_eq!(m, want);
         assert_eq!(dec(&c, &m, 4).expect("decode"), vec![4.0, -2.0, 0.0, 0.0]);
-        // With τ = 3 everything is kept and exact (powers of two).
+        // The default drops nonzeros here, so it uses the reference sum of
+        // the set near the maximum: relative to max = 4 the levels are
+        // 0, 1, 2, 2; {4} (sum 4) and {4, −2} (sum 6: 6/4 ≤ 4/2) pass their
+        // own threshold, {4, −2, 1, 1} (8/4 > 4/4) does not: S = 6, the same
+        // two keys, levels ceil(log2 1.5) = 1 and ceil(log2 3) = 2.
+        let mut d = FastSgd::new(2.0, 2, 2).expect("params");
+        let md = enc(&mut d, &x);
+        assert_eq!(md[HEADER_LEN..HEADER_LEN + 8], 6f64.to_le_bytes());
+        assert_eq!(md[HEADER_LEN + 8..], m[HEADER_LEN + 8..]);
+        assert_eq!(dec(&d, &md, 4).expect("decode"), vec![3.0, -1.5, 0.0, 0.0]);
+        // With τ = 3 everything is kept and exact (powers of two), and both
+        // rules are the paper's.
+        for paper in [true, false] {
+            let mut c = FastSgd::new(2.0, 3, 2)
+                .expect("params")
+                .with_paper_threshold(paper);
+            let m = enc(&mut c, &x);
+            assert_eq!(dec(&c, &m, 4).expect("decode"), x.to_vec());
+        }
+    }
+
+    /// Issue #11: on a dense tensor whose Σ|x| exceeds b^τ·max|x| the paper's
+    /// filter keeps nothing; the default keeps the maximum and a set near it.
+    #[test]
+    fn dense_tensor_beyond_b_tau_still_sends() {
+        // b = 2, τ = 3: 100 equal ones have Σ = 100 > 8·max.
+        let x = vec![1.0f32; 100];
+        let mut paper = FastSgd::new(2.0, 3, 2)
+            .expect("params")
+            .with_paper_threshold(true);
+        let m = enc(&mut paper, &x);
+        assert_eq!(m[HEADER_LEN + 19..HEADER_LEN + 27], 0u64.to_le_bytes());
+        // No level j qualifies (100 elements at level 0 > b^τ): S = max·b^τ
+        // = 8 keeps every element at level τ = 3, decoded 8/8 = 1.
         let mut c = FastSgd::new(2.0, 3, 2).expect("params");
         let m = enc(&mut c, &x);
-        assert_eq!(dec(&c, &m, 4).expect("decode"), x.to_vec());
+        assert_eq!(m[HEADER_LEN..HEADER_LEN + 8], 8f64.to_le_bytes());
+        assert_eq!(dec(&c, &m, 100).expect("decode"), x);
+        // A ramp: the maximum is always kept.
+        let x: Vec<f32> = (1..=5000).map(|i| i as f32 * 1e-3).collect();
+        let m = enc(&mut paper, &x);
+        assert_eq!(m[HEADER_LEN + 19..HEADER_LEN + 27], 0u64.to_le_bytes());
+        let m = enc(&mut c, &x);
+        let y = dec(&c, &m, x.len()).expect("decode");
+        assert!(y[4999] > 0.0);
+        let sent = y.iter().filter(|v| **v != 0.0).count();
+        assert!(sent >= 1, "{sent}");
     }
 
     /// L = 0 (one element holds all the mass) is folded into L = 1.
@@ -537,6 +677,10 @@ mod tests {
         let mut c = FastSgd::new(2.0, 0, 2).expect("params");
         let m = enc(&mut c, &[0.0, 3.0]);
         assert_eq!(dec(&c, &m, 2).expect("decode"), vec![0.0, 1.5]);
+        let m = enc(&mut c, &[1.0, 3.0]);
+        assert_eq!(dec(&c, &m, 2).expect("decode"), vec![0.0, 1.5]);
+        // The paper's threshold (Σ = 4 > 3) keeps nothing.
+        let mut c = c.with_paper_threshold(true);
         let m = enc(&mut c, &[1.0, 3.0]);
         assert_eq!(dec(&c, &m, 2).expect("decode"), vec![0.0, 0.0]);
     }
@@ -586,7 +730,8 @@ mod tests {
             CodecConfig::Fastsgd {
                 b: 1.1,
                 tau: 128,
-                l: 2
+                l: 2,
+                paper: false
             }
         );
         assert_eq!(cfg.name(), "fastsgd");
@@ -682,13 +827,14 @@ mod tests {
         })
     }
 
+    /// The decoded `y` of `x` is FastSGD's with reference sum `sum`.
     fn value_bound_holds(
         x: &[f32],
         y: &[f32],
         b: f64,
         tau: u32,
+        sum: f64,
     ) -> std::result::Result<(), String> {
-        let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
         for i in 0..x.len() {
             let (xi, yi) = (x[i], y[i]);
             if xi == 0.0 {
@@ -733,7 +879,8 @@ mod tests {
             let got: Vec<usize> = (0..n).filter(|&i| y[i] != 0.0).collect();
             let want: Vec<usize> = (0..n).filter(|&i| x[i] != 0.0).collect();
             prop_assert_eq!(got, want);
-            prop_assert_eq!(value_bound_holds(&x, &y, b, 128), Ok(()));
+            let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
+            prop_assert_eq!(value_bound_holds(&x, &y, b, 128, sum), Ok(()));
             // decode_add adds the same values.
             let mut acc = vec![1f32; n];
             c.decode_add(&m, &mut acc).expect("decode_add");
@@ -757,10 +904,25 @@ mod tests {
             tau in 0u32..=128,
             l in 1u32..=4,
         ) {
-            let mut c = FastSgd::new(b, tau, l).expect("params");
+            let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
+            let mut c = FastSgd::new(b, tau, l).expect("params").with_paper_threshold(true);
             let m = enc(&mut c, &x);
             let y = dec(&c, &m, x.len()).expect("decode");
-            prop_assert_eq!(value_bound_holds(&x, &y, b, tau), Ok(()));
+            prop_assert_eq!(value_bound_holds(&x, &y, b, tau, sum), Ok(()));
+            // The default: the same bound against its reference sum S ≤ Σ,
+            // a superset of the paper's keys, the maximum always kept.
+            let mut c = FastSgd::new(b, tau, l).expect("params");
+            let m = enc(&mut c, &x);
+            let s = f64::from_le_bytes(m[HEADER_LEN..HEADER_LEN + 8].try_into().expect("8"));
+            prop_assert!(s <= sum);
+            let yd = dec(&c, &m, x.len()).expect("decode");
+            prop_assert_eq!(value_bound_holds(&x, &yd, b, tau, s), Ok(()));
+            for i in 0..x.len() {
+                prop_assert!(y[i] == 0.0 || yd[i] != 0.0, "paper keeps {} but not the default", i);
+            }
+            if let Some(im) = (0..x.len()).max_by(|&i, &j| x[i].abs().total_cmp(&x[j].abs())) {
+                prop_assert!(x[im] == 0.0 || yd[im] != 0.0, "maximum dropped");
+            }
         }
 
         /// Bit-level round trip of the adaptive binary encoding, up to 64-bit

@@ -32,7 +32,7 @@ mod threelc;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use fastsgd::FastSgd;
-pub use feedback::ErrorFeedback;
+pub use feedback::{ErrorFeedback, Feedback, FeedbackMode, STARVED_STEPS};
 pub use qsgd::Qsgd;
 pub use rgc::{rgc_k, Rgc, RgcMethod, RgcQuant};
 pub use sbc::Sbc;
@@ -147,6 +147,14 @@ pub trait Codec: Send + Sync {
                 state.len()
             )))
         }
+    }
+    /// How error feedback must run with this codec on a tensor of `n`
+    /// elements, or [`Error::InvalidArgument`] for a combination known to
+    /// diverge (the classes and proofs are in `src/codec/feedback.rs`). The
+    /// default, [`Feedback::Full`], is for contractive codecs.
+    fn feedback(&self, n: usize) -> Result<Feedback> {
+        let _ = n;
+        Ok(Feedback::Full)
     }
 }
 
@@ -314,6 +322,10 @@ pub enum CodecConfig {
         /// QSGD paper buckets by 512). Omitted from JSON and strings when 0.
         #[serde(default, skip_serializing_if = "is_zero")]
         bucket: usize,
+        /// Error feedback: `auto` (default: full where proven bounded, else
+        /// damped), `full` (refused where it diverges), `damped`, `none`.
+        #[serde(default, skip_serializing_if = "FeedbackMode::is_auto")]
+        ef: FeedbackMode,
     },
     /// Sparse binary compression: top/bottom fraction `p ∈ (0, 0.5]`, one
     /// mean, Golomb-Rice positions ([`Sbc`]).
@@ -345,6 +357,10 @@ pub enum CodecConfig {
         /// Length flag size `l ∈ 1..=4` bits.
         #[serde(default = "fastsgd_default_l")]
         l: u32,
+        /// The paper's threshold `Σ|x|/b^τ` even where it keeps nothing
+        /// (default false: see [`FastSgd`]).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        paper: bool,
     },
     /// RedSync RGC: `k = max(1, ceil(density·n))` indices and values, chosen
     /// by `method` (`exact`, `trimmed`, `threshold`, `sampled`).
@@ -420,13 +436,22 @@ impl CodecConfig {
             Self::None => Box::new(NoCompression),
             Self::Fp16 => Box::new(Fp16),
             Self::Int8 => Box::new(Int8),
-            Self::Qsgd { bits, seed, bucket } => {
-                Box::new(Qsgd::new(*bits, *seed)?.with_bucket(*bucket)?)
-            }
+            Self::Qsgd {
+                bits,
+                seed,
+                bucket,
+                ef,
+            } => Box::new(
+                Qsgd::new(*bits, *seed)?
+                    .with_bucket(*bucket)?
+                    .with_feedback(*ef),
+            ),
             Self::Sbc { p } => Box::new(Sbc::new(*p)?),
             Self::Rgc { density, method } => Box::new(Rgc::new(*density, *method)?),
             Self::RgcQuant { density } => Box::new(RgcQuant::new(*density)?),
-            Self::Fastsgd { b, tau, l } => Box::new(FastSgd::new(*b, *tau, *l)?),
+            Self::Fastsgd { b, tau, l, paper } => {
+                Box::new(FastSgd::new(*b, *tau, *l)?.with_paper_threshold(*paper))
+            }
             Self::ThreeLc { s, stage } => Box::new(ThreeLc::new(*s, *stage)?),
         })
     }

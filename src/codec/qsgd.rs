@@ -17,8 +17,33 @@
 //! the bucket's norm instead of the whole vector's: the `bits` byte then has
 //! its top bit set and is followed by `b` as u32 and `⌈n/b⌉` norms, then the
 //! codes as above. `bucket = 0` (the default) is one norm for the vector.
+//!
+//! # Error feedback
+//!
+//! QSGD is unbiased but, at low bit widths on large buckets, not a
+//! contraction. Per bucket of `B` elements with step `Δ = ‖x_B‖/s`, element
+//! `i` with `r_i = |x_i|/Δ` has `E e_i² = Δ²·p(1 − p)`, `p = r_i − ⌊r_i⌋`, and
+//! `p(1 − p) ≤ min(r_i, 1/4)`; with `Σ r_i = ‖x_B‖₁/Δ ≤ √B·‖x_B‖/Δ` this
+//! gives `E‖Q(x) − x‖² ≤ ω‖x‖²` with `ω = min(√B/s, B/(4s²))` (QSGD's Lemma
+//! 3.1, with the 1/4). `B` is `bucket`, or the tensor size `n` when
+//! `bucket = 0`. [`Codec::feedback`] then decides (module docs of
+//! `feedback.rs` for the proofs):
+//!
+//! * `ef=auto` (default): full error feedback when `ω ≤ 1/2` (contraction in
+//!   expectation, `δ = 1 − ω ≥ 1/2`); otherwise damped with `γ = 1/(1 + ω)`
+//!   (contraction `δ = 1/(1 + ω)` of the scaled codec). E.g. 8 bits on 4096
+//!   elements: `ω = 0.063`, full; 4 bits on 4096: `ω = 9.1`, `γ = 0.099`;
+//!   2 bits on 4096: `ω = 64`, `γ = 0.015`; 4 bits with `bucket = 16`:
+//!   `ω = 0.082`, full.
+//! * `ef=full`: full error feedback, refused (at the engine's `register` and
+//!   in [`ErrorFeedback`](super::ErrorFeedback)) when `ω ≥ 1`: the residual
+//!   then grows geometrically (issue #11).
+//! * `ef=damped`: damped with `γ = 1/(1 + ω)` at any `ω`.
+//! * `ef=none`: no residual (QSGD's own, unbiased use).
 
-use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
+use super::{
+    check_finite, check_header, write_header, Codec, CodecConfig, CodecId, Feedback, FeedbackMode,
+};
 use crate::{Error, Result};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -32,6 +57,8 @@ pub struct Qsgd {
     /// Messages encoded so far; call `c` draws from an RNG seeded with
     /// `seed` and `c`, so a restored encoder continues the same stream.
     calls: u64,
+    /// Requested error feedback.
+    ef: FeedbackMode,
 }
 
 impl Qsgd {
@@ -47,7 +74,26 @@ impl Qsgd {
             seed,
             bucket: 0,
             calls: 0,
+            ef: FeedbackMode::Auto,
         })
+    }
+
+    /// Request a kind of error feedback (module docs).
+    pub fn with_feedback(mut self, ef: FeedbackMode) -> Self {
+        self.ef = ef;
+        self
+    }
+
+    /// The variance bound `ω = min(√B/s, B/(4s²))` of a tensor of `n`
+    /// elements: `E‖Q(x) − x‖² ≤ ω‖x‖²` (module docs).
+    pub fn variance_bound(&self, n: usize) -> f64 {
+        let b = if self.bucket == 0 {
+            n
+        } else {
+            self.bucket.min(n)
+        } as f64;
+        let s = f64::from(Self::levels(self.bits));
+        (b.sqrt() / s).min(b / (4.0 * s * s))
     }
 
     /// Quantize each run of `bucket` elements with its own norm (0: one norm
@@ -75,7 +121,27 @@ impl Codec for Qsgd {
             bits: self.bits,
             seed: self.seed,
             bucket: self.bucket,
+            ef: self.ef,
         }
+    }
+    fn feedback(&self, n: usize) -> Result<Feedback> {
+        let omega = self.variance_bound(n);
+        let damped = Feedback::Damped((1.0 / (1.0 + omega)) as f32);
+        Ok(match self.ef {
+            FeedbackMode::Auto if omega <= 0.5 => Feedback::Full,
+            FeedbackMode::Auto | FeedbackMode::Damped => damped,
+            FeedbackMode::None => Feedback::None,
+            FeedbackMode::Full if omega < 1.0 => Feedback::Full,
+            FeedbackMode::Full => {
+                return Err(Error::InvalidArgument(format!(
+                    "codec qsgd:{}: full error feedback diverges on {n} elements: QSGD is \
+                     unbiased but not a contraction here (variance bound ω = {omega:.3} ≥ 1); \
+                     use ef=auto or ef=damped (scaled, bounded), ef=none, more bits or a \
+                     smaller bucket",
+                    self.config().params()
+                )))
+            }
+        })
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_finite(x)?;
@@ -224,6 +290,7 @@ const BUCKETED: u8 = 0x80;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::Feedback;
 
     #[test]
     fn qsgd_is_unbiased_in_expectation() {
@@ -299,6 +366,47 @@ mod tests {
         q.decode(&m, &mut out).expect("dec");
         assert_eq!(out[1], 0.0);
         assert!((out[0] - 1e-38).abs() <= 1e-38 / 7.0 * 1.01);
+    }
+
+    /// The feedback classes quoted in the module docs.
+    #[test]
+    fn feedback_follows_the_variance_bound() {
+        let fb = |s: &str, n: usize| {
+            s.parse::<CodecConfig>()
+                .expect("parse")
+                .build()
+                .expect("build")
+                .feedback(n)
+        };
+        assert_eq!(fb("qsgd:bits=8", 4096).expect("ok"), Feedback::Full);
+        assert_eq!(
+            fb("qsgd:bits=4,bucket=16", 4096).expect("ok"),
+            Feedback::Full
+        );
+        let damped = |s: &str, n: usize| match fb(s, n).expect("ok") {
+            Feedback::Damped(g) => g,
+            f => panic!("{s}: {f:?}"),
+        };
+        assert!((damped("qsgd:bits=4", 4096) - 1.0 / (1.0 + 64.0 / 7.0)).abs() < 1e-6);
+        assert!((damped("qsgd:bits=2", 4096) - 1.0 / 65.0).abs() < 1e-6);
+        assert!(
+            (damped("qsgd:bits=8,ef=damped", 4096) - 1.0 / (1.0 + 4096.0 / 64516.0)).abs() < 1e-6
+        );
+        assert_eq!(fb("qsgd:bits=2,ef=none", 4096).expect("ok"), Feedback::None);
+        assert_eq!(fb("qsgd:bits=8,ef=full", 4096).expect("ok"), Feedback::Full);
+        // Known to diverge: refused, naming the codec and the bound.
+        let e = fb("qsgd:bits=4,ef=full", 4096)
+            .expect_err("diverges")
+            .to_string();
+        assert!(
+            e.contains("qsgd:bits=4,ef=full") && e.contains("9.14"),
+            "{e}"
+        );
+        // The option round-trips and stays out of default strings.
+        let cfg: CodecConfig = "qsgd:ef=none".parse().expect("parse");
+        assert_eq!(cfg.build().expect("build").config(), cfg);
+        assert_eq!(cfg.params(), "bits=4,ef=none,seed=0");
+        assert!("qsgd:ef=sometimes".parse::<CodecConfig>().is_err());
     }
 
     #[test]

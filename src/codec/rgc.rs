@@ -58,6 +58,15 @@
 //! [`Error::InvalidArgument`] (the decoders would reject such values, and a
 //! non-finite residual means training has diverged); the selection functions
 //! themselves are NaN-safe.
+//!
+//! # Error feedback
+//!
+//! Both are contractive, so full error feedback is bounded (see
+//! `feedback.rs`): `rgc` sends exact values, `‖x − C(x)‖² = ‖x‖² − ‖x_S‖²`
+//! (`δ = k/n` for exact top-k, at least the sent set's share for the
+//! approximate methods); `rgc-quant` sends the mean `μ` of its set,
+//! `‖x − C(x)‖² = ‖x‖² − |S|μ²` (zero on a turn whose sign is absent; the
+//! next turn takes the other sign).
 
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId, Reader};
 use crate::select::{exact_topk, exact_topk_signed, trimmed_topk, ThresholdSearch};

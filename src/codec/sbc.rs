@@ -71,6 +71,13 @@
 //! elements decode to `0`, sent ones to the mean of their set. The decoded
 //! vector is exactly the binarized vector defined above; its accuracy comes
 //! from error feedback.
+//!
+//! # Error feedback
+//!
+//! Contractive, so full error feedback is bounded (see `feedback.rs`): the
+//! sent set `S` carries its own mean `μ`, so
+//! `‖x − C(x)‖² = ‖x‖² − |S|μ²`, and `S` is non-empty with `μ ≠ 0` for any
+//! nonzero `x`.
 
 use super::golomb::{
     expected_bits_per_position, optimal_rice_parameter, BitReader, BitWriter, MAX_RICE_PARAMETER,

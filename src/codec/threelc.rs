@@ -65,6 +65,15 @@
 //! Decoding validates the whole payload first (nothing is written into the
 //! accumulator on error), then adds via a 256-entry table of five trits;
 //! zero bytes and zero runs are skipped.
+//!
+//! # Error feedback
+//!
+//! Contractive, so full error feedback is bounded (see `feedback.rs`): an
+//! element is sent as `±M` only when `2|x_i| > M`, where its error
+//! `M − |x_i| < |x_i|`; dropped ones lose `|x_i|`; so `|e_i| ≤ |x_i|`, and the
+//! maximum's error is `(s − 1)·max < max` (`s < 2`):
+//! `‖e‖² ≤ (1 − (1 − (s−1)²)/n)‖x‖²`. With `s` near 2 the guarantee (and
+//! what is sent) becomes small.
 
 use super::{check_header, write_header, Codec, CodecConfig, CodecId};
 use crate::{Error, Result};

@@ -257,6 +257,13 @@ pub struct LayerStats {
     pub pack_s: f64,
     /// Decoding every rank's unit (or unfusing), seconds.
     pub unpack_s: f64,
+    /// Error feedback of a sparse layer (`full`, `damped(γ)`, `none`; see
+    /// [`Codec::feedback`]), empty for others.
+    pub feedback: String,
+    /// Consecutive sparse steps, up to this one, in which the layer sent
+    /// nothing although its residual was not zero (0 once it sends). At
+    /// [`crate::codec::STARVED_STEPS`] the engine warns that it starves.
+    pub starved_steps: u64,
 }
 
 /// What ran in one step.
@@ -746,10 +753,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let label = local
             .as_ref()
             .map_or_else(|_| String::new(), |l| l.4.clone());
-        let h = local
-            .as_ref()
-            .map(|l| l.3)
-            .map_err(|e| Error::InvalidArgument(format!("layer #{id} {name:?}: {e}")));
+        let h = local.as_ref().map(|l| l.3).map_err(|e| {
+            let why = match e {
+                Error::InvalidArgument(m) => m.clone(),
+                e => e.to_string(),
+            };
+            Error::InvalidArgument(format!("layer {name:?} (#{id}): {why}"))
+        });
         if let Some(why) = &self.broken {
             return Err(Error::TableMismatch(why.clone()));
         }
@@ -855,6 +865,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
             Strategy::Sparse { codec, density } => {
                 let mut c = codec.build()?;
+                // Error feedback only where it stays bounded (codec::feedback).
+                c.feedback(n)?;
                 if let Some(d) = density {
                     c.set_density(*d)?;
                 }
@@ -1693,14 +1705,31 @@ impl Layer {
             }
             self.cur_density = want;
         }
+        let fb = codec
+            .feedback(n)
+            .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", self.name)))?;
         let t1 = Instant::now();
         let pre = t1 - t0;
-        codec.encode(&self.v, &mut self.unit).map_err(|e| {
+        let enc = match fb {
+            crate::codec::Feedback::Damped(gamma) => {
+                // Encode γ·V (V keeps what was not sent of V itself).
+                self.dir.clear();
+                self.dir.extend(self.v.iter().map(|x| gamma * x));
+                codec.encode(&self.dir, &mut self.unit)
+            }
+            _ => codec.encode(&self.v, &mut self.unit),
+        };
+        enc.map_err(|e| {
             Error::InvalidArgument(format!("layer {:?}: encoding failed: {e}", self.name))
         })?;
         let t2 = Instant::now();
-        // V -= sent; U[i] = 0 where sent (momentum factor masking).
-        let (v, u) = (&mut self.v, &mut self.u);
+        // V -= sent; U[i] = 0 where sent (momentum factor masking; not
+        // without feedback, where V is this step's direction only).
+        let no_fb = fb == crate::codec::Feedback::None;
+        let (v, u) = (
+            &mut self.v,
+            if no_fb { &mut [][..] } else { &mut self.u[..] },
+        );
         let mut sent = 0usize;
         let sparse = codec.for_each_sent(&self.unit, n, &mut |i, x| {
             v[i] -= x;
@@ -1724,6 +1753,34 @@ impl Layer {
             }
         }
         self.sent = true;
+        // Starvation: nothing sent although there was something to send.
+        let starved = sent == 0 && v.iter().any(|&x| x != 0.0);
+        let norm = if starved {
+            v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
+        } else {
+            0.0
+        };
+        if no_fb {
+            v.fill(0.0);
+        }
+        if starved {
+            self.stats.starved_steps += 1;
+            // Warn at N, 2N, 4N, ... consecutive steps.
+            let (k, lim) = (self.stats.starved_steps, crate::codec::STARVED_STEPS);
+            if k % lim == 0 && (k / lim).is_power_of_two() {
+                log::warn!(
+                    "gradsync: layer {:?} ({} elements, codec {}) sent nothing for {k} \
+                     consecutive steps while its residual grew (norm {:.3e}): it starves",
+                    self.name,
+                    n,
+                    codec.config().name(),
+                    norm
+                );
+            }
+        } else {
+            self.stats.starved_steps = 0;
+        }
+        self.stats.feedback = fb.label();
         self.stats.strategy = "sparse".into();
         self.stats.codec = codec.config().name();
         self.stats.density = if n == 0 { 0.0 } else { sent as f64 / n as f64 };
