@@ -118,3 +118,53 @@ fn a_rank_with_an_extra_layer_fails_every_rank() {
         "{out}"
     );
 }
+
+/// Issue #11 class 5: one flipped bit in one rank's snapshot used to load
+/// silently (that rank's replica drifted while the job exited 0). Now every
+/// rank fails in the load, naming the rank and the file, in seconds.
+#[test]
+fn a_corrupt_snapshot_on_one_rank_fails_every_rank() {
+    let ex = example("engine_check");
+    let dir = std::env::temp_dir().join(format!("gradsync-failure-snap-{}", std::process::id()));
+    let d = dir.to_str().expect("utf-8 temp dir");
+    let lim = Duration::from_secs(60);
+    let (ok, _, err) = mpirun(
+        3,
+        &ex,
+        &["run", "--from", "0", "--to", "3", "--save", d],
+        lim,
+    );
+    assert!(ok, "{err}");
+    let victim = dir.join("gradsync.rank1.snap");
+    let mut bytes = std::fs::read(&victim).expect("rank 1's snapshot");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&victim, &bytes).expect("write");
+    let (ok, out, err) = mpirun(
+        3,
+        &ex,
+        &["run", "--from", "3", "--to", "6", "--load", d],
+        lim,
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(!ok, "the job must fail\n{out}");
+    let fails: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("engine_check: load:"))
+        .collect();
+    // engine_check exits at once on the error, and mpirun may kill the
+    // other ranks before they print theirs: every report must be the same
+    // agreed error, and no rank may have gone on to a step.
+    assert!(!fails.is_empty(), "the load failure is reported\n{err}");
+    assert!(fails.iter().all(|l| l == &fails[0]), "{err}");
+    assert!(
+        !out.contains("STEP"),
+        "no rank runs a step after a bad load\n{out}"
+    );
+    assert!(
+        fails.iter().all(|l| l.contains("rank 1 failed")
+            && l.contains("gradsync.rank1.snap")
+            && l.contains("checksum mismatch")),
+        "{err}"
+    );
+}

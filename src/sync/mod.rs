@@ -350,8 +350,8 @@ struct Job {
     do_gvq: bool,
     /// Elements of `dense` before its status word.
     dense_len: usize,
-    /// The step, for failure messages.
-    step: u64,
+    /// The step, for failure messages (`None` between steps).
+    step: Option<u64>,
     /// This rank's own failure in the local phase (error text).
     local_failed: Option<String>,
     gather_algo: Option<AllgathervAlgo>,
@@ -382,7 +382,10 @@ impl Job {
         let r = self.communicate(comm);
         if let Err(e) = &r {
             if !e.is_collective() {
-                comm.abort(1, &format!("step {}: {e}", self.step));
+                let at = self
+                    .step
+                    .map_or_else(String::new, |s| format!("step {s}: "));
+                comm.abort(1, &format!("{at}{e}"));
             }
         }
         self.result = Some(r);
@@ -436,11 +439,11 @@ impl Job {
         }
         if let Some(texts) = failed {
             return Err(
-                crate::failure::rank_failed(&texts, Some(self.step)).unwrap_or_else(|| {
+                crate::failure::rank_failed(&texts, self.step).unwrap_or_else(|| {
                     Error::RankFailed {
                         rank: 0,
                         others: 0,
-                        step: Some(self.step),
+                        step: self.step,
                         message: "(a rank flagged a failure without a message)".into(),
                     }
                 }),
@@ -1012,7 +1015,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             Err(e) => write_failed(&mut job.fused, step, &e.to_string()),
         }
-        job.step = step;
+        job.step = Some(step);
         job.local_failed = local.as_ref().err().map(|e| e.to_string());
         job.do_gather = !self.sparse_ids.is_empty() && self.size > 1;
         job.do_gvq = self.layers.iter().any(|l| l.mode == Mode::Gradiveq);
@@ -1260,6 +1263,44 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             e.state = self.layers[e.layer].gvq.take();
         }
         Ok(())
+    }
+
+    /// Agree on a rank-local outcome between steps (collective), through the
+    /// step's status-word path: a one-word allreduce, plus the error texts
+    /// only when some rank failed. Every rank returns the same
+    /// [`Error::RankFailed`] if any rank passed `Err`.
+    pub(crate) fn agree_status(&mut self, local: Result<()>) -> Result<()> {
+        if self.started.is_some() {
+            return Err(Error::InvalidArgument("not between start and wait".into()));
+        }
+        let mut job = self.job.take().expect("job buffers present when idle");
+        job.dense.clear();
+        job.dense.push(if local.is_err() { 1.0 } else { 0.0 });
+        job.dense_len = 0;
+        job.do_gather = false;
+        job.do_reduce = true;
+        job.do_gvq = false;
+        job.local_failed = local.as_ref().err().map(|e| e.to_string());
+        job.step = None;
+        job.result = None;
+        job.reduce_algo = Some(self.cfg.allreduce);
+        let mut job = match &self.worker {
+            Some(w) => {
+                if let Err(mpsc::SendError(_)) = w.jobs.send(job) {
+                    panic!("gradsync: the progress thread has exited");
+                }
+                w.done
+                    .recv()
+                    .unwrap_or_else(|_| panic!("gradsync: the progress thread has exited"))
+            }
+            None => {
+                job.run(self.comm.as_ref().expect("transport held without a worker"));
+                job
+            }
+        };
+        let r = job.result.take().unwrap_or(Ok(()));
+        self.job = Some(job);
+        r.and(local)
     }
 
     /// Start the progress thread if allowed; false when communication must

@@ -5,6 +5,15 @@
 //! bitwise as the uninterrupted run: everything that shapes later messages is
 //! in the file, and the file is checked against the engine it is loaded into
 //! (format version, rank, size, layer table hash, layer names and lengths).
+//!
+//! Integrity (issue #11): the file is the bincode payload followed by the
+//! CRC-32 (IEEE, `crc32fast`) of the payload, u32 LE, so one flipped bit
+//! anywhere is caught; every loaded float (residuals, momentum, delay
+//! accumulators, density) must be finite; every error names the file.
+//! Loading is collective ([`GradSync::load_snapshot`]): each rank parses and
+//! validates its own file, the ranks agree on the outcome, and only then is
+//! anything applied, so a corrupt snapshot on one rank fails every rank
+//! alike and leaves every engine as it was (no replica silently drifts).
 
 use super::{GradSync, Layer};
 use crate::comm::Transport;
@@ -14,7 +23,9 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// Version of the snapshot format.
-pub const SNAPSHOT_VERSION: u32 = 2;
+pub const SNAPSHOT_VERSION: u32 = 3;
+/// Bytes of the CRC-32 trailer.
+const CRC_LEN: usize = 4;
 const MAGIC: [u8; 8] = *b"GSSNAP\0\0";
 
 #[derive(Serialize, Deserialize)]
@@ -26,6 +37,13 @@ struct Snapshot {
     table_hash: u64,
     step: u64,
     layers: Vec<LayerSnap>,
+}
+
+/// A parsed and validated snapshot, ready to apply.
+struct Restored {
+    snap: Snapshot,
+    codecs: Vec<Option<Box<dyn crate::codec::Codec>>>,
+    gvqs: Vec<Option<crate::gradiveq::schedule::GradiveqLayer>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -88,21 +106,60 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 );
             }
         }
-        options(u64::MAX)
+        let mut bytes = options(u64::MAX)
             .serialize(&snap)
-            .map_err(|e| Error::Snapshot(format!("encoding: {e}")))
+            .map_err(|e| Error::Snapshot(format!("encoding: {e}")))?;
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        Ok(bytes)
     }
 
-    /// Restore from [`snapshot_bytes`](Self::snapshot_bytes). The engine must
-    /// have the same layer table, rank and size; on any error it is unchanged.
+    /// Restore from [`snapshot_bytes`](Self::snapshot_bytes). Collective:
+    /// every rank calls it with its own bytes; the engine must have the same
+    /// layer table, rank and size. If any rank's bytes are bad, every rank
+    /// returns the same [`Error::RankFailed`] naming that rank and the cause,
+    /// and every engine is unchanged.
     pub fn restore_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.restore_agreed(|s| s.parse_snapshot(bytes))
+    }
+
+    /// Parse and validate locally, agree across ranks, then apply.
+    fn restore_agreed(&mut self, parse: impl FnOnce(&Self) -> Result<Restored>) -> Result<()> {
         if self.started.is_some() {
+            // This rank's own step is pending: no peer waits for this call.
             return Err(Error::InvalidArgument(
                 "cannot restore between start and wait".into(),
             ));
         }
-        let snap: Snapshot = options(bytes.len() as u64)
-            .deserialize(bytes)
+        let local = parse(self);
+        let status = local.as_ref().map(|_| ()).map_err(|e| match e {
+            Error::Snapshot(m) => Error::Snapshot(m.clone()),
+            e => Error::Snapshot(e.to_string()),
+        });
+        self.agree_status(status)?;
+        self.apply_snapshot(local?);
+        Ok(())
+    }
+
+    /// The rank-local half of a restore: everything that can fail.
+    fn parse_snapshot(&self, bytes: &[u8]) -> Result<Restored> {
+        if bytes.len() < CRC_LEN {
+            return Err(Error::Snapshot(format!(
+                "{} bytes: truncated (not a gradsync snapshot)",
+                bytes.len()
+            )));
+        }
+        let (payload, crc) = bytes.split_at(bytes.len() - CRC_LEN);
+        let want = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+        if crc32fast::hash(payload) != want {
+            return Err(Error::Snapshot(
+                "checksum mismatch: the file is corrupt or truncated (or from a gradsync \
+                 older than snapshot format 3, which had no checksum)"
+                    .into(),
+            ));
+        }
+        let snap: Snapshot = options(payload.len() as u64)
+            .deserialize(payload)
             .map_err(|e| Error::Snapshot(format!("corrupt or truncated: {e}")))?;
         if snap.magic != MAGIC {
             return Err(Error::Snapshot("not a gradsync snapshot".into()));
@@ -123,6 +180,29 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return Err(Error::Snapshot(
                 "written for another layer table or other options".into(),
             ));
+        }
+        for s in &snap.layers {
+            for (what, v) in [
+                ("residual", &s.residual),
+                ("momentum", &s.momentum),
+                ("delay accumulator", &s.acc),
+            ] {
+                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::Snapshot(format!(
+                        "layer {:?}: {what}[{i}] is {} (a snapshot holds finite values only)",
+                        s.name, v[i]
+                    )));
+                }
+            }
+            if let Some(d) = s
+                .cur_density
+                .filter(|d| !(d.is_finite() && *d > 0.0 && *d <= 1.0))
+            {
+                return Err(Error::Snapshot(format!(
+                    "layer {:?}: density {d} outside (0, 1]",
+                    s.name
+                )));
+            }
         }
         for (s, l) in snap.layers.iter().zip(&self.layers) {
             let ok = s.name == l.name
@@ -176,6 +256,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 (None, _) => None,
             });
         }
+        Ok(Restored { snap, codecs, gvqs })
+    }
+
+    /// Apply a validated restore (cannot fail).
+    fn apply_snapshot(&mut self, r: Restored) {
+        let Restored { snap, codecs, gvqs } = r;
         for (((s, l), c), g) in snap
             .layers
             .into_iter()
@@ -195,24 +281,35 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         self.step = snap.step;
-        Ok(())
     }
 
     /// Write the snapshot to `path` (atomically: a temporary file renamed
     /// over it). Use one file per rank, e.g. `ckpt/gradsync.rank3.snap`.
+    /// Local (no communication): each rank writes its own file.
     pub fn save_snapshot(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        let named = |e: std::io::Error| Error::Snapshot(format!("{}: {e}", path.display()));
         let bytes = self.snapshot_bytes()?;
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
-        std::fs::write(&tmp, &bytes)?;
-        std::fs::rename(&tmp, path)?;
+        std::fs::write(&tmp, &bytes).map_err(named)?;
+        std::fs::rename(&tmp, path).map_err(named)?;
         Ok(())
     }
 
     /// Restore from a file written by [`save_snapshot`](Self::save_snapshot).
+    /// Collective, like [`restore_bytes`](Self::restore_bytes): a missing,
+    /// corrupt or mismatched file on any rank fails every rank alike (the
+    /// error names the rank and the file) and changes no engine.
     pub fn load_snapshot(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        let bytes = std::fs::read(path)?;
-        self.restore_bytes(&bytes)
+        let path = path.as_ref();
+        self.restore_agreed(|s| {
+            let bytes = std::fs::read(path)
+                .map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))?;
+            s.parse_snapshot(&bytes).map_err(|e| match e {
+                Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", path.display())),
+                e => Error::Snapshot(format!("{}: {e}", path.display())),
+            })
+        })
     }
 }

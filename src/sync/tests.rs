@@ -817,3 +817,103 @@ fn a_failed_step_fails_every_rank_alike_and_loses_nothing() {
         }
     }
 }
+
+/// Issue #11 class 5: snapshots are checked (CRC-32 over the file, finite
+/// floats) and loading is collective: bad bytes on one rank fail every rank
+/// with the same error and leave every engine unchanged.
+#[test]
+fn bad_snapshots_fail_every_rank_and_change_nothing() {
+    let dir = std::env::temp_dir().join(format!("gradsync-snap-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                ..cfg()
+            },
+        )
+        .unwrap();
+        let sp = s.register_with("w", &[1000], Strategy::rgc(0.01)).unwrap();
+        s.register_with("b", &[8], Strategy::Dense).unwrap();
+        let step = |s: &mut GradSync<LocalComm>, k: usize| {
+            // Element 7 is never selected: its residual is a known value.
+            let mut w: Vec<f32> = (0..1000)
+                .map(|i| {
+                    if i == 7 {
+                        0.123
+                    } else {
+                        ((i * 13 + k + rank) % 97) as f32
+                    }
+                })
+                .collect();
+            let mut b = [1.0f32; 8];
+            s.sync(&mut [&mut w[..], &mut b[..]]).unwrap();
+        };
+        step(&mut s, 0);
+        let good = s.snapshot_bytes().unwrap();
+        step(&mut s, 1);
+        let residual = s.residual(sp).unwrap().to_vec();
+        let mut results = Vec::new();
+        // 1. One flipped bit on rank 2 only.
+        let mut flipped = good.clone();
+        if rank == 2 {
+            let mid = flipped.len() / 2;
+            flipped[mid] ^= 0x04;
+        }
+        results.push(s.restore_bytes(&flipped).unwrap_err().to_string());
+        // 2. A missing file on rank 1 only.
+        let path = dir.join(format!("r{rank}.snap"));
+        std::fs::write(&path, &good).unwrap();
+        if rank == 1 {
+            std::fs::remove_file(&path).unwrap();
+        }
+        results.push(s.load_snapshot(&path).unwrap_err().to_string());
+        let unchanged = s.step() == 2 && s.residual(sp).unwrap() == &residual[..];
+        // The good snapshot still loads everywhere afterwards.
+        let reload = s.restore_bytes(&good).map(|_| s.step());
+        (results, unchanged, reload.ok())
+    });
+    std::fs::remove_dir_all(&dir).ok();
+    for (results, unchanged, reload) in &out {
+        assert_eq!(results, &out[0].0, "same errors on every rank");
+        assert!(
+            results[0].starts_with("rank 2 failed: ") && results[0].contains("checksum mismatch"),
+            "{}",
+            results[0]
+        );
+        assert!(
+            results[1].starts_with("rank 1 failed: ") && results[1].contains("r1.snap"),
+            "{}",
+            results[1]
+        );
+        assert!(unchanged, "a failed load changes no engine");
+        assert_eq!(*reload, Some(1));
+    }
+}
+
+/// A snapshot whose checksum is right but which holds a NaN residual is
+/// refused, naming the layer and the element.
+#[test]
+fn a_snapshot_with_a_nan_residual_is_refused() {
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).unwrap();
+        s.register_with("w", &[1000], Strategy::rgc(0.01)).unwrap();
+        let mut w: Vec<f32> = (0..1000)
+            .map(|i| if i == 7 { 0.123 } else { (i % 97) as f32 })
+            .collect();
+        s.sync(&mut [&mut w[..]]).unwrap();
+        let mut bytes = s.snapshot_bytes().unwrap();
+        let payload = bytes.len() - 4;
+        let at = bytes[..payload]
+            .windows(4)
+            .position(|x| x == 0.123f32.to_le_bytes())
+            .expect("the residual value is in the file");
+        bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let crc = crc32fast::hash(&bytes[..payload]);
+        bytes[payload..].copy_from_slice(&crc.to_le_bytes());
+        let e = s.restore_bytes(&bytes).unwrap_err().to_string();
+        assert!(e.contains("layer \"w\": residual[7] is NaN"), "{e}");
+    });
+}
