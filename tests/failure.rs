@@ -168,3 +168,59 @@ fn a_corrupt_snapshot_on_one_rank_fails_every_rank() {
         "{err}"
     );
 }
+
+/// Issue #11 class 1: NaN in rank 0's row of a GradiVeQ bench input used to
+/// hang the job in the QSGD-ring sample phase. Now the job ends within
+/// seconds with a non-zero status and the cause on stderr.
+#[test]
+fn nan_in_gradiveq_bench_data_ends_the_job_in_seconds() {
+    let dir = std::env::temp_dir().join(format!("gradsync-failure-gvq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let npy = dir.join("g.npy");
+    // A (8, 2304) f32 .npy, row 0 holding a NaN.
+    let (rows, cols) = (8usize, 2304usize);
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    for i in 0..rows * cols {
+        let x = if i == 5 {
+            f32::NAN
+        } else {
+            ((i * 37 % 101) as f32 - 50.0) / 25.0
+        };
+        bytes.extend_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(&npy, &bytes).expect("write npy");
+    let t = std::time::Instant::now();
+    let (ok, out, err) = mpirun(
+        2,
+        std::path::Path::new(common::gradsync()),
+        &[
+            "bench",
+            "--op",
+            "gradiveq",
+            "--data",
+            npy.to_str().unwrap(),
+            "--k",
+            "144",
+            "--lt",
+            "4",
+            "--check",
+        ],
+        Duration::from_secs(60),
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(!ok, "the job must fail\n{out}\n{err}");
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(err.contains("NaN"), "the cause is printed\n{err}");
+}
