@@ -368,9 +368,8 @@ fn codecs_reads_fortran_order_and_big_endian() {
 /// bytes (an f64 running sum, error-feedback state that was never used, a
 /// second decode buffer, ...). Peak RSS of a child run, from wait4(2), must
 /// stay within 3.5x the f32 tensor.
-///
-/// `qsgd` is left out: its decoder holds every code as a u64 (2x the
-/// tensor) before adding (src/codec/qsgd.rs); put it back when that is gone.
+/// Every codec, `qsgd` included (its decoder used to hold every code as a
+/// u64, 2x the tensor).
 #[cfg(all(target_os = "linux", target_pointer_width = "64"))]
 #[test]
 // The child is reaped by wait4 (which std's wait cannot report rusage of).
@@ -386,7 +385,7 @@ fn codecs_peak_memory_is_bounded() {
             "--synthetic",
             "16M",
             "--codecs",
-            "none,fp16,int8,rgc,rgc-quant,sbc,3lc,fastsgd",
+            "none,fp16,int8,qsgd,rgc,rgc-quant,sbc,3lc,fastsgd",
             "--json",
         ])
         .stdout(std::process::Stdio::null())

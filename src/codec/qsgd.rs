@@ -256,27 +256,30 @@ impl Codec for Qsgd {
         }
         let s = Self::levels(bits);
         let (sign_bit, mask) = (1u64 << (bits - 1), (1u64 << (bits - 1)) - 1);
-        // Validate every level before writing (decoders write nothing on error).
-        let mut codes = Vec::with_capacity(n);
-        let mut bytes_it = payload.iter();
-        let (mut buf, mut nbuf) = (0u64, 0u32);
-        for _ in 0..n {
-            while nbuf < bits {
-                buf |= u64::from(*bytes_it.next().unwrap_or(&0)) << nbuf;
-                nbuf += 8;
-            }
-            let code = buf & ((1 << bits) - 1);
-            buf >>= bits;
-            nbuf -= bits;
-            if (code & mask) as u32 > s {
-                return Err(Error::Decode(format!(
-                    "qsgd level {} exceeds {s}",
-                    code & mask
-                )));
-            }
-            codes.push(code);
+        // Two streaming passes over the packed codes: validate every level,
+        // then add (decoders write nothing on error, and no per-element
+        // buffer: `gradsync codecs` stays near 3x the tensor's bytes).
+        let codes = || {
+            let mut bytes_it = payload.iter();
+            let (mut buf, mut nbuf) = (0u64, 0u32);
+            (0..n).map(move |_| {
+                while nbuf < bits {
+                    buf |= u64::from(*bytes_it.next().unwrap_or(&0)) << nbuf;
+                    nbuf += 8;
+                }
+                let code = buf & ((1 << bits) - 1);
+                buf >>= bits;
+                nbuf -= bits;
+                code
+            })
+        };
+        if let Some(code) = codes().find(|c| (c & mask) as u32 > s) {
+            return Err(Error::Decode(format!(
+                "qsgd level {} exceeds {s}",
+                code & mask
+            )));
         }
-        for (i, (a, &code)) in acc.iter_mut().zip(&codes).enumerate() {
+        for (i, (a, code)) in acc.iter_mut().zip(codes()).enumerate() {
             let step = norms[i / b] / s as f32;
             let v = (code & mask) as f32 * step;
             *a += if code & sign_bit != 0 { -v } else { v };
