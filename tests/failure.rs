@@ -179,24 +179,16 @@ fn nan_in_gradiveq_bench_data_ends_the_job_in_seconds() {
     let npy = dir.join("g.npy");
     // A (8, 2304) f32 .npy, row 0 holding a NaN.
     let (rows, cols) = (8usize, 2304usize);
-    let mut header =
-        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    bytes.extend_from_slice(header.as_bytes());
-    for i in 0..rows * cols {
-        let x = if i == 5 {
-            f32::NAN
-        } else {
-            ((i * 37 % 101) as f32 - 50.0) / 25.0
-        };
-        bytes.extend_from_slice(&x.to_le_bytes());
-    }
-    std::fs::write(&npy, &bytes).expect("write npy");
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            if i == 5 {
+                f32::NAN
+            } else {
+                ((i * 37 % 101) as f32 - 50.0) / 25.0
+            }
+        })
+        .collect();
+    common::write_npy_f32(&npy, &[rows, cols], &data);
     let t = std::time::Instant::now();
     let (ok, out, err) = mpirun(
         2,

@@ -4,9 +4,10 @@
 //! parameter range. Before the fix 4-bit QSGD went 2.45 → 1.2e6 and 2-bit
 //! QSGD overflowed.
 
+mod common;
+
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use std::collections::HashMap;
-use std::io::Write;
 use std::process::Command;
 
 const STEPS: usize = 300;
@@ -20,20 +21,8 @@ fn normal(r: &mut SmallRng) -> f32 {
 /// A (STEPS, N) f32 .npy of N(0,1) values.
 fn write_npy(path: &std::path::Path) {
     let mut rng = SmallRng::seed_from_u64(11);
-    let mut hdr = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({STEPS}, {N}), }}");
-    while (10 + hdr.len() + 1) % 64 != 0 {
-        hdr.push(' ');
-    }
-    hdr.push('\n');
-    let mut f = std::fs::File::create(path).expect("create npy");
-    f.write_all(b"\x93NUMPY\x01\x00").expect("write");
-    f.write_all(&(hdr.len() as u16).to_le_bytes())
-        .expect("write");
-    f.write_all(hdr.as_bytes()).expect("write");
-    let data: Vec<u8> = (0..STEPS * N)
-        .flat_map(|_| normal(&mut rng).to_le_bytes())
-        .collect();
-    f.write_all(&data).expect("write");
+    let data: Vec<f32> = (0..STEPS * N).map(|_| normal(&mut rng)).collect();
+    common::write_npy_f32(path, &[STEPS, N], &data);
 }
 
 /// Every codec over its documented parameter range (src/codec/mod.rs).

@@ -75,3 +75,36 @@ pub fn mpirun(np: usize, prog: &Path, args: &[&str], limit: Duration) -> (bool, 
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A minimal version-1.0 .npy writer: `descr` (e.g. `<f4`), shape, raw data.
+pub fn write_npy(path: &std::path::Path, descr: &str, fortran: bool, shape: &[usize], data: &[u8]) {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape_s = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
+    let fo = if fortran { "True" } else { "False" };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': {fo}, 'shape': {shape_s}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).expect("write npy");
+}
+
+/// Little-endian f64, C order.
+pub fn write_npy_f64(path: &std::path::Path, shape: &[usize], data: &[f64]) {
+    let b: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_npy(path, "<f8", false, shape, &b);
+}
+
+/// Little-endian f32, C order.
+pub fn write_npy_f32(path: &std::path::Path, shape: &[usize], data: &[f32]) {
+    let b: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_npy(path, "<f4", false, shape, &b);
+}
