@@ -12,6 +12,13 @@
 //!   shared memory) for fast unit and property tests of the algorithms with any
 //!   number of ranks, in the spirit of quinn-proto's in-memory pair.
 //!
+//! Errors: the transport returns every failure as a value (MPI errors come
+//! back as [`Error::Mpi`](crate::Error::Mpi), never through MPI's fatal
+//! handler), and [`Transport::abort`] ends the whole job. Collective code
+//! over a transport follows one rule, stated in [`crate::failure`]: an error
+//! on a subset of ranks reaches every rank in the same collective phase, or
+//! the job is aborted; no rank returns alone while a peer waits.
+//!
 //! The split mirrors Open MPI's `coll/base` (algorithms over the PML) and
 //! NCCL's primitives/transport separation (see `design.md`).
 

@@ -39,6 +39,19 @@
 //! `start` and `wait` unless it has `MPI_THREAD_MULTIPLE`); with a lower level
 //! the engine communicates inside `start` and says so once in the log.
 //!
+//! Failures are collective ([`crate::failure`]): an error that can arise on
+//! a subset of ranks inside a step reaches every rank as an `Err` in the same
+//! step, naming the rank and the cause, or — where agreement is impossible —
+//! ends the job with `MPI_Abort`. A rank whose local half of the step fails
+//! (bad lengths, an encoder error, NaN/Inf in a GradiVeQ input) still enters
+//! the step's collectives with a failure marker: a `GSFX` message in place of
+//! its fused sparse message, a status word after the fused dense buffer, or,
+//! for steps with only GradiVeQ layers, a one-word allreduce. Every rank
+//! checks the status before applying anything and returns the same
+//! [`Error::RankFailed`]; what each rank had encoded goes back into its
+//! residual, and the step counter advances alike. On delayed steps without
+//! communication (`delay > 1`) an error stays local (no peer waits).
+//!
 //! Safety: every `register` checks with one small collective that all ranks
 //! registered the same layer (name, shape, strategy) under the same options;
 //! NaN/Inf in gradients follow [`NonFinitePolicy`]; a peer's corrupt unit is
