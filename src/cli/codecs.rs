@@ -66,7 +66,7 @@ pub struct CodecRecord {
     pub encode_gbps: f64,
     /// Decode throughput, GB/s of f32 output.
     pub decode_gbps: f64,
-    /// Always `null` here; a codec that failed prints a [`CodecFailure`]
+    /// Always `null` here; a codec that failed prints a `CodecFailure`
     /// line (same `codec`, `params`, `elements`, `steps`, and the message).
     pub error: Option<String>,
 }
