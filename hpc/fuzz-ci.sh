@@ -34,7 +34,7 @@ for t in $(cargo fuzz list); do
         tail -40 "$work.log"
         status=1
     else
-        grep -E "^#[0-9]+ +DONE" "$work.log" || true
+        grep -E "^#[0-9]+[[:space:]]+DONE" "$work.log" || true
     fi
     rm -rf "$work" "$work.log"
 done

@@ -64,7 +64,12 @@ fuzz_target!(|data: &[u8]| {
     );
     if dec.is_ok() {
         for (i, (&o, &a)) in out.iter().zip(&acc).enumerate() {
-            assert!(o.is_finite(), "{}: decoded[{i}] = {o}", CONFIGS[which]);
+            // Each sent value is finite (checked below), but an accepted
+            // message may still sum to ±Inf (RGC-quant with a repeated
+            // index and a mean near f32::MAX): not checked here.
+            if !o.is_finite() {
+                continue;
+            }
             // `decode_add` into ones adds the same values (up to rounding).
             let want = o + 1.0;
             assert!(
@@ -92,7 +97,7 @@ fuzz_target!(|data: &[u8]| {
             );
             for (i, (&s, &o)) in sent.iter().zip(&out).enumerate() {
                 assert!(
-                    (s - o).abs() <= 1e-6 * o.abs().max(1.0),
+                    s == o || (s - o).abs() <= 1e-6 * o.abs().max(1.0),
                     "{}: for_each_sent gives {s} at {i}, decode {o}",
                     CONFIGS[which]
                 );
