@@ -177,7 +177,8 @@ impl Codec for Qsgd {
         }
         let mut rng =
             SmallRng::seed_from_u64(self.seed ^ self.calls.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        self.calls += 1;
+        // Wrapping: a restored counter may sit at u64::MAX.
+        self.calls = self.calls.wrapping_add(1);
         let s = Self::levels(self.bits) as f32;
         let sign_bit = 1u64 << (self.bits - 1);
         out.reserve((x.len() * self.bits as usize).div_ceil(8));

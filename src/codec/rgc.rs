@@ -313,7 +313,9 @@ impl Codec for RgcQuant {
         check_finite(x)?;
         let k = rgc_k(self.density, x.len());
         exact_topk_signed(x, k, self.next_is_positive(), &mut self.idx, &mut self.val)?;
-        self.calls += 1;
+        // Wrapping: a restored counter may sit at u64::MAX (odd), and 0
+        // (even) still alternates the sign.
+        self.calls = self.calls.wrapping_add(1);
         let mean = if self.val.is_empty() {
             0.0
         } else {

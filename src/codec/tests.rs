@@ -279,6 +279,33 @@ fn error_feedback_tracks_the_running_sum() {
     assert_eq!(ef.residual(), &before[..]);
 }
 
+/// Fuzz finding (fuzz target `codec_decode`, set_state path): a restored
+/// call counter at `u64::MAX` made the next `encode` overflow (a panic in
+/// builds with overflow checks). The counters wrap; RGC-quant's sign still
+/// alternates (MAX is odd, 0 even) and QSGD still draws a fresh stream.
+#[test]
+fn fuzz_call_counter_at_max_wraps() {
+    let x: Vec<f32> = (0..100).map(|i| (i as f32 - 49.5) * 0.01).collect();
+    for name in ["rgc-quant", "qsgd"] {
+        let cfg: CodecConfig = name.parse().expect("test");
+        let mut c = cfg.build().expect("test");
+        c.set_state(&u64::MAX.to_le_bytes())
+            .expect("8 bytes of state");
+        let mut msg = Vec::new();
+        c.encode(&x, &mut msg).expect("encode at the counter's end");
+        assert_eq!(c.state(), 0u64.to_le_bytes().to_vec(), "{name}: wrapped");
+        let mut out = vec![0f32; x.len()];
+        c.decode(&msg, &mut out).expect("decodes");
+        if name == "rgc-quant" {
+            // Counter MAX (odd) sent the negative set, 0 sends the positive one.
+            assert!(out.iter().all(|&v| v <= 0.0) && out.iter().any(|&v| v < 0.0));
+            c.encode(&x, &mut msg).expect("encode");
+            c.decode(&msg, &mut out).expect("decodes");
+            assert!(out.iter().all(|&v| v >= 0.0) && out.iter().any(|&v| v > 0.0));
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 

@@ -320,6 +320,18 @@ impl Compressor {
             && self.mu.len() == self.k
             && self.ut_mu.len() == self.d
             && self.eig.len() == self.k;
+        let finite = self
+            .ut
+            .iter()
+            .chain(&self.mu)
+            .chain(&self.ut_mu)
+            .all(|v| v.is_finite())
+            && self.eig.iter().all(|v| v.is_finite());
+        if ok && !finite {
+            return Err(Error::Decode(
+                "GradiVeQ compressor holds NaN/Inf".to_string(),
+            ));
+        }
         if ok {
             Ok(())
         } else {

@@ -135,6 +135,11 @@ impl GradiveqLayer {
         if self.samples.len() > cfg.lt || self.samples.iter().any(|s| s.len() != sample_len) {
             return Err(Error::Decode("inconsistent GradiVeQ samples".into()));
         }
+        // A NaN sample would make the next PCA fit fail inside a step (an
+        // abort of the job); refuse it at restore time.
+        if self.samples.iter().flatten().any(|v| !v.is_finite()) {
+            return Err(Error::Decode("GradiVeQ samples hold NaN/Inf".into()));
+        }
         match &self.compressor {
             Some(c) if c.len() != n || c.k() != cfg.k => {
                 Err(Error::Decode("GradiVeQ compressor of another shape".into()))
@@ -169,7 +174,8 @@ impl GradiveqLayer {
             )));
         }
         let p = comm.size();
-        self.step += 1;
+        // Saturating: a restored counter may sit at its maximum.
+        self.step = self.step.saturating_add(1);
         if self.step <= self.cfg.warmup {
             out.copy_from_slice(g);
             let opts = AllreduceOptions {
@@ -204,7 +210,7 @@ impl GradiveqLayer {
             let mut vote = vec![f32::from(u8::from(loss > self.cfg.loss_threshold))];
             rabenseifner_allreduce(comm, &mut vote, &AllreduceOptions::default())?;
             let votes = vote[0].round() as usize;
-            self.compressed_steps += 1;
+            self.compressed_steps = self.compressed_steps.saturating_add(1);
             if 2 * votes > p || self.compressed_steps >= self.cfg.lc {
                 log::info!(
                     "gradiveq: rebuilding the compressor ({votes} of {p} ranks above loss {}, {} compressed steps)",
@@ -249,7 +255,7 @@ impl GradiveqLayer {
                 comps.push(Compressor::fit(&refs, self.cfg.dim)?);
             }
             self.compressor = Some(LayerCompressor::from_groups(self.n, k, reuse, comps)?);
-            self.rebuilds += 1;
+            self.rebuilds = self.rebuilds.saturating_add(1);
             self.compressed_steps = 0;
             self.samples.clear();
         }

@@ -315,3 +315,80 @@ fn loss_monitor_rebuilds_when_the_subspace_changes() {
         assert_eq!(res[r].1, res[0].1);
     }
 }
+
+/// Fuzz findings (fuzz target `snapshot`): restored GradiVeQ state with a
+/// NaN sample was accepted and the next step's PCA fit failed inside the
+/// step, aborting the job; a NaN compressor was accepted alike; a step
+/// counter at `u64::MAX` overflowed in the next step. `validate` now
+/// refuses non-finite samples and compressors, and the counters saturate.
+#[test]
+fn fuzz_hostile_gradiveq_state_is_refused_or_steps() {
+    use super::schedule::{GradiveqLayer, ScheduleConfig};
+    let cfg = ScheduleConfig {
+        k: 16,
+        dim: Dim::Fixed(2),
+        reuse: None,
+        warmup: 0,
+        lt: 4,
+        lc: 1000,
+        loss_threshold: 0.5,
+        qsgd_bits: 8,
+        qsgd_bucket: 0,
+    };
+    let n = 64;
+    let patch = |bytes: &mut [u8], from: &[u8], to: &[u8]| {
+        let at = bytes
+            .windows(from.len())
+            .position(|w| w == from)
+            .expect("value in the serialized state");
+        bytes[at..at + to.len()].copy_from_slice(to);
+    };
+    let c = LocalComm::create(1).pop().expect("rank");
+    let mut layer = GradiveqLayer::new(n, cfg.clone()).expect("layer");
+    let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; n];
+    layer.step(&c, &g, &mut out).expect("collect");
+    let good = bincode::serialize(&layer).expect("serialize");
+    let back: GradiveqLayer = bincode::deserialize(&good).expect("deserialize");
+    back.validate(n, &cfg).expect("a good state validates");
+    // A NaN in the collected sample (its first K values are out's).
+    let mut bad = good.clone();
+    let sample: Vec<u8> = out[..16].iter().flat_map(|v| v.to_le_bytes()).collect();
+    patch(&mut bad, &sample, &f32::NAN.to_le_bytes());
+    let bad: GradiveqLayer = bincode::deserialize(&bad).expect("still parses");
+    assert!(bad.validate(n, &cfg).is_err(), "NaN sample accepted");
+    // A NaN in a compressor's mean (every sample's first value is 0.75).
+    let samples: Vec<Vec<f32>> = (0..4)
+        .map(|s| {
+            (0..16)
+                .map(|i| {
+                    if i == 0 {
+                        0.75
+                    } else {
+                        ((s * 16 + i) as f32).cos()
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[f32]> = samples.iter().map(|s| &s[..]).collect();
+    let comp = Compressor::fit(&refs, Dim::Fixed(2)).expect("fit");
+    comp.validate().expect("a fitted compressor validates");
+    let mut bytes = bincode::serialize(&comp).expect("serialize");
+    patch(
+        &mut bytes,
+        &0.75f32.to_le_bytes(),
+        &f32::INFINITY.to_le_bytes(),
+    );
+    let bad: Compressor = bincode::deserialize(&bytes).expect("still parses");
+    assert!(bad.validate().is_err(), "Inf compressor accepted");
+    // A step counter at its maximum (right after the config and `n`).
+    let at = bincode::serialize(&cfg).expect("cfg").len() + 8;
+    let mut bytes = good.clone();
+    bytes[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+    let mut layer: GradiveqLayer = bincode::deserialize(&bytes).expect("parses");
+    layer.validate(n, &cfg).expect("validates");
+    layer
+        .step(&c, &g, &mut out)
+        .expect("steps at the counter's end");
+}

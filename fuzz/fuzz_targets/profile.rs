@@ -1,0 +1,51 @@
+//! The profile loader (`gradsync::cost::Profile::load`, `--profile` of
+//! `predict`/`plan`/`crossover` and `Config::profile`) on hostile files:
+//! `Ok` or an error naming the file, never a panic; an accepted profile
+//! predicts, chooses and finds crossovers without panicking, and what it
+//! saves loads again.
+#![no_main]
+
+use gradsync::cost::{choose, crossover, predict, Profile, Query};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let path = gradsync_fuzz::scratch("profile.json");
+    std::fs::write(&path, data).expect("write scratch file");
+    let prof = match Profile::load(&path) {
+        Ok(p) => p,
+        Err(e) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&*path.to_string_lossy()),
+                "error does not name the file: {text}"
+            );
+            return;
+        }
+    };
+    for (n, p) in [(1usize, 1usize), (1000, 4), (1 << 24, 64)] {
+        for method in ["trimmed", "threshold", "quant", "exact"] {
+            let q = Query {
+                n,
+                p,
+                density: 0.01,
+                gradiveq_ratio: 8.0,
+            };
+            if let Ok(preds) = predict(&prof, &q, method) {
+                let _ = choose(&preds, &[]);
+                let _ = choose(&preds, &["dense-ring", "sbc"]);
+            }
+        }
+    }
+    let _ = crossover(
+        &prof,
+        8,
+        0.001,
+        "trimmed",
+        "sparse-allgather",
+        "dense-rabenseifner",
+        1 << 20,
+    );
+    let out = gradsync_fuzz::scratch("profile-saved.json");
+    prof.save(&out).expect("save");
+    Profile::load(&out).expect("a saved profile loads");
+});

@@ -1,0 +1,51 @@
+//! The snapshot loader (`GradSync::restore_bytes`) on hostile bytes: a
+//! refused snapshot leaves the engine unchanged; an accepted one leaves an
+//! engine that can still step and snapshot. Never a panic.
+//!
+//! The engine (`gradsync_fuzz::engine`, one rank over `LocalComm`) is built
+//! once; every run starts from the same state (after two steps).
+#![no_main]
+
+use gradsync::comm::LocalComm;
+use gradsync::sync::GradSync;
+use libfuzzer_sys::fuzz_target;
+use std::cell::RefCell;
+
+struct Fixture {
+    engine: GradSync<LocalComm>,
+    baseline: Vec<u8>,
+}
+
+thread_local! {
+    static FIX: RefCell<Fixture> = RefCell::new({
+        let mut engine = gradsync_fuzz::engine();
+        gradsync_fuzz::run_steps(&mut engine, 0, 2).expect("steps");
+        let baseline = engine.snapshot_bytes().expect("snapshot");
+        Fixture { engine, baseline }
+    });
+}
+
+fuzz_target!(|data: &[u8]| {
+    FIX.with(|f| {
+        let f = &mut *f.borrow_mut();
+        match f.engine.restore_bytes(data) {
+            Err(_) => {
+                let now = f.engine.snapshot_bytes().expect("snapshot");
+                assert!(now == f.baseline, "a refused snapshot changed the engine");
+            }
+            Ok(()) => {
+                // Whatever was accepted must not break the next steps (an
+                // error such as a non-finite residual is fine, a panic not).
+                let step = f.engine.step();
+                let _ = gradsync_fuzz::run_steps(&mut f.engine, step, step.saturating_add(2));
+                let again = f.engine.snapshot_bytes().expect("snapshot after restore");
+                f.engine
+                    .restore_bytes(&again)
+                    .expect("an engine's own snapshot restores");
+                f.engine
+                    .restore_bytes(&f.baseline)
+                    .expect("baseline restores");
+            }
+        }
+    });
+});
