@@ -117,11 +117,9 @@ fn main() {
     for to in [0u64, 2, 5] {
         gradsync_fuzz::run_steps(&mut e, at, to).expect("steps");
         at = to;
-        put(
-            &d,
-            &format!("step{to}"),
-            &e.snapshot_bytes().expect("snapshot"),
-        );
+        // The target appends the CRC-32 trailer itself: keep the payload.
+        let file = e.snapshot_bytes().expect("snapshot");
+        put(&d, &format!("step{to}"), &file[..file.len() - 4]);
     }
 
     // npy: f32/f64, both byte orders, C and Fortran order, versions 1-3.

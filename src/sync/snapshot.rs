@@ -96,6 +96,22 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 })
                 .collect(),
         };
+        // Never write what cannot be loaded: a residual that overflowed (a
+        // gradient near f32::MAX) would make the file unusable.
+        for ls in &snap.layers {
+            for (what, v) in [
+                ("residual", &ls.residual),
+                ("momentum", &ls.momentum),
+                ("delay accumulator", &ls.acc),
+            ] {
+                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::Snapshot(format!(
+                        "layer {:?}: {what}[{i}] is {}; a snapshot holds finite values only",
+                        ls.name, v[i]
+                    )));
+                }
+            }
+        }
         let mut snap = snap;
         for (ls, l) in snap.layers.iter_mut().zip(&self.layers) {
             if let Some(g) = &l.gvq {

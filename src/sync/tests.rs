@@ -917,3 +917,29 @@ fn a_snapshot_with_a_nan_residual_is_refused() {
         assert!(e.contains("layer \"w\": residual[7] is NaN"), "{e}");
     });
 }
+
+/// Found by the `snapshot` fuzz target: an accepted snapshot whose residual
+/// is near `f32::MAX` overflows in the next step, and the engine then wrote
+/// a snapshot it could never load. Now `snapshot_bytes` refuses, naming the
+/// layer and the element.
+#[test]
+fn fuzz_non_finite_state_is_never_written() {
+    LocalComm::run(1, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).unwrap();
+        s.register_with("w", &[100], Strategy::rgc(0.01)).unwrap();
+        let mut g = vec![3.0e38f32; 100];
+        let _ = s.sync(&mut [&mut g[..]]);
+        let mut g = vec![3.0e38f32; 100];
+        let _ = s.sync(&mut [&mut g[..]]);
+        assert!(s
+            .residual(LayerId(0))
+            .unwrap()
+            .iter()
+            .any(|x| !x.is_finite()));
+        let e = s.snapshot_bytes().unwrap_err().to_string();
+        assert!(
+            e.contains("layer \"w\": residual[") && e.contains("finite values only"),
+            "{e}"
+        );
+    });
+}
