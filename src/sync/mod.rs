@@ -414,11 +414,14 @@ impl Job {
                 .unwrap_or(AllgathervAlgo::RecursiveDoubling);
             fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
             self.allgather_s = t.elapsed().as_secs_f64();
-            let texts: Vec<String> = (0..self.gathered.len())
-                .map(|r| failure_text(self.gathered.message(r)).unwrap_or_default())
-                .collect();
-            if texts.iter().any(|t| !t.is_empty()) {
-                failed = Some(texts);
+            // The common path only looks at each message's magic.
+            let g = &self.gathered;
+            if (0..g.len()).any(|r| failure_text(g.message(r)).is_some()) {
+                failed = Some(
+                    (0..g.len())
+                        .map(|r| failure_text(g.message(r)).unwrap_or_default())
+                        .collect(),
+                );
             }
         }
         if self.do_reduce && failed.is_none() {

@@ -59,6 +59,27 @@ struct LayerSnap {
     gradiveq: Option<Vec<u8>>,
 }
 
+impl LayerSnap {
+    /// A snapshot holds finite values only: checked when writing (never
+    /// write what cannot be loaded, e.g. a residual that overflowed) and
+    /// when loading.
+    fn check_finite(&self) -> Result<()> {
+        for (what, v) in [
+            ("residual", &self.residual),
+            ("momentum", &self.momentum),
+            ("delay accumulator", &self.acc),
+        ] {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(Error::Snapshot(format!(
+                    "layer {:?}: {what}[{i}] is {} (a snapshot holds finite values only)",
+                    self.name, v[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn options(limit: u64) -> impl Options {
     bincode::DefaultOptions::new()
         .with_fixint_encoding()
@@ -99,18 +120,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // Never write what cannot be loaded: a residual that overflowed (a
         // gradient near f32::MAX) would make the file unusable.
         for ls in &snap.layers {
-            for (what, v) in [
-                ("residual", &ls.residual),
-                ("momentum", &ls.momentum),
-                ("delay accumulator", &ls.acc),
-            ] {
-                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                    return Err(Error::Snapshot(format!(
-                        "layer {:?}: {what}[{i}] is {}; a snapshot holds finite values only",
-                        ls.name, v[i]
-                    )));
-                }
-            }
+            ls.check_finite()?;
         }
         let mut snap = snap;
         for (ls, l) in snap.layers.iter_mut().zip(&self.layers) {
@@ -198,18 +208,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ));
         }
         for s in &snap.layers {
-            for (what, v) in [
-                ("residual", &s.residual),
-                ("momentum", &s.momentum),
-                ("delay accumulator", &s.acc),
-            ] {
-                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                    return Err(Error::Snapshot(format!(
-                        "layer {:?}: {what}[{i}] is {} (a snapshot holds finite values only)",
-                        s.name, v[i]
-                    )));
-                }
-            }
+            s.check_finite()?;
             if let Some(d) = s
                 .cur_density
                 .filter(|d| !(d.is_finite() && *d > 0.0 && *d <= 1.0))
