@@ -26,7 +26,7 @@ mod local;
 mod mpi_comm;
 
 pub use local::LocalComm;
-pub use mpi_comm::MpiComm;
+pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
 
 use crate::Result;
 

@@ -31,7 +31,10 @@ const MAX_COUNT: usize = 1 << 30;
 /// assert_eq!(grad[0], world.size() as f32);
 /// ```
 pub struct MpiComm<C: Communicator = SimpleCommunicator> {
-    comm: C,
+    /// `ManuallyDrop` so that [`Drop`] can leak it once MPI is finalized
+    /// (freeing a communicator after `MPI_Finalize` is erroneous; a Python
+    /// engine may be collected after mpi4py's `atexit` finalized MPI).
+    comm: std::mem::ManuallyDrop<C>,
     raw: ffi::MPI_Comm,
     rank: usize,
     size: usize,
@@ -55,6 +58,99 @@ impl MpiComm<SimpleCommunicator> {
         check(rc, "MPI_Comm_set_errhandler")?;
         Ok(Self::wrap(dup))
     }
+
+    /// Duplicate a raw `MPI_Comm` handle (from C, or from mpi4py through
+    /// `MPI_Comm_f2c`) and own the duplicate; the caller's handle is never
+    /// freed. Errors, instead of MPI's fatal handler, when MPI is not
+    /// initialized or already finalized (gradsync never initializes MPI),
+    /// when `raw` is `MPI_COMM_NULL`, or when it is an inter-communicator.
+    ///
+    /// # Safety
+    /// `raw` must be a communicator handle of the MPI library gradsync was
+    /// built against (any valid handle, including `MPI_COMM_WORLD`).
+    pub unsafe fn duplicate_raw(raw: ffi::MPI_Comm) -> Result<Self> {
+        mpi_ready()?;
+        if raw == ffi::RSMPI_COMM_NULL {
+            return Err(Error::InvalidArgument(
+                "the communicator is MPI_COMM_NULL".into(),
+            ));
+        }
+        let mut inter: c_int = 0;
+        check(
+            ffi::MPI_Comm_test_inter(raw, &mut inter),
+            "MPI_Comm_test_inter",
+        )?;
+        if inter != 0 {
+            return Err(Error::InvalidArgument(
+                "inter-communicators are not supported: pass an intra-communicator".into(),
+            ));
+        }
+        let mut dup = ffi::RSMPI_COMM_NULL;
+        check(ffi::MPI_Comm_dup(raw, &mut dup), "MPI_Comm_dup")?;
+        let rc = ffi::MPI_Comm_set_errhandler(dup, ffi::RSMPI_ERRORS_RETURN);
+        if let Err(e) = check(rc, "MPI_Comm_set_errhandler") {
+            ffi::MPI_Comm_free(&mut dup);
+            return Err(e);
+        }
+        // SAFETY: `dup` is a live intra-communicator that only this value
+        // owns; rsmpi frees it on drop.
+        Ok(Self::wrap(
+            <SimpleCommunicator as mpi::raw::FromRaw>::from_raw(dup),
+        ))
+    }
+}
+
+/// `Ok` when MPI is initialized and not finalized; otherwise an error that
+/// says so (gradsync never initializes or finalizes MPI itself).
+pub fn mpi_ready() -> Result<()> {
+    let (mut init, mut fin): (c_int, c_int) = (0, 0);
+    // SAFETY: both calls may be made at any time, before MPI_Init and after
+    // MPI_Finalize.
+    unsafe {
+        ffi::MPI_Initialized(&mut init);
+        ffi::MPI_Finalized(&mut fin);
+    }
+    if init == 0 {
+        return Err(Error::InvalidArgument(
+            "MPI is not initialized: initialize it first (MPI_Init_thread, or `from mpi4py import MPI`); gradsync never initializes MPI".into(),
+        ));
+    }
+    if fin != 0 {
+        return Err(Error::InvalidArgument("MPI is already finalized".into()));
+    }
+    Ok(())
+}
+
+/// The `MPI_Get_library_version` string of the MPI library gradsync is
+/// linked with (callable before `MPI_Init`), to check that a caller (e.g.
+/// mpi4py) uses the same library.
+pub fn mpi_library_version() -> String {
+    let mut buf = vec![0 as c_char; ffi::MPI_MAX_LIBRARY_VERSION_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_LIBRARY_VERSION_STRING characters.
+    unsafe {
+        ffi::MPI_Get_library_version(buf.as_mut_ptr(), &mut len);
+    }
+    let bytes: Vec<u8> = buf[..len.max(0) as usize]
+        .iter()
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes)
+        .trim_end_matches(['\0', '\n', ' '])
+        .to_string()
+}
+
+impl<C: Communicator> Drop for MpiComm<C> {
+    fn drop(&mut self) {
+        let mut fin: c_int = 0;
+        // SAFETY: MPI_Finalized may be called at any time.
+        unsafe { ffi::MPI_Finalized(&mut fin) };
+        if fin == 0 {
+            // SAFETY: dropped exactly once, here.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.comm) };
+        }
+        // Else leak it: MPI already released every communicator.
+    }
 }
 
 impl<C: Communicator> MpiComm<C> {
@@ -64,7 +160,7 @@ impl<C: Communicator> MpiComm<C> {
         let rank = comm.rank() as usize;
         let size = comm.size() as usize;
         MpiComm {
-            comm,
+            comm: std::mem::ManuallyDrop::new(comm),
             raw,
             rank,
             size,

@@ -66,6 +66,7 @@
 //! [`GradSync::resolve`] gives the default, and `Auto` asks the cost model
 //! ([`crate::cost`]) with `Config::profile`.
 
+mod options;
 mod snapshot;
 
 use crate::codec::{Codec, CodecConfig, RgcMethod};
@@ -538,6 +539,17 @@ impl GradSync<MpiComm> {
     pub fn new<Cm: mpi::topology::Communicator>(comm: &Cm, cfg: Config) -> Result<Self> {
         Self::with_transport(MpiComm::duplicate_of(comm)?, cfg)
     }
+
+    /// An engine over a duplicate of a raw `MPI_Comm` handle (collective
+    /// over it): how the C ABI and the Python package, whose communicators
+    /// come from C or mpi4py, build one. See [`MpiComm::duplicate_raw`].
+    ///
+    /// # Safety
+    /// `raw` must be a valid communicator handle of the MPI library
+    /// gradsync is linked with.
+    pub unsafe fn from_raw_comm(raw: mpi::ffi::MPI_Comm, cfg: Config) -> Result<Self> {
+        Self::with_transport(MpiComm::duplicate_raw(raw)?, cfg)
+    }
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -758,6 +770,35 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         shape: &[usize],
         strategy: Strategy,
     ) -> Result<LayerId> {
+        self.register_impl(name, shape, Ok(strategy))
+    }
+
+    /// Register a layer with a strategy given as text, as the C ABI and the
+    /// Python package do: `"auto"` ([`register`](Self::register)'s choice:
+    /// the cost model with a profile, else by size), `"dense"`,
+    /// `"gradiveq[:k=768,d=96|lambda=0.01,...]"`, or a codec string such
+    /// as `"rgc:density=0.001"` or `"3lc:s=1.75"` ([`Strategy::parse`]).
+    /// A spec that does not parse on one rank fails the registration
+    /// collective on every rank, naming that rank.
+    pub fn register_spec(&mut self, name: &str, shape: &[usize], spec: &str) -> Result<LayerId> {
+        let strategy = match spec.trim() {
+            "auto" if self.cfg.profile.is_some() => Ok(Strategy::Auto),
+            "auto" => shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .map(|n| self.resolve(n))
+                .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} overflows"))),
+            s => Strategy::parse(s),
+        };
+        self.register_impl(name, shape, strategy)
+    }
+
+    fn register_impl(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        strategy: Result<Strategy>,
+    ) -> Result<LayerId> {
         if self.step > 0 || self.worker.is_some() {
             // Local misuse after the table was fixed: no peer is in a
             // registration collective any more (they are in steps).
@@ -768,7 +809,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let id = self.layers.len();
         // Everything rank-local first; a failure still enters the
         // registration collective so no peer waits in it.
-        let local = self.prepare_layer(id, name, shape, strategy);
+        let local = strategy.and_then(|s| self.prepare_layer(id, name, shape, s));
         let label = local
             .as_ref()
             .map_or_else(|_| String::new(), |l| l.4.clone());
@@ -971,15 +1012,34 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 "weight_decay is set: use start_with_weights / sync_with_weights".into(),
             ));
         }
-        self.start_impl(grads, None)
+        self.start_impl(Ok((grads, None)))
+    }
+
+    /// Take part in this step carrying a failure found by the caller before
+    /// it could hand over its gradients (a binding that got a float64 or
+    /// read-only array, a null pointer from C). The step's collectives run
+    /// as for any rank-local failure ([`crate::failure`]): every rank,
+    /// this one included, returns the same [`Error::RankFailed`] for this
+    /// step, nothing is applied anywhere, and the next step runs normally.
+    /// Returns that error (or an earlier, purely local misuse error).
+    pub fn fail_step(&mut self, err: Error) -> Error {
+        if let Err(e) = self.start_impl(Err(err)) {
+            return e;
+        }
+        match self.wait(&mut []) {
+            Err(e) => e,
+            Ok(_) => Error::InvalidArgument("a failed step succeeded".into()),
+        }
     }
 
     /// [`start`](Self::start) with the weights, for weight decay.
     pub fn start_with_weights(&mut self, grads: &[&[f32]], weights: &[&[f32]]) -> Result<()> {
-        self.start_impl(grads, Some(weights))
+        self.start_impl(Ok((grads, Some(weights))))
     }
 
-    fn start_impl(&mut self, grads: &[&[f32]], weights: Option<&[&[f32]]>) -> Result<()> {
+    /// The step's gradients (and weights), or the caller's own failure.
+    #[allow(clippy::type_complexity)]
+    fn start_impl(&mut self, input: Result<(&[&[f32]], Option<&[&[f32]]>)>) -> Result<()> {
         if self.started.is_some() {
             // Local misuse; this rank's own round is still pending, so no
             // peer waits for this call.
@@ -996,7 +1056,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // The rank-local half of the step. From here on this rank enters the
         // step's collectives whatever happens, carrying a failure flag if
         // this half failed, so no peer is left waiting (crate::failure).
-        let local = self.local_phase(grads, weights, &mut job, dense_len);
+        let local = match input {
+            Ok((grads, weights)) => self.local_phase(grads, weights, &mut job, dense_len),
+            Err(e) => {
+                job.dense.clear();
+                job.dense.resize(dense_len, 0.0);
+                Err(e)
+            }
+        };
         if let Err(e) = &local {
             log::debug!("gradsync: rank {} step {step}: {e}", self.rank);
         }

@@ -818,6 +818,63 @@ fn a_failed_step_fails_every_rank_alike_and_loses_nothing() {
     }
 }
 
+/// Issue #12: a binding that finds a bad argument before it can hand over
+/// the gradients (`fail_step`) still takes part in the step: every rank
+/// returns the same `RankFailed`, and the next step runs. Also the text
+/// strategies of `register_spec`: a spec that does not parse on one rank
+/// fails the registration on every rank.
+#[test]
+fn fail_step_and_register_spec_are_collective() {
+    for overlap in [false, true] {
+        let out = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, Config { overlap, ..cfg() }).expect("engine");
+            let reg = s
+                .register_spec("x", &[4], if rank == 2 { "rgc:density=2" } else { "dense" })
+                .unwrap_err()
+                .to_string();
+            // The failed registration added nothing anywhere: go on.
+            s.register_spec("w", &[1000], "rgc:density=0.01").unwrap();
+            s.register_spec("b", &[10], "auto").unwrap();
+            let (mut w, mut b) = (vec![1.0f32; 1000], vec![1.0f32; 10]);
+            let step = if rank == 0 {
+                s.fail_step(Error::InvalidArgument("array 1 is float64".into()))
+                    .to_string()
+            } else {
+                s.sync(&mut [&mut w[..], &mut b[..]])
+                    .unwrap_err()
+                    .to_string()
+            };
+            let (mut w, mut b) = (vec![1.0f32; 1000], vec![rank as f32; 10]);
+            let next = s.sync(&mut [&mut w[..], &mut b[..]]).map(|_| b[0]);
+            (
+                reg,
+                step,
+                next.ok(),
+                s.layer(LayerId(1)).map(|l| l.2.clone()),
+            )
+        });
+        for (reg, step, next, strat) in &out {
+            assert_eq!(reg, &out[0].0);
+            assert!(
+                reg.contains("rank 2 failed") && reg.contains("\"x\""),
+                "{reg}"
+            );
+            assert_eq!(step, &out[0].1);
+            assert!(
+                step.starts_with("rank 0 failed in step 0: ") && step.contains("float64"),
+                "{step}"
+            );
+            assert_eq!(*next, Some(1.0), "the next step runs (mean of 0, 1, 2)");
+            assert_eq!(
+                strat.as_ref(),
+                Some(&Strategy::Dense),
+                "auto without a profile: by size"
+            );
+        }
+    }
+}
+
 /// Issue #11 class 5: snapshots are checked (CRC-32 over the file, finite
 /// floats) and loading is collective: bad bytes on one rank fail every rank
 /// with the same error and leave every engine unchanged.

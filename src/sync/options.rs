@@ -1,0 +1,276 @@
+//! Engine options and layer strategies as text and flat JSON: the one place
+//! where the C ABI's `config_json` and the Python package's keyword
+//! arguments become a [`Config`] and a [`Strategy`], so the two bindings
+//! accept exactly the same options with the same errors.
+//!
+//! Options are a flat JSON object. Every [`Config`] field is accepted in its
+//! serde form (`compress_threshold`, `weight_decay`, `clip_norm`, `delay`,
+//! `allgather`, `allreduce`, `overlap`, `auto_density`, ...), plus the
+//! spellings a training script uses:
+//!
+//! | key | value |
+//! |---|---|
+//! | `momentum`, `nesterov` | number, bool |
+//! | `warmup_steps` | dense steps before sparse ones (RedSync §5.6) |
+//! | `nonfinite` | `"error"` or `"propagate"` |
+//! | `codec` | a codec string (`"rgc:density=0.001"`) or its JSON object |
+//! | `profile` | a path to a `gradsync calibrate` profile, or the profile object |
+//!
+//! ```
+//! use gradsync::sync::{Config, Strategy};
+//! let cfg = Config::from_options_json(
+//!     r#"{"momentum": 0.9, "warmup_steps": 5, "codec": "rgc:density=0.01"}"#,
+//! ).unwrap();
+//! assert_eq!(cfg.momentum, 0.9);
+//! assert!(Config::from_options_json(r#"{"momentun": 0.9}"#).is_err());
+//! assert_eq!(Strategy::parse("dense").unwrap(), Strategy::Dense);
+//! ```
+
+use super::{Config, NonFinitePolicy, Strategy, Warmup};
+use crate::codec::CodecConfig;
+use crate::{Error, Result};
+use serde_json::{Map, Value};
+
+impl Config {
+    /// A [`Config`] from a flat JSON object of options (see the
+    /// [module docs](self)); an empty string or `null` gives the defaults.
+    /// Unknown keys and values of the wrong type are errors naming the key.
+    pub fn from_options_json(json: &str) -> Result<Config> {
+        if json.trim().is_empty() {
+            return Ok(Config::default());
+        }
+        let v: Value = serde_json::from_str(json)
+            .map_err(|e| Error::InvalidArgument(format!("options are not JSON: {e}")))?;
+        match v {
+            Value::Null => Ok(Config::default()),
+            Value::Object(m) => Config::from_options(&m),
+            other => Err(Error::InvalidArgument(format!(
+                "options must be a JSON object, got {other}"
+            ))),
+        }
+    }
+
+    /// [`from_options_json`](Self::from_options_json) on a parsed object.
+    pub fn from_options(opts: &Map<String, Value>) -> Result<Config> {
+        let Value::Object(mut cfg) = serde_json::to_value(Config::default())? else {
+            return Err(Error::InvalidArgument("Config is not an object".into()));
+        };
+        let known: Vec<String> = cfg.keys().cloned().collect();
+        if opts.contains_key("warmup_steps") && opts.contains_key("warmup") {
+            return Err(Error::InvalidArgument(
+                "give warmup_steps or warmup, not both".into(),
+            ));
+        }
+        if opts.contains_key("nonfinite") && opts.contains_key("non_finite") {
+            return Err(Error::InvalidArgument(
+                "give nonfinite or non_finite, not both".into(),
+            ));
+        }
+        for (k, v) in opts {
+            let bad = |why: String| Error::InvalidArgument(format!("option {k:?}: {why}"));
+            let (key, val) = match k.as_str() {
+                "warmup_steps" => {
+                    let steps = v
+                        .as_u64()
+                        .ok_or_else(|| bad(format!("{v} is not a whole number of steps")))?;
+                    let w = if steps == 0 {
+                        Warmup::None
+                    } else {
+                        Warmup::Dense { steps }
+                    };
+                    ("warmup", serde_json::to_value(w)?)
+                }
+                "nonfinite" | "non_finite" => {
+                    let p = match v.as_str() {
+                        Some("error") => NonFinitePolicy::Error,
+                        Some("propagate") => NonFinitePolicy::Propagate,
+                        _ => return Err(bad(format!("{v} is not \"error\" or \"propagate\""))),
+                    };
+                    ("non_finite", serde_json::to_value(p)?)
+                }
+                "codec" => match v {
+                    Value::String(s) => {
+                        let c: CodecConfig = s.parse().map_err(|e: Error| bad(e.to_string()))?;
+                        ("codec", serde_json::to_value(c)?)
+                    }
+                    other => ("codec", other.clone()),
+                },
+                "profile" => match v {
+                    Value::String(path) => {
+                        let p = crate::cost::Profile::load(path)?;
+                        ("profile", serde_json::to_value(p)?)
+                    }
+                    other => ("profile", other.clone()),
+                },
+                "allgather" | "allreduce" => match v {
+                    // Accept the command line's names too.
+                    Value::String(s) if s == "recursive-doubling" => {
+                        (k.as_str(), Value::String("recdbl".into()))
+                    }
+                    other => (k.as_str(), other.clone()),
+                },
+                key if known.iter().any(|n| n == key) => (key, v.clone()),
+                _ => {
+                    return Err(bad(format!(
+                        "unknown option (known: {}, warmup_steps, nonfinite)",
+                        known.join(", ")
+                    )))
+                }
+            };
+            // Each value alone, so that the error names its key.
+            let mut probe = Map::new();
+            probe.insert(key.to_string(), val.clone());
+            serde_json::from_value::<Config>(Value::Object(probe))
+                .map_err(|e| bad(format!("{e}")))?;
+            cfg.insert(key.to_string(), val);
+        }
+        serde_json::from_value(Value::Object(cfg))
+            .map_err(|e| Error::InvalidArgument(format!("options: {e}")))
+    }
+}
+
+impl Strategy {
+    /// A strategy from text: `"dense"`, `"auto"` (the cost model's choice,
+    /// which needs [`Config::profile`]), `"gradiveq"` with optional
+    /// schedule parameters (`"gradiveq:k=768,d=96"` or `lambda=0.01`,
+    /// `reuse`, `warmup`, `lt`, `lc`, `loss_threshold`, `qsgd_bits`,
+    /// `qsgd_bucket`), or a codec string (`"rgc:density=0.001"`,
+    /// `"3lc:s=1.75"`, `"qsgd:bits=4"`, ... as [`CodecConfig`] parses).
+    pub fn parse(spec: &str) -> Result<Strategy> {
+        let spec = spec.trim();
+        let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
+        match name.trim() {
+            "" => Err(Error::InvalidArgument("empty strategy".into())),
+            "dense" | "auto" if !params.trim().is_empty() => Err(Error::InvalidArgument(format!(
+                "strategy {spec:?}: {name} takes no parameters"
+            ))),
+            "dense" => Ok(Strategy::Dense),
+            "auto" => Ok(Strategy::Auto),
+            "gradiveq" => parse_gradiveq(spec, params).map(Strategy::Gradiveq),
+            _ => spec
+                .parse::<CodecConfig>()
+                .map(|codec| Strategy::Sparse {
+                    codec,
+                    density: None,
+                })
+                .map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "strategy {spec:?} is not auto, dense, gradiveq or a codec: {e}"
+                    ))
+                }),
+        }
+    }
+}
+
+fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule::ScheduleConfig> {
+    let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
+    let Value::Object(mut m) =
+        serde_json::to_value(crate::gradiveq::schedule::ScheduleConfig::default())?
+    else {
+        return Err(bad("ScheduleConfig is not an object".into()));
+    };
+    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
+        let (k, v) = (k.trim(), v.trim());
+        let num: Value = serde_json::from_str(v)
+            .ok()
+            .filter(Value::is_number)
+            .ok_or_else(|| bad(format!("{k}={v:?} is not a number")))?;
+        match k {
+            "d" => m.insert("dim".into(), serde_json::json!({ "fixed": num })),
+            "lambda" => m.insert("dim".into(), serde_json::json!({ "lambda": num })),
+            "reuse" => m.insert("reuse".into(), num),
+            k if m.contains_key(k) && k != "dim" => m.insert(k.into(), num),
+            _ => return Err(bad(format!("unknown parameter {k:?}"))),
+        };
+    }
+    serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_map_onto_config() {
+        let c = Config::from_options_json(
+            r#"{"momentum": 0.9, "nesterov": true, "warmup_steps": 3, "nonfinite": "propagate",
+                "codec": "3lc:s=1.75", "compress_threshold": 10, "allreduce": "ring",
+                "allgather": "mpi", "delay": 2, "clip_norm": 1.5}"#,
+        )
+        .unwrap();
+        assert_eq!(c.momentum, 0.9);
+        assert!(c.nesterov);
+        assert_eq!(c.warmup, Warmup::Dense { steps: 3 });
+        assert_eq!(c.non_finite, NonFinitePolicy::Propagate);
+        assert_eq!(c.codec, "3lc:s=1.75".parse().unwrap());
+        assert_eq!(c.compress_threshold, 10);
+        assert_eq!(c.allreduce, crate::dense::AllreduceAlgo::Ring);
+        assert_eq!(c.allgather, crate::dense::AllgathervAlgo::Mpi);
+        assert_eq!(c.delay, 2);
+        assert_eq!(c.clip_norm, Some(1.5));
+        assert_eq!(Config::from_options_json("").unwrap(), Config::default());
+        assert_eq!(
+            Config::from_options_json("null").unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn bad_options_name_the_key() {
+        for (json, needle) in [
+            (r#"{"momentun": 0.9}"#, "\"momentun\""),
+            (r#"{"momentum": "high"}"#, "\"momentum\""),
+            (r#"{"warmup_steps": -1}"#, "\"warmup_steps\""),
+            (r#"{"nonfinite": "ignore"}"#, "\"nonfinite\""),
+            (r#"{"codec": "rgc:density=x"}"#, "\"codec\""),
+            (r#"{"allreduce": "tree"}"#, "\"allreduce\""),
+            (
+                r#"{"profile": "/nonexistent/p.json"}"#,
+                "/nonexistent/p.json",
+            ),
+            (
+                r#"{"warmup_steps": 1, "warmup": {"warmup": "none"}}"#,
+                "not both",
+            ),
+            ("[1]", "object"),
+            ("{", "JSON"),
+        ] {
+            let e = Config::from_options_json(json).unwrap_err().to_string();
+            assert!(e.contains(needle), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn strategies_parse() {
+        assert_eq!(Strategy::parse("dense").unwrap(), Strategy::Dense);
+        assert_eq!(Strategy::parse(" auto ").unwrap(), Strategy::Auto);
+        assert_eq!(
+            Strategy::parse("rgc:density=0.001").unwrap(),
+            Strategy::Sparse {
+                codec: "rgc:density=0.001".parse().unwrap(),
+                density: None
+            }
+        );
+        let Strategy::Gradiveq(g) = Strategy::parse("gradiveq:k=64,d=8,lt=10").unwrap() else {
+            panic!("not gradiveq")
+        };
+        assert_eq!((g.k, g.dim, g.lt), (64, crate::gradiveq::Dim::Fixed(8), 10));
+        assert!(matches!(
+            Strategy::parse("gradiveq").unwrap(),
+            Strategy::Gradiveq(_)
+        ));
+        for bad in [
+            "",
+            "dense:x=1",
+            "gradiveq:k=x",
+            "gradiveq:dim=3",
+            "nope",
+            "rgc:foo=1",
+        ] {
+            assert!(Strategy::parse(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+}
