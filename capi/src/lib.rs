@@ -1,0 +1,1 @@
+//! C ABI of gradsync (issue #12). Filled in next.

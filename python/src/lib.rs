@@ -1,0 +1,1 @@
+//! Python bindings (issue #12). Filled in next.
