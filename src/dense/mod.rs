@@ -264,6 +264,80 @@ pub fn validate_same_len<C: Transport>(comm: &C, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// A user's buffer of either float type, for callers that get their
+/// buffers from C or Python ([`allreduce_agreed`]).
+pub enum AnyBuf<'a> {
+    /// `float32` / `float`.
+    F32(&'a mut [f32]),
+    /// `float64` / `double`.
+    F64(&'a mut [f64]),
+}
+
+impl AnyBuf<'_> {
+    fn len(&self) -> usize {
+        match self {
+            AnyBuf::F32(b) => b.len(),
+            AnyBuf::F64(b) => b.len(),
+        }
+    }
+    fn dtype(&self) -> (u64, &'static str) {
+        match self {
+            AnyBuf::F32(_) => (1, "float32"),
+            AnyBuf::F64(_) => (2, "float64"),
+        }
+    }
+}
+
+/// In-place allreduce for the bindings (`gs_allreduce`,
+/// `gradsync.allreduce`), where a rank may fail before it has a buffer
+/// (wrong dtype, read-only or non-contiguous array): `buf` is that rank's
+/// buffer or its error. One 40-byte collective agrees first on failures,
+/// lengths and dtypes, so a local error, a length or a dtype that differs
+/// on one rank fails every rank alike (never a hang, never mixed types on
+/// the wire); then `algo` runs without its own length check.
+pub fn allreduce_agreed<C: Transport>(
+    comm: &C,
+    buf: Result<AnyBuf<'_>>,
+    algo: AllreduceAlgo,
+    op: ReduceOp,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let mut v = match &buf {
+        Ok(b) => {
+            let (n, d) = (b.len() as u64, b.dtype().0);
+            [0, n, !n, d, !d]
+        }
+        Err(_) => [(p - rank) as u64, 0, 0, 0, 0],
+    };
+    small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
+    if v[0] != 0 {
+        crate::failure::agree(comm, buf.map(|_| ()))?;
+        return Err(Error::Transport(
+            "a rank flagged a failure that the agreement did not see".into(),
+        ));
+    }
+    let buf = buf?;
+    let (n, (d, dname)) = (buf.len() as u64, buf.dtype());
+    let (max, min) = (v[1], !v[2]);
+    if min != max {
+        return Err(Error::SizeMismatch { local: n, min, max });
+    }
+    if v[3] != d || !v[4] != d {
+        return Err(Error::InvalidArgument(format!(
+            "buffer dtypes differ across ranks (this rank passed {dname}): pass the same dtype on every rank"
+        )));
+    }
+    let opts = AllreduceOptions {
+        op,
+        validate: false,
+        chunk_elems: 0,
+    };
+    match buf {
+        AnyBuf::F32(b) => allreduce(comm, b, algo, &opts),
+        AnyBuf::F64(b) => allreduce(comm, b, algo, &opts),
+    }
+}
+
 /// Element-wise max of a tiny `u64` vector over all ranks, by recursive
 /// doubling with the non-power-of-two fold.
 pub(crate) fn small_allreduce_max<C: Transport, const N: usize>(
