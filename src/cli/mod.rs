@@ -20,7 +20,8 @@ pub use calibrate::{CalibrateArgs, CheckRecord, CheckSummary, ModelCheckArgs};
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use gradiveq_bench::GradiveqRecord;
 pub use model::{
-    read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs, PredictRecord,
+    predict_record, read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs,
+    PredictRecord,
 };
 pub use sparse_bench::SparseRecord;
 pub use verify::VerifyArgs;

@@ -550,6 +550,22 @@ impl GradSync<MpiComm> {
     pub unsafe fn from_raw_comm(raw: mpi::ffi::MPI_Comm, cfg: Config) -> Result<Self> {
         Self::with_transport(MpiComm::duplicate_raw(raw)?, cfg)
     }
+
+    /// [`from_raw_comm`](Self::from_raw_comm) with the options as flat JSON
+    /// ([`Config::from_options_json`]), as the bindings pass them. Options
+    /// that do not parse on one rank fail every rank alike (one 8-byte
+    /// agreement, [`crate::failure::agree`]), naming that rank.
+    ///
+    /// # Safety
+    /// As [`from_raw_comm`](Self::from_raw_comm).
+    pub unsafe fn from_raw_comm_options(
+        raw: mpi::ffi::MPI_Comm,
+        options_json: &str,
+    ) -> Result<Self> {
+        let comm = MpiComm::duplicate_raw(raw)?;
+        let cfg = crate::failure::agree(&comm, Config::from_options_json(options_json))?;
+        Self::with_transport(comm, cfg)
+    }
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;

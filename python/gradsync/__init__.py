@@ -1,0 +1,248 @@
+"""gradsync: cheap gradient synchronization for data-parallel training under mpirun.
+
+The Rust engine of gradsync (RedSync's residual sparse compression fused into
+one allgather, Rabenseifner dense allreduce, the papers' codecs, an
+alpha-beta-gamma cost model that picks a strategy per layer), called from an
+mpi4py training loop. Gradients are numpy ``float32`` arrays updated in place
+(no copy); the GIL is released while gradsync communicates; gradsync never
+initializes or finalizes MPI.
+
+Run a training script under mpirun, for example::
+
+    mpirun -np 4 python -m mpi4py train.py
+
+(``python -m mpi4py`` aborts the whole job when one rank raises an uncaught
+exception, instead of leaving its peers waiting in a collective.)
+
+Minimal use::
+
+    from mpi4py import MPI
+    import numpy as np
+    import gradsync
+
+    sync = gradsync.GradSync(MPI.COMM_WORLD, momentum=0.9)
+    sync.register("fc1.weight", (256, 64))          # "auto": by size or the cost model
+    sync.register("fc1.bias", (256,), strategy="dense")
+    g1 = np.ones((256, 64), np.float32); g2 = np.ones(256, np.float32)
+    stats = sync.sync([g1, g2])      # g1, g2 now hold the update directions
+
+Errors on one rank never hang the others: an argument that is wrong on one
+rank (dtype, layout, shape, number of layers) fails that step on every rank,
+raising ``TypeError``/``ValueError`` on the rank at fault and
+``gradsync.Error`` on the others; the next step runs normally.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import os as _os
+from typing import Any, Dict, Iterable, Optional, Sequence, Union
+
+from mpi4py import MPI as _MPI  # initializes MPI (gradsync never does)
+
+from . import _gradsync
+from ._gradsync import Error
+
+__all__ = ["GradSync", "Error", "allreduce", "predict", "mpi_library_version", "__version__"]
+__version__: str = _gradsync.__version__
+
+
+def mpi_library_version() -> str:
+    """The ``MPI_Get_library_version`` string of the MPI library gradsync is linked with."""
+    return _gradsync.mpi_library_version()
+
+
+def _check_same_mpi() -> None:
+    ours = _gradsync.mpi_library_version().replace("\x00", "").strip()
+    theirs = _MPI.Get_library_version().replace("\x00", "").strip()
+    first = lambda s: s.splitlines()[0].strip() if s else ""  # noqa: E731
+    if first(ours) != first(theirs):
+        raise ImportError(
+            "gradsync was built against a different MPI library than mpi4py uses:\n"
+            f"  gradsync: {first(ours) or '?'}\n"
+            f"  mpi4py:   {first(theirs) or '?'}\n"
+            "Install mpi4py from source against the same MPI "
+            "(pip install --no-binary mpi4py mpi4py) or rebuild gradsync with that MPI's mpicc."
+        )
+
+
+_check_same_mpi()
+
+PathLike = Union[str, "_os.PathLike[str]"]
+
+
+class GradSync:
+    """The per-step gradient synchronization engine over an mpi4py communicator.
+
+    ``GradSync(comm, profile=None, momentum=0.9, nesterov=False, warmup_steps=0,
+    nonfinite="error", **options)`` is collective over ``comm``, which it
+    duplicates (``COMM_WORLD`` keeps working after the engine is gone).
+
+    Parameters
+    ----------
+    comm:
+        An mpi4py intra-communicator, e.g. ``MPI.COMM_WORLD``.
+    profile:
+        A cluster profile from ``gradsync calibrate`` (a path or the loaded
+        dict). With one, ``register(..., strategy="auto")`` lets the cost
+        model choose dense or sparse per layer; without, layers of at least
+        ``compress_threshold`` (32768) elements are sparse (RGC at 0.1 %).
+    momentum, nesterov:
+        Momentum SGD, with RedSync's momentum correction for sparse layers.
+        ``sync`` returns update directions: apply ``w -= lr * d``.
+    warmup_steps:
+        Dense steps before sparse ones.
+    nonfinite:
+        ``"error"`` (NaN/Inf in a gradient raises on every rank) or
+        ``"propagate"`` (the layer's result is NaN on every rank).
+    **options:
+        Any other engine option: ``codec`` (e.g. ``"rgc:density=0.01"``),
+        ``compress_threshold``, ``weight_decay``, ``clip_norm``, ``delay``,
+        ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``),
+        ``allgather`` (``"recdbl"``, ``"mpi"``), ``overlap``,
+        ``auto_density``, ``auto_quant``. Unknown names raise ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        profile: Optional[Union[PathLike, Dict[str, Any]]] = None,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        warmup_steps: int = 0,
+        nonfinite: str = "error",
+        **options: Any,
+    ) -> None:
+        opts: Dict[str, Any] = dict(options)
+        opts.update(momentum=momentum, nesterov=nesterov, warmup_steps=warmup_steps, nonfinite=nonfinite)
+        if profile is not None:
+            opts["profile"] = _os.fspath(profile) if not isinstance(profile, dict) else profile
+        try:
+            text = _json.dumps(opts, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            # Still enter the collective set-up so that no peer waits.
+            text = _json.dumps({"<options>": f"not JSON-serializable: {e}"})
+        self._engine = _gradsync.GradSync(comm, text)
+        self._names: list = []
+
+    def register(self, name: str, shape: Union[int, Sequence[int]], strategy: str = "auto") -> int:
+        """Register a layer (collective: every rank registers the same layers in the same order).
+
+        ``strategy`` is ``"auto"`` (the cost model with a profile, else by
+        size), ``"dense"``, ``"gradiveq"`` (optionally ``"gradiveq:k=768,d=96"``)
+        or a codec string: ``"rgc:density=0.001"``, ``"rgc-quant:density=0.001"``,
+        ``"3lc:s=1.75"``, ``"sbc"``, ``"qsgd:bits=4"``, ``"fastsgd"``, ``"fp16"``,
+        ``"int8"``. Returns the layer's index. A table that differs across
+        ranks raises ``gradsync.Error`` on every rank.
+        """
+        idx = self._engine.register(name, tuple(shape) if not isinstance(shape, int) else shape, strategy)
+        self._names.append(name)
+        return idx
+
+    def sync(self, grads: Sequence[Any]) -> Dict[str, Any]:
+        """One step: replace each gradient (in place) by its layer's update direction.
+
+        ``grads`` holds one C-contiguous writable ``float32`` array per
+        registered layer, in registration order, of the registered shape (or
+        flat). Returns the step's stats: ``step``, ``fused_bytes``,
+        ``dense_bytes``, timings in seconds, and ``layers``, one dict per
+        layer (``name``, ``strategy``, ``codec``, ``density``,
+        ``bytes_sent``, ``ratio``, ...).
+        """
+        return self._engine.sync(grads)
+
+    def start(self, grads: Sequence[Any]) -> None:
+        """Compress this step's gradients and start communicating on gradsync's progress thread.
+
+        Returns as soon as the gradients have been consumed (they may be
+        overwritten); finish with :meth:`wait`.
+        """
+        self._engine.start(grads)
+
+    def wait(self, grads: Sequence[Any]) -> Dict[str, Any]:
+        """Finish the step begun by :meth:`start`, writing update directions into ``grads`` in place.
+
+        A bad output argument raises on this rank only and keeps the result,
+        so ``wait`` can be called again with the right arrays.
+        """
+        return self._engine.wait(grads)
+
+    def save_snapshot(self, path: PathLike) -> None:
+        """Write this rank's engine state (residuals, momentum, step, codec state) to ``path``.
+
+        Each rank writes its own file (e.g. ``f"ckpt/gradsync.rank{rank}.snap"``).
+        """
+        self._engine.save_snapshot(_os.fspath(path))
+
+    def load_snapshot(self, path: PathLike) -> None:
+        """Restore the state written by :meth:`save_snapshot` (collective).
+
+        A missing or corrupt file on one rank fails every rank with
+        ``gradsync.Error`` and changes no engine.
+        """
+        self._engine.load_snapshot(_os.fspath(path))
+
+    def last_stats(self) -> Dict[str, Any]:
+        """The last step's stats (as returned by :meth:`sync`)."""
+        return self._engine.last_stats()
+
+    def layers(self) -> list:
+        """The registered layers: ``(name, shape, strategy)`` tuples; ``auto`` shows its choice."""
+        return self._engine.layers()
+
+    @property
+    def rank(self) -> int:
+        """This rank in the engine's communicator."""
+        return self._engine.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self._engine.size
+
+    @property
+    def step(self) -> int:
+        """Steps run so far."""
+        return self._engine.step
+
+    def close(self) -> None:
+        """Free the engine and its duplicated communicator now (also done when it is garbage collected)."""
+        self._engine.close()
+
+    def __enter__(self) -> "GradSync":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum") -> None:
+    """In-place allreduce of a C-contiguous writable ``float32`` or ``float64`` numpy array over ``comm``.
+
+    ``algo``: ``"rabenseifner"`` (recursive halving/doubling), ``"ring"``, or
+    ``"mpi"`` (the MPI library's own ``MPI_Allreduce``); ``op``: ``"sum"`` or
+    ``"average"``. Lengths, dtypes and local errors are agreed first, so a
+    mismatch or a bad array on one rank raises on every rank.
+    """
+    _gradsync.allreduce(comm, array, algo, op)
+
+
+def predict(
+    elements: int,
+    ranks: int,
+    density: float = 0.001,
+    profile: Optional[PathLike] = None,
+    **model: Any,
+) -> Dict[str, Any]:
+    """The cost model's prediction for one layer, as ``gradsync predict --json`` prints it.
+
+    Give ``profile`` (a ``gradsync calibrate`` file), or ``alpha`` (seconds)
+    and ``bandwidth`` (bytes/s). Other keywords: ``gamma_reduce``,
+    ``gamma_unpack``, ``select_cost``, ``select_fixed``, ``select_method``,
+    ``gradiveq_ratio``, ``strategies`` (a list of names). Returns
+    ``{"elements", "bytes", "ranks", "density", "strategies": [{"name",
+    "seconds", "wire_bytes"}, ...], "choice"}``.
+    """
+    return _gradsync.predict(
+        elements, ranks, density, _os.fspath(profile) if profile is not None else None, **model
+    )

@@ -1,0 +1,288 @@
+"""gradsync's Python API under real mpirun (run by tests/python.rs for p = 1..4).
+
+Every check raises AssertionError on failure; each rank prints
+"rank R: OK <n> checks" at the end. Failure checks print the exception each
+rank saw, so the harness can compare them across ranks.
+"""
+
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import gradsync
+
+comm = MPI.COMM_WORLD
+rank, p = comm.Get_rank(), comm.Get_size()
+checks = 0
+
+
+def ok(cond, what):
+    global checks
+    assert cond, f"rank {rank}: {what}"
+    checks += 1
+
+
+def ints(n, seed, dtype):
+    i = np.arange(n, dtype=np.int64)
+    return (((i * 7 + rank * 13 + seed) % 101) - 50).astype(dtype)
+
+
+# 1. gradsync.allreduce == COMM_WORLD.Allreduce, exactly on integer data.
+for algo in ["rabenseifner", "ring", "mpi"]:
+    for dtype in [np.float32, np.float64]:
+        for n in [0, 1, max(p - 1, 1), p + 1, 1000, 100_003]:
+            x = ints(n, n, dtype)
+            want = np.empty_like(x)
+            comm.Allreduce(x, want, op=MPI.SUM)
+            gradsync.allreduce(comm, x, algo=algo, op="sum")
+            ok(np.array_equal(x, want), f"allreduce {algo} {dtype.__name__} n={n} sum")
+        x = ints(1000, 3, dtype)
+        want = np.empty_like(x)
+        comm.Allreduce(x, want, op=MPI.SUM)
+        gradsync.allreduce(comm, x, algo=algo, op="average")
+        ok(np.allclose(x, want / p, rtol=1e-6, atol=1e-6), f"allreduce {algo} average")
+# 2-D arrays work in place too.
+x = ints(600, 1, np.float32).reshape(20, 30)
+want = np.empty_like(x)
+comm.Allreduce(x, want, op=MPI.SUM)
+gradsync.allreduce(comm, x)
+ok(np.array_equal(x, want), "allreduce of a 2-D array")
+
+
+def expect_error(fn, local_types, what):
+    """Every rank must raise: `local_types` on a rank at fault, gradsync.Error elsewhere."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"rank {rank}: {what}: {type(e).__name__}: {e}", flush=True)
+        return e
+    raise AssertionError(f"rank {rank}: {what}: no exception")
+
+
+last = p - 1
+# A bad array on one rank: TypeError/ValueError there, gradsync.Error on the others.
+for bad, etype in [
+    (lambda: np.arange(10, dtype=np.int32), TypeError),
+    (lambda: np.zeros(20, np.float32)[::2], ValueError),
+]:
+    x = ints(10, 0, np.float32)
+    arg = bad() if rank == last else x
+    e = expect_error(lambda: gradsync.allreduce(comm, arg), None, "allreduce bad array")
+    ok(isinstance(e, etype if rank == last else gradsync.Error), f"allreduce bad array type {type(e)}")
+    ok(f"rank {last} failed" in str(e), "the error names the failing rank")
+# Lengths or dtypes that differ across ranks: gradsync.Error everywhere.
+if p > 1:
+    x = ints(11 if rank == last else 10, 0, np.float32)
+    e = expect_error(lambda: gradsync.allreduce(comm, x), None, "allreduce sizes differ")
+    ok(isinstance(e, gradsync.Error) and "size mismatch" in str(e), "size mismatch error")
+    x = ints(10, 0, np.float64 if rank == last else np.float32)
+    e = expect_error(lambda: gradsync.allreduce(comm, x), None, "allreduce dtypes differ")
+    ok(isinstance(e, gradsync.Error) and "dtypes differ" in str(e), "dtype mismatch error")
+e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo="tree"), None, "bad algo")
+ok(isinstance(e, ValueError), "unknown algo is a ValueError")
+ro = ints(8, 0, np.float32)
+ro.setflags(write=False)
+e = expect_error(lambda: gradsync.allreduce(comm, ro), None, "read-only array")
+ok(isinstance(e, ValueError), "a read-only array is a ValueError")
+
+
+# 2. The engine: create, use, drop several times; COMM_WORLD still works.
+def table(sync):
+    sync.register("fc1.weight", (64, 100), strategy="rgc:density=0.01")
+    sync.register("fc1.bias", (64,), strategy="dense")
+    sync.register("fc2.weight", 5000)  # auto: small, so dense
+    return [(64, 100), (64,), (5000,)]
+
+
+def grads(shapes, step):
+    return [ints(int(np.prod(s)), step * 5 + i, np.float32).reshape(s) for i, s in enumerate(shapes)]
+
+
+for round_ in range(3):
+    sync = gradsync.GradSync(comm, momentum=0.9)
+    shapes = table(sync)
+    ok([l[2] for l in sync.layers()] == ["rgc", "dense", "dense"], f"strategies {sync.layers()}")
+    for step in range(3):
+        g = grads(shapes, step)
+        ids = [id(a) for a in g]
+        stats = sync.sync(g)
+        ok([id(a) for a in g] == ids, "arrays updated in place")
+        ok(stats["step"] == step and len(stats["layers"]) == 3, f"stats {stats.keys()}")
+        ok(stats["layers"][0]["name"] == "fc1.weight" and stats["layers"][0]["codec"] == "rgc", "layer stats")
+        # Identical result on every rank.
+        all_g = comm.allgather([a.tobytes() for a in g])
+        ok(all(x == all_g[0] for x in all_g), "same update direction on every rank")
+    if round_ == 0:
+        # Dense layers with momentum 0.9 at step 0: the average.
+        pass
+    del sync
+    v = np.array([rank], np.int64)
+    w = np.empty_like(v)
+    comm.Allreduce(v, w)
+    ok(w[0] == p * (p - 1) // 2, "COMM_WORLD works after the engine is dropped")
+
+# Dense layers with no momentum equal the average of MPI_Allreduce exactly
+# for power-of-two p (exact scaling) and closely otherwise.
+sync = gradsync.GradSync(comm, momentum=0.0)
+sync.register("a", (1000,), strategy="dense")
+g = [ints(1000, 9, np.float32)]
+want = np.empty_like(g[0])
+comm.Allreduce(g[0], want)
+sync.sync(g)
+ok(np.allclose(g[0], want / p, rtol=1e-6), "dense layer = average")
+sync.close()
+sync.close()  # idempotent
+e = expect_error(lambda: sync.sync(g), None, "closed engine")
+ok(isinstance(e, gradsync.Error) and "closed" in str(e), "a closed engine raises")
+
+# start/wait gives what sync gives.
+s1, s2 = gradsync.GradSync(comm, momentum=0.9), gradsync.GradSync(comm, momentum=0.9)
+sh = table(s1)
+table(s2)
+for step in range(3):
+    a, b = grads(sh, step), grads(sh, step)
+    s1.sync(a)
+    s2.start(b)
+    b_in = [x.copy() for x in b]
+    stats = s2.wait(b)
+    ok(all(np.array_equal(x, y) for x, y in zip(a, b)), "start/wait == sync")
+    ok(any(not np.array_equal(x, y) for x, y in zip(b, b_in)), "wait wrote the results")
+
+# Snapshots: save after 2 steps, run 2 more; a fresh engine that loads the
+# snapshot reproduces those 2 steps bit for bit.
+with tempfile.TemporaryDirectory() as d:
+    d = comm.bcast(d if rank == 0 else None)
+    path = os.path.join(d, f"gs.rank{rank}.snap")
+    comm.Barrier()
+    s = gradsync.GradSync(comm, momentum=0.9)
+    sh = table(s)
+    for step in range(2):
+        s.sync(grads(sh, step))
+    s.save_snapshot(path)
+    after = []
+    for step in range(2, 4):
+        g = grads(sh, step)
+        s.sync(g)
+        after.append(g)
+    t = gradsync.GradSync(comm, momentum=0.9)
+    table(t)
+    t.load_snapshot(path)
+    ok(t.step == 2, "step restored")
+    for k, step in enumerate(range(2, 4)):
+        g = grads(sh, step)
+        t.sync(g)
+        ok(all(np.array_equal(x, y) for x, y in zip(g, after[k])), "snapshot replay is bitwise equal")
+    # A corrupt snapshot on one rank fails every rank and changes nothing.
+    if rank == last:
+        with open(path, "r+b") as f:
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 0x10]))
+    comm.Barrier()
+    e = expect_error(lambda: t.load_snapshot(path), None, "corrupt snapshot")
+    ok(isinstance(e, gradsync.Error) and f"rank {last} failed" in str(e), "corrupt snapshot fails every rank")
+    ok(t.step == 4, "a failed load changes nothing")
+    comm.Barrier()
+
+# 3. Rank-local errors in a step: every rank raises in the same step, no hang.
+s = gradsync.GradSync(comm, momentum=0.0)
+sh = table(s)
+cases = [
+    ("float64 array", lambda g: [g[0].astype(np.float64)] + g[1:], TypeError),
+    ("non-contiguous", lambda g: [np.asfortranarray(g[0])] + g[1:], ValueError),
+    ("wrong shape", lambda g: [g[0].reshape(100, 64)] + g[1:], ValueError),
+    ("too few layers", lambda g: g[:2], ValueError),
+    ("not an array", lambda g: [g[0].tolist()] + g[1:], TypeError),
+    ("arrays out of order", lambda g: [g[0], g[0], g[2]], ValueError),
+]
+step = 0
+for what, corrupt, etype in cases:
+    g = grads(sh, 0)
+    arg = corrupt(g) if rank == last else g
+    e = expect_error(lambda: s.sync(arg), None, what)
+    mine = rank == last
+    ok(isinstance(e, etype if mine else gradsync.Error), f"{what}: {type(e).__name__} on rank {rank}")
+    ok(f"rank {last} failed in step {step}" in str(e), f"{what}: names rank and step: {e}")
+    step += 1
+    # The next step works everywhere.
+    g = grads(sh, 1)
+    s.sync(g)
+    step += 1
+ok(s.step == step, "every rank counted the same steps")
+# The same through start().
+g = grads(sh, 0)
+arg = [g[0].astype(np.float64)] + g[1:] if rank == last else g
+e = expect_error(lambda: (s.start(arg), s.wait(g)), None, "start with a float64 array")
+ok(isinstance(e, TypeError if rank == last else gradsync.Error), "start: error on every rank")
+s.sync(grads(sh, 2))
+# wait() with a bad output keeps the result: calling again works.
+g = grads(sh, 3)
+s.start(g)
+e = expect_error(lambda: s.wait(g[:2]), None, "wait with too few arrays")
+ok(isinstance(e, ValueError), "wait: ValueError, local")
+s.wait(g)
+
+# Mismatched layer tables fail on every rank.
+t = gradsync.GradSync(comm)
+t.register("x", (10,), strategy="dense")
+if p > 1:
+    e = expect_error(lambda: t.register("y", (11,) if rank == last else (12,), strategy="dense"), None, "tables differ")
+    ok(isinstance(e, gradsync.Error) and "differs across ranks" in str(e), "table mismatch on every rank")
+    e = expect_error(lambda: t.sync([np.zeros(10, np.float32)]), None, "after a table mismatch")
+    ok(isinstance(e, gradsync.Error), "the engine stays failed after a mismatch")
+# A bad strategy or shape on one rank.
+u = gradsync.GradSync(comm)
+e = expect_error(lambda: u.register("z", (10,), strategy="rgc:density=7" if rank == last else "dense"), None, "bad strategy")
+ok(isinstance(e, ValueError if rank == last else gradsync.Error), "bad strategy: error on every rank")
+e = expect_error(lambda: u.register("z", (10, -1) if rank == last else (10,), strategy="dense"), None, "bad shape")
+ok(isinstance(e, TypeError if rank == last else gradsync.Error), "bad shape: error on every rank")
+u.register("z", (10,), strategy="dense")  # the table is still consistent
+u.sync([np.ones(10, np.float32)])
+# A bad option on one rank.
+e = expect_error(
+    lambda: gradsync.GradSync(comm, **({"momentun": 0.9} if rank == last else {})), None, "bad option"
+)
+ok(isinstance(e, ValueError if rank == last else gradsync.Error), "bad option: error on every rank")
+ok(f"rank {last} failed" in str(e), "bad option names the rank")
+# NaN in a dense layer: every rank raises (policy "error").
+v = gradsync.GradSync(comm, momentum=0.0)
+v.register("n", (100,), strategy="dense")
+g = np.ones(100, np.float32)
+if rank == last:
+    g[7] = np.nan
+e = expect_error(lambda: v.sync([g]), None, "NaN gradient")
+ok(isinstance(e, gradsync.Error) and "non-finite" in str(e), "NaN raises on every rank")
+
+# 4. The GIL is released while gradsync communicates.
+big = gradsync.GradSync(comm, momentum=0.0, overlap=False)
+big.register("big", (1 << 22,), strategy="rgc:density=0.01")
+counter = [0]
+stop = threading.Event()
+
+
+def spin():
+    while not stop.is_set():
+        counter[0] += 1
+
+
+th = threading.Thread(target=spin)
+th.start()
+time.sleep(0.05)
+g = [np.ones(1 << 22, np.float32)]
+best = 0
+for _ in range(3):
+    c0, t0 = counter[0], time.perf_counter()
+    big.sync(g)
+    best = max(best, counter[0] - c0)
+stop.set()
+th.join()
+ok(best > 1000, f"another Python thread ran during sync ({best} increments)")
+
+comm.Barrier()
+print(f"rank {rank}: OK {checks} checks", flush=True)
