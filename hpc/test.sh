@@ -7,7 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 hpc/setup.sh
 [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+# The Python package, built from this tree into the environment setup made
+# (tests/python.rs runs it under mpirun; GRADSYNC_REQUIRE_PYTHON=1 makes a
+# missing package a failure, not a skip).
+VENV="${GRADSYNC_VENV:-$PWD/.venv}"
+"$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
+export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1
+# The engine's tests (unit, property, mpirun, Python, C examples), then the
+# C ABI crate's own (the header drift check).
 cargo test --release
+cargo test --release -p gradsync-capi
 if [ "${GRADSYNC_SKIP_FUZZ:-0}" = 1 ]; then
   echo "test.sh: fuzz smoke run skipped (GRADSYNC_SKIP_FUZZ=1)"
 else

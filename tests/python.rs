@@ -3,8 +3,8 @@
 //! Rust engine bit for bit, failures on one rank raising on every rank, the
 //! README's program, the digits training run and the PyTorch wrapper.
 //!
-//! Needs the package installed in `python3` (`hpc/setup.sh` does it:
-//! `pip install ./python`). Without it these tests print why and pass,
+//! Needs the package installed (`hpc/test.sh` installs it into the
+//! environment `hpc/setup.sh` makes, `.venv`; or `pip install ./python`). Without it these tests print why and pass,
 //! unless `GRADSYNC_REQUIRE_PYTHON=1` (set by `hpc/test.sh`), where a
 //! missing package fails them.
 
@@ -19,9 +19,22 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Whether `python3` can import gradsync (from outside the source tree).
+/// The interpreter: `$GRADSYNC_PYTHON`, else the environment `hpc/setup.sh`
+/// makes (`.venv`), else `python3`.
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("GRADSYNC_PYTHON") {
+        return p.into();
+    }
+    let venv = repo().join(".venv/bin/python");
+    if venv.exists() {
+        return venv;
+    }
+    "python3".into()
+}
+
+/// Whether the interpreter can import gradsync (from outside the source tree).
 fn python_ready(test: &str) -> bool {
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args([
             "-c",
             "import gradsync, mpi4py, numpy; print(gradsync.__file__)",
@@ -48,7 +61,7 @@ fn python_ready(test: &str) -> bool {
 fn mpirun_py(p: usize, script: &Path, args: &[&str], limit: u64) -> (bool, String, String) {
     let mut a = vec!["-m", "mpi4py", script.to_str().unwrap()];
     a.extend_from_slice(args);
-    mpirun(p, Path::new("python3"), &a, Duration::from_secs(limit))
+    mpirun(p, &python(), &a, Duration::from_secs(limit))
 }
 
 #[test]
@@ -66,23 +79,12 @@ fn python_api_under_mpirun() {
                 "p={p} rank {r}\n{out}\n{err}"
             );
         }
-        // Every rank saw an exception in each failure case, and the ranks
-        // not at fault all saw the same gradsync.Error.
-        for case in [
-            "float64 array",
-            "tables differ",
-            "bad option",
-            "corrupt snapshot",
-        ] {
-            if p == 1 && case == "tables differ" {
-                continue;
-            }
-            let lines: Vec<&str> = out
-                .lines()
-                .filter(|l| l.contains(&format!(": {case}: ")))
-                .collect();
-            assert_eq!(lines.len(), p, "{case}: one line per rank\n{out}");
-        }
+        // (check_api.py itself asserts, on every rank, the exception type
+        // and that the message names the failing rank and step.)
+        assert!(
+            out.contains(&format!("rank {}: tables differ: Error: ", p - 1)) || p == 1,
+            "{out}"
+        );
     }
 }
 
@@ -137,7 +139,7 @@ fn torch_wrapper() {
     if !python_ready("torch_wrapper") {
         return;
     }
-    let o = Command::new("python3")
+    let o = Command::new(python())
         .args(["-c", "import gradsync.torch"])
         .current_dir(std::env::temp_dir())
         .output()
