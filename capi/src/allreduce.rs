@@ -1,0 +1,103 @@
+//! `gs_allreduce`: the engine's verified dense allreduce
+//! ([`gradsync_engine::dense::allreduce`]) on a caller's communicator.
+
+use crate::{gs_algo, gs_dtype, gs_op, guard, invalid};
+use gradsync_engine::comm::MpiComm;
+use gradsync_engine::dense::{allreduce, AllreduceAlgo, AllreduceOptions, ReduceOp};
+use gradsync_engine::failure::agree;
+use std::ffi::{c_int, c_void};
+
+/// The raw enum integers as Rust values, or what is wrong.
+fn parse(
+    dtype: c_int,
+    algo: c_int,
+    op: c_int,
+) -> Result<(gs_dtype, AllreduceAlgo, ReduceOp), String> {
+    let dtype = match dtype {
+        x if x == gs_dtype::GS_FLOAT32 as c_int => gs_dtype::GS_FLOAT32,
+        x if x == gs_dtype::GS_FLOAT64 as c_int => gs_dtype::GS_FLOAT64,
+        x => return Err(format!("gs_allreduce: dtype {x} is not a gs_dtype")),
+    };
+    let algo = match algo {
+        x if x == gs_algo::GS_ALGO_RABENSEIFNER as c_int => AllreduceAlgo::Rabenseifner,
+        x if x == gs_algo::GS_ALGO_RING as c_int => AllreduceAlgo::Ring,
+        x if x == gs_algo::GS_ALGO_MPI as c_int => AllreduceAlgo::Mpi,
+        x => return Err(format!("gs_allreduce: algo {x} is not a gs_algo")),
+    };
+    let op = match op {
+        x if x == gs_op::GS_OP_SUM as c_int => ReduceOp::Sum,
+        x if x == gs_op::GS_OP_AVERAGE as c_int => ReduceOp::Average,
+        x => return Err(format!("gs_allreduce: op {x} is not a gs_op")),
+    };
+    Ok((dtype, algo, op))
+}
+
+/// In-place allreduce of `count` elements of type `dtype` (a gs_dtype
+/// value) at `buf` over `comm` with algorithm `algo` (a gs_algo value) and
+/// reduction `op` (a gs_op value). Collective over `comm`.
+///
+/// Each call duplicates `comm` (`MPI_Comm_dup`, so its traffic never mixes
+/// with the caller's) and frees the duplicate before returning; for many
+/// small buffers per step prefer one call on a fused buffer, or the engine.
+/// Every rank must pass the same `count`: a different count, an
+/// out-of-range `dtype`/`algo`/`op`, or a NULL or misaligned `buf` (with
+/// `count > 0`) on any rank fails every rank alike with
+/// `GS_ERR_RANK_FAILED`, `buf` unchanged. An MPI error inside the transfer
+/// is `GS_ERR_MPI` on the rank that saw it (peers may be blocked: abort).
+///
+/// # Safety
+/// `comm` is a valid communicator of the MPI library gradsync is linked
+/// with; `buf` is NULL or points to `count` writable elements of `dtype`.
+#[no_mangle]
+pub unsafe extern "C" fn gs_allreduce(
+    comm: mpi::ffi::MPI_Comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    algo: c_int,
+    op: c_int,
+) -> c_int {
+    guard(|| {
+        let mpi = MpiComm::duplicate_raw(comm)?;
+        let local = parse(dtype, algo, op).and_then(|(dt, algo, op)| {
+            let (size, aligned) = match dt {
+                gs_dtype::GS_FLOAT32 => (4, buf.cast::<f32>().is_aligned()),
+                gs_dtype::GS_FLOAT64 => (8, buf.cast::<f64>().is_aligned()),
+            };
+            if count > 0 && buf.is_null() {
+                Err("gs_allreduce: buf is NULL".to_string())
+            } else if count > 0 && !aligned {
+                Err("gs_allreduce: buf is not aligned for its dtype".to_string())
+            } else if count > isize::MAX as usize / size {
+                Err(format!("gs_allreduce: count {count} is too large"))
+            } else {
+                Ok((dt, algo, op))
+            }
+        });
+        // Argument errors are local: agree so that no rank returns alone.
+        let (dt, algo, op) = agree(&mpi, local.map_err(invalid))?;
+        let opts = AllreduceOptions {
+            op,
+            validate: true,
+            chunk_elems: 0,
+        };
+        match dt {
+            gs_dtype::GS_FLOAT32 => {
+                let b: &mut [f32] = if count == 0 {
+                    &mut []
+                } else {
+                    std::slice::from_raw_parts_mut(buf.cast(), count)
+                };
+                allreduce(&mpi, b, algo, &opts)
+            }
+            gs_dtype::GS_FLOAT64 => {
+                let b: &mut [f64] = if count == 0 {
+                    &mut []
+                } else {
+                    std::slice::from_raw_parts_mut(buf.cast(), count)
+                };
+                allreduce(&mpi, b, algo, &opts)
+            }
+        }
+    })
+}

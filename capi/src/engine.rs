@@ -1,0 +1,437 @@
+//! The `gs_engine` handle: one [`GradSync`] engine over a duplicate of the
+//! caller's communicator, the element count of every registered layer (the
+//! C caller passes bare pointers) and the last step statistics as JSON.
+
+use crate::{c_text, gs_status, guard, guard_ptr, invalid, set_last_error};
+use gradsync_engine::comm::MpiComm;
+use gradsync_engine::failure::agree;
+use gradsync_engine::sync::{Config, GradSync, LayerId};
+use gradsync_engine::Error;
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::os::unix::ffi::OsStrExt;
+
+/// An engine (opaque). Create it with gs_engine_create, free it with
+/// gs_engine_destroy. Not thread-safe: call one function at a time on it.
+pub struct gs_engine {
+    sync: GradSync,
+    /// Element count of each registered layer, in registration order.
+    lens: Vec<usize>,
+    /// `gs_last_stats_json`'s text.
+    stats_json: CString,
+    /// A panic escaped a call on this engine: it refuses further calls.
+    poisoned: bool,
+}
+
+/// Largest element count a C array may have for a Rust slice of `T`.
+fn max_elems<T>() -> usize {
+    isize::MAX as usize / std::mem::size_of::<T>().max(1)
+}
+
+/// Run `f` on the engine `e` inside [`guard`]; NULL and poisoned handles are
+/// local errors (`GS_ERR_INVALID`, `GS_ERR_PANIC`).
+///
+/// # Safety
+/// `e` is NULL or a live handle from gs_engine_create.
+unsafe fn with_engine(
+    e: *mut gs_engine,
+    what: &str,
+    f: impl FnOnce(&mut gs_engine) -> Result<(), Error>,
+) -> c_int {
+    if e.is_null() {
+        return guard(|| Err(invalid(format!("{what}: the engine is NULL"))));
+    }
+    if (*e).poisoned {
+        let _ = guard(|| Ok(()));
+        set_last_error(&format!(
+            "{what}: the engine panicked in an earlier call and cannot be used; destroy it"
+        ));
+        return gs_status::GS_ERR_PANIC as c_int;
+    }
+    let code = guard(|| f(&mut *e));
+    if code == gs_status::GS_ERR_PANIC as c_int {
+        (*e).poisoned = true;
+    }
+    code
+}
+
+/// Create an engine over a duplicate of `comm` (collective over `comm`:
+/// every rank calls it). `config_json` is a flat JSON object of engine
+/// options, e.g. `{"momentum": 0.9, "codec": "rgc:density=0.001"}`, or NULL
+/// or `""` for the defaults. On success `*out` receives the handle; on
+/// failure `*out` is set to NULL.
+///
+/// MPI must be initialized (`MPI_Init_thread` with `MPI_THREAD_SERIALIZED`
+/// or higher lets the engine communicate on a progress thread between
+/// gs_start and gs_wait; with a lower level it communicates inside
+/// gs_start). The library never initializes or finalizes MPI, and never
+/// frees `comm`.
+///
+/// A bad `config_json` or NULL `out` on some rank fails every rank alike
+/// (`GS_ERR_RANK_FAILED`). An invalid `comm` or MPI not being initialized
+/// is a local `GS_ERR_INVALID` / `GS_ERR_MPI`.
+///
+/// # Safety
+/// `comm` is a valid communicator of the MPI library gradsync is linked
+/// with; `config_json` is NULL or a NUL-terminated string; `out` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn gs_engine_create(
+    comm: mpi::ffi::MPI_Comm,
+    config_json: *const c_char,
+    out: *mut *mut gs_engine,
+) -> c_int {
+    if !out.is_null() {
+        *out = std::ptr::null_mut();
+    }
+    guard(|| {
+        let mpi = MpiComm::duplicate_raw(comm)?;
+        let cfg = if out.is_null() {
+            Err(invalid("gs_engine_create: out is NULL"))
+        } else if config_json.is_null() {
+            Ok(Config::default())
+        } else {
+            c_text(config_json, "gs_engine_create: config_json")
+                .map_err(invalid)
+                .and_then(Config::from_options_json)
+        };
+        // The options are parsed on each rank: agree before the engine's
+        // own collectives so that a rank with bad options fails them all.
+        let cfg = agree(&mpi, cfg)?;
+        let sync = GradSync::with_transport(mpi, cfg)?;
+        *out = Box::into_raw(Box::new(gs_engine {
+            sync,
+            lens: Vec::new(),
+            stats_json: CString::default(),
+            poisoned: false,
+        }));
+        Ok(())
+    })
+}
+
+/// Destroy an engine and free its duplicate communicator (local; NULL is a
+/// no-op). Call it before `MPI_Finalize` (after it the duplicate is leaked
+/// instead of freed, which is harmless). A step still in flight after
+/// gs_start is waited for (every rank must have started it), its result
+/// discarded. The caller's communicator stays usable.
+///
+/// # Safety
+/// `e` is NULL or a live handle from gs_engine_create, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn gs_engine_destroy(e: *mut gs_engine) {
+    if e.is_null() {
+        return;
+    }
+    let _ = guard(|| {
+        drop(Box::from_raw(e));
+        Ok(())
+    });
+}
+
+/// Register a layer of `shape[0] × … × shape[ndim-1]` elements (`ndim` 0: one
+/// element) under `name`, in the order every rank uses; layer `i` of
+/// gs_sync's `grads` is the `i`-th registered layer. Collective: every rank
+/// registers the same layers (name, shape, strategy) in the same order,
+/// before the first step; a difference fails every rank.
+///
+/// `strategy` (NULL = `"auto"`): `"auto"` (dense below the configured
+/// `compress_threshold`, else the configured codec; the cost model's choice
+/// with a `profile` option), `"dense"`, `"gradiveq[:k=768,d=96,...]"`, or a
+/// codec string such as `"rgc:density=0.001"`, `"3lc:s=1.75"`,
+/// `"qsgd:bits=4"`.
+///
+/// A NULL or non-UTF-8 `name` or `strategy`, or a NULL `shape` with
+/// `ndim > 0`, on one rank still takes part in the registration collective
+/// and fails every rank with `GS_ERR_RANK_FAILED` naming that rank.
+///
+/// # Safety
+/// `e` is NULL or a live handle; `name` and `strategy` are NULL or
+/// NUL-terminated; `shape` is NULL or points to `ndim` values.
+#[no_mangle]
+pub unsafe extern "C" fn gs_register(
+    e: *mut gs_engine,
+    name: *const c_char,
+    shape: *const usize,
+    ndim: usize,
+    strategy: *const c_char,
+) -> c_int {
+    with_engine(e, "gs_register", |eng| {
+        let name_r = c_text(name, "gs_register: name");
+        let shape_r: Result<&[usize], String> = if ndim == 0 {
+            Ok(&[])
+        } else if shape.is_null() {
+            Err(format!("gs_register: shape is NULL with ndim = {ndim}"))
+        } else if ndim > max_elems::<usize>() {
+            Err(format!("gs_register: ndim = {ndim} is absurd"))
+        } else {
+            Ok(std::slice::from_raw_parts(shape, ndim))
+        };
+        let spec_r = if strategy.is_null() {
+            Ok("auto")
+        } else {
+            c_text(strategy, "gs_register: strategy")
+        };
+        let id = match (&name_r, &shape_r, &spec_r) {
+            (Ok(name), Ok(shape), Ok(spec)) => eng.sync.register_spec(name, shape, spec)?,
+            _ => {
+                let why = [name_r.err(), shape_r.err(), spec_r.err()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                // Enter the registration collective with a strategy that
+                // cannot parse and carries the cause, so every rank fails.
+                let spec = format!("dense:({why})");
+                let r = eng.sync.register_spec("<invalid>", &[1], &spec);
+                return Err(r.err().unwrap_or_else(|| invalid(why)));
+            }
+        };
+        let n = eng
+            .sync
+            .layer(id)
+            .map_or(0, |(_, shape, _)| shape.iter().product());
+        eng.lens.push(n);
+        Ok(())
+    })
+}
+
+/// The gradient arrays as slices, or what is wrong with them.
+///
+/// # Safety
+/// `grads` is NULL or points to `nlayers` pointers, each NULL or to at least
+/// the layer's element count of floats.
+unsafe fn slices<P: Copy>(
+    eng: &gs_engine,
+    what: &str,
+    grads: *const P,
+    nlayers: usize,
+    is_null: impl Fn(P) -> bool,
+    is_aligned: impl Fn(P) -> bool,
+) -> Result<Vec<(P, usize)>, String> {
+    let n = eng.lens.len();
+    if nlayers != n {
+        return Err(format!(
+            "{what}: nlayers = {nlayers}, but {n} layers are registered"
+        ));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if grads.is_null() {
+        return Err(format!("{what}: grads is NULL"));
+    }
+    let ptrs = std::slice::from_raw_parts(grads, n);
+    let name = |i: usize| {
+        eng.sync
+            .layer(LayerId(i))
+            .map_or_else(String::new, |(nm, _, _)| format!(" (layer {nm:?})"))
+    };
+    let mut out: Vec<(P, usize)> = Vec::with_capacity(n);
+    for (i, (&p, &len)) in ptrs.iter().zip(&eng.lens).enumerate() {
+        if len > 0 && is_null(p) {
+            return Err(format!("{what}: grads[{i}]{} is NULL", name(i)));
+        }
+        if len > 0 && !is_aligned(p) {
+            return Err(format!(
+                "{what}: grads[{i}]{} is not aligned for float",
+                name(i)
+            ));
+        }
+        out.push((p, len));
+    }
+    Ok(out)
+}
+
+/// One synchronous step: `grads[i]` (layer `i`'s local gradient, as many
+/// floats as the layer has elements) is replaced in place by the layer's
+/// update direction, the same on every rank; apply it as `w -= lr * d`.
+/// `nlayers` must equal the number of registered layers. Collective.
+///
+/// A NULL `grads` or `grads[i]`, or a wrong `nlayers`, on one rank fails
+/// this step on every rank with `GS_ERR_RANK_FAILED` (gs_last_error names
+/// the rank and the cause); nothing is applied and the next step runs
+/// normally. The arrays must not overlap.
+///
+/// # Safety
+/// `e` is NULL or a live handle; `grads` is NULL or points to `nlayers`
+/// pointers, each NULL or to the layer's element count of writable floats.
+#[no_mangle]
+pub unsafe extern "C" fn gs_sync(
+    e: *mut gs_engine,
+    grads: *const *mut f32,
+    nlayers: usize,
+) -> c_int {
+    with_engine(e, "gs_sync", |eng| {
+        let s = slices(
+            eng,
+            "gs_sync",
+            grads,
+            nlayers,
+            |p| p.is_null(),
+            |p| p.is_aligned(),
+        );
+        match s {
+            Ok(s) => {
+                let mut g: Vec<&mut [f32]> = s.into_iter().map(|(p, n)| mut_slice(p, n)).collect();
+                eng.sync.sync(&mut g).map(|_| ())
+            }
+            Err(why) => Err(eng.sync.fail_step(invalid(why))),
+        }
+    })
+}
+
+unsafe fn mut_slice<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {
+    if n == 0 {
+        &mut []
+    } else {
+        std::slice::from_raw_parts_mut(p, n)
+    }
+}
+
+unsafe fn ref_slice<'a>(p: *const f32, n: usize) -> &'a [f32] {
+    if n == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(p, n)
+    }
+}
+
+/// Start a step: compress this step's gradients and start communicating
+/// (on a progress thread under `MPI_THREAD_SERIALIZED` or higher), so the
+/// caller can compute meanwhile; the arrays are not needed once it returns.
+/// Finish with gs_wait. Between the two, do not call MPI on the engine's
+/// communicator's processes unless MPI has `MPI_THREAD_MULTIPLE`.
+/// Collective; bad pointers or `nlayers` fail every rank as in gs_sync (the
+/// failed step is then already finished: do not call gs_wait for it).
+///
+/// # Safety
+/// As gs_sync, with read-only arrays.
+#[no_mangle]
+pub unsafe extern "C" fn gs_start(
+    e: *mut gs_engine,
+    grads: *const *const f32,
+    nlayers: usize,
+) -> c_int {
+    with_engine(e, "gs_start", |eng| {
+        let s = slices(
+            eng,
+            "gs_start",
+            grads,
+            nlayers,
+            |p| p.is_null(),
+            |p| p.is_aligned(),
+        );
+        match s {
+            Ok(s) => {
+                let g: Vec<&[f32]> = s.into_iter().map(|(p, n)| ref_slice(p, n)).collect();
+                eng.sync.start(&g)
+            }
+            Err(why) => Err(eng.sync.fail_step(invalid(why))),
+        }
+    })
+}
+
+/// Finish the step started by gs_start: `grads[i]` receives layer `i`'s
+/// update direction. Bad pointers or `nlayers` here are a local
+/// `GS_ERR_INVALID`: the step's communication is already done, so no peer
+/// waits; the engine finishes the step (its state stays in step with the
+/// peers') but this rank's result of the step is discarded. A failure of
+/// the step itself returns `GS_ERR_RANK_FAILED` on every rank.
+///
+/// # Safety
+/// As gs_sync.
+#[no_mangle]
+pub unsafe extern "C" fn gs_wait(
+    e: *mut gs_engine,
+    grads: *const *mut f32,
+    nlayers: usize,
+) -> c_int {
+    with_engine(e, "gs_wait", |eng| {
+        let s = slices(
+            eng,
+            "gs_wait",
+            grads,
+            nlayers,
+            |p| p.is_null(),
+            |p| p.is_aligned(),
+        );
+        match s {
+            Ok(s) => {
+                let mut g: Vec<&mut [f32]> = s.into_iter().map(|(p, n)| mut_slice(p, n)).collect();
+                eng.sync.wait(&mut g).map(|_| ())
+            }
+            Err(why) => {
+                // Finish the step into scratch buffers, so this rank's engine
+                // state stays in step with its peers'; only the result is
+                // lost. An error of the step itself (or no step pending)
+                // takes precedence.
+                let mut scratch: Vec<Vec<f32>> = eng.lens.iter().map(|&n| vec![0.0; n]).collect();
+                let mut g: Vec<&mut [f32]> = scratch.iter_mut().map(|v| &mut v[..]).collect();
+                eng.sync.wait(&mut g)?;
+                Err(invalid(format!(
+                    "{why}; the step completed but this rank's result was discarded"
+                )))
+            }
+        }
+    })
+}
+
+/// JSON of the last completed step's statistics (step, whether it
+/// communicated, bytes and timings, and per layer its strategy, codec,
+/// density and bytes sent). The string belongs to the engine and stays
+/// valid until the next call on it. NULL if `e` is NULL (see gs_last_error).
+///
+/// # Safety
+/// `e` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn gs_last_stats_json(e: *mut gs_engine) -> *const c_char {
+    guard_ptr(|| {
+        if e.is_null() {
+            return Err(invalid("gs_last_stats_json: the engine is NULL"));
+        }
+        let eng = &mut *e;
+        let json = serde_json::to_string(eng.sync.last_stats())?;
+        eng.stats_json = CString::new(json.replace('\0', " ")).unwrap_or_default();
+        Ok(eng.stats_json.as_ptr())
+    })
+}
+
+/// A path argument (any bytes but NUL, as POSIX allows).
+unsafe fn c_path<'a>(p: *const c_char) -> Option<&'a std::path::Path> {
+    (!p.is_null())
+        .then(|| std::path::Path::new(std::ffi::OsStr::from_bytes(CStr::from_ptr(p).to_bytes())))
+}
+
+/// Write this rank's engine state (residuals, momentum, codec state, step)
+/// to `path`, atomically (a temporary file renamed over it). Local: each
+/// rank writes its own file, e.g. `ckpt/gradsync.rank3.snap`. Errors are
+/// `GS_ERR_IO` (or `GS_ERR_INVALID` for a NULL path).
+///
+/// # Safety
+/// `e` is NULL or a live handle; `path` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn gs_save_snapshot(e: *mut gs_engine, path: *const c_char) -> c_int {
+    with_engine(e, "gs_save_snapshot", |eng| {
+        let path = c_path(path).ok_or_else(|| invalid("gs_save_snapshot: path is NULL"))?;
+        eng.sync.save_snapshot(path)
+    })
+}
+
+/// Restore the state written by gs_save_snapshot (this rank's own file).
+/// Collective: a missing, corrupt or mismatched file (or a NULL path) on
+/// any rank fails every rank alike with `GS_ERR_RANK_FAILED` and changes no
+/// engine.
+///
+/// # Safety
+/// `e` is NULL or a live handle; `path` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn gs_load_snapshot(e: *mut gs_engine, path: *const c_char) -> c_int {
+    with_engine(e, "gs_load_snapshot", |eng| match c_path(path) {
+        Some(path) => eng.sync.load_snapshot(path),
+        // Still enter the restore's collective: a path no file system has
+        // (a NUL byte) makes this rank's read fail, and so every rank.
+        None => eng
+            .sync
+            .load_snapshot("(gs_load_snapshot: path is NULL)\0")
+            .and(Err(invalid("gs_load_snapshot: path is NULL"))),
+    })
+}
