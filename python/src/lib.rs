@@ -249,6 +249,7 @@ impl PyGradSync {
     #[new]
     fn new(py: Python<'_>, comm: &Bound<'_, PyAny>, options_json: &str) -> PyResult<Self> {
         let raw = raw_comm(comm)?;
+        let my_rank: Option<usize> = comm.call_method0("Get_rank").and_then(|r| r.extract()).ok();
         // Options that are bad on this rank still enter the engine's set-up
         // collective (which fails every rank alike, naming this one); the
         // local check only picks the exception type raised here.
@@ -257,7 +258,11 @@ impl PyGradSync {
         // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
         let eng = py.detach(move || unsafe { Engine::from_raw_comm_options(raw.get(), &json) });
         let eng = eng.map_err(|e| match &local {
-            Some(mine) => PyValueError::new_err(format!("{mine} (every rank failed: {e})")),
+            Some(mine) => PyValueError::new_err(format!("{mine} (raised on every rank: {e})")),
+            // An option that parses but is out of range here (momentum 1.5).
+            None if matches!(&e, gradsync::Error::RankFailed { rank, .. } if Some(*rank) == my_rank) => {
+                PyValueError::new_err(e.to_string())
+            }
             None => engine_err(e),
         })?;
         Ok(PyGradSync {

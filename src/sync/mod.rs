@@ -581,6 +581,40 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// An engine over any transport (collective: checks that every rank
     /// passed the same options).
     pub fn with_transport(comm: C, cfg: Config) -> Result<Self> {
+        // Options that are invalid on one rank only still enter the options
+        // agreement below, so every rank fails alike instead of the others
+        // waiting in it (the failure model, crate::failure).
+        let valid = Self::check_config(&cfg);
+        let json = serde_json::to_vec(&cfg)?;
+        let table_hash = fnv(FNV_OFFSET, &json);
+        let mut s = GradSync {
+            rank: comm.rank(),
+            size: comm.size(),
+            comm: Some(comm),
+            worker: None,
+            cfg,
+            layers: Vec::new(),
+            table_hash,
+            table_checked: false,
+            broken: None,
+            step: 0,
+            job: Some(Box::default()),
+            in_flight: false,
+            started: None,
+            entries: Vec::new(),
+            rank_entries: Vec::new(),
+            sparse_ids: Vec::new(),
+            last: StepStats::default(),
+            warned_no_thread: false,
+        };
+        s.agree(valid.map(|()| table_hash), || {
+            "the engine options (Config) differ".to_string()
+        })?;
+        Ok(s)
+    }
+
+    /// The options' own checks (rank-local).
+    fn check_config(cfg: &Config) -> Result<()> {
         if cfg.delay == 0 {
             return Err(Error::InvalidArgument("delay must be at least 1".into()));
         }
@@ -609,32 +643,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         cfg.codec.build()?;
-        let json = serde_json::to_vec(&cfg)?;
-        let table_hash = fnv(FNV_OFFSET, &json);
-        let mut s = GradSync {
-            rank: comm.rank(),
-            size: comm.size(),
-            comm: Some(comm),
-            worker: None,
-            cfg,
-            layers: Vec::new(),
-            table_hash,
-            table_checked: false,
-            broken: None,
-            step: 0,
-            job: Some(Box::default()),
-            in_flight: false,
-            started: None,
-            entries: Vec::new(),
-            rank_entries: Vec::new(),
-            sparse_ids: Vec::new(),
-            last: StepStats::default(),
-            warned_no_thread: false,
-        };
-        s.agree(Ok(table_hash), || {
-            "the engine options (Config) differ".to_string()
-        })?;
-        Ok(s)
+        Ok(())
     }
 
     /// Compare `h` across ranks (one 24-byte collective); on a mismatch every

@@ -250,6 +250,10 @@ e = expect_error(
 )
 ok(isinstance(e, ValueError if rank == last else gradsync.Error), "bad option: error on every rank")
 ok(f"rank {last} failed" in str(e), "bad option names the rank")
+# An option that parses but is out of range on one rank.
+e = expect_error(lambda: gradsync.GradSync(comm, momentum=1.5 if rank == last else 0.9), None, "momentum out of range")
+ok(isinstance(e, ValueError if rank == last else gradsync.Error), "bad momentum: error on every rank")
+ok(f"rank {last} failed" in str(e) and "momentum 1.5" in str(e), "bad momentum names the rank and value")
 # NaN in a dense layer: every rank raises (policy "error").
 v = gradsync.GradSync(comm, momentum=0.0)
 v.register("n", (100,), strategy="dense")
