@@ -42,7 +42,7 @@ fn programs() -> &'static Path {
 
         let out = std::env::temp_dir().join(format!("gradsync-capi-test-{}", std::process::id()));
         std::fs::create_dir_all(&out).unwrap();
-        for prog in ["train", "failure"] {
+        for prog in ["train", "failure", "quickstart"] {
             let src = root().join("examples/c").join(format!("{prog}.c"));
             let r = Command::new("mpicc")
                 .arg("-O2")
@@ -155,5 +155,25 @@ fn one_ranks_bad_arguments_fail_every_rank_alike_and_nobody_hangs() {
             let table = by_check["register mismatched shape"][0];
             assert!(table.contains("rc=2"), "p={np}: {table}");
         }
+    }
+}
+
+/// The README's "From C" program is examples/c/quickstart.c verbatim, and
+/// it runs.
+#[test]
+fn readme_c_program_runs() {
+    let src = std::fs::read_to_string(root().join("examples/c/quickstart.c")).unwrap();
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    assert!(
+        readme.contains(src.trim()),
+        "README's \"From C\" program must be examples/c/quickstart.c verbatim"
+    );
+    let dir = programs();
+    for np in [1, 4] {
+        let (ok, out, err) = mpirun(np, &dir.join("quickstart"), &[], Duration::from_secs(120));
+        assert!(
+            ok && out.contains("quickstart: OK"),
+            "np={np}\n{out}\n{err}"
+        );
     }
 }
