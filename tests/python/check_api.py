@@ -32,6 +32,19 @@ def ints(n, seed, dtype):
     return (((i * 7 + rank * 13 + seed) % 101) - 50).astype(dtype)
 
 
+# 0. Import refuses an mpi4py that uses another MPI library (simulated).
+real = MPI.Get_library_version
+MPI.Get_library_version = lambda: "MPICH Version:\t4.0.2\n"
+try:
+    gradsync._check_same_mpi()
+    raise AssertionError("a different MPI library was accepted")
+except ImportError as e:
+    ours = gradsync.mpi_library_version().splitlines()[0][:20]
+    ok("MPICH" in str(e) and ours in str(e) and "--no-binary mpi4py" in str(e), f"import check: {e}")
+finally:
+    MPI.Get_library_version = real
+gradsync._check_same_mpi()
+
 # 1. gradsync.allreduce == COMM_WORLD.Allreduce, exactly on integer data.
 for algo in ["rabenseifner", "ring", "mpi"]:
     for dtype in [np.float32, np.float64]:
