@@ -8,7 +8,8 @@
 //!
 //! For each size: an engine with one layer of that many elements
 //! (strategy `auto`: dense below 32768 elements, RGC at 0.1 % above),
-//! 5 warm-up steps, then `reps` timed `sync` calls (barrier before each);
+//! 5 warm-up steps, then `reps` timed `sync` calls (barrier before each;
+//! the gradient copied from a window of one pattern before it);
 //! rank 0 prints one JSON line `{"lang": "rust", "elements", "median_s",
 //! "min_s", "reps"}`.
 
@@ -34,11 +35,14 @@ fn main() {
         .unwrap();
         sync.register_spec("layer", &[n], "auto").unwrap();
         let mut g = vec![0f32; n];
+        // Each step's gradient is a copy of a window of one pattern (the
+        // Python side does the same copy, so both start with the same
+        // memory traffic and cache state).
+        let src: Vec<f32> = (0..n + 13).map(|j| ((j * 7) % 13) as f32 - 6.0).collect();
         let mut times = Vec::with_capacity(reps);
         for it in 0..reps + 5 {
-            for (i, x) in g.iter_mut().enumerate() {
-                *x = ((i * 7 + it) % 13) as f32 - 6.0;
-            }
+            let s = it % 13;
+            g.copy_from_slice(&src[s..s + n]);
             world.barrier();
             let t = Instant::now();
             sync.sync(&mut [&mut g[..]]).unwrap();

@@ -27,10 +27,11 @@ for s in sizes.split(","):
     sync = gradsync.GradSync(comm, momentum=0.9)
     sync.register("layer", (n,), strategy="auto")
     g = np.zeros(n, np.float32)
-    idx = np.arange(n)
+    src = (((np.arange(n + 13) * 7) % 13) - 6.0).astype(np.float32)
     times = []
     for it in range(reps + 5):
-        g[:] = ((idx * 7 + it) % 13) - 6.0
+        s0 = it % 13
+        np.copyto(g, src[s0 : s0 + n])  # as the Rust side: one copy of a window
         comm.Barrier()
         t = time.perf_counter()
         sync.sync([g])
