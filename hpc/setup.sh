@@ -63,3 +63,10 @@ if ! "$VENV/bin/python" -c "import numpy, sklearn, maturin, mpi4py" >/dev/null 2
   "$VENV/bin/pip" install -q numpy scikit-learn "maturin>=1.16,<2"
   MPICC="$(command -v mpicc)" "$VENV/bin/pip" install -q --no-binary mpi4py "mpi4py>=3.1"
 fi
+# PyTorch is optional (gradsync.torch imports without it and its test skips
+# with a reason): GRADSYNC_WITH_TORCH=1 installs it into the environment
+# (several GB with its CUDA libraries; gradsync.torch uses CPU tensors).
+if [ "${GRADSYNC_WITH_TORCH:-0}" = 1 ] && ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing torch into $VENV (GRADSYNC_WITH_TORCH=1)"
+  "$VENV/bin/pip" install -q torch
+fi
