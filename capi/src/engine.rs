@@ -261,22 +261,32 @@ pub unsafe extern "C" fn gs_sync(
     nlayers: usize,
 ) -> c_int {
     with_engine(e, "gs_sync", |eng| {
-        let s = slices(
-            eng,
-            "gs_sync",
-            grads,
-            nlayers,
-            |p| p.is_null(),
-            |p| p.is_aligned(),
-        );
-        match s {
-            Ok(s) => {
-                let mut g: Vec<&mut [f32]> = s.into_iter().map(|(p, n)| mut_slice(p, n)).collect();
-                eng.sync.sync(&mut g).map(|_| ())
-            }
+        match mut_slices(eng, "gs_sync", grads, nlayers) {
+            Ok(mut g) => eng.sync.sync(&mut g).map(|_| ()),
             Err(why) => Err(eng.sync.fail_step(invalid(why))),
         }
     })
+}
+
+/// [`slices`] of writable arrays, as slices.
+///
+/// # Safety
+/// As [`slices`]; the arrays are writable and do not overlap.
+unsafe fn mut_slices<'a>(
+    eng: &gs_engine,
+    what: &str,
+    grads: *const *mut f32,
+    nlayers: usize,
+) -> Result<Vec<&'a mut [f32]>, String> {
+    let s = slices(
+        eng,
+        what,
+        grads,
+        nlayers,
+        |p| p.is_null(),
+        |p| p.is_aligned(),
+    )?;
+    Ok(s.into_iter().map(|(p, n)| mut_slice(p, n)).collect())
 }
 
 unsafe fn mut_slice<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {
@@ -346,19 +356,8 @@ pub unsafe extern "C" fn gs_wait(
     nlayers: usize,
 ) -> c_int {
     with_engine(e, "gs_wait", |eng| {
-        let s = slices(
-            eng,
-            "gs_wait",
-            grads,
-            nlayers,
-            |p| p.is_null(),
-            |p| p.is_aligned(),
-        );
-        match s {
-            Ok(s) => {
-                let mut g: Vec<&mut [f32]> = s.into_iter().map(|(p, n)| mut_slice(p, n)).collect();
-                eng.sync.wait(&mut g).map(|_| ())
-            }
+        match mut_slices(eng, "gs_wait", grads, nlayers) {
+            Ok(mut g) => eng.sync.wait(&mut g).map(|_| ()),
             Err(why) => {
                 // Finish the step into scratch buffers, so this rank's engine
                 // state stays in step with its peers'; only the result is

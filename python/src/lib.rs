@@ -142,6 +142,24 @@ fn check_array<'py>(
     Ok(arr.clone())
 }
 
+/// Write access to every array (numpy's borrow flags: read-only arrays and
+/// an array passed twice are refused).
+fn writable<'py>(
+    arrays: &[Bound<'py, PyArrayDyn<f32>>],
+) -> Result<Vec<PyReadwriteArrayDyn<'py, f32>>, Bad> {
+    arrays
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.try_readwrite().map_err(|e| {
+                Bad::Value(format!(
+                    "gradient {i} cannot be written in place ({e}): read-only, or the same array passed twice"
+                ))
+            })
+        })
+        .collect()
+}
+
 /// The synchronization engine (see `gradsync.GradSync`).
 #[pyclass(module = "gradsync._gradsync", name = "GradSync")]
 struct PyGradSync {
@@ -323,21 +341,10 @@ impl PyGradSync {
             Ok(a) => a,
             Err(bad) => return Err(self.fail(py, bad)),
         };
-        let mut guards: Vec<PyReadwriteArrayDyn<'_, f32>> = Vec::with_capacity(arrays.len());
-        for (i, a) in arrays.iter().enumerate() {
-            match a.try_readwrite() {
-                Ok(g) => guards.push(g),
-                Err(e) => {
-                    drop(guards);
-                    return Err(self.fail(
-                        py,
-                        Bad::Value(format!(
-                            "gradient {i} cannot be written in place ({e}): read-only, or the same array passed twice"
-                        )),
-                    ));
-                }
-            }
-        }
+        let mut guards = match writable(&arrays) {
+            Ok(g) => g,
+            Err(bad) => return Err(self.fail(py, bad)),
+        };
         let mut slices: Vec<&mut [f32]> = guards
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
@@ -382,17 +389,7 @@ impl PyGradSync {
         // argument is this rank's alone, and the result stays in the engine
         // so that `wait` can be called again with the right arrays.
         let arrays = self.check_list(grads).map_err(|b| b.raise(None))?;
-        let mut guards = arrays
-            .iter()
-            .enumerate()
-            .map(|(i, a)| {
-                a.try_readwrite().map_err(|e| {
-                    PyValueError::new_err(format!(
-                        "gradient {i} cannot be written in place ({e}): read-only, or the same array passed twice"
-                    ))
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let mut guards = writable(&arrays).map_err(|b| b.raise(None))?;
         let mut slices: Vec<&mut [f32]> = guards
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
