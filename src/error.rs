@@ -68,6 +68,11 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// Ranks passed different arguments to a collective that must get the
+    /// same ones (a dtype, an algorithm, an operation). Returned on every
+    /// rank.
+    #[error("arguments differ across ranks: {0}")]
+    ArgumentMismatch(String),
     /// Ranks disagree on the synchronization engine's layer table (names,
     /// shapes, strategies, options). Returned on every rank.
     #[error("layer table differs across ranks: {0}")]
@@ -136,6 +141,7 @@ impl Error {
             self,
             Error::RankFailed { .. }
                 | Error::TableMismatch(_)
+                | Error::ArgumentMismatch(_)
                 | Error::SizeMismatch { .. }
                 | Error::PeerMessage { .. }
                 | Error::NonFinite { .. }

@@ -105,10 +105,13 @@ fn c_training_loop_matches_mpi_allreduce_on_1_to_4_ranks() {
 
 /// Checks whose error texts carry each rank's own view (its own length or
 /// shape) from the engine: the status must agree, the text may differ.
-const LOCAL_VIEW: [&str; 3] = [
+const LOCAL_VIEW: [&str; 6] = [
     "register mismatched shape",
     "step after mismatch",
     "allreduce count mismatch",
+    "allreduce dtype mismatch",
+    "allreduce algo mismatch",
+    "allreduce op mismatch",
 ];
 
 #[test]

@@ -3,8 +3,7 @@
 
 use crate::{gs_algo, gs_dtype, gs_op, guard, invalid};
 use gradsync_engine::comm::MpiComm;
-use gradsync_engine::dense::{allreduce, AllreduceAlgo, AllreduceOptions, ReduceOp};
-use gradsync_engine::failure::agree;
+use gradsync_engine::dense::{allreduce_agreed, AllreduceAlgo, AnyBuf, ReduceOp};
 use std::ffi::{c_int, c_void};
 
 /// The raw enum integers as Rust values, or what is wrong.
@@ -74,30 +73,24 @@ pub unsafe extern "C" fn gs_allreduce(
                 Ok((dt, algo, op))
             }
         });
-        // Argument errors are local: agree so that no rank returns alone.
-        let (dt, algo, op) = agree(&mpi, local.map_err(invalid))?;
-        let opts = AllreduceOptions {
-            op,
-            validate: true,
-            chunk_elems: 0,
-        };
-        match dt {
-            gs_dtype::GS_FLOAT32 => {
-                let b: &mut [f32] = if count == 0 {
+        // Argument errors are local, and dtype, count, algorithm and
+        // operation must match: one agreement on all of them, so that no
+        // rank returns alone and nothing mixed reaches the wire.
+        let call = local.map_err(invalid).map(|(dt, algo, op)| {
+            let b = match dt {
+                gs_dtype::GS_FLOAT32 => AnyBuf::F32(if count == 0 {
                     &mut []
                 } else {
                     std::slice::from_raw_parts_mut(buf.cast(), count)
-                };
-                allreduce(&mpi, b, algo, &opts)
-            }
-            gs_dtype::GS_FLOAT64 => {
-                let b: &mut [f64] = if count == 0 {
+                }),
+                gs_dtype::GS_FLOAT64 => AnyBuf::F64(if count == 0 {
                     &mut []
                 } else {
                     std::slice::from_raw_parts_mut(buf.cast(), count)
-                };
-                allreduce(&mpi, b, algo, &opts)
-            }
-        }
+                }),
+            };
+            (b, algo, op)
+        });
+        allreduce_agreed(&mpi, call)
     })
 }

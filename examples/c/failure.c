@@ -163,6 +163,20 @@ int main(int argc, char **argv) {
   rc = gs_allreduce(MPI_COMM_WORLD, rank == bad ? NULL : wg, 1000, GS_FLOAT32,
                     GS_ALGO_RABENSEIFNER, GS_OP_AVERAGE);
   report("allreduce NULL buffer on one rank", rc, GS_ERR_RANK_FAILED, "buf is NULL");
+  /* dtype, algorithm or operation that differ on one rank: agreed, never
+     mixed on the wire (a hang, or half-summed half-averaged results). */
+  rc = gs_allreduce(MPI_COMM_WORLD, wg, 500, rank == bad ? GS_FLOAT64 : GS_FLOAT32,
+                    GS_ALGO_RABENSEIFNER, GS_OP_SUM);
+  report("allreduce dtype mismatch", rc, nprocs > 1 ? GS_ERR_RANK_FAILED : GS_OK,
+         nprocs > 1 ? "dtype differs" : NULL);
+  rc = gs_allreduce(MPI_COMM_WORLD, wg, 1000, GS_FLOAT32,
+                    rank == bad ? GS_ALGO_MPI : GS_ALGO_RING, GS_OP_SUM);
+  report("allreduce algo mismatch", rc, nprocs > 1 ? GS_ERR_RANK_FAILED : GS_OK,
+         nprocs > 1 ? "algorithm differs" : NULL);
+  rc = gs_allreduce(MPI_COMM_WORLD, wg, 1000, GS_FLOAT32, GS_ALGO_RING,
+                    rank == bad ? GS_OP_AVERAGE : GS_OP_SUM);
+  report("allreduce op mismatch", rc, nprocs > 1 ? GS_ERR_RANK_FAILED : GS_OK,
+         nprocs > 1 ? "operation differs" : NULL);
 
   int one = 1, sum = 0;
   MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

@@ -97,7 +97,9 @@ class GradSync:
         ``"propagate"`` (the layer's result is NaN on every rank).
     **options:
         Any other engine option: ``codec`` (e.g. ``"rgc:density=0.01"``),
-        ``compress_threshold``, ``weight_decay``, ``clip_norm``, ``delay``,
+        ``compress_threshold``, ``weight_decay`` (then pass ``weights`` to
+        :meth:`sync`), ``clip_norm``, ``delay``, ``warmup`` (a density
+        schedule, ``{"warmup": "density", "schedule": [...], "steps_per_stage": n}``),
         ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``),
         ``allgather`` (``"recdbl"``, ``"mpi"``), ``overlap``,
         ``auto_density``, ``auto_quant``. Unknown names raise ``ValueError``.
@@ -113,17 +115,25 @@ class GradSync:
         nonfinite: str = "error",
         **options: Any,
     ) -> None:
-        opts: Dict[str, Any] = dict(options)
-        opts.update(momentum=momentum, nesterov=nesterov, warmup_steps=warmup_steps, nonfinite=nonfinite)
-        if profile is not None:
-            opts["profile"] = _os.fspath(profile) if not isinstance(profile, dict) else profile
         try:
-            text = _json.dumps(opts, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            # Still enter the collective set-up so that no peer waits.
-            text = _json.dumps({"<options>": f"not JSON-serializable: {e}"})
+            opts: Dict[str, Any] = dict(options)
+            opts.update(momentum=momentum, nesterov=nesterov, nonfinite=nonfinite)
+            if "warmup" not in opts or warmup_steps:
+                opts["warmup_steps"] = warmup_steps
+            if profile is not None:
+                opts["profile"] = profile if isinstance(profile, dict) else _os.fsdecode(profile)
+            text = _json.dumps(opts, allow_nan=False, default=_plain)
+        except Exception as e:  # noqa: BLE001
+            # This rank's own options failed: still enter the collective
+            # set-up (every rank fails alike, naming this one), then raise
+            # the original error type here.
+            why = f"{type(e).__name__}: {e}"
+            try:
+                _gradsync.GradSync(comm, "null", why)
+            except Exception as collective:  # noqa: BLE001
+                raise type(e)(f"{e} (raised on every rank: {collective})") from collective
+            raise
         self._engine = _gradsync.GradSync(comm, text)
-        self._names: list = []
 
     def register(self, name: str, shape: Union[int, Sequence[int]], strategy: str = "auto") -> int:
         """Register a layer (collective: every rank registers the same layers in the same order).
@@ -135,11 +145,9 @@ class GradSync:
         ``"int8"``. Returns the layer's index. A table that differs across
         ranks raises ``gradsync.Error`` on every rank.
         """
-        idx = self._engine.register(name, tuple(shape) if not isinstance(shape, int) else shape, strategy)
-        self._names.append(name)
-        return idx
+        return self._engine.register(name, shape, strategy)
 
-    def sync(self, grads: Sequence[Any]) -> Dict[str, Any]:
+    def sync(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
         """One step: replace each gradient (in place) by its layer's update direction.
 
         ``grads`` holds one C-contiguous writable ``float32`` array per
@@ -147,17 +155,21 @@ class GradSync:
         flat). Returns the step's stats: ``step``, ``fused_bytes``,
         ``dense_bytes``, timings in seconds, and ``layers``, one dict per
         layer (``name``, ``strategy``, ``codec``, ``density``,
-        ``bytes_sent``, ``ratio``, ...).
+        ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,
+        pass ``weights`` (one array per layer, read only) too.
         """
-        return self._engine.sync(grads)
+        return self._engine.sync(grads, weights)
 
-    def start(self, grads: Sequence[Any]) -> None:
+    def start(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> None:
         """Compress this step's gradients and start communicating on gradsync's progress thread.
 
         Returns as soon as the gradients have been consumed (they may be
-        overwritten); finish with :meth:`wait`.
+        overwritten); finish with :meth:`wait`. A bad argument on one rank
+        fails this step on every rank: that rank raises here (the step is
+        then over: do not call :meth:`wait`), its peers raise
+        ``gradsync.Error`` from their :meth:`wait`.
         """
-        self._engine.start(grads)
+        self._engine.start(grads, weights)
 
     def wait(self, grads: Sequence[Any]) -> Dict[str, Any]:
         """Finish the step begun by :meth:`start`, writing update directions into ``grads`` in place.
@@ -167,12 +179,28 @@ class GradSync:
         """
         return self._engine.wait(grads)
 
+    def fail_step(self, reason: Any) -> None:
+        """Take part in this step with an error found on this rank, so that no peer waits.
+
+        Call it instead of :meth:`sync` when this rank cannot produce its
+        gradients (its data loader or backward pass raised): every rank's
+        step fails alike, the others raising ``gradsync.Error`` naming this
+        rank and ``reason`` from their :meth:`sync` or :meth:`wait`, and the
+        next step runs normally. Raises ``gradsync.Error`` here too::
+
+            try:
+                loss = model.backward(batch)
+            except Exception as e:
+                sync.fail_step(f"{type(e).__name__}: {e}")  # raises on every rank
+        """
+        self._engine.fail_step(reason)
+
     def save_snapshot(self, path: PathLike) -> None:
         """Write this rank's engine state (residuals, momentum, step, codec state) to ``path``.
 
         Each rank writes its own file (e.g. ``f"ckpt/gradsync.rank{rank}.snap"``).
         """
-        self._engine.save_snapshot(_os.fspath(path))
+        self._engine.save_snapshot(path)
 
     def load_snapshot(self, path: PathLike) -> None:
         """Restore the state written by :meth:`save_snapshot` (collective).
@@ -180,7 +208,7 @@ class GradSync:
         A missing or corrupt file on one rank fails every rank with
         ``gradsync.Error`` and changes no engine.
         """
-        self._engine.load_snapshot(_os.fspath(path))
+        self._engine.load_snapshot(path)
 
     def last_stats(self) -> Dict[str, Any]:
         """The last step's stats (as returned by :meth:`sync`)."""
@@ -216,13 +244,23 @@ class GradSync:
         self.close()
 
 
+def _plain(o: Any) -> Any:
+    """JSON for numpy scalars and paths in options."""
+    if hasattr(o, "item") and callable(o.item):
+        return o.item()
+    if isinstance(o, _os.PathLike):
+        return _os.fsdecode(o)
+    raise TypeError(f"option value {o!r} is not JSON-serializable")
+
+
 def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum") -> None:
     """In-place allreduce of a C-contiguous writable ``float32`` or ``float64`` numpy array over ``comm``.
 
     ``algo``: ``"rabenseifner"`` (recursive halving/doubling), ``"ring"``, or
     ``"mpi"`` (the MPI library's own ``MPI_Allreduce``); ``op``: ``"sum"`` or
     ``"average"``. Lengths, dtypes and local errors are agreed first, so a
-    mismatch or a bad array on one rank raises on every rank.
+    mismatch or a bad array on one rank raises on every rank (as do an
+    ``algo`` or ``op`` that differ across ranks).
     """
     _gradsync.allreduce(comm, array, algo, op)
 

@@ -22,7 +22,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 pyo3::create_exception!(
     _gradsync,
@@ -62,29 +62,61 @@ impl Bad {
     }
 }
 
-/// A raw communicator handle from an mpi4py communicator (or a Fortran
-/// integer handle, as `comm.py2f()` returns).
+/// A raw communicator handle from an mpi4py intra-communicator (or a
+/// Fortran integer handle, as `comm.py2f()` returns).
 fn raw_comm(comm: &Bound<'_, PyAny>) -> PyResult<RawComm> {
-    let f: i64 = if let Ok(i) = comm.extract::<i64>() {
+    // Before touching the communicator: after MPI_Finalize even py2f aborts.
+    gradsync::comm::mpi_ready().map_err(engine_err)?;
+    let py = comm.py();
+    let f: i64 = if comm.is_instance_of::<pyo3::types::PyInt>() {
+        let i: i64 = comm.extract()?;
+        if i32::try_from(i).is_err() {
+            return Err(PyValueError::new_err(format!(
+                "{i} is not a Fortran communicator handle (MPI_Fint)"
+            )));
+        }
         i
     } else {
-        comm.call_method0("py2f")
-            .map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD), got {}",
-                    comm.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                ))
-            })?
-            .extract()?
+        let intracomm = py.import("mpi4py.MPI")?.getattr("Intracomm")?;
+        if !comm.is_instance(&intracomm)? {
+            return Err(PyTypeError::new_err(format!(
+                "comm must be an mpi4py intra-communicator (e.g. MPI.COMM_WORLD), got {}",
+                comm.repr().map(|r| r.to_string()).unwrap_or_default()
+            )));
+        }
+        comm.call_method0("py2f")?.extract()?
     };
-    gradsync::comm::mpi_ready().map_err(engine_err)?;
     // SAFETY: MPI is initialized; MPI_Comm_f2c accepts any integer and
     // returns MPI_COMM_NULL (or an invalid handle MPI reports) for junk.
     let raw = unsafe { mpi::ffi::RSMPI_Comm_f2c(f as _) };
     Ok(RawComm(raw))
+}
+
+/// A path from `str`, `bytes` or `os.PathLike`, or why not.
+fn to_path(obj: &Bound<'_, PyAny>) -> Result<PathBuf, String> {
+    let os = obj.py().import("os").map_err(|e| e.to_string())?;
+    os.call_method1("fsdecode", (obj,))
+        .and_then(|p| p.extract::<String>())
+        .map(PathBuf::from)
+        .map_err(|_| {
+            format!(
+                "a path must be str, bytes or os.PathLike, got {}",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            )
+        })
+}
+
+/// A str argument, or why not.
+fn to_str(obj: &Bound<'_, PyAny>, what: &str) -> Result<String, String> {
+    obj.extract::<String>().map_err(|_| {
+        format!(
+            "{what} must be a str, got {}",
+            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+        )
+    })
 }
 
 /// A raw handle moved into the GIL-free closure (MPI handles are
@@ -102,10 +134,41 @@ impl RawComm {
     }
 }
 
+/// A layer shape: an int, or a sequence of ints (numpy integers too).
+fn shape_of(shape: &Bound<'_, PyAny>, name: &str) -> Result<Vec<usize>, String> {
+    let bad = || {
+        format!(
+            "shape of layer {name:?} must be a tuple of non-negative ints, got {}",
+            shape.repr().map(|r| r.to_string()).unwrap_or_default()
+        )
+    };
+    let dim = |d: &Bound<'_, PyAny>| -> Result<usize, String> {
+        if d.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(bad());
+        }
+        d.call_method0("__index__")
+            .and_then(|i| i.extract::<usize>())
+            .map_err(|_| bad())
+    };
+    if let Ok(n) = dim(shape) {
+        return Ok(vec![n]);
+    }
+    if shape.is_instance_of::<pyo3::types::PyString>()
+        || shape.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(bad());
+    }
+    let items = shape.try_iter().map_err(|_| bad())?;
+    items
+        .map(|d| d.map_err(|_| bad()).and_then(|d| dim(&d)))
+        .collect()
+}
+
 /// One gradient argument: a NumPy float32 array, C-contiguous, of the
 /// layer's shape (or flat with the layer's size).
 fn check_array<'py>(
     a: &Bound<'py, PyAny>,
+    what: &str,
     i: usize,
     name: &str,
     shape: &[usize],
@@ -124,19 +187,19 @@ fn check_array<'py>(
                 )
             });
         Bad::Type(format!(
-            "gradient {i} (layer {name:?}) must be a numpy float32 array, got {what}"
+            "{what} {i} (layer {name:?}) must be a numpy float32 array, got {what}"
         ))
     })?;
     if !arr.is_c_contiguous() {
         return Err(Bad::Value(format!(
-            "gradient {i} (layer {name:?}) is not C-contiguous: gradsync works in place (np.ascontiguousarray would copy)"
+            "{what} {i} (layer {name:?}) is not C-contiguous: gradsync works in place (np.ascontiguousarray would copy)"
         )));
     }
     let n: usize = shape.iter().product();
     let got = arr.shape();
     if got != shape && !(got.len() == 1 && got[0] == n) {
         return Err(Bad::Value(format!(
-            "gradient {i} (layer {name:?}) has shape {got:?}, registered {shape:?} ({n} elements)"
+            "{what} {i} (layer {name:?}) has shape {got:?}, registered {shape:?} ({n} elements)"
         )));
     }
     Ok(arr.clone())
@@ -160,22 +223,51 @@ fn writable<'py>(
         .collect()
 }
 
+/// Read access to every array (refused while another borrow writes it).
+fn readable<'py>(
+    arrays: &[Bound<'py, PyArrayDyn<f32>>],
+) -> Result<Vec<PyReadonlyArrayDyn<'py, f32>>, Bad> {
+    arrays
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.try_readonly()
+                .map_err(|e| Bad::Value(format!("array {i} is being written elsewhere ({e})")))
+        })
+        .collect()
+}
+
 /// The synchronization engine (see `gradsync.GradSync`).
 #[pyclass(module = "gradsync._gradsync", name = "GradSync")]
 struct PyGradSync {
     inner: Mutex<Option<Engine>>,
-    /// (name, shape) of the registered layers, for argument checks.
-    layers: Mutex<Vec<(String, Vec<usize>)>>,
+    /// (name, shape) of the registered layers, for argument checks (an
+    /// `Arc` so a step takes a snapshot and holds no lock while it looks at
+    /// Python objects, which may run Python code).
+    layers: Mutex<LayerTable>,
 }
+
+/// (name, shape) of each registered layer.
+type LayerTable = Arc<Vec<(String, Vec<usize>)>>;
 
 type Held<'a> = std::sync::MutexGuard<'a, Option<Engine>>;
 
 impl PyGradSync {
-    fn engine(&self) -> PyResult<Held<'_>> {
-        let g = self
-            .inner
-            .lock()
-            .map_err(|_| Error::new_err("the engine was poisoned by a panic"))?;
+    /// The engine, locked. Another Python thread may hold it inside a
+    /// GIL-free call (a `sync`); waiting for it with the GIL held would
+    /// deadlock (that thread needs the GIL to return), so wait without it.
+    fn engine(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        let g = loop {
+            match self.inner.try_lock() {
+                Ok(g) => break g,
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    py.detach(|| std::thread::sleep(std::time::Duration::from_micros(50)))
+                }
+                Err(std::sync::TryLockError::Poisoned(_)) => {
+                    return Err(Error::new_err("the engine was poisoned by a panic"))
+                }
+            }
+        };
         if g.is_none() {
             return Err(Error::new_err("the engine is closed"));
         }
@@ -185,18 +277,27 @@ impl PyGradSync {
     fn check_list<'py>(
         &self,
         grads: &Bound<'py, PyAny>,
+        what: &str,
     ) -> Result<Vec<Bound<'py, PyArrayDyn<f32>>>, Bad> {
-        let layers = self
-            .layers
-            .lock()
-            .map_err(|_| Bad::Value("poisoned".into()))?;
+        let layers = Arc::clone(
+            &*self
+                .layers
+                .lock()
+                .map_err(|_| Bad::Value("poisoned".into()))?,
+        );
         let items: Vec<Bound<'py, PyAny>> = grads
             .try_iter()
             .and_then(|it| it.collect::<PyResult<Vec<_>>>())
-            .map_err(|_| Bad::Type("gradients must be a list of numpy float32 arrays".into()))?;
+            .map_err(|e| {
+                if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(grads.py()) {
+                    Bad::Type(format!("interrupted: {e}"))
+                } else {
+                    Bad::Type(format!("{what}s must be a list of numpy float32 arrays"))
+                }
+            })?;
         if items.len() != layers.len() {
             return Err(Bad::Value(format!(
-                "{} gradients for {} registered layers",
+                "{} {what}s for {} registered layers",
                 items.len(),
                 layers.len()
             )));
@@ -205,13 +306,13 @@ impl PyGradSync {
             .iter()
             .zip(layers.iter())
             .enumerate()
-            .map(|(i, (a, (name, shape)))| check_array(a, i, name, shape))
+            .map(|(i, (a, (name, shape)))| check_array(a, what, i, name, shape))
             .collect()
     }
 
     /// Fail this step on every rank because of `bad` (found on this rank).
     fn fail(&self, py: Python<'_>, bad: Bad) -> PyErr {
-        let mut g = match self.engine() {
+        let mut g = match self.engine(py) {
             Ok(g) => g,
             Err(e) => return e,
         };
@@ -263,124 +364,200 @@ fn json_to_py(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<PyAny>> {
 #[pymethods]
 impl PyGradSync {
     /// Create an engine over a duplicate of `comm` (collective over `comm`).
-    /// `options_json` is a flat JSON object of engine options.
+    /// `options_json` is a flat JSON object of engine options; `error`,
+    /// when given, is this rank's own failure to build them (the Python
+    /// side's), which still enters the set-up collective.
     #[new]
-    fn new(py: Python<'_>, comm: &Bound<'_, PyAny>, options_json: &str) -> PyResult<Self> {
+    #[pyo3(signature = (comm, options_json, error=None))]
+    fn new(
+        py: Python<'_>,
+        comm: &Bound<'_, PyAny>,
+        options_json: &str,
+        error: Option<String>,
+    ) -> PyResult<Self> {
         let raw = raw_comm(comm)?;
         let my_rank: Option<usize> = comm.call_method0("Get_rank").and_then(|r| r.extract()).ok();
-        // Options that are bad on this rank still enter the engine's set-up
-        // collective (which fails every rank alike, naming this one); the
-        // local check only picks the exception type raised here.
-        let local = Config::from_options_json(options_json).err();
-        let json = options_json.to_string();
-        // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
-        let eng = py.detach(move || unsafe { Engine::from_raw_comm_options(raw.get(), &json) });
-        let eng = eng.map_err(|e| match &local {
-            Some(mine) => PyValueError::new_err(format!("{mine} (raised on every rank: {e})")),
-            // An option that parses but is out of range here (momentum 1.5).
-            None if matches!(&e, gradsync::Error::RankFailed { rank, .. } if Some(*rank) == my_rank) => {
+        let cfg = match &error {
+            Some(why) => Err(gradsync::Error::InvalidArgument(why.clone())),
+            None => Config::from_options_json(options_json),
+        };
+        let mine = cfg.is_err();
+        // Options bad on this rank still enter the set-up agreement, which
+        // fails every rank alike, naming this one.
+        let eng = py.detach(move || {
+            // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
+            let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
+            let cfg = gradsync::failure::agree(&comm, cfg)?;
+            Engine::with_transport(comm, cfg)
+        });
+        let eng = eng.map_err(|e| {
+            // This rank's own options (or, once agreed, an option that
+            // parses but is out of range here: momentum 1.5).
+            let ours = mine
+                || matches!(&e, gradsync::Error::RankFailed { rank, .. } if Some(*rank) == my_rank);
+            if ours {
                 PyValueError::new_err(e.to_string())
+            } else {
+                engine_err(e)
             }
-            None => engine_err(e),
         })?;
         Ok(PyGradSync {
             inner: Mutex::new(Some(eng)),
-            layers: Mutex::new(Vec::new()),
+            layers: Mutex::new(Arc::new(Vec::new())),
         })
     }
 
     /// Register a layer (collective); returns its index.
-    #[pyo3(signature = (name, shape, strategy="auto"))]
+    #[pyo3(signature = (name, shape, strategy=None))]
     fn register(
         &self,
         py: Python<'_>,
-        name: &str,
+        name: &Bound<'_, PyAny>,
         shape: &Bound<'_, PyAny>,
-        strategy: &str,
+        strategy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let dims: Result<Vec<usize>, String> = if let Ok(n) = shape.extract::<usize>() {
-            Ok(vec![n])
-        } else {
-            shape.extract::<Vec<usize>>().map_err(|_| {
-                format!("shape of layer {name:?} must be a tuple of non-negative ints, got {shape}")
-            })
+        // Every argument is converted here, not by PyO3 before the call: a
+        // wrong type on one rank must still enter the registration
+        // collective (as an unparseable strategy carrying the reason).
+        let name_r = to_str(name, "the layer name");
+        let label = name_r.clone().unwrap_or_else(|_| "<bad name>".into());
+        let spec_r = match strategy {
+            None => Ok("auto".to_string()),
+            Some(s) => to_str(s, &format!("the strategy of layer {label:?}")),
         };
-        let mut g = self.engine()?;
+        let dims_r: Result<Vec<usize>, String> = shape_of(shape, &label);
+        let type_err = name_r
+            .as_ref()
+            .err()
+            .or(spec_r.as_ref().err())
+            .or(dims_r.as_ref().err())
+            .cloned();
+        let dims = dims_r.clone().unwrap_or_else(|_| vec![0]);
+        let spec = match &type_err {
+            Some(why) => format!("<{why}>"),
+            None => spec_r.clone().unwrap_or_default(),
+        };
+        let local_bad = type_err.is_some()
+            || (spec.trim() != "auto" && gradsync::sync::Strategy::parse(&spec).is_err());
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
-        // A bad shape still enters the registration collective (as an
-        // unparseable strategy carrying the reason), so peers never wait.
-        let (dims_ok, spec) = match &dims {
-            Ok(d) => (d.clone(), strategy.to_string()),
-            Err(why) => (vec![0], format!("<{why}>")),
-        };
-        let local_bad = dims.is_err()
-            || (strategy.trim() != "auto" && gradsync::sync::Strategy::parse(strategy).is_err());
         let id = py
-            .detach(|| eng.register_spec(name, &dims_ok, &spec))
+            .detach(|| eng.register_spec(&label, &dims, &spec))
             .map_err(|e| {
                 // This rank's own bad argument (seen by the engine's checks
                 // too, e.g. a density out of range) is a ValueError here.
                 let mine = local_bad
                     || matches!(&e, gradsync::Error::RankFailed { rank, .. } if *rank == eng.rank());
-                match &dims {
-                    Err(why) => PyTypeError::new_err(format!("{why} ({e})")),
-                    Ok(_) if mine => PyValueError::new_err(e.to_string()),
-                    Ok(_) => engine_err(e),
+                match &type_err {
+                    Some(why) => PyTypeError::new_err(format!("{why} (raised on every rank: {e})")),
+                    None if mine => PyValueError::new_err(e.to_string()),
+                    None => engine_err(e),
                 }
             })?;
-        self.layers
-            .lock()
-            .map_err(|_| Error::new_err("poisoned"))?
-            .push((name.to_string(), dims_ok));
+        let mut layers = self.layers.lock().map_err(|_| Error::new_err("poisoned"))?;
+        Arc::make_mut(&mut layers).push((label, dims));
         Ok(id.0)
     }
 
+    /// Take part in this step carrying an error found on this rank (e.g. in
+    /// the forward or backward pass), so that no peer waits: every rank's
+    /// step fails alike; raises `gradsync.Error` here too.
+    fn fail_step(&self, py: Python<'_>, reason: &Bound<'_, PyAny>) -> PyResult<()> {
+        let text = reason
+            .str()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|_| "(unprintable reason)".into());
+        let mut g = self.engine(py)?;
+        let eng = g.as_mut().expect("checked open");
+        let e = py.detach(|| eng.fail_step(gradsync::Error::InvalidArgument(text)));
+        Err(engine_err(e))
+    }
+
     /// One synchronous step in place; returns the step's stats as a dict.
-    fn sync(&self, py: Python<'_>, grads: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let arrays = match self.check_list(grads) {
+    /// `weights` (one read-only array per layer) are needed with weight
+    /// decay.
+    #[pyo3(signature = (grads, weights=None))]
+    fn sync(
+        &self,
+        py: Python<'_>,
+        grads: &Bound<'_, PyAny>,
+        weights: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let arrays = match self.check_list(grads, "gradient") {
             Ok(a) => a,
+            Err(bad) => return Err(self.fail(py, bad)),
+        };
+        let warrays = match weights.map(|w| self.check_list(w, "weight")).transpose() {
+            Ok(a) => a.unwrap_or_default(),
             Err(bad) => return Err(self.fail(py, bad)),
         };
         let mut guards = match writable(&arrays) {
             Ok(g) => g,
             Err(bad) => return Err(self.fail(py, bad)),
         };
+        let wguards = match readable(&warrays) {
+            Ok(g) => g,
+            Err(bad) => {
+                drop(guards);
+                return Err(self.fail(py, bad));
+            }
+        };
+        let wslices: Vec<&[f32]> = wguards
+            .iter()
+            .map(|g| g.as_slice().expect("checked C-contiguous"))
+            .collect();
         let mut slices: Vec<&mut [f32]> = guards
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine()?;
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
-        let stats = py.detach(|| eng.sync(&mut slices)).map_err(engine_err)?;
+        let with_w = weights.is_some();
+        let stats = py
+            .detach(|| match with_w {
+                true => eng.sync_with_weights(&mut slices, &wslices),
+                false => eng.sync(&mut slices),
+            })
+            .map_err(engine_err)?;
         stats_dict(py, stats)
     }
 
     /// Start a step (returns once this step's gradients are consumed).
-    fn start(&self, py: Python<'_>, grads: &Bound<'_, PyAny>) -> PyResult<()> {
-        let arrays = match self.check_list(grads) {
+    #[pyo3(signature = (grads, weights=None))]
+    fn start(
+        &self,
+        py: Python<'_>,
+        grads: &Bound<'_, PyAny>,
+        weights: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let arrays = match self.check_list(grads, "gradient") {
             Ok(a) => a,
             Err(bad) => return Err(self.fail(py, bad)),
         };
-        let guards: Vec<PyReadonlyArrayDyn<'_, f32>> = match arrays
-            .iter()
-            .map(|a| a.try_readonly())
-            .collect::<Result<Vec<_>, _>>()
-        {
-            Ok(g) => g,
-            Err(e) => {
-                return Err(self.fail(
-                    py,
-                    Bad::Value(format!("a gradient is being written elsewhere ({e})")),
-                ))
-            }
+        let warrays = match weights.map(|w| self.check_list(w, "weight")).transpose() {
+            Ok(a) => a.unwrap_or_default(),
+            Err(bad) => return Err(self.fail(py, bad)),
+        };
+        let (guards, wguards) = match (readable(&arrays), readable(&warrays)) {
+            (Ok(g), Ok(w)) => (g, w),
+            (Err(bad), _) | (_, Err(bad)) => return Err(self.fail(py, bad)),
         };
         let slices: Vec<&[f32]> = guards
             .iter()
             .map(|g| g.as_slice().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine()?;
+        let wslices: Vec<&[f32]> = wguards
+            .iter()
+            .map(|g| g.as_slice().expect("checked C-contiguous"))
+            .collect();
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
-        py.detach(|| eng.start(&slices)).map_err(engine_err)
+        let with_w = weights.is_some();
+        py.detach(|| match with_w {
+            true => eng.start_with_weights(&slices, &wslices),
+            false => eng.start(&slices),
+        })
+        .map_err(engine_err)
     }
 
     /// Finish the step begun by `start`, writing the results in place.
@@ -388,42 +565,58 @@ impl PyGradSync {
         // The exchange is already under way on every rank: a bad output
         // argument is this rank's alone, and the result stays in the engine
         // so that `wait` can be called again with the right arrays.
-        let arrays = self.check_list(grads).map_err(|b| b.raise(None))?;
+        let arrays = self
+            .check_list(grads, "gradient")
+            .map_err(|b| b.raise(None))?;
         let mut guards = writable(&arrays).map_err(|b| b.raise(None))?;
         let mut slices: Vec<&mut [f32]> = guards
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine()?;
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
         let stats = py.detach(|| eng.wait(&mut slices)).map_err(engine_err)?;
         stats_dict(py, stats)
     }
 
     /// Write this rank's engine state (collective-free).
-    fn save_snapshot(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        let mut g = self.engine()?;
+    fn save_snapshot(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+        let path = to_path(path).map_err(PyTypeError::new_err)?;
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
         py.detach(move || eng.save_snapshot(&path))
             .map_err(engine_err)
     }
 
     /// Restore state written by `save_snapshot` (collective).
-    fn load_snapshot(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        let mut g = self.engine()?;
+    fn load_snapshot(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+        // A path of the wrong type still enters the collective load (as a
+        // path no file system opens), so every rank fails alike.
+        let p = to_path(path);
+        let target = p
+            .clone()
+            .unwrap_or_else(|why| PathBuf::from(format!("\0<{why}>")));
+        let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
-        py.detach(|| eng.load_snapshot(&path)).map_err(engine_err)
+        let r = py.detach(move || eng.load_snapshot(&target));
+        match (r, p) {
+            (Ok(()), _) => Ok(()),
+            (Err(e), Err(why)) => Err(PyTypeError::new_err(format!(
+                "{why} (raised on every rank: {e})"
+            ))),
+            (Err(e), Ok(_)) => Err(engine_err(e)),
+        }
     }
 
     /// The last step's stats as a dict.
     fn last_stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let g = self.engine()?;
+        let g = self.engine(py)?;
         stats_dict(py, g.as_ref().expect("checked open").last_stats())
     }
 
     /// Registered layers: a list of (name, shape, strategy label).
-    fn layers(&self) -> PyResult<Vec<(String, Vec<usize>, String)>> {
-        let g = self.engine()?;
+    fn layers(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<usize>, String)>> {
+        let g = self.engine(py)?;
         let eng = g.as_ref().expect("checked open");
         Ok((0..eng.num_layers())
             .filter_map(|i| eng.layer(gradsync::sync::LayerId(i)))
@@ -433,20 +626,20 @@ impl PyGradSync {
 
     /// This rank in the engine's communicator.
     #[getter]
-    fn rank(&self) -> PyResult<usize> {
-        Ok(self.engine()?.as_ref().expect("checked open").rank())
+    fn rank(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.engine(py)?.as_ref().expect("checked open").rank())
     }
 
     /// Number of ranks.
     #[getter]
-    fn size(&self) -> PyResult<usize> {
-        Ok(self.engine()?.as_ref().expect("checked open").size())
+    fn size(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.engine(py)?.as_ref().expect("checked open").size())
     }
 
     /// Steps run so far.
     #[getter]
-    fn step(&self) -> PyResult<u64> {
-        Ok(self.engine()?.as_ref().expect("checked open").step())
+    fn step(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.engine(py)?.as_ref().expect("checked open").step())
     }
 
     /// Free the engine and its duplicated communicator now (a local
@@ -464,29 +657,39 @@ impl PyGradSync {
 
 /// In-place allreduce of a float32/float64 array over `comm`.
 #[pyfunction]
-#[pyo3(signature = (comm, array, algo="rabenseifner", op="sum"))]
+#[pyo3(signature = (comm, array, algo=None, op=None))]
 fn allreduce(
     py: Python<'_>,
     comm: &Bound<'_, PyAny>,
     array: &Bound<'_, PyAny>,
-    algo: &str,
-    op: &str,
+    algo: Option<&Bound<'_, PyAny>>,
+    op: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let raw = raw_comm(comm)?;
-    // Everything rank-local first; a failure still enters the agreement.
-    let algo_r: Result<AllreduceAlgo, Bad> = algo
-        .parse()
-        .map_err(|e: gradsync::Error| Bad::Value(e.to_string()));
-    let op_r: Result<ReduceOp, Bad> = match op {
-        "sum" => Ok(ReduceOp::Sum),
-        "average" | "avg" | "mean" => Ok(ReduceOp::Average),
-        _ => Err(Bad::Value(format!("unknown op {op:?} (sum, average)"))),
-    };
     enum Arr<'py> {
         F32(PyReadwriteArrayDyn<'py, f32>),
         F64(PyReadwriteArrayDyn<'py, f64>),
     }
-    let arr: Result<Arr<'_>, Bad> = (|| {
+    // Everything rank-local first, converted here (not by PyO3 before the
+    // call): a failure still enters the agreement, so no rank is left alone.
+    let local = (|| -> Result<(Arr<'_>, AllreduceAlgo, ReduceOp), Bad> {
+        let algo: AllreduceAlgo = match algo {
+            None => AllreduceAlgo::Rabenseifner,
+            Some(a) => to_str(a, "algo")
+                .map_err(Bad::Type)?
+                .parse()
+                .map_err(|e: gradsync::Error| Bad::Value(e.to_string()))?,
+        };
+        let op = match op
+            .map(|o| to_str(o, "op"))
+            .transpose()
+            .map_err(Bad::Type)?
+            .as_deref()
+        {
+            None | Some("sum") => ReduceOp::Sum,
+            Some("average" | "avg" | "mean") => ReduceOp::Average,
+            Some(o) => return Err(Bad::Value(format!("unknown op {o:?} (sum, average)"))),
+        };
         let contiguous = |c: bool| {
             if c {
                 Ok(())
@@ -498,53 +701,47 @@ fn allreduce(
         };
         let rw =
             |e: numpy::BorrowError| Bad::Value(format!("array cannot be written in place ({e})"));
-        if let Ok(a) = array.cast::<PyArrayDyn<f32>>() {
+        let arr = if let Ok(a) = array.cast::<PyArrayDyn<f32>>() {
             contiguous(a.is_c_contiguous())?;
-            return Ok(Arr::F32(a.try_readwrite().map_err(rw)?));
-        }
-        if let Ok(a) = array.cast::<PyArrayDyn<f64>>() {
+            Arr::F32(a.try_readwrite().map_err(rw)?)
+        } else if let Ok(a) = array.cast::<PyArrayDyn<f64>>() {
             contiguous(a.is_c_contiguous())?;
-            return Ok(Arr::F64(a.try_readwrite().map_err(rw)?));
-        }
-        Err(Bad::Type(format!(
-            "array must be a numpy float32 or float64 array, got {}",
-            array
-                .getattr("dtype")
-                .map(|d| format!("dtype {d}"))
-                .unwrap_or_else(|_| "no array".into())
-        )))
-    })();
-    let mut first_bad = None;
-    let (algo_v, op_v, mut arr_v) = (algo_r.ok(), op_r.ok(), None);
-    match arr {
-        Ok(a) => arr_v = Some(a),
-        Err(b) => first_bad = Some(b),
-    }
-    if first_bad.is_none() && algo_v.is_none() {
-        first_bad = Some(Bad::Value(format!(
-            "unknown algo {algo:?} (rabenseifner, ring, mpi)"
-        )));
-    }
-    if first_bad.is_none() && op_v.is_none() {
-        first_bad = Some(Bad::Value(format!("unknown op {op:?} (sum, average)")));
-    }
-    let text = first_bad.as_ref().map(|b| b.text().to_string());
-    let r = {
-        let buf: gradsync::Result<AnyBuf<'_>> = match (&text, arr_v.as_mut()) {
-            (None, Some(Arr::F32(a))) => Ok(AnyBuf::F32(a.as_slice_mut().expect("contiguous"))),
-            (None, Some(Arr::F64(a))) => Ok(AnyBuf::F64(a.as_slice_mut().expect("contiguous"))),
-            (Some(t), _) => Err(gradsync::Error::InvalidArgument(t.clone())),
-            (None, None) => Err(gradsync::Error::InvalidArgument("no array".into())),
+            Arr::F64(a.try_readwrite().map_err(rw)?)
+        } else {
+            return Err(Bad::Type(format!(
+                "array must be a numpy float32 or float64 array, got {}",
+                array
+                    .getattr("dtype")
+                    .map(|d| format!("dtype {d}"))
+                    .unwrap_or_else(|_| "no array".into())
+            )));
         };
-        let algo = algo_v.unwrap_or(AllreduceAlgo::Rabenseifner);
-        let op = op_v.unwrap_or(ReduceOp::Sum);
-        py.detach(move || {
-            // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
-            let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
-            allreduce_agreed(&comm, buf, algo, op)
-        })
+        Ok((arr, algo, op))
+    })();
+    let (mut arr, bad) = match local {
+        Ok((a, algo, op)) => (Some((a, algo, op)), None),
+        Err(b) => (None, Some(b)),
     };
-    match (r, first_bad) {
+    let call: gradsync::Result<(AnyBuf<'_>, AllreduceAlgo, ReduceOp)> = match (&bad, arr.as_mut()) {
+        (None, Some((Arr::F32(a), algo, op))) => Ok((
+            AnyBuf::F32(a.as_slice_mut().expect("contiguous")),
+            *algo,
+            *op,
+        )),
+        (None, Some((Arr::F64(a), algo, op))) => Ok((
+            AnyBuf::F64(a.as_slice_mut().expect("contiguous")),
+            *algo,
+            *op,
+        )),
+        (Some(b), _) => Err(gradsync::Error::InvalidArgument(b.text().to_string())),
+        (None, None) => Err(gradsync::Error::InvalidArgument("no array".into())),
+    };
+    let r = py.detach(move || {
+        // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
+        let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
+        allreduce_agreed(&comm, call)
+    });
+    match (r, bad) {
         (Ok(()), _) => Ok(()),
         (Err(e), Some(bad)) => Err(bad.raise(Some(&e))),
         (Err(e), None) => Err(engine_err(e)),

@@ -290,42 +290,61 @@ impl AnyBuf<'_> {
 
 /// In-place allreduce for the bindings (`gs_allreduce`,
 /// `gradsync.allreduce`), where a rank may fail before it has a buffer
-/// (wrong dtype, read-only or non-contiguous array): `buf` is that rank's
-/// buffer or its error. One 40-byte collective agrees first on failures,
-/// lengths and dtypes, so a local error, a length or a dtype that differs
-/// on one rank fails every rank alike (never a hang, never mixed types on
-/// the wire); then `algo` runs without its own length check.
+/// (wrong dtype, read-only or non-contiguous array, an unknown algorithm):
+/// `call` is that rank's buffer, algorithm and operation, or its error.
+/// One 72-byte collective agrees first on failures, lengths, dtypes,
+/// algorithms and operations, so a local error or any of those differing
+/// on one rank fails every rank alike (never a hang, never mixed types or
+/// algorithms on the wire, never half-summed, half-averaged results); then
+/// the algorithm runs without its own length check.
 pub fn allreduce_agreed<C: Transport>(
     comm: &C,
-    buf: Result<AnyBuf<'_>>,
-    algo: AllreduceAlgo,
-    op: ReduceOp,
+    call: Result<(AnyBuf<'_>, AllreduceAlgo, ReduceOp)>,
 ) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
-    let mut v = match &buf {
-        Ok(b) => {
+    let code = |a: AllreduceAlgo, o: ReduceOp| -> (u64, u64) {
+        let a = match a {
+            AllreduceAlgo::Rabenseifner => 1,
+            AllreduceAlgo::Ring => 2,
+            AllreduceAlgo::Mpi => 3,
+        };
+        (a, if o == ReduceOp::Sum { 1 } else { 2 })
+    };
+    let mut v = match &call {
+        Ok((b, algo, op)) => {
             let (n, d) = (b.len() as u64, b.dtype().0);
-            [0, n, !n, d, !d]
+            let (a, o) = code(*algo, *op);
+            [0, n, !n, d, !d, a, !a, o, !o]
         }
-        Err(_) => [(p - rank) as u64, 0, 0, 0, 0],
+        Err(_) => [(p - rank) as u64, 0, 0, 0, 0, 0, 0, 0, 0],
     };
     small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
     if v[0] != 0 {
-        crate::failure::agree(comm, buf.map(|_| ()))?;
+        crate::failure::agree(comm, call.map(|_| ()))?;
         return Err(Error::Transport(
             "a rank flagged a failure that the agreement did not see".into(),
         ));
     }
-    let buf = buf?;
+    let (buf, algo, op) = call?;
     let (n, (d, dname)) = (buf.len() as u64, buf.dtype());
+    let (a, o) = code(algo, op);
     let (max, min) = (v[1], !v[2]);
     if min != max {
         return Err(Error::SizeMismatch { local: n, min, max });
     }
+    let differs = |what: &str, here: String| {
+        Err(Error::ArgumentMismatch(format!(
+            "the {what} differs across ranks (this rank passed {here}): pass the same on every rank"
+        )))
+    };
     if v[3] != d || !v[4] != d {
-        return Err(Error::InvalidArgument(format!(
-            "buffer dtypes differ across ranks (this rank passed {dname}): pass the same dtype on every rank"
-        )));
+        return differs("buffer dtype", dname.to_string());
+    }
+    if v[5] != a || !v[6] != a {
+        return differs("allreduce algorithm", algo.name().to_string());
+    }
+    if v[7] != o || !v[8] != o {
+        return differs("reduce operation", format!("{op:?}").to_lowercase());
     }
     let opts = AllreduceOptions {
         op,

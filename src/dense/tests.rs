@@ -319,38 +319,48 @@ fn ring_chunks_are_bounded_per_segment() {
 #[test]
 fn allreduce_agreed_fails_every_rank_alike() {
     for p in [1usize, 2, 3, 5] {
-        for case in 0..4 {
+        for case in 0..6 {
             let out = LocalComm::run(p, move |c| {
                 let r = c.rank();
                 let last = r == p - 1;
                 let mut a = vec![r as f32 + 1.0; if case == 2 && last { 6 } else { 5 }];
                 let mut b = vec![r as f64 + 1.0; 5];
-                let buf = match case {
-                    1 if last => Err(Error::InvalidArgument("array is read-only".into())),
-                    3 if last => Ok(AnyBuf::F64(&mut b)),
-                    _ => Ok(AnyBuf::F32(&mut a)),
+                let algo = if case == 4 && last {
+                    AllreduceAlgo::Rabenseifner
+                } else {
+                    AllreduceAlgo::Ring
                 };
-                allreduce_agreed(&c, buf, AllreduceAlgo::Ring, ReduceOp::Sum)
+                let op = if case == 5 && last {
+                    ReduceOp::Average
+                } else {
+                    ReduceOp::Sum
+                };
+                let call = match case {
+                    1 if last => Err(Error::InvalidArgument("array is read-only".into())),
+                    3 if last => Ok((AnyBuf::F64(&mut b), algo, op)),
+                    _ => Ok((AnyBuf::F32(&mut a), algo, op)),
+                };
+                allreduce_agreed(&c, call)
                     .map(|()| a[0])
                     .map_err(|e| e.to_string())
             });
             let sum = (p * (p + 1) / 2) as f32;
             for (i, o) in out.iter().enumerate() {
+                let err = || o.as_ref().unwrap_err().clone();
                 match case {
                     1 => {
-                        let e = o.as_ref().unwrap_err();
+                        let e = err();
                         assert!(e.contains(&format!("rank {} failed", p - 1)), "{e}");
                         assert!(e.contains("read-only"), "{e}");
                     }
-                    _ if case == 0 || p == 1 => assert_eq!(o, &Ok(sum), "p={p} case={case}"),
-                    2 => assert!(
-                        o.as_ref().unwrap_err().contains("size mismatch"),
-                        "rank {i}: {o:?}"
-                    ),
-                    _ => assert!(
-                        o.as_ref().unwrap_err().contains("dtypes differ"),
-                        "rank {i}: {o:?}"
-                    ),
+                    _ if case == 0 || p == 1 => {
+                        let want = if case == 5 && p == 1 { 1.0 } else { sum };
+                        assert_eq!(o, &Ok(want), "p={p} case={case}")
+                    }
+                    2 => assert!(err().contains("size mismatch"), "rank {i}: {o:?}"),
+                    3 => assert!(err().contains("dtype differs"), "rank {i}: {o:?}"),
+                    4 => assert!(err().contains("algorithm differs"), "rank {i}: {o:?}"),
+                    _ => assert!(err().contains("operation differs"), "rank {i}: {o:?}"),
                 }
             }
         }

@@ -568,6 +568,25 @@ impl GradSync<MpiComm> {
     }
 }
 
+/// `n` zeros when `on` (without writing them when `!fill`: a probe that
+/// `n` floats can be allocated), or an error instead of the allocator's
+/// abort when they cannot be.
+fn zeros(n: usize, on: bool, fill: bool) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    if on {
+        v.try_reserve_exact(n).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "cannot allocate {n} f32 elements ({} bytes) of layer state",
+                n.saturating_mul(4)
+            ))
+        })?;
+        if fill {
+            v.resize(n, 0.0);
+        }
+    }
+    Ok(v)
+}
+
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
     for &b in bytes {
@@ -834,11 +853,28 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let id = self.layers.len();
         // Everything rank-local first; a failure still enters the
         // registration collective so no peer waits in it.
-        let local = strategy.and_then(|s| self.prepare_layer(id, name, shape, s));
+        let (mom, delay) = (self.cfg.momentum != 0.0, self.cfg.delay > 1);
+        // The layer's state is allocated here, in the rank-local half: a
+        // rank that cannot allocate it fails the registration collective
+        // on every rank instead of aborting after it (peers would wait).
+        let local = strategy
+            .and_then(|s| self.prepare_layer(id, name, shape, s))
+            .and_then(|l| {
+                let sparse = l.2.is_some();
+                // Every layer needs its length in the step's buffers.
+                drop(zeros(l.0, true, false)?);
+                let st = (
+                    zeros(l.0, sparse, true)?,
+                    zeros(l.0, mom, true)?,
+                    zeros(l.0, delay, true)?,
+                    zeros(l.0, delay, true)?,
+                );
+                Ok((l, st))
+            });
         let label = local
             .as_ref()
-            .map_or_else(|_| String::new(), |l| l.4.clone());
-        let h = local.as_ref().map(|l| l.3).map_err(|e| {
+            .map_or_else(|_| String::new(), |l| l.0 .4.clone());
+        let h = local.as_ref().map(|l| l.0 .3).map_err(|e| {
             let why = match e {
                 Error::InvalidArgument(m) => m.clone(),
                 e => e.to_string(),
@@ -857,21 +893,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.broken = Some(why.clone());
         }
         r?;
-        let (n, strategy, codec, h, label, gvq, auto) = local?;
+        let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev)) = local?;
         self.table_hash = h;
-        let sparse = codec.is_some();
-        let delay = self.cfg.delay > 1;
-        let mom = self.cfg.momentum != 0.0;
         let layer = Layer {
             name: name.to_string(),
             shape: shape.to_vec(),
             n,
             strategy,
             codec,
-            v: if sparse { vec![0.0; n] } else { Vec::new() },
-            u: if mom { vec![0.0; n] } else { Vec::new() },
-            acc: if delay { vec![0.0; n] } else { Vec::new() },
-            prev: if delay { vec![0.0; n] } else { Vec::new() },
+            v,
+            u,
+            acc,
+            prev,
             dir: Vec::new(),
             unit: Vec::new(),
             gvq,

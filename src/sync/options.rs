@@ -100,14 +100,21 @@ impl Config {
                         let p = crate::cost::Profile::load(path)?;
                         ("profile", serde_json::to_value(p)?)
                     }
-                    other => ("profile", other.clone()),
-                },
-                "allgather" | "allreduce" => match v {
-                    // Accept the command line's names too.
-                    Value::String(s) if s == "recursive-doubling" => {
-                        (k.as_str(), Value::String("recdbl".into()))
+                    Value::Null => ("profile", Value::Null),
+                    // A profile given inline gets the checks a file gets.
+                    other => {
+                        let p: crate::cost::Profile = serde_json::from_value(other.clone())
+                            .map_err(|e| bad(format!("not a gradsync profile: {e}")))?;
+                        p.validate().map_err(|e| bad(format!("bad profile: {e}")))?;
+                        ("profile", serde_json::to_value(p)?)
                     }
-                    other => (k.as_str(), other.clone()),
+                },
+                "allgather" => match v {
+                    // Accept the command line's name too.
+                    Value::String(s) if s == "recursive-doubling" => {
+                        ("allgather", Value::String("recdbl".into()))
+                    }
+                    other => ("allgather", other.clone()),
                 },
                 key if known.iter().any(|n| n == key) => (key, v.clone()),
                 _ => {
@@ -227,6 +234,7 @@ mod tests {
             (r#"{"nonfinite": "ignore"}"#, "\"nonfinite\""),
             (r#"{"codec": "rgc:density=x"}"#, "\"codec\""),
             (r#"{"allreduce": "tree"}"#, "\"allreduce\""),
+            (r#"{"profile": {"alpha": -1}}"#, "\"profile\""),
             (
                 r#"{"profile": "/nonexistent/p.json"}"#,
                 "/nonexistent/p.json",

@@ -95,7 +95,15 @@ if p > 1:
     ok(isinstance(e, gradsync.Error) and "size mismatch" in str(e), "size mismatch error")
     x = ints(10, 0, np.float64 if rank == last else np.float32)
     e = expect_error(lambda: gradsync.allreduce(comm, x), None, "allreduce dtypes differ")
-    ok(isinstance(e, gradsync.Error) and "dtypes differ" in str(e), "dtype mismatch error")
+    ok(isinstance(e, gradsync.Error) and "dtype differs" in str(e), "dtype mismatch error")
+    x = ints(10, 0, np.float32)
+    e = expect_error(lambda: gradsync.allreduce(comm, x, algo="mpi" if rank == last else "ring"), None, "algos differ")
+    ok(isinstance(e, gradsync.Error) and "algorithm differs" in str(e), "algo mismatch error")
+    e = expect_error(lambda: gradsync.allreduce(comm, x, op="average" if rank == last else "sum"), None, "ops differ")
+    ok(isinstance(e, gradsync.Error) and "operation differs" in str(e), "op mismatch error")
+# Arguments of the wrong type on one rank still enter the agreement.
+e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo=5 if rank == last else "ring"), None, "algo int")
+ok(isinstance(e, TypeError if rank == last else gradsync.Error) and f"rank {last} failed" in str(e), "algo of the wrong type on one rank")
 e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo="tree"), None, "bad algo")
 ok(isinstance(e, ValueError), "unknown algo is a ValueError")
 ro = ints(8, 0, np.float32)
@@ -275,6 +283,76 @@ if rank == last:
     g[7] = np.nan
 e = expect_error(lambda: v.sync([g]), None, "NaN gradient")
 ok(isinstance(e, gradsync.Error) and "non-finite" in str(e), "NaN raises on every rank")
+
+# Wrong argument types on one rank (converted inside, so they still enter
+# the collective): name, strategy, shape, snapshot path, profile.
+w = gradsync.GradSync(comm)
+for what, kw in [
+    ("name is an int", dict(name=7)),
+    ("strategy is None", dict(strategy=None)),
+    ("shape is a float", dict(shape=2.5)),
+    ("shape is None", dict(shape=None)),
+]:
+    args = dict(name="q", shape=(10,), strategy="dense")
+    if rank == last:
+        args.update(kw)
+    if what == "strategy is None" and rank == last:
+        args["strategy"] = 3
+    e = expect_error(lambda: w.register(**args), None, what)
+    ok(isinstance(e, TypeError if rank == last else gradsync.Error), f"{what}: error on every rank")
+    ok(f"rank {last} failed" in str(e), f"{what}: names the rank")
+w.register("q", np.int64(10), strategy="dense")  # numpy integers are shapes
+w.register("r", (np.int32(2), 5))
+w.sync([np.ones(10, np.float32), np.ones((2, 5), np.float32)])
+e = expect_error(lambda: w.load_snapshot(123 if rank == last else "/nonexistent/x.snap"), None, "load path type")
+ok(isinstance(e, TypeError if rank == last else gradsync.Error), "load_snapshot: a bad path type fails every rank")
+e = expect_error(
+    lambda: gradsync.GradSync(comm, profile=42 if rank == last else None), None, "profile is an int"
+)
+ok(isinstance(e, TypeError if rank == last else gradsync.Error) and f"rank {last} failed" in str(e), "profile type")
+e = expect_error(lambda: gradsync.GradSync(comm, profile={"alpha": -1.0}), None, "profile dict is checked")
+ok(isinstance(e, ValueError) and "profile" in str(e), "an inline profile gets a file's checks")
+# numpy scalars as options, a density warm-up schedule, weight decay.
+x = gradsync.GradSync(comm, momentum=np.float32(0.5), warmup_steps=np.int64(0),
+                      warmup={"warmup": "density", "schedule": [0.5, 0.1], "steps_per_stage": 1},
+                      weight_decay=0.01)
+x.register("wd", (100,), strategy="dense")
+g, wt = np.ones(100, np.float32), np.full(100, 2.0, np.float32)
+e = expect_error(lambda: x.sync([g]), None, "weight decay without weights")
+x.sync([g], weights=[wt])
+ok(np.allclose(g, 1.0 + 0.01 * 2.0), f"weight decay applied: {g[0]}")
+# fail_step: a rank whose backward pass raised takes part in the step.
+y = gradsync.GradSync(comm, momentum=0.0)
+y.register("a", (8,), strategy="dense")
+if rank == last:
+    e = expect_error(lambda: y.fail_step("ZeroDivisionError: in backward"), None, "fail_step")
+else:
+    e = expect_error(lambda: y.sync([np.ones(8, np.float32)]), None, "peer of fail_step")
+ok(isinstance(e, gradsync.Error) and f"rank {last} failed in step 0" in str(e) and "backward" in str(e), "fail_step")
+g = np.full(8, float(rank), np.float32)
+y.sync([g])
+ok(g[0] == (p - 1) / 2, "the step after fail_step runs")
+
+# Another thread may read the engine (or call sync) while one syncs: no
+# deadlock on the engine's lock (it is never awaited with the GIL held).
+z = gradsync.GradSync(comm, momentum=0.0, overlap=False)
+z.register("big", (1 << 21,), strategy="rgc:density=0.01")
+steps_seen = []
+done = threading.Event()
+
+
+def reader():
+    while not done.is_set():
+        steps_seen.append(z.step)
+
+
+th = threading.Thread(target=reader)
+th.start()
+for _ in range(3):
+    z.sync([np.ones(1 << 21, np.float32)])
+done.set()
+th.join(timeout=30)
+ok(not th.is_alive() and len(steps_seen) > 0, "a reader thread ran beside sync")
 
 # 4. The GIL is released while gradsync communicates.
 big = gradsync.GradSync(comm, momentum=0.0, overlap=False)
