@@ -234,8 +234,10 @@ int gs_sync(struct gs_engine *e, float *const *grads, size_t nlayers);
  * caller can compute meanwhile; the arrays are not needed once it returns.
  * Finish with gs_wait. Between the two, do not call MPI on the engine's
  * communicator's processes unless MPI has `MPI_THREAD_MULTIPLE`.
- * Collective; bad pointers or `nlayers` fail every rank as in gs_sync (the
- * failed step is then already finished: do not call gs_wait for it).
+ * Collective. Bad pointers or `nlayers` on one rank fail this step on
+ * every rank: that rank's gs_start returns `GS_ERR_RANK_FAILED` (the step
+ * is then over for it: do not call gs_wait), its peers' gs_wait returns
+ * the same error.
  *
  * # Safety
  * As gs_sync, with read-only arrays.

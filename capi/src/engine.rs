@@ -178,11 +178,9 @@ pub unsafe extern "C" fn gs_register(
                     .flatten()
                     .collect::<Vec<_>>()
                     .join("; ");
-                // Enter the registration collective with a strategy that
-                // cannot parse and carries the cause, so every rank fails.
-                let spec = format!("dense:({why})");
-                let r = eng.sync.register_spec("<invalid>", &[1], &spec);
-                return Err(r.err().unwrap_or_else(|| invalid(why)));
+                // Enter the registration collective carrying the cause, so
+                // every rank fails.
+                return Err(eng.sync.fail_register("<invalid>", invalid(why)));
             }
         };
         let n = eng
@@ -310,8 +308,10 @@ unsafe fn ref_slice<'a>(p: *const f32, n: usize) -> &'a [f32] {
 /// caller can compute meanwhile; the arrays are not needed once it returns.
 /// Finish with gs_wait. Between the two, do not call MPI on the engine's
 /// communicator's processes unless MPI has `MPI_THREAD_MULTIPLE`.
-/// Collective; bad pointers or `nlayers` fail every rank as in gs_sync (the
-/// failed step is then already finished: do not call gs_wait for it).
+/// Collective. Bad pointers or `nlayers` on one rank fail this step on
+/// every rank: that rank's gs_start returns `GS_ERR_RANK_FAILED` (the step
+/// is then over for it: do not call gs_wait), its peers' gs_wait returns
+/// the same error.
 ///
 /// # Safety
 /// As gs_sync, with read-only arrays.

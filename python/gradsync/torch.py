@@ -139,39 +139,56 @@ class DistributedOptimizer:
         torch = _import_torch()
         import gradsync
 
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        if isinstance(named_parameters, Mapping):
-            named_parameters = named_parameters.items()
-        params: List[Tuple[str, Any]] = []
-        seen_ids: Dict[int, str] = {}
-        seen_names = set()
-        for item in named_parameters:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError(
-                    "named_parameters must yield (name, tensor) pairs, e.g. model.named_parameters()"
+        try:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+            if isinstance(named_parameters, Mapping):
+                named_parameters = named_parameters.items()
+            params: List[Tuple[str, Any]] = []
+            seen_ids: Dict[int, str] = {}
+            seen_names = set()
+            for item in named_parameters:
+                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                    raise TypeError(
+                        "named_parameters must yield (name, tensor) pairs, e.g. model.named_parameters()"
+                    )
+                name, p = item
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch.Tensor")
+                if name in seen_names:
+                    raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
+                seen_names.add(name)
+                if not p.requires_grad or id(p) in seen_ids or p.numel() == 0:
+                    continue
+                seen_ids[id(p)] = name
+                params.append((name, p))
+            missing = [
+                tuple(p.shape)
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if p.requires_grad and p.numel() and id(p) not in seen_ids
+            ]
+            if missing:
+                raise ValueError(
+                    f"{len(missing)} parameter(s) of the optimizer (shapes {missing[:4]}) are not in "
+                    "named_parameters: their gradients would not be synchronized and the ranks would diverge"
                 )
-            name, p = item
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch.Tensor")
-            if name in seen_names:
-                raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
-            seen_names.add(name)
-            if not p.requires_grad or id(p) in seen_ids or p.numel() == 0:
-                continue
-            seen_ids[id(p)] = name
-            params.append((name, p))
-        missing = [
-            tuple(p.shape)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.requires_grad and p.numel() and id(p) not in seen_ids
-        ]
-        if missing:
-            raise ValueError(
-                f"{len(missing)} parameter(s) of the optimizer (shapes {missing[:4]}) are not in "
-                "named_parameters: their gradients would not be synchronized and the ranks would diverge"
-            )
+        except Exception as e:  # noqa: BLE001
+            # A check that failed on this rank only: still enter the
+            # collective the peers are entering now (the engine's set-up,
+            # or its first registration), so they fail too instead of
+            # waiting; then raise the original error here.
+            why = f"{type(e).__name__}: {e}"
+            try:
+                if sync is None:
+                    from mpi4py import MPI
+
+                    gradsync._gradsync.GradSync(MPI.COMM_WORLD, "null", why)
+                elif not sync.layers():
+                    sync.register("<failed>", (1,), strategy=f"<{why}>")
+            except Exception as collective:  # noqa: BLE001
+                raise type(e)(f"{e} (raised on every rank: {collective})") from collective
+            raise
 
         if sync is None:
             from mpi4py import MPI
@@ -199,7 +216,18 @@ class DistributedOptimizer:
                 )
         else:
             for name, p in params:
-                sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=self._strategy(strategy, name, p))
+                try:
+                    spec, mine = self._strategy(strategy, name, p), None
+                except Exception as e:  # noqa: BLE001
+                    # Register anyway with a spec that cannot parse: every
+                    # rank's registration fails alike.
+                    spec, mine = f"<{type(e).__name__}: {e}>", e
+                try:
+                    sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=spec)
+                except Exception as collective:  # noqa: BLE001
+                    if mine is not None:
+                        raise type(mine)(f"{mine} (raised on every rank: {collective})") from collective
+                    raise
 
         self.optimizer = optimizer
         self.sync = sync
@@ -241,12 +269,13 @@ class DistributedOptimizer:
                 error = e
                 break
         if error is not None:
-            # Still enter the step with a table that is wrong on purpose, so that
-            # the peers fail this step with gradsync.Error instead of waiting.
+            # Still take part in the step, carrying this rank's error, so
+            # that the peers fail it too (naming this rank and the cause)
+            # instead of waiting.
             try:
-                self.sync.sync([])
-            except Exception:
-                pass
+                self.sync.fail_step(f"{type(error).__name__}: {error}")
+            except Exception as collective:  # noqa: BLE001
+                raise type(error)(f"{error} (raised on every rank: {collective})") from collective
             raise error
         stats = self.sync.sync(views)
         self.last_stats = stats

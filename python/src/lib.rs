@@ -433,16 +433,17 @@ impl PyGradSync {
             .or(dims_r.as_ref().err())
             .cloned();
         let dims = dims_r.clone().unwrap_or_else(|_| vec![0]);
-        let spec = match &type_err {
-            Some(why) => format!("<{why}>"),
-            None => spec_r.clone().unwrap_or_default(),
-        };
+        let spec = spec_r.clone().unwrap_or_default();
         let local_bad = type_err.is_some()
             || (spec.trim() != "auto" && gradsync::sync::Strategy::parse(&spec).is_err());
         let mut g = self.engine(py)?;
         let eng = g.as_mut().expect("checked open");
         let id = py
-            .detach(|| eng.register_spec(&label, &dims, &spec))
+            .detach(|| match &type_err {
+                // Wrong argument types still enter the collective.
+                Some(why) => Err(eng.fail_register(&label, gradsync::Error::InvalidArgument(why.clone()))),
+                None => eng.register_spec(&label, &dims, &spec),
+            })
             .map_err(|e| {
                 // This rank's own bad argument (seen by the engine's checks
                 // too, e.g. a density out of range) is a ValueError here.

@@ -837,6 +837,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.register_impl(name, shape, strategy)
     }
 
+    /// Take part in a registration carrying an error the caller found
+    /// before it had a valid name, shape or strategy (a binding given
+    /// arguments of the wrong type): the registration collective fails on
+    /// every rank, naming this one and `err`; nothing is registered
+    /// anywhere. Returns that error.
+    pub fn fail_register(&mut self, name: &str, err: Error) -> Error {
+        match self.register_impl(name, &[0], Err(err)) {
+            Err(e) => e,
+            Ok(_) => Error::InvalidArgument("a failed registration succeeded".into()),
+        }
+    }
+
     fn register_impl(
         &mut self,
         name: &str,

@@ -301,6 +301,9 @@ for what, kw in [
     e = expect_error(lambda: w.register(**args), None, what)
     ok(isinstance(e, TypeError if rank == last else gradsync.Error), f"{what}: error on every rank")
     ok(f"rank {last} failed" in str(e), f"{what}: names the rank")
+# A layer no rank can allocate: an error on every rank, not an abort.
+e = expect_error(lambda: w.register("huge", (2**40,), strategy="dense"), None, "huge layer")
+ok(isinstance(e, (ValueError, gradsync.Error)) and "cannot allocate" in str(e), "a 4 TB layer is an error")
 w.register("q", np.int64(10), strategy="dense")  # numpy integers are shapes
 w.register("r", (np.int32(2), 5))
 w.sync([np.ones(10, np.float32), np.ones((2, 5), np.float32)])
