@@ -35,6 +35,8 @@ raising ``TypeError``/``ValueError`` on the rank at fault and
 from __future__ import annotations
 
 import json as _json
+
+import numpy as _np
 import os as _os
 from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
@@ -152,13 +154,15 @@ class GradSync:
 
         ``grads`` holds one C-contiguous writable ``float32`` array per
         registered layer, in registration order, of the registered shape (or
-        flat). Returns the step's stats: ``step``, ``fused_bytes``,
+        flat): numpy arrays, or CPU tensors of another library (PyTorch,
+        JAX, ...) that support DLPack, used in place through a zero-copy
+        view. Returns the step's stats: ``step``, ``fused_bytes``,
         ``dense_bytes``, timings in seconds, and ``layers``, one dict per
         layer (``name``, ``strategy``, ``codec``, ``density``,
         ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,
         pass ``weights`` (one array per layer, read only) too.
         """
-        return self._engine.sync(grads, weights)
+        return self._engine.sync(_arrays(grads), _arrays(weights))
 
     def start(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> None:
         """Compress this step's gradients and start communicating on gradsync's progress thread.
@@ -169,7 +173,7 @@ class GradSync:
         then over: do not call :meth:`wait`), its peers raise
         ``gradsync.Error`` from their :meth:`wait`.
         """
-        self._engine.start(grads, weights)
+        self._engine.start(_arrays(grads), _arrays(weights))
 
     def wait(self, grads: Sequence[Any]) -> Dict[str, Any]:
         """Finish the step begun by :meth:`start`, writing update directions into ``grads`` in place.
@@ -177,7 +181,7 @@ class GradSync:
         A bad output argument raises on this rank only and keeps the result,
         so ``wait`` can be called again with the right arrays.
         """
-        return self._engine.wait(grads)
+        return self._engine.wait(_arrays(grads))
 
     def fail_step(self, reason: Any) -> None:
         """Take part in this step with an error found on this rank, so that no peer waits.
@@ -244,6 +248,24 @@ class GradSync:
         self.close()
 
 
+def _arrays(xs: Any) -> Any:
+    """numpy arrays as they are; other CPU tensors (PyTorch, JAX, ...) as
+    zero-copy numpy views through DLPack. Anything that does not convert is
+    passed on unchanged, so the engine reports it (on every rank)."""
+    if not isinstance(xs, (list, tuple)):
+        return xs
+    return [x if type(x) is _np.ndarray else _dlpack_view(x) for x in xs]
+
+
+def _dlpack_view(x: Any) -> Any:
+    if hasattr(x, "__dlpack__"):
+        try:
+            return _np.from_dlpack(x)
+        except Exception:  # noqa: BLE001 - the engine reports it
+            return x
+    return x
+
+
 def _plain(o: Any) -> Any:
     """JSON for numpy scalars and paths in options."""
     if hasattr(o, "item") and callable(o.item):
@@ -262,7 +284,7 @@ def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum"
     mismatch or a bad array on one rank raises on every rank (as do an
     ``algo`` or ``op`` that differ across ranks).
     """
-    _gradsync.allreduce(comm, array, algo, op)
+    _gradsync.allreduce(comm, _dlpack_view(array) if type(array) is not _np.ndarray else array, algo, op)
 
 
 def predict(

@@ -159,6 +159,18 @@ else:
     raise AssertionError("a float64 gradient did not fail the step")
 opt.close()
 
+# --- torch tensors straight to GradSync (DLPack views, in place) ----------
+eng = gradsync.GradSync(comm, momentum=0.0)
+eng.register("t", (6, 5), strategy="dense")
+t = torch.full((6, 5), float(rank + 1))
+ptr = t.data_ptr()
+eng.sync([t])
+assert t.data_ptr() == ptr and float(t[0, 0]) == (size + 1) / 2, (float(t[0, 0]), size)
+x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+gradsync.allreduce(comm, x, algo="ring")
+assert float(x[3]) == 3 * size * (size + 1) / 2, float(x[3])
+eng.close()
+
 comm.Barrier()
 if rank == 0:
     print(f"OK: gradsync.torch on {size} rank(s), torch {torch.__version__}")
