@@ -3,8 +3,6 @@
 //! C caller passes bare pointers) and the last step statistics as JSON.
 
 use crate::{c_text, gs_status, guard, guard_ptr, invalid, set_last_error};
-use gradsync_engine::comm::MpiComm;
-use gradsync_engine::failure::agree;
 use gradsync_engine::sync::{Config, GradSync, LayerId};
 use gradsync_engine::Error;
 use std::ffi::{c_char, c_int, CStr, CString};
@@ -84,7 +82,6 @@ pub unsafe extern "C" fn gs_engine_create(
         *out = std::ptr::null_mut();
     }
     guard(|| {
-        let mpi = MpiComm::duplicate_raw(comm)?;
         let cfg = if out.is_null() {
             Err(invalid("gs_engine_create: out is NULL"))
         } else if config_json.is_null() {
@@ -94,10 +91,10 @@ pub unsafe extern "C" fn gs_engine_create(
                 .map_err(invalid)
                 .and_then(Config::from_options_json)
         };
-        // The options are parsed on each rank: agree before the engine's
-        // own collectives so that a rank with bad options fails them all.
-        let cfg = agree(&mpi, cfg)?;
-        let sync = GradSync::with_transport(mpi, cfg)?;
+        // The options are parsed on each rank: the engine agrees on them
+        // before its own collectives, so a rank with bad options fails
+        // them all.
+        let sync = GradSync::from_raw_comm(comm, cfg)?;
         *out = Box::into_raw(Box::new(gs_engine {
             sync,
             lens: Vec::new(),

@@ -384,12 +384,8 @@ impl PyGradSync {
         let mine = cfg.is_err();
         // Options bad on this rank still enter the set-up agreement, which
         // fails every rank alike, naming this one.
-        let eng = py.detach(move || {
-            // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
-            let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
-            let cfg = gradsync::failure::agree(&comm, cfg)?;
-            Engine::with_transport(comm, cfg)
-        });
+        // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
+        let eng = py.detach(move || unsafe { Engine::from_raw_comm(raw.get(), cfg) });
         let eng = eng.map_err(|e| {
             // This rank's own options (or, once agreed, an option that
             // parses but is out of range here: momentum 1.5).

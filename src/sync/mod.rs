@@ -542,28 +542,19 @@ impl GradSync<MpiComm> {
 
     /// An engine over a duplicate of a raw `MPI_Comm` handle (collective
     /// over it): how the C ABI and the Python package, whose communicators
-    /// come from C or mpi4py, build one. See [`MpiComm::duplicate_raw`].
+    /// come from C or mpi4py, build one. `cfg` is this rank's options or
+    /// its own failure to build them (bad JSON, an option of the wrong
+    /// type): one 8-byte agreement ([`crate::failure::agree`]) makes such a
+    /// failure on one rank fail every rank alike, naming it, before the
+    /// engine's own checks. See [`MpiComm::duplicate_raw`] for the errors
+    /// of the communicator itself.
     ///
     /// # Safety
     /// `raw` must be a valid communicator handle of the MPI library
     /// gradsync is linked with.
-    pub unsafe fn from_raw_comm(raw: mpi::ffi::MPI_Comm, cfg: Config) -> Result<Self> {
-        Self::with_transport(MpiComm::duplicate_raw(raw)?, cfg)
-    }
-
-    /// [`from_raw_comm`](Self::from_raw_comm) with the options as flat JSON
-    /// ([`Config::from_options_json`]), as the bindings pass them. Options
-    /// that do not parse on one rank fail every rank alike (one 8-byte
-    /// agreement, [`crate::failure::agree`]), naming that rank.
-    ///
-    /// # Safety
-    /// As [`from_raw_comm`](Self::from_raw_comm).
-    pub unsafe fn from_raw_comm_options(
-        raw: mpi::ffi::MPI_Comm,
-        options_json: &str,
-    ) -> Result<Self> {
+    pub unsafe fn from_raw_comm(raw: mpi::ffi::MPI_Comm, cfg: Result<Config>) -> Result<Self> {
         let comm = MpiComm::duplicate_raw(raw)?;
-        let cfg = crate::failure::agree(&comm, Config::from_options_json(options_json))?;
+        let cfg = crate::failure::agree(&comm, cfg)?;
         Self::with_transport(comm, cfg)
     }
 }
