@@ -14,47 +14,6 @@
 #include <stdint.h>
 
 /**
- * Return codes of the `int`-returning functions.
- */
-typedef enum gs_status {
-  /**
-   * Success.
-   */
-  GS_OK = 0,
-  /**
-   * A bad argument found on this rank only where no collective can carry
-   * it (a NULL engine, a NULL path for gs_save_snapshot, bad arrays for
-   * gs_wait), or a call out of order (gs_wait without gs_start,
-   * gs_register after the first step). Peers are not affected.
-   */
-  GS_ERR_INVALID = 1,
-  /**
-   * A collective failure that every rank of the communicator returned
-   * alike in the same call: one rank's bad argument or local failure
-   * (the text names the lowest failing rank and its cause), a layer table
-   * or buffer length that differs across ranks, NaN/Inf in a gradient,
-   * a snapshot that does not load on some rank. Every rank may go on
-   * (the next step runs normally).
-   */
-  GS_ERR_RANK_FAILED = 2,
-  /**
-   * An MPI or transport error on this rank (MPI not initialized, an MPI
-   * call that returned an error code). Peers may be blocked in a
-   * collective: the usual answer is MPI_Abort.
-   */
-  GS_ERR_MPI = 3,
-  /**
-   * A file could not be written or read on this rank (gs_save_snapshot).
-   */
-  GS_ERR_IO = 4,
-  /**
-   * A panic inside the library (a bug: please report it with
-   * gs_last_error's text). An engine that panicked refuses further calls.
-   */
-  GS_ERR_PANIC = 5,
-} gs_status;
-
-/**
  * Element type of a gs_allreduce buffer.
  */
 typedef enum gs_dtype {
@@ -102,6 +61,47 @@ typedef enum gs_op {
 } gs_op;
 
 /**
+ * Return codes of the `int`-returning functions.
+ */
+typedef enum gs_status {
+  /**
+   * Success.
+   */
+  GS_OK = 0,
+  /**
+   * A bad argument found on this rank only where no collective can carry
+   * it (a NULL engine, a NULL path for gs_save_snapshot, bad arrays for
+   * gs_wait), or a call out of order (gs_wait without gs_start,
+   * gs_register after the first step). Peers are not affected.
+   */
+  GS_ERR_INVALID = 1,
+  /**
+   * A collective failure that every rank of the communicator returned
+   * alike in the same call: one rank's bad argument or local failure
+   * (the text names the lowest failing rank and its cause), a layer table
+   * or buffer length that differs across ranks, NaN/Inf in a gradient,
+   * a snapshot that does not load on some rank. Every rank may go on
+   * (the next step runs normally).
+   */
+  GS_ERR_RANK_FAILED = 2,
+  /**
+   * An MPI or transport error on this rank (MPI not initialized, an MPI
+   * call that returned an error code). Peers may be blocked in a
+   * collective: the usual answer is MPI_Abort.
+   */
+  GS_ERR_MPI = 3,
+  /**
+   * A file could not be written or read on this rank (gs_save_snapshot).
+   */
+  GS_ERR_IO = 4,
+  /**
+   * A panic inside the library (a bug: please report it with
+   * gs_last_error's text). An engine that panicked refuses further calls.
+   */
+  GS_ERR_PANIC = 5,
+} gs_status;
+
+/**
  * An engine (opaque). Create it with gs_engine_create, free it with
  * gs_engine_destroy. Not thread-safe: call one function at a time on it.
  */
@@ -136,17 +136,23 @@ const char *gs_version(void);
  * Each call duplicates `comm` (`MPI_Comm_dup`, so its traffic never mixes
  * with the caller's) and frees the duplicate before returning; for many
  * small buffers per step prefer one call on a fused buffer, or the engine.
- * Every rank must pass the same `count`: a different count, an
- * out-of-range `dtype`/`algo`/`op`, or a NULL or misaligned `buf` (with
- * `count > 0`) on any rank fails every rank alike with
- * `GS_ERR_RANK_FAILED`, `buf` unchanged. An MPI error inside the transfer
+ * Every rank must pass the same `count`, `dtype`, `algo` and `op`: one
+ * that differs, an out-of-range `dtype`/`algo`/`op`, or a NULL or
+ * misaligned `buf` (with `count > 0`) on any rank fails every rank alike
+ * with `GS_ERR_RANK_FAILED`, `buf` unchanged (one small agreement before
+ * the transfer). An MPI error inside the transfer
  * is `GS_ERR_MPI` on the rank that saw it (peers may be blocked: abort).
  *
  * # Safety
  * `comm` is a valid communicator of the MPI library gradsync is linked
  * with; `buf` is NULL or points to `count` writable elements of `dtype`.
  */
-int gs_allreduce(MPI_Comm comm, void *buf, size_t count, int dtype, int algo, int op);
+int gs_allreduce(MPI_Comm comm,
+                 void *buf,
+                 size_t count,
+                 enum gs_dtype dtype,
+                 enum gs_algo algo,
+                 enum gs_op op);
 
 /**
  * Create an engine over a duplicate of `comm` (collective over `comm`:

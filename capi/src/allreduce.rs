@@ -6,6 +6,26 @@ use gradsync_engine::comm::MpiComm;
 use gradsync_engine::dense::{allreduce_agreed, AllreduceAlgo, AnyBuf, ReduceOp};
 use std::ffi::{c_int, c_void};
 
+/// The enum parameters as the integers C passes, so that an out-of-range
+/// value is an error rather than undefined behaviour (a Rust enum must
+/// hold one of its variants). cbindgen skips these and writes the enums'
+/// own names in the signature, as C callers know them.
+pub mod abi {
+    use std::ffi::c_int;
+    /// cbindgen:ignore
+    #[repr(transparent)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct gs_dtype(pub c_int);
+    /// cbindgen:ignore
+    #[repr(transparent)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct gs_algo(pub c_int);
+    /// cbindgen:ignore
+    #[repr(transparent)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct gs_op(pub c_int);
+}
+
 /// The raw enum integers as Rust values, or what is wrong.
 fn parse(
     dtype: c_int,
@@ -38,10 +58,11 @@ fn parse(
 /// Each call duplicates `comm` (`MPI_Comm_dup`, so its traffic never mixes
 /// with the caller's) and frees the duplicate before returning; for many
 /// small buffers per step prefer one call on a fused buffer, or the engine.
-/// Every rank must pass the same `count`: a different count, an
-/// out-of-range `dtype`/`algo`/`op`, or a NULL or misaligned `buf` (with
-/// `count > 0`) on any rank fails every rank alike with
-/// `GS_ERR_RANK_FAILED`, `buf` unchanged. An MPI error inside the transfer
+/// Every rank must pass the same `count`, `dtype`, `algo` and `op`: one
+/// that differs, an out-of-range `dtype`/`algo`/`op`, or a NULL or
+/// misaligned `buf` (with `count > 0`) on any rank fails every rank alike
+/// with `GS_ERR_RANK_FAILED`, `buf` unchanged (one small agreement before
+/// the transfer). An MPI error inside the transfer
 /// is `GS_ERR_MPI` on the rank that saw it (peers may be blocked: abort).
 ///
 /// # Safety
@@ -52,13 +73,13 @@ pub unsafe extern "C" fn gs_allreduce(
     comm: mpi::ffi::MPI_Comm,
     buf: *mut c_void,
     count: usize,
-    dtype: c_int,
-    algo: c_int,
-    op: c_int,
+    dtype: abi::gs_dtype,
+    algo: abi::gs_algo,
+    op: abi::gs_op,
 ) -> c_int {
     guard(|| {
         let mpi = MpiComm::duplicate_raw(comm)?;
-        let local = parse(dtype, algo, op).and_then(|(dt, algo, op)| {
+        let local = parse(dtype.0, algo.0, op.0).and_then(|(dt, algo, op)| {
             let (size, aligned) = match dt {
                 gs_dtype::GS_FLOAT32 => (4, buf.cast::<f32>().is_aligned()),
                 gs_dtype::GS_FLOAT64 => (8, buf.cast::<f64>().is_aligned()),

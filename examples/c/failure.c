@@ -163,6 +163,11 @@ int main(int argc, char **argv) {
   rc = gs_allreduce(MPI_COMM_WORLD, rank == bad ? NULL : wg, 1000, GS_FLOAT32,
                     GS_ALGO_RABENSEIFNER, GS_OP_AVERAGE);
   report("allreduce NULL buffer on one rank", rc, GS_ERR_RANK_FAILED, "buf is NULL");
+  /* An out-of-range enum value on one rank is an error, not undefined
+     behaviour (the library receives the integer). */
+  rc = gs_allreduce(MPI_COMM_WORLD, wg, 1000, GS_FLOAT32,
+                    rank == bad ? (gs_algo)7 : GS_ALGO_RING, GS_OP_SUM);
+  report("allreduce algo out of range on one rank", rc, GS_ERR_RANK_FAILED, "not a gs_algo");
   /* dtype, algorithm or operation that differ on one rank: agreed, never
      mixed on the wire (a hang, or half-summed half-averaged results). */
   rc = gs_allreduce(MPI_COMM_WORLD, wg, 500, rank == bad ? GS_FLOAT64 : GS_FLOAT32,
