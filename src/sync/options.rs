@@ -32,8 +32,15 @@ use crate::{Error, Result};
 use serde_json::{Map, Value};
 
 impl Config {
-    /// A [`Config`] from a flat JSON object of options (see the
-    /// [module docs](self)); an empty string or `null` gives the defaults.
+    /// A [`Config`] from a flat JSON object of options, as the C ABI's
+    /// `config_json` and the Python package's keyword arguments give them;
+    /// an empty string or `null` gives the defaults. Every [`Config`] field
+    /// is accepted in its serde form (`compress_threshold`, `weight_decay`,
+    /// `clip_norm`, `delay`, `allgather`, `allreduce`, `overlap`,
+    /// `auto_density`, ...), plus `warmup_steps` (dense steps first),
+    /// `nonfinite` (`"error"` or `"propagate"`), `codec` as a codec string
+    /// (`"rgc:density=0.001"`) and `profile` as a path to a `gradsync
+    /// calibrate` profile (or the profile object, checked as a file is).
     /// Unknown keys and values of the wrong type are errors naming the key.
     pub fn from_options_json(json: &str) -> Result<Config> {
         if json.trim().is_empty() {
