@@ -17,6 +17,13 @@ export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1
 # C ABI crate's own (the header drift check).
 cargo test --release
 cargo test --release -p gradsync-capi
+# The library alone builds without the command line's crates (issue #13).
+cargo build --release --no-default-features --lib
+if cargo tree --no-default-features -e normal -p gradsync | grep -E '^[^a-z]*(clap|plotters|env_logger|indicatif|ndarray-npy) '; then
+  echo "test.sh: the library without the cli feature still depends on the crates above" >&2
+  exit 1
+fi
+echo "test.sh: the library builds without the cli feature and its crates"
 if [ "${GRADSYNC_SKIP_FUZZ:-0}" = 1 ]; then
   echo "test.sh: fuzz smoke run skipped (GRADSYNC_SKIP_FUZZ=1)"
 else

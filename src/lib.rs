@@ -35,6 +35,7 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod codec;
 pub mod comm;
