@@ -59,7 +59,7 @@ use crate::comm::{Tag, Transport};
 use crate::dense::{allgatherv, small_allreduce_max, AllgathervAlgo};
 use crate::{Error, Result};
 
-const TAG_AGREE: Tag = 23;
+const TAG_AGREE: Tag = crate::comm::tags::AGREE;
 
 /// Agree on the outcome of a rank-local phase (collective: every rank must
 /// call it once at the same point). With `Ok` on every rank, returns each

@@ -15,6 +15,7 @@
 use super::bench::{agree_inputs, flag_error, median, parse_sizes, MustMatch};
 use super::{max_over_ranks, parse_list, parse_size, synthetic};
 use crate::codec::{CodecConfig, RgcMethod};
+use crate::comm::tags;
 use crate::comm::{LocalComm, MpiComm, Transport};
 use crate::cost::{self, CodecFit, LinearFit, Profile, ProfileMeta, Query, PROFILE_VERSION};
 use crate::dense::{
@@ -176,12 +177,12 @@ fn pingpong(comm: &MpiComm, buf: &mut [u8]) -> Result<f64> {
     let t0 = mpi::time();
     match rank {
         0 => {
-            comm.send(buf, 1, 77)?;
-            comm.recv(buf, 1, 77)?;
+            comm.send(buf, 1, tags::CALIBRATE_PINGPONG)?;
+            comm.recv(buf, 1, tags::CALIBRATE_PINGPONG)?;
         }
         1 => {
-            comm.recv(buf, 0, 77)?;
-            comm.send(buf, 0, 77)?;
+            comm.recv(buf, 0, tags::CALIBRATE_PINGPONG)?;
+            comm.send(buf, 0, tags::CALIBRATE_PINGPONG)?;
         }
         _ => return Ok(0.0),
     }
@@ -204,7 +205,7 @@ fn exchange_time(comm: &MpiComm, send: &mut [u8], recv: &mut [u8], round: usize)
     if peer >= p {
         return Ok(0.0);
     }
-    comm.sendrecv(send, peer, recv, peer, 78)?;
+    comm.sendrecv(send, peer, recv, peer, tags::CALIBRATE_EXCHANGE)?;
     Ok(mpi::time() - t0)
 }
 

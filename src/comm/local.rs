@@ -286,7 +286,7 @@ impl Transport for LocalComm {
     /// Dissemination barrier over the mailboxes (so it honours the timeout
     /// and the abort flag, unlike `std::sync::Barrier`).
     fn barrier(&self) -> Result<()> {
-        const TAG_BARRIER: Tag = 10;
+        const TAG_BARRIER: Tag = super::tags::BARRIER;
         let (rank, p) = (self.rank, self.size());
         let mut k = 1;
         while k < p {

@@ -30,7 +30,9 @@ pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
 
 use crate::Result;
 
-/// Message tag. Collectives use tags below [`TAG_USER_BASE`].
+pub mod tags;
+
+/// Message tag. Collectives use tags below [`TAG_USER_BASE`] ([`tags`]).
 pub type Tag = i32;
 
 /// First tag free for callers that send their own messages over a transport.

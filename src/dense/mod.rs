@@ -32,10 +32,10 @@ use crate::comm::{Elem, Tag, Transport};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-pub(crate) const TAG_VALIDATE: Tag = 11;
-pub(crate) const TAG_RABENSEIFNER: Tag = 12;
-pub(crate) const TAG_RING: Tag = 13;
-pub(crate) const TAG_ALLGATHERV: Tag = 14;
+pub(crate) const TAG_VALIDATE: Tag = crate::comm::tags::VALIDATE;
+pub(crate) const TAG_RABENSEIFNER: Tag = crate::comm::tags::RABENSEIFNER;
+pub(crate) const TAG_RING: Tag = crate::comm::tags::RING;
+pub(crate) const TAG_ALLGATHERV: Tag = crate::comm::tags::ALLGATHERV;
 
 /// A floating-point element that collectives can reduce.
 pub trait Real:

@@ -25,8 +25,8 @@ use crate::comm::{Request, Tag, Transport};
 use crate::{Error, Result};
 use std::time::Instant;
 
-const TAG_GRADIVEQ: Tag = 15;
-const TAG_QSGD_RING: Tag = 16;
+const TAG_GRADIVEQ: Tag = crate::comm::tags::GRADIVEQ;
+const TAG_QSGD_RING: Tag = crate::comm::tags::QSGD_RING;
 
 /// Where the time of one [`gradiveq_ring_allreduce`] went (this rank).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

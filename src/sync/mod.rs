@@ -1784,7 +1784,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
-const TAG_TABLE: crate::comm::Tag = 21;
+const TAG_TABLE: crate::comm::Tag = crate::comm::tags::TABLE;
 
 struct StepParams {
     factor: f32,

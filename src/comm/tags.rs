@@ -1,0 +1,59 @@
+//! Every message tag gradsync's collectives use, in one place, so that no
+//! two algorithms can match each other's messages on the same communicator
+//! (each also runs on its own duplicated communicator, and all tags lie
+//! below [`TAG_USER_BASE`](super::TAG_USER_BASE), which callers that send
+//! their own messages over a transport start from).
+
+use super::Tag;
+
+/// The in-process transport's dissemination barrier.
+pub const BARRIER: Tag = 10;
+/// Length, dtype, algorithm agreements of the dense collectives.
+pub const VALIDATE: Tag = 11;
+/// Rabenseifner allreduce.
+pub const RABENSEIFNER: Tag = 12;
+/// Ring allreduce.
+pub const RING: Tag = 13;
+/// Recursive-doubling allgatherv.
+pub const ALLGATHERV: Tag = 14;
+/// GradiVeQ's compressed-domain ring.
+pub const GRADIVEQ: Tag = 15;
+/// The QSGD ring GradiVeQ is compared with.
+pub const QSGD_RING: Tag = 16;
+/// The engine's layer-table and options agreement.
+pub const TABLE: Tag = 21;
+/// The failure model's agreement ([`crate::failure::agree`]).
+pub const AGREE: Tag = 23;
+/// `gradsync calibrate`'s ping-pong latency probe.
+pub const CALIBRATE_PINGPONG: Tag = 77;
+/// `gradsync calibrate`'s pairwise exchange probe.
+pub const CALIBRATE_EXCHANGE: Tag = 78;
+
+/// Every tag above, for the distinctness test.
+pub const ALL: [Tag; 11] = [
+    BARRIER,
+    VALIDATE,
+    RABENSEIFNER,
+    RING,
+    ALLGATHERV,
+    GRADIVEQ,
+    QSGD_RING,
+    TABLE,
+    AGREE,
+    CALIBRATE_PINGPONG,
+    CALIBRATE_EXCHANGE,
+];
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tags_are_distinct_and_below_the_user_base() {
+        let mut t = super::ALL.to_vec();
+        t.sort_unstable();
+        t.dedup();
+        assert_eq!(t.len(), super::ALL.len(), "two collectives share a tag");
+        assert!(t
+            .iter()
+            .all(|&x| (0..super::super::TAG_USER_BASE).contains(&x)));
+    }
+}
