@@ -97,14 +97,18 @@ fn predict_json_equals_the_formulas() {
                     t(name)
                 );
             }
+            // The choice is the fastest strategy the engine runs
+            // (gradiveq-ring is listed, never chosen unless named).
             let choice = v["choice"].as_str().expect("choice");
+            assert_ne!(choice, "gradiveq-ring");
             let min = v["strategies"]
                 .as_array()
                 .expect("strategies")
                 .iter()
+                .filter(|s| s["name"] != "gradiveq-ring")
                 .map(|s| s["seconds"].as_f64().expect("seconds"))
                 .fold(f64::INFINITY, f64::min);
-            assert_eq!(t(choice), min, "choice is the fastest");
+            assert_eq!(t(choice), min, "choice is the fastest the engine runs");
         }
     }
 }

@@ -17,6 +17,7 @@ use super::{max_over_ranks, parse_list, parse_size, synthetic};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::comm::tags;
 use crate::comm::{LocalComm, MpiComm, Transport};
+use crate::cost::StrategyId;
 use crate::cost::{self, CodecFit, LinearFit, Profile, ProfileMeta, Query, PROFILE_VERSION};
 use crate::dense::{
     allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
@@ -778,7 +779,12 @@ pub struct CheckSummary {
 /// Bytes of the state probe of `model-check`.
 const STATE_PROBE_BYTES: usize = 65536;
 
-const CHECKED: [&str; 3] = ["dense-rabenseifner", "dense-ring", "sparse-allgather"];
+/// The strategies `calibrate --check` and `model-check` measure and choose among.
+const CHECKED: [StrategyId; 3] = [
+    StrategyId::DenseRabenseifner,
+    StrategyId::DenseRing,
+    StrategyId::SparseAllgather,
+];
 
 /// The rank-local input phase of `model-check`: (profile, sizes, densities).
 fn model_check_inputs(a: &ModelCheckArgs) -> Result<(Profile, Vec<usize>, Vec<f64>)> {
@@ -937,17 +943,18 @@ fn check_report(
                 .map(|k| {
                     let v = preds
                         .iter()
-                        .find(|x| x.name == *k)
+                        .find(|x| x.id == *k)
                         .map_or(f64::NAN, |x| x.seconds);
-                    (k.to_string(), v)
+                    (k.name().to_string(), v)
                 })
                 .collect();
             let rel_error = CHECKED
                 .iter()
                 .map(|k| {
+                    let k = k.name();
                     (
                         k.to_string(),
-                        (predicted[*k] - measured[*k]).abs() / measured[*k],
+                        (predicted[k] - measured[k]).abs() / measured[k],
                     )
                 })
                 .collect();
@@ -956,8 +963,9 @@ fn check_report(
                 .unwrap_or_default();
             let fastest = CHECKED
                 .iter()
-                .min_by(|x, y| measured[**x].total_cmp(&measured[**y]))
+                .min_by(|x, y| measured[x.name()].total_cmp(&measured[y.name()]))
                 .expect("three strategies")
+                .name()
                 .to_string();
             let rec = CheckRecord {
                 bytes,
@@ -999,8 +1007,8 @@ fn check_report(
     let by = CHECKED
         .iter()
         .map(|k| {
-            let mut v: Vec<f64> = records.iter().map(|r| r.rel_error[*k]).collect();
-            (k.to_string(), median(&mut v))
+            let mut v: Vec<f64> = records.iter().map(|r| r.rel_error[k.name()]).collect();
+            (k.name().to_string(), median(&mut v))
         })
         .collect();
     let ok = records

@@ -73,20 +73,9 @@ impl ModelArgs {
     }
 
     /// The candidate strategies of the choice.
-    pub fn allowed(&self) -> Result<Vec<&str>> {
-        let v: Vec<&str> = self
-            .strategies
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .collect();
-        if let Some(bad) = v.iter().find(|s| !STRATEGIES.contains(s)) {
-            return Err(Error::InvalidArgument(format!(
-                "unknown strategy {bad:?} (known: {})",
-                STRATEGIES.join(", ")
-            )));
-        }
-        Ok(v)
+    pub fn allowed(&self) -> Result<Vec<cost::StrategyId>> {
+        cost::parse_list(&self.strategies)
+            .map_err(|e| Error::InvalidArgument(format!("--strategies: {e}")))
     }
 }
 

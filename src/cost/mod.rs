@@ -60,6 +60,9 @@
 //! selection, packing and zeroing the result). Without a profile they are
 //! zero unless given on the command line.
 
+mod decide;
+pub use decide::{choose, engine_candidates, parse_list, StrategyId};
+
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -465,6 +468,9 @@ pub struct Query {
 /// One strategy's prediction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
+    /// The strategy, typed (the decision path uses this, never the name).
+    #[serde(skip)]
+    pub id: StrategyId,
     /// Strategy name (`dense-rabenseifner`, `sparse-allgather`, ...).
     pub name: String,
     /// Predicted seconds.
@@ -644,6 +650,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
     let mut out = Vec::with_capacity(STRATEGIES.len());
     let mut push = |name: &str, seconds: f64, wire: f64| {
         out.push(Prediction {
+            id: name.parse().unwrap_or_default(),
             name: name.into(),
             seconds,
             wire_bytes: wire,
@@ -693,14 +700,6 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         push(codec, t, (pf - 1.0) * w);
     }
     Ok(out)
-}
-
-/// The fastest of `preds` among `allowed` names (all when empty).
-pub fn choose<'a>(preds: &'a [Prediction], allowed: &[&str]) -> Option<&'a Prediction> {
-    preds
-        .iter()
-        .filter(|p| allowed.is_empty() || allowed.contains(&p.name.as_str()))
-        .min_by(|a, b| a.seconds.total_cmp(&b.seconds))
 }
 
 /// Smallest layer size (elements, searched over powers of two and refined

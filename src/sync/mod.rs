@@ -756,30 +756,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             },
             &method_name,
         )?;
-        let dense = match self.cfg.allreduce {
-            AllreduceAlgo::Ring => "dense-ring",
-            _ => "dense-rabenseifner",
-        };
-        let mut allowed = vec![dense, "sparse-allgather"];
-        if self.cfg.auto_quant {
-            allowed.push("sparse-allgather-quant");
-        }
+        // The one decision table (crate::cost::choose) over what the
+        // engine runs for this configuration.
+        let allowed = crate::cost::engine_candidates(self.cfg.allreduce, self.cfg.auto_quant);
         let best = choose(&preds, &allowed)
             .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
-        let strategy = match best.name.as_str() {
-            "sparse-allgather" => Strategy::Sparse {
-                codec: CodecConfig::Rgc { density: d, method },
-                density: None,
-            },
-            "sparse-allgather-quant" => Strategy::Sparse {
-                codec: CodecConfig::RgcQuant { density: d },
-                density: None,
-            },
-            _ => Strategy::Dense,
-        };
+        let strategy = best
+            .id
+            .engine_strategy(d, method)
+            .ok_or_else(|| Error::InvalidArgument(format!("the engine cannot run {}", best.id)))?;
         let considered = preds
             .iter()
-            .filter(|p| allowed.contains(&p.name.as_str()))
+            .filter(|p| allowed.contains(&p.id))
             .map(|p| (p.name.clone(), p.seconds))
             .collect();
         Ok((strategy, considered))

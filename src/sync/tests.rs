@@ -1000,3 +1000,63 @@ fn fuzz_non_finite_state_is_never_written() {
         );
     });
 }
+
+/// Issue #13: `Strategy::Auto`, `gradsync predict`'s choice and `plan`
+/// decide through the one table (`cost::choose`): for the same layer,
+/// profile and candidates they agree.
+#[cfg(feature = "cli")]
+#[test]
+fn auto_predict_and_plan_make_the_same_choice() {
+    use crate::cost::{LinearFit, Profile};
+    let mut prof = Profile::from_network(5e-6, 1.25e9, 0.0, 0.0).unwrap();
+    let fit = LinearFit { a: 6e-5, b: 2e-10 };
+    prof.select.insert("trimmed".into(), fit);
+    prof.select.insert("quant".into(), fit);
+    for quant in [false, true] {
+        let prof2 = prof.clone();
+        let out = LocalComm::run(4, move |c| {
+            let cfg = Config {
+                profile: Some(prof2.clone()),
+                auto_quant: quant,
+                ..cfg()
+            };
+            let s = GradSync::with_transport(c, cfg).unwrap();
+            [64usize, 9408, 32768, 1 << 20, 1 << 24]
+                .iter()
+                .map(|&n| s.auto_choice(n).unwrap().0)
+                .collect::<Vec<_>>()
+        });
+        let m = crate::cli::ModelArgs {
+            profile: None,
+            alpha: None,
+            bandwidth: None,
+            gamma_reduce: None,
+            gamma_unpack: None,
+            select_cost: None,
+            select_fixed: None,
+            select_method: "trimmed".into(),
+            gradiveq_ratio: 8.0,
+            strategies: crate::cost::engine_candidates(
+                crate::dense::AllreduceAlgo::Rabenseifner,
+                quant,
+            )
+            .iter()
+            .map(|id| id.name())
+            .collect::<Vec<_>>()
+            .join(","),
+        };
+        let mut kinds = std::collections::BTreeSet::new();
+        for (i, &n) in [64usize, 9408, 32768, 1 << 20, 1 << 24].iter().enumerate() {
+            let rec = crate::cli::predict_record(&prof, &m, n, 4, 0.001).unwrap();
+            let id: crate::cost::StrategyId = rec.choice.parse().unwrap();
+            let want = id
+                .engine_strategy(0.001, crate::codec::RgcMethod::Trimmed)
+                .unwrap();
+            for (r, choices) in out.iter().enumerate() {
+                assert_eq!(choices[i], want, "n={n} rank {r} quant={quant}");
+            }
+            kinds.insert(rec.choice);
+        }
+        assert!(kinds.len() >= 2, "the sizes span a crossover: {kinds:?}");
+    }
+}

@@ -1,0 +1,214 @@
+//! The one decision table: typed strategy ids and the single [`choose`]
+//! that every decision goes through: the engine's `Strategy::Auto`,
+//! `gradsync predict`'s `choice`, `plan`, `calibrate --check` and
+//! `model-check`. As in NCCL's tuning table and Open MPI's `coll/tuned`,
+//! the algorithms never decide and this table never communicates.
+//!
+//! A strategy the engine cannot run from a prediction alone is never
+//! chosen unless a caller names it: `gradiveq-ring` (its ratio depends on
+//! the data; the engine runs GradiVeQ only when a layer asks for it) is
+//! predicted and listed, but not picked by default.
+
+use super::{Prediction, STRATEGIES};
+use crate::codec::{CodecConfig, RgcMethod};
+use crate::dense::AllreduceAlgo;
+use crate::sync::Strategy;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// A strategy of the cost model, typed (its [`name`](Self::name) is the
+/// one `predict --json` prints).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum StrategyId {
+    /// Rabenseifner allreduce of the whole layer.
+    #[default]
+    #[serde(rename = "dense-rabenseifner")]
+    DenseRabenseifner,
+    /// Ring allreduce of the whole layer.
+    #[serde(rename = "dense-ring")]
+    DenseRing,
+    /// RGC units in the fused allgather.
+    #[serde(rename = "sparse-allgather")]
+    SparseAllgather,
+    /// Quantized RGC units in the fused allgather.
+    #[serde(rename = "sparse-allgather-quant")]
+    SparseAllgatherQuant,
+    /// GradiVeQ's compressed-domain ring.
+    #[serde(rename = "gradiveq-ring")]
+    GradiveqRing,
+    /// fp16 in the fused allgather.
+    #[serde(rename = "fp16")]
+    Fp16,
+    /// int8 in the fused allgather.
+    #[serde(rename = "int8")]
+    Int8,
+    /// QSGD in the fused allgather.
+    #[serde(rename = "qsgd")]
+    Qsgd,
+    /// SBC in the fused allgather.
+    #[serde(rename = "sbc")]
+    Sbc,
+    /// 3LC in the fused allgather.
+    #[serde(rename = "3lc")]
+    ThreeLc,
+    /// FastSGD in the fused allgather.
+    #[serde(rename = "fastsgd")]
+    Fastsgd,
+}
+
+impl StrategyId {
+    /// Every strategy, in [`STRATEGIES`] order.
+    pub const ALL: [StrategyId; 11] = [
+        StrategyId::DenseRabenseifner,
+        StrategyId::DenseRing,
+        StrategyId::SparseAllgather,
+        StrategyId::SparseAllgatherQuant,
+        StrategyId::GradiveqRing,
+        StrategyId::Fp16,
+        StrategyId::Int8,
+        StrategyId::Qsgd,
+        StrategyId::Sbc,
+        StrategyId::ThreeLc,
+        StrategyId::Fastsgd,
+    ];
+
+    /// The name `predict --json` prints (`dense-rabenseifner`, ...).
+    pub fn name(self) -> &'static str {
+        STRATEGIES[self as usize]
+    }
+
+    /// Whether the engine can run this strategy from a prediction alone
+    /// (everything but `gradiveq-ring`).
+    pub fn engine_runs(self) -> bool {
+        self != StrategyId::GradiveqRing
+    }
+
+    /// The engine's [`Strategy`] for this id (`density` and `method` for
+    /// the selection codecs), or `None` where the engine cannot run it from
+    /// a prediction ([`engine_runs`](Self::engine_runs)).
+    pub fn engine_strategy(self, density: f64, method: RgcMethod) -> Option<Strategy> {
+        let sparse = |codec: CodecConfig| {
+            Some(Strategy::Sparse {
+                codec,
+                density: None,
+            })
+        };
+        match self {
+            StrategyId::DenseRabenseifner | StrategyId::DenseRing => Some(Strategy::Dense),
+            StrategyId::SparseAllgather => sparse(CodecConfig::Rgc { density, method }),
+            StrategyId::SparseAllgatherQuant => sparse(CodecConfig::RgcQuant { density }),
+            StrategyId::GradiveqRing => None,
+            codec => sparse(codec.name().parse().ok()?),
+        }
+    }
+}
+
+impl std::str::FromStr for StrategyId {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        StrategyId::ALL
+            .into_iter()
+            .find(|id| id.name() == s.trim())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown strategy {s:?} (known: {})",
+                    STRATEGIES.join(", ")
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for StrategyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the engine's `Strategy::Auto` chooses among: the dense allreduce
+/// the engine is configured with (its fused dense group runs one
+/// algorithm), RGC, and quantized RGC when `quant`.
+pub fn engine_candidates(allreduce: AllreduceAlgo, quant: bool) -> Vec<StrategyId> {
+    let dense = match allreduce {
+        AllreduceAlgo::Ring => StrategyId::DenseRing,
+        _ => StrategyId::DenseRabenseifner,
+    };
+    let mut v = vec![dense, StrategyId::SparseAllgather];
+    if quant {
+        v.push(StrategyId::SparseAllgatherQuant);
+    }
+    v
+}
+
+/// The fastest prediction among `allowed` (when empty: every strategy the
+/// engine runs, [`StrategyId::engine_runs`]). The one decision every
+/// caller makes.
+pub fn choose<'a>(preds: &'a [Prediction], allowed: &[StrategyId]) -> Option<&'a Prediction> {
+    preds
+        .iter()
+        .filter(|p| {
+            if allowed.is_empty() {
+                p.id.engine_runs()
+            } else {
+                allowed.contains(&p.id)
+            }
+        })
+        .min_by(|a, b| a.seconds.total_cmp(&b.seconds))
+}
+
+/// Parse a comma-separated list of strategy names (empty: none).
+pub fn parse_list(s: &str) -> Result<Vec<StrategyId>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(str::parse)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_names_agree() {
+        for (id, name) in StrategyId::ALL.into_iter().zip(STRATEGIES) {
+            assert_eq!(id.name(), name);
+            assert_eq!(name.parse::<StrategyId>().unwrap(), id);
+            assert_eq!(serde_json::to_value(id).unwrap(), name);
+        }
+        assert!("nope".parse::<StrategyId>().is_err());
+        // Every codec strategy maps to a codec the engine runs.
+        for id in StrategyId::ALL {
+            assert_eq!(
+                id.engine_strategy(0.01, RgcMethod::Trimmed).is_some(),
+                id.engine_runs(),
+                "{id}"
+            );
+        }
+    }
+
+    #[test]
+    fn choose_never_picks_what_the_engine_cannot_run_unless_asked() {
+        let p = |id: StrategyId, s: f64| Prediction {
+            id,
+            name: id.name().into(),
+            seconds: s,
+            wire_bytes: 0.0,
+        };
+        let preds = [
+            p(StrategyId::DenseRabenseifner, 3.0),
+            p(StrategyId::GradiveqRing, 1.0),
+            p(StrategyId::Sbc, 2.0),
+        ];
+        assert_eq!(choose(&preds, &[]).unwrap().id, StrategyId::Sbc);
+        assert_eq!(
+            choose(
+                &preds,
+                &[StrategyId::GradiveqRing, StrategyId::DenseRabenseifner]
+            )
+            .unwrap()
+            .id,
+            StrategyId::GradiveqRing
+        );
+        assert!(choose(&preds, &[StrategyId::Int8]).is_none());
+    }
+}
