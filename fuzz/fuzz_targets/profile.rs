@@ -5,7 +5,7 @@
 //! saves loads again.
 #![no_main]
 
-use gradsync::cost::{choose, crossover, predict, Profile, Query};
+use gradsync::cost::{choose, crossover, predict, Profile, Query, StrategyId};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
             };
             if let Ok(preds) = predict(&prof, &q, method) {
                 let _ = choose(&preds, &[]);
-                let _ = choose(&preds, &["dense-ring", "sbc"]);
+                let _ = choose(&preds, &[StrategyId::DenseRing, StrategyId::Sbc]);
             }
         }
     }
