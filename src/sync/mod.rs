@@ -776,12 +776,21 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Register a layer with the default strategy ([`resolve`](Self::resolve)).
     /// Collective: all ranks must register the same layers in the same order.
     pub fn register(&mut self, name: &str, shape: &[usize]) -> Result<LayerId> {
-        let strategy = if self.cfg.profile.is_some() {
-            Strategy::Auto
-        } else {
-            self.resolve(shape.iter().product())
-        };
-        self.register_with(name, shape, strategy)
+        let strategy = self.default_strategy(shape);
+        self.register_impl(name, shape, strategy)
+    }
+
+    /// What `register` (and the spec `"auto"`) gives a layer: the cost
+    /// model's choice with a profile, else by size.
+    fn default_strategy(&self, shape: &[usize]) -> Result<Strategy> {
+        if self.cfg.profile.is_some() {
+            return Ok(Strategy::Auto);
+        }
+        shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .map(|n| self.resolve(n))
+            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} overflows")))
     }
 
     /// Register a layer with an explicit strategy. Collective: one 16-byte
@@ -805,12 +814,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// collective on every rank, naming that rank.
     pub fn register_spec(&mut self, name: &str, shape: &[usize], spec: &str) -> Result<LayerId> {
         let strategy = match spec.trim() {
-            "auto" if self.cfg.profile.is_some() => Ok(Strategy::Auto),
-            "auto" => shape
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .map(|n| self.resolve(n))
-                .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} overflows"))),
+            "auto" => self.default_strategy(shape),
             s => Strategy::parse(s),
         };
         self.register_impl(name, shape, strategy)
