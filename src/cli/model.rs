@@ -72,10 +72,16 @@ impl ModelArgs {
         Ok(p)
     }
 
-    /// The candidate strategies of the choice.
-    pub fn allowed(&self) -> Result<Vec<cost::StrategyId>> {
-        cost::parse_list(&self.strategies)
-            .map_err(|e| Error::InvalidArgument(format!("--strategies: {e}")))
+    /// The candidate strategies of the choice (`--strategies`, else
+    /// [`cost::default_candidates`] of `prof`).
+    pub fn allowed(&self, prof: &Profile) -> Result<Vec<cost::StrategyId>> {
+        let v = cost::parse_list(&self.strategies)
+            .map_err(|e| Error::InvalidArgument(format!("--strategies: {e}")))?;
+        Ok(if v.is_empty() {
+            cost::default_candidates(prof)
+        } else {
+            v
+        })
     }
 }
 
@@ -169,7 +175,7 @@ pub fn predict_record(
         },
         &m.select_method,
     )?;
-    let choice = cost::choose(&preds, &m.allowed()?)
+    let choice = cost::choose(&preds, &m.allowed(prof)?)
         .map(|c| c.name.clone())
         .unwrap_or_default();
     Ok(PredictRecord {
@@ -302,21 +308,28 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
     Ok(out)
 }
 
-/// `gradsync plan --json` output.
+/// `gradsync plan --json` output: the step model ([`cost::plan_step`]).
 #[derive(Serialize, Debug, Clone)]
 pub struct PlanRecord {
     /// Ranks.
     pub ranks: usize,
     /// Density.
     pub density: f64,
-    /// Per layer: name, elements, choice, its time, dense time.
+    /// Per layer: name, elements, choice, group, its marginal seconds.
     pub layers: Vec<PlanLayer>,
-    /// Σ dense-rabenseifner over layers.
+    /// The step's groups (fused dense allreduce, fused sparse allgatherv,
+    /// GradiVeQ rings).
+    pub groups: Vec<cost::GroupPlan>,
+    /// Predicted step with every layer in the fused dense allreduce.
     pub dense_total_s: f64,
-    /// Σ of each layer's chosen strategy.
+    /// Predicted step with every layer RGC-sparse in the fused allgatherv.
+    pub all_sparse_s: f64,
+    /// Predicted step as planned.
     pub planned_total_s: f64,
     /// `dense_total_s / planned_total_s`.
     pub speedup: f64,
+    /// Bytes each rank sends in the planned step.
+    pub wire_bytes: f64,
     /// Number of layers per chosen strategy.
     pub choices: std::collections::BTreeMap<String, usize>,
 }
@@ -330,66 +343,141 @@ pub struct PlanLayer {
     pub elements: usize,
     /// Chosen strategy.
     pub choice: String,
-    /// Its predicted seconds.
+    /// Its group (`dense`, `sparse`, `gradiveq`).
+    pub group: cost::GroupKind,
+    /// What it adds to the planned step (seconds).
     pub seconds: f64,
-    /// Dense Rabenseifner's predicted seconds.
+    /// The chosen strategy for the layer alone (every α its own).
+    pub alone_s: f64,
+    /// Dense Rabenseifner for the layer alone.
     pub dense_s: f64,
+}
+
+/// The step model's query for these arguments.
+pub fn step_query(
+    prof: &Profile,
+    m: &ModelArgs,
+    p: usize,
+    density: f64,
+) -> Result<cost::StepQuery> {
+    Ok(cost::StepQuery {
+        p,
+        density,
+        select_method: m.select_method.clone(),
+        gradiveq_ratio: m.gradiveq_ratio,
+        allowed: m.allowed(prof)?,
+    })
+}
+
+/// The step model's table for a layers file.
+pub fn step_layers(layers: &[LayerSpec]) -> Vec<cost::StepLayer> {
+    layers
+        .iter()
+        .map(|l| cost::StepLayer {
+            name: l.name.clone(),
+            n: l.elements,
+            kind: cost::LayerKind::Auto,
+        })
+        .collect()
+}
+
+/// The plan of a layers file, with the dense-only and all-sparse steps.
+pub fn plan_record(
+    prof: &Profile,
+    m: &ModelArgs,
+    layers: &[LayerSpec],
+    p: usize,
+    d: f64,
+) -> Result<PlanRecord> {
+    let q = step_query(prof, m, p, d)?;
+    let table = step_layers(layers);
+    let plan = cost::plan_step(prof, &q, &table)?;
+    let dense_algo = q
+        .allowed
+        .iter()
+        .copied()
+        .find(|s| *s == cost::StrategyId::DenseRing)
+        .filter(|_| !q.allowed.contains(&cost::StrategyId::DenseRabenseifner))
+        .unwrap_or(cost::StrategyId::DenseRabenseifner);
+    let all = |id| cost::predict_step(prof, &q, &table, &vec![id; table.len()]);
+    let dense = all(dense_algo)?;
+    let sparse = all(cost::StrategyId::SparseAllgather)?;
+    let mut choices = std::collections::BTreeMap::new();
+    let out_layers = plan
+        .layers
+        .iter()
+        .zip(&dense.layers)
+        .map(|(l, d)| {
+            *choices.entry(l.choice.name().to_string()).or_default() += 1;
+            PlanLayer {
+                name: l.name.clone(),
+                elements: l.elements,
+                choice: l.choice.name().to_string(),
+                group: l.group,
+                seconds: l.marginal_s,
+                alone_s: l.alone_s,
+                dense_s: d.alone_s,
+            }
+        })
+        .collect();
+    Ok(PlanRecord {
+        ranks: p,
+        density: d,
+        layers: out_layers,
+        groups: plan.groups.clone(),
+        dense_total_s: dense.seconds,
+        all_sparse_s: sparse.seconds,
+        planned_total_s: plan.seconds,
+        speedup: dense.seconds / plan.seconds,
+        wire_bytes: plan.wire_bytes,
+        choices,
+    })
 }
 
 pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
     let prof = a.model.profile()?;
     let layers = read_layers(&a.layers)?;
-    let mut out = PlanRecord {
-        ranks: a.ranks,
-        density: a.density,
-        layers: Vec::new(),
-        dense_total_s: 0.0,
-        planned_total_s: 0.0,
-        speedup: 0.0,
-        choices: Default::default(),
-    };
     for l in &layers {
-        let r = predict_record(&prof, &a.model, l.elements, a.ranks, a.density)?;
-        let t = |name: &str| {
-            r.strategies
-                .iter()
-                .find(|s| s.name == name)
-                .map_or(f64::NAN, |s| s.seconds)
-        };
-        let pl = PlanLayer {
-            name: l.name.clone(),
-            elements: l.elements,
-            choice: r.choice.clone(),
-            seconds: t(&r.choice),
-            dense_s: t("dense-rabenseifner"),
-        };
-        out.dense_total_s += pl.dense_s;
-        out.planned_total_s += pl.seconds;
-        *out.choices.entry(pl.choice.clone()).or_default() += 1;
-        out.layers.push(pl);
+        layer_bytes(l.elements).map_err(Error::InvalidArgument)?;
     }
-    out.speedup = out.dense_total_s / out.planned_total_s;
+    let out = plan_record(&prof, &a.model, &layers, a.ranks, a.density)?;
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
         return Ok(0);
     }
     println!(
-        "{:<32} {:>12} {:<24} {:>12} {:>12}",
-        "layer", "elements", "choice", "planned_us", "dense_us"
+        "{:<32} {:>12} {:<24} {:<9} {:>12} {:>12} {:>12}",
+        "layer", "elements", "choice", "group", "marginal_us", "alone_us", "dense_us"
     );
     for l in &out.layers {
         println!(
-            "{:<32} {:>12} {:<24} {:>12.2} {:>12.2}",
+            "{:<32} {:>12} {:<24} {:<9} {:>12.2} {:>12.2} {:>12.2}",
             l.name,
             l.elements,
             l.choice,
+            serde_json::to_value(l.group)?.as_str().unwrap_or("?"),
             l.seconds * 1e6,
+            l.alone_s * 1e6,
             l.dense_s * 1e6
         );
     }
+    println!("groups:");
+    for g in &out.groups {
+        println!(
+            "  {:<9} {:<20} {:>4} layers {:>11} elements {:>12.0} B/rank sent  comm {:>10.1} us  local {:>10.1} us",
+            serde_json::to_value(g.kind)?.as_str().unwrap_or("?"),
+            g.algorithm.name(),
+            g.layers,
+            g.elements,
+            g.wire_bytes,
+            g.comm_s * 1e6,
+            g.local_s * 1e6
+        );
+    }
     println!(
-        "total: dense-only {:.3} ms, planned {:.3} ms ({:.2}x); choices {:?}",
+        "step: dense-only {:.3} ms, all-sparse {:.3} ms, planned {:.3} ms ({:.2}x over dense); choices {:?}",
         out.dense_total_s * 1e3,
+        out.all_sparse_s * 1e3,
         out.planned_total_s * 1e3,
         out.speedup,
         out.choices

@@ -83,6 +83,13 @@ impl StrategyId {
         self != StrategyId::GradiveqRing
     }
 
+    /// Whether this is one of the codecs (`fp16` … `fastsgd`) rather than
+    /// a named collective strategy.
+    pub fn is_codec(self) -> bool {
+        use StrategyId::*;
+        matches!(self, Fp16 | Int8 | Qsgd | Sbc | ThreeLc | Fastsgd)
+    }
+
     /// The engine's [`Strategy`] for this id (`density` and `method` for
     /// the selection codecs), or `None` where the engine cannot run it from
     /// a prediction ([`engine_runs`](Self::engine_runs)).
@@ -137,6 +144,18 @@ pub fn engine_candidates(allreduce: AllreduceAlgo, quant: bool) -> Vec<StrategyI
         v.push(StrategyId::SparseAllgatherQuant);
     }
     v
+}
+
+/// What a choice is made among when the caller names nothing: every
+/// strategy the engine runs ([`StrategyId::engine_runs`]), the codecs
+/// (`fp16` … `fastsgd`) only where `prof` has measured them (a codec
+/// without an encode/decode fit would be predicted free and always win).
+pub fn default_candidates(prof: &super::Profile) -> Vec<StrategyId> {
+    StrategyId::ALL
+        .into_iter()
+        .filter(|id| id.engine_runs())
+        .filter(|id| !id.is_codec() || prof.codecs.contains_key(id.name()))
+        .collect()
 }
 
 /// The fastest prediction among `allowed` (when empty: every strategy the

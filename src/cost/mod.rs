@@ -9,12 +9,12 @@
 //!
 //! | strategy | predicted seconds | source |
 //! |---|---|---|
-//! | `sparse-allgather` | `T_select(n) + ⌈lg p⌉·α + (p−1)·m·β + p·m·γ_unpack`, `m = 4 + 8k` (RGC unit `[len \| indices \| values]`) | RedSync eq. (1), App. B (recursive doubling: `lg p` steps, `(p−1)·m` bytes) |
-//! | `sparse-allgather-quant` | same with `m = 8 + 4k` (`[len \| mean \| indices]`) and the quantized selection's `T_select` | RedSync §5.2.3 |
+//! | `sparse-allgather` | `T_select(n) + ⌈lg p⌉·α + (p−1)·M·β + p·m·γ_unpack`, `m = 16 + 8k` the RGC message (12-byte codec header, then `[len \| indices \| values]`), `M = m + 32` as the engine sends it alone (16-byte fused header, 16-byte table-of-contents entry) | RedSync eq. (1), App. B (recursive doubling: `lg p` steps, `(p−1)·M` bytes); [`crate::sparse`]'s framing |
+//! | `sparse-allgather-quant` | same with `m = 20 + 4k` (`[len \| mean \| indices]`) and the quantized selection's `T_select` | RedSync §5.2.3 |
 //! | `dense-rabenseifner` | `2⌈lg p⌉·α + 2·(p−1)/p·N·β + (p−1)/p·N·γ_reduce`, plus `α + 2N·β + ½N·γ_reduce` when `p` is not a power of two | RedSync eq. (2); Thakur et al. §4.4; the extra term is gradsync's fold (below) |
 //! | `dense-ring` | `2(p−1)·α + 2·(p−1)/p·N·β + (p−1)/p·N·γ_reduce` | Thakur et al. §4.3 (ring reduce-scatter + allgather) |
 //! | `gradiveq-ring` | the ring formula on `N/r` bytes (ratio `r`) plus the compression not hidden behind communication (below) | GradiVeQ Alg. 1 |
-//! | one per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`) | `T_encode(n) + ⌈lg p⌉·α + (p−1)·w·β + p·T_decode(n)`, `w` the codec's wire bytes | the codec's message exchanged by the same allgather, each rank decoding `p` messages |
+//! | one per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`) | `T_encode(n) + ⌈lg p⌉·α + (p−1)·(w + 32)·β + p·T_decode(n)`, `w` the codec's wire bytes | the codec's message exchanged by the same allgather, each rank decoding `p` messages |
 //!
 //! The non-power-of-two term: gradsync's Rabenseifner folds the first `2r`
 //! ranks (`r = p − 2^⌊lg p⌋`) as Open MPI does: partners swap halves and
@@ -61,7 +61,12 @@
 //! zero unless given on the command line.
 
 mod decide;
-pub use decide::{choose, engine_candidates, parse_list, StrategyId};
+mod step;
+pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
+pub use step::{
+    plan_step, predict_step, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
+    StepQuery,
+};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -643,63 +648,32 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
             q.gradiveq_ratio
         )));
     }
-    let (n, p) = (q.n as f64, q.p);
-    let pf = p as f64;
-    let bytes = 4.0 * n;
-    let k = sparse_k(q.n, q.density);
-    let mut out = Vec::with_capacity(STRATEGIES.len());
-    let mut push = |name: &str, seconds: f64, wire: f64| {
-        out.push(Prediction {
-            id: name.parse().unwrap_or_default(),
-            name: name.into(),
-            seconds,
-            wire_bytes: wire,
-        })
+    let sq = StepQuery {
+        p: q.p,
+        density: q.density,
+        select_method: select_method.to_string(),
+        gradiveq_ratio: q.gradiveq_ratio,
+        allowed: Vec::new(),
     };
-    let dense_wire = if p > 1 { 2.0 * frac(p) * bytes } else { 0.0 };
-    push(
-        "dense-rabenseifner",
-        dense_rabenseifner(prof, bytes, p),
-        dense_wire,
-    );
-    push("dense-ring", dense_ring(prof, bytes, p), dense_wire);
-    let m = 4.0 + 8.0 * k;
-    push(
-        "sparse-allgather",
-        prof.select_fit(select_method, q.density).at(n) + allgather_unpack(prof, m, p),
-        (pf - 1.0) * m,
-    );
-    let mq = 8.0 + 4.0 * k;
-    push(
-        "sparse-allgather-quant",
-        prof.select_fit("quant", q.density).at(n) + allgather_unpack(prof, mq, p),
-        (pf - 1.0) * mq,
-    );
-    // GradiVeQ: ring on N/r bytes, compression partly hidden.
-    let cb = bytes / q.gradiveq_ratio;
+    Ok(StrategyId::ALL
+        .into_iter()
+        .map(|id| step::alone(prof, &sq, q.n, id, q.density))
+        .collect())
+}
+
+/// GradiVeQ's ring on `N/r` bytes plus the compression and decompression
+/// not hidden behind its transfers (module docs), for `n` elements.
+pub fn gradiveq_ring(prof: &Profile, n: usize, p: usize, ratio: f64) -> f64 {
+    let (nf, pf) = (n as f64, p as f64);
+    let cb = 4.0 * nf / ratio;
     let ring = dense_ring(prof, cb, p);
     let phase = (pf - 1.0) * (prof.alpha + cb / pf * prof.beta_at(cb / pf));
-    let (tc, td) = (prof.gradiveq_compress.at(n), prof.gradiveq_decompress.at(n));
-    let exposed = |t: f64| t / pf + (frac(p) * t - phase).max(0.0);
-    push(
-        "gradiveq-ring",
-        ring + exposed(tc) + exposed(td),
-        if p > 1 { 2.0 * frac(p) * cb } else { 0.0 },
+    let (tc, td) = (
+        prof.gradiveq_compress.at(nf),
+        prof.gradiveq_decompress.at(nf),
     );
-    for codec in &STRATEGIES[5..] {
-        let fit = prof.codecs.get(*codec).copied().unwrap_or_default();
-        let w = match fit.bytes_per_element {
-            Some(b) => 12.0 + b * n,
-            None => codec_wire_bytes(codec, q.n, q.density)
-                .unwrap_or_else(|| 12.0 + nominal_bytes_per_element(codec) * n),
-        };
-        let t = fit.encode.at(n)
-            + ceil_lg(p) * prof.alpha
-            + (pf - 1.0) * w * allgather_beta(prof, w, p)
-            + pf * fit.decode.at(n);
-        push(codec, t, (pf - 1.0) * w);
-    }
-    Ok(out)
+    let exposed = |t: f64| t / pf + (frac(p) * t - phase).max(0.0);
+    ring + exposed(tc) + exposed(td)
 }
 
 /// Smallest layer size (elements, searched over powers of two and refined

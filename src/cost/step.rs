@@ -1,0 +1,653 @@
+//! The step model: a whole synchronization step predicted as the engine
+//! ([`crate::sync`]) executes it, and the per-layer choice that minimizes
+//! it (issue #13; RedSync §5.3's fusion, §5.4's cost model and Appendix B).
+//!
+//! The engine does not synchronize layers one by one. Each step it runs
+//!
+//! 1. the local phase: every sparse layer's selection and encoding;
+//! 2. ONE fused allgatherv of every rank's sparse units (the *sparse
+//!    group*: a 16-byte header, then per layer a 16-byte table-of-contents
+//!    entry and the codec's message, [`crate::sparse`]);
+//! 3. ONE allreduce (Rabenseifner or ring, the engine's configured
+//!    algorithm) of every dense layer fused into one buffer (the *dense
+//!    group*);
+//! 4. each GradiVeQ layer's own compressed-domain ring (no fusion);
+//! 5. decoding: the `p` received units of every sparse layer.
+//!
+//! All of it runs one after the other (the progress thread overlaps the
+//! whole step with the caller's computation, not its parts with each
+//! other), so the step time is the sum
+//!
+//! `T = Σ_layers local + T_allgather(M) + T_allreduce(B) + Σ_gradiveq T_ring`,
+//!
+//! `M` the sparse group's message bytes per rank and `B` the dense group's
+//! bytes. A group's α terms are paid once, by the group, whatever number
+//! of layers it carries; a layer's *marginal* cost is what it adds to the
+//! step: its local costs plus `T_G(X + b) − T_G(X)` for the group `G` it
+//! joins (`X` the rest of the group, `b` its bytes).
+//!
+//! [`plan_step`] chooses every free layer's strategy to minimize `T`: for
+//! each set of open groups (no dense group or one per allowed dense
+//! algorithm, × sparse group or not) it assigns every layer the option of
+//! least marginal cost among the open groups, in three Gauss–Seidel passes
+//! (with β curves the marginal depends on the group's size), and keeps the
+//! set with the least total. A lone 64-element vector thus never opens a
+//! group of its own, and the α of a group is charged to the step once.
+//!
+//! This is the one place where the engine's `Strategy::Auto`, `gradsync
+//! plan` and `gradsync bench --op step` get their per-layer choice; the
+//! per-layer [`super::predict`] (one layer alone, paying every α) remains
+//! what `predict` prints.
+
+use super::{
+    allgather_beta, ceil_lg, codec_wire_bytes, dense_rabenseifner, dense_ring, gradiveq_ring,
+    nominal_bytes_per_element, Prediction, Profile, StrategyId,
+};
+use crate::sparse::{FUSED_HEADER_LEN, TOC_ENTRY_LEN};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// How a layer of the table enters the planner.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LayerKind {
+    /// The planner chooses (the engine's `Strategy::Auto`, every layer of
+    /// `gradsync plan`).
+    Auto,
+    /// The caller chose this strategy, sparse ones at this density.
+    Fixed(StrategyId, f64),
+}
+
+/// One layer of the table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepLayer {
+    /// Name (for the output).
+    pub name: String,
+    /// f32 elements.
+    pub n: usize,
+    /// Chosen by the planner or fixed.
+    pub kind: LayerKind,
+}
+
+/// The step's parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepQuery {
+    /// Ranks.
+    pub p: usize,
+    /// Density of the sparse strategies the planner chooses.
+    pub density: f64,
+    /// The profile's selection fit `sparse-allgather` uses (`trimmed`, ...).
+    pub select_method: String,
+    /// GradiVeQ compression ratio.
+    pub gradiveq_ratio: f64,
+    /// Strategies free layers are chosen among (empty:
+    /// [`super::default_candidates`]).
+    pub allowed: Vec<StrategyId>,
+}
+
+/// The three kinds of group of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupKind {
+    /// The fused dense allreduce.
+    Dense,
+    /// The fused sparse allgatherv.
+    Sparse,
+    /// One GradiVeQ layer's own ring.
+    Gradiveq,
+}
+
+/// One layer's planned strategy.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerPlan {
+    /// Name.
+    pub name: String,
+    /// f32 elements.
+    pub elements: usize,
+    /// The strategy.
+    pub choice: StrategyId,
+    /// The group it is synchronized in.
+    pub group: GroupKind,
+    /// Whether the planner chose it (`false`: fixed by the caller).
+    pub auto: bool,
+    /// Bytes it adds to its group's message per rank (dense: `4n`; sparse:
+    /// the codec's message and its table-of-contents entry).
+    pub message_bytes: f64,
+    /// Its local seconds (selection/encoding, decoding the `p` units).
+    pub local_s: f64,
+    /// What it adds to the step: local seconds plus its share of its
+    /// group's communication (`T_G(X + b) − T_G(X)`).
+    pub marginal_s: f64,
+    /// The same strategy predicted for the layer alone ([`super::predict`],
+    /// every α paid by the layer).
+    pub alone_s: f64,
+}
+
+/// One group of the step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GroupPlan {
+    /// Kind.
+    pub kind: GroupKind,
+    /// The collective: `dense-rabenseifner`/`dense-ring` for the dense
+    /// group, `sparse-allgather` for the fused allgatherv,
+    /// `gradiveq-ring` for a GradiVeQ layer.
+    pub algorithm: StrategyId,
+    /// Layers in it.
+    pub layers: usize,
+    /// Their f32 elements.
+    pub elements: usize,
+    /// Bytes of the group's message per rank (the fused buffer or message).
+    pub message_bytes: f64,
+    /// Bytes each rank sends for it.
+    pub wire_bytes: f64,
+    /// Predicted seconds of its collective (α, β and γ_reduce/γ_unpack
+    /// terms; local costs are the layers').
+    pub comm_s: f64,
+    /// Σ of its layers' local seconds.
+    pub local_s: f64,
+}
+
+/// A predicted step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    /// Ranks.
+    pub ranks: usize,
+    /// Density of the sparse strategies.
+    pub density: f64,
+    /// Per layer, in table order.
+    pub layers: Vec<LayerPlan>,
+    /// The step's groups (dense, sparse, then GradiVeQ layers).
+    pub groups: Vec<GroupPlan>,
+    /// Predicted seconds of the whole step.
+    pub seconds: f64,
+    /// Bytes each rank sends in the step.
+    pub wire_bytes: f64,
+}
+
+impl StepPlan {
+    /// The layers' choices (`name → strategy`), in table order.
+    pub fn choices(&self) -> impl Iterator<Item = (&str, StrategyId)> {
+        self.layers.iter().map(|l| (l.name.as_str(), l.choice))
+    }
+}
+
+/// What one option of a layer costs.
+#[derive(Clone, Copy, Debug)]
+struct Option_ {
+    id: StrategyId,
+    group: GroupKind,
+    bytes: f64,
+    local: f64,
+}
+
+/// The option `id` for a layer of `n` elements at `density`.
+fn option(prof: &Profile, q: &StepQuery, n: usize, id: StrategyId, density: f64) -> Option_ {
+    let (p, nf) = (q.p as f64, n as f64);
+    let toc = TOC_ENTRY_LEN as f64;
+    let unpack = |m: f64| p * m * prof.gamma_unpack;
+    match id {
+        StrategyId::DenseRabenseifner | StrategyId::DenseRing => Option_ {
+            id,
+            group: GroupKind::Dense,
+            bytes: 4.0 * nf,
+            local: 0.0,
+        },
+        StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
+            let (codec, fit) = if id == StrategyId::SparseAllgather {
+                ("rgc", prof.select_fit(&q.select_method, density))
+            } else {
+                ("rgc-quant", prof.select_fit("quant", density))
+            };
+            let m = codec_wire_bytes(codec, n, density).unwrap_or(0.0);
+            Option_ {
+                id,
+                group: GroupKind::Sparse,
+                bytes: m + toc,
+                local: fit.at(nf) + unpack(m),
+            }
+        }
+        StrategyId::GradiveqRing => Option_ {
+            id,
+            group: GroupKind::Gradiveq,
+            bytes: 4.0 * nf / q.gradiveq_ratio,
+            local: gradiveq_ring(prof, n, q.p, q.gradiveq_ratio),
+        },
+        codec => {
+            let fit = prof.codecs.get(codec.name()).copied().unwrap_or_default();
+            let w = match fit.bytes_per_element {
+                Some(b) => 12.0 + b * nf,
+                None => codec_wire_bytes(codec.name(), n, density)
+                    .unwrap_or_else(|| 12.0 + nominal_bytes_per_element(codec.name()) * nf),
+            };
+            Option_ {
+                id,
+                group: GroupKind::Sparse,
+                bytes: w + toc,
+                local: fit.encode.at(nf) + p * fit.decode.at(nf),
+            }
+        }
+    }
+}
+
+/// One strategy for one layer synchronized alone (its group's α paid by
+/// it): what [`super::predict`] prints for every strategy.
+pub(super) fn alone(
+    prof: &Profile,
+    q: &StepQuery,
+    n: usize,
+    id: StrategyId,
+    density: f64,
+) -> Prediction {
+    let o = option(prof, q, n, id, density);
+    let pf = q.p as f64;
+    let frac = if q.p > 1 { (pf - 1.0) / pf } else { 0.0 };
+    let (seconds, wire_bytes) = match o.group {
+        GroupKind::Dense => (dense_group(prof, id, o.bytes, q.p), 2.0 * frac * o.bytes),
+        GroupKind::Sparse => {
+            let m = o.bytes + FUSED_HEADER_LEN as f64;
+            (o.local + sparse_group(prof, m, q.p), (pf - 1.0) * m)
+        }
+        GroupKind::Gradiveq => (o.local, 2.0 * frac * o.bytes),
+    };
+    Prediction {
+        id,
+        name: id.name().to_string(),
+        seconds,
+        wire_bytes,
+    }
+}
+
+/// Seconds of the dense group's allreduce of `bytes` with `algo`.
+fn dense_group(prof: &Profile, algo: StrategyId, bytes: f64, p: usize) -> f64 {
+    if bytes <= 0.0 || p <= 1 {
+        return 0.0;
+    }
+    match algo {
+        StrategyId::DenseRing => dense_ring(prof, bytes, p),
+        _ => dense_rabenseifner(prof, bytes, p),
+    }
+}
+
+/// Its α terms (what a group of zero bytes would cost).
+fn dense_alpha(prof: &Profile, algo: StrategyId, p: usize) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    match algo {
+        StrategyId::DenseRing => 2.0 * (p as f64 - 1.0) * prof.alpha,
+        _ => {
+            let fold = if p.is_power_of_two() { 0.0 } else { 1.0 };
+            (2.0 * ceil_lg(p) + fold) * prof.alpha
+        }
+    }
+}
+
+/// Seconds of the fused allgatherv of `m` bytes per rank (the fused
+/// header included; unpacking is the layers').
+fn sparse_group(prof: &Profile, m: f64, p: usize) -> f64 {
+    if m <= 0.0 || p <= 1 {
+        return 0.0;
+    }
+    ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
+}
+
+/// The groups that may be open in one configuration.
+#[derive(Clone, Copy, Debug)]
+struct Open {
+    dense: Option<StrategyId>,
+    sparse: bool,
+}
+
+/// Group sizes of an assignment: dense bytes, sparse bytes (without the
+/// fused header).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sizes {
+    dense: f64,
+    sparse: f64,
+}
+
+impl Sizes {
+    fn add(&mut self, o: &Option_, sign: f64) {
+        match o.group {
+            GroupKind::Dense => self.dense += sign * o.bytes,
+            GroupKind::Sparse => self.sparse += sign * o.bytes,
+            GroupKind::Gradiveq => {}
+        }
+    }
+}
+
+/// What adding `o` to groups of `sizes` costs the step.
+fn marginal(prof: &Profile, p: usize, open: Open, s: Sizes, o: &Option_) -> f64 {
+    let comm = match o.group {
+        GroupKind::Dense => {
+            let algo = open.dense.unwrap_or(StrategyId::DenseRabenseifner);
+            let before = if s.dense > 0.0 {
+                dense_group(prof, algo, s.dense, p)
+            } else {
+                dense_alpha(prof, algo, p)
+            };
+            dense_group(prof, algo, s.dense + o.bytes, p) - before
+        }
+        GroupKind::Sparse => {
+            let h = FUSED_HEADER_LEN as f64;
+            let before = if s.sparse > 0.0 {
+                sparse_group(prof, s.sparse + h, p)
+            } else {
+                ceil_lg(p) * prof.alpha
+            };
+            sparse_group(prof, s.sparse + h + o.bytes, p) - before
+        }
+        GroupKind::Gradiveq => 0.0,
+    };
+    comm + o.local
+}
+
+fn check(q: &StepQuery) -> Result<()> {
+    if q.p == 0 {
+        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
+    }
+    if !(q.density > 0.0 && q.density <= 1.0) {
+        return Err(Error::InvalidArgument(format!(
+            "density {} must lie in (0, 1]",
+            q.density
+        )));
+    }
+    if !(q.gradiveq_ratio >= 1.0 && q.gradiveq_ratio.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "GradiVeQ ratio {} must be at least 1",
+            q.gradiveq_ratio
+        )));
+    }
+    Ok(())
+}
+
+/// The strategies free layers choose among.
+fn candidates(prof: &Profile, q: &StepQuery) -> Vec<StrategyId> {
+    if q.allowed.is_empty() {
+        super::default_candidates(prof)
+    } else {
+        let mut v = q.allowed.clone();
+        v.dedup();
+        v
+    }
+}
+
+/// Choose every [`LayerKind::Auto`] layer's strategy so that the predicted
+/// step is the fastest (module docs), and predict that step.
+pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<StepPlan> {
+    check(q)?;
+    let cands = candidates(prof, q);
+    if cands.is_empty() {
+        return Err(Error::InvalidArgument("no strategy to choose from".into()));
+    }
+    let p = q.p;
+    let fixed: Vec<Option<Option_>> = layers
+        .iter()
+        .map(|l| match l.kind {
+            LayerKind::Auto => None,
+            LayerKind::Fixed(id, d) => Some(option(prof, q, l.n, id, d)),
+        })
+        .collect();
+    // The dense algorithm a fixed dense layer forces (the engine fuses all
+    // dense layers into one allreduce).
+    let forced_dense = fixed.iter().flatten().find_map(|o| match o.group {
+        GroupKind::Dense => Some(o.id),
+        _ => None,
+    });
+    let forced_sparse = fixed.iter().flatten().any(|o| o.group == GroupKind::Sparse);
+    let dense_algos: Vec<StrategyId> = match forced_dense {
+        Some(a) => vec![a],
+        None => cands
+            .iter()
+            .copied()
+            .filter(|c| matches!(c, StrategyId::DenseRabenseifner | StrategyId::DenseRing))
+            .collect(),
+    };
+    let has_sparse = cands
+        .iter()
+        .any(|c| option(prof, q, 1, *c, q.density).group == GroupKind::Sparse);
+    let mut configs = Vec::new();
+    let dense_opts: Vec<Option<StrategyId>> = if forced_dense.is_some() {
+        dense_algos.iter().map(|a| Some(*a)).collect()
+    } else {
+        // Dense configurations first: on a tie (p = 1) the plan keeps
+        // dense, as `choose` does (dense strategies come first).
+        dense_algos
+            .iter()
+            .map(|a| Some(*a))
+            .chain(std::iter::once(None))
+            .collect()
+    };
+    for d in &dense_opts {
+        for s in [false, true] {
+            if s && !has_sparse && !forced_sparse {
+                continue;
+            }
+            if !s && forced_sparse {
+                continue;
+            }
+            configs.push(Open {
+                dense: *d,
+                sparse: s,
+            });
+        }
+    }
+    let mut best: Option<(f64, Vec<Option_>)> = None;
+    for open in configs {
+        let opts: Vec<Vec<Option_>> = layers
+            .iter()
+            .map(|l| {
+                cands
+                    .iter()
+                    .map(|c| option(prof, q, l.n, *c, q.density))
+                    .filter(|o| match o.group {
+                        GroupKind::Dense => open.dense == Some(o.id),
+                        GroupKind::Sparse => open.sparse,
+                        GroupKind::Gradiveq => true,
+                    })
+                    .collect()
+            })
+            .collect();
+        if layers
+            .iter()
+            .zip(&opts)
+            .any(|(l, o)| l.kind == LayerKind::Auto && o.is_empty())
+        {
+            continue;
+        }
+        let mut sizes = Sizes::default();
+        let mut assign: Vec<Option<Option_>> = fixed.clone();
+        for o in assign.iter().flatten() {
+            sizes.add(o, 1.0);
+        }
+        for _pass in 0..3 {
+            for (i, l) in layers.iter().enumerate() {
+                if l.kind != LayerKind::Auto {
+                    continue;
+                }
+                if let Some(o) = &assign[i] {
+                    sizes.add(o, -1.0);
+                }
+                let pick = opts[i]
+                    .iter()
+                    .min_by(|a, b| {
+                        marginal(prof, p, open, sizes, a)
+                            .total_cmp(&marginal(prof, p, open, sizes, b))
+                    })
+                    .copied()
+                    .expect("options checked non-empty");
+                sizes.add(&pick, 1.0);
+                assign[i] = Some(pick);
+            }
+        }
+        let assign: Vec<Option_> = assign.into_iter().flatten().collect();
+        let total = total_seconds(prof, p, open.dense, &assign);
+        if best.as_ref().is_none_or(|(t, _)| total < *t) {
+            best = Some((total, assign));
+        }
+    }
+    let (_, assign) =
+        best.ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
+    Ok(describe(prof, q, layers, &assign))
+}
+
+/// Predict the step of a table whose every layer's strategy is given
+/// (`choice[i]` at `q.density`, or the fixed one), without choosing.
+pub fn predict_step(
+    prof: &Profile,
+    q: &StepQuery,
+    layers: &[StepLayer],
+    choice: &[StrategyId],
+) -> Result<StepPlan> {
+    check(q)?;
+    if choice.len() != layers.len() {
+        return Err(Error::InvalidArgument(format!(
+            "{} choices for {} layers",
+            choice.len(),
+            layers.len()
+        )));
+    }
+    let assign: Vec<Option_> = layers
+        .iter()
+        .zip(choice)
+        .map(|(l, c)| match l.kind {
+            LayerKind::Fixed(id, d) => option(prof, q, l.n, id, d),
+            LayerKind::Auto => option(prof, q, l.n, *c, q.density),
+        })
+        .collect();
+    Ok(describe(prof, q, layers, &assign))
+}
+
+/// The dense algorithm of an assignment (the first dense layer's).
+fn dense_algo(assign: &[Option_]) -> Option<StrategyId> {
+    assign
+        .iter()
+        .find(|o| o.group == GroupKind::Dense)
+        .map(|o| o.id)
+}
+
+fn total_seconds(prof: &Profile, p: usize, dense: Option<StrategyId>, assign: &[Option_]) -> f64 {
+    let mut s = Sizes::default();
+    let mut t = 0.0;
+    for o in assign {
+        s.add(o, 1.0);
+        t += o.local;
+    }
+    let algo = dense
+        .or_else(|| dense_algo(assign))
+        .unwrap_or(StrategyId::DenseRabenseifner);
+    t += dense_group(prof, algo, s.dense, p);
+    if s.sparse > 0.0 {
+        t += sparse_group(prof, s.sparse + FUSED_HEADER_LEN as f64, p);
+    }
+    t
+}
+
+fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Option_]) -> StepPlan {
+    let p = q.p;
+    let pf = p as f64;
+    let algo = dense_algo(assign).unwrap_or(StrategyId::DenseRabenseifner);
+    let mut sizes = Sizes::default();
+    for o in assign {
+        sizes.add(o, 1.0);
+    }
+    let open = Open {
+        dense: Some(algo),
+        sparse: true,
+    };
+    let mut out_layers = Vec::with_capacity(layers.len());
+    let mut dense = GroupPlan {
+        kind: GroupKind::Dense,
+        algorithm: algo,
+        layers: 0,
+        elements: 0,
+        message_bytes: 0.0,
+        wire_bytes: 0.0,
+        comm_s: 0.0,
+        local_s: 0.0,
+    };
+    let mut sparse = GroupPlan {
+        kind: GroupKind::Sparse,
+        algorithm: StrategyId::SparseAllgather,
+        message_bytes: FUSED_HEADER_LEN as f64,
+        ..dense.clone()
+    };
+    let mut gvq = Vec::new();
+    for (l, o) in layers.iter().zip(assign) {
+        // The layer's marginal cost against the rest of the step.
+        let mut rest = sizes;
+        rest.add(o, -1.0);
+        let marginal_s = if o.group == GroupKind::Gradiveq {
+            o.local
+        } else {
+            marginal(prof, p, open, rest, o)
+        };
+        let density = match l.kind {
+            LayerKind::Fixed(_, d) => d,
+            LayerKind::Auto => q.density,
+        };
+        let alone_s = alone(prof, q, l.n, o.id, density).seconds;
+        out_layers.push(LayerPlan {
+            name: l.name.clone(),
+            elements: l.n,
+            choice: o.id,
+            group: o.group,
+            auto: l.kind == LayerKind::Auto,
+            message_bytes: o.bytes,
+            local_s: o.local,
+            marginal_s,
+            alone_s,
+        });
+        let g = match o.group {
+            GroupKind::Dense => &mut dense,
+            GroupKind::Sparse => &mut sparse,
+            GroupKind::Gradiveq => {
+                let wire = if p > 1 {
+                    2.0 * (pf - 1.0) / pf * o.bytes
+                } else {
+                    0.0
+                };
+                gvq.push(GroupPlan {
+                    kind: GroupKind::Gradiveq,
+                    algorithm: StrategyId::GradiveqRing,
+                    layers: 1,
+                    elements: l.n,
+                    message_bytes: o.bytes,
+                    wire_bytes: wire,
+                    comm_s: 0.0,
+                    local_s: o.local,
+                });
+                continue;
+            }
+        };
+        g.layers += 1;
+        g.elements += l.n;
+        g.message_bytes += o.bytes;
+        g.local_s += o.local;
+    }
+    let mut groups = Vec::new();
+    if dense.layers > 0 {
+        dense.comm_s = dense_group(prof, algo, dense.message_bytes, p);
+        dense.wire_bytes = if p > 1 {
+            2.0 * (pf - 1.0) / pf * dense.message_bytes
+        } else {
+            0.0
+        };
+        groups.push(dense);
+    }
+    if sparse.layers > 0 {
+        sparse.comm_s = sparse_group(prof, sparse.message_bytes, p);
+        sparse.wire_bytes = (pf - 1.0) * sparse.message_bytes;
+        groups.push(sparse);
+    }
+    groups.extend(gvq);
+    let seconds = groups.iter().map(|g| g.comm_s + g.local_s).sum();
+    let wire_bytes = groups.iter().map(|g| g.wire_bytes).sum();
+    StepPlan {
+        ranks: p,
+        density: q.density,
+        layers: out_layers,
+        groups,
+        seconds,
+        wire_bytes,
+    }
+}
