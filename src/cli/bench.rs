@@ -18,7 +18,9 @@ use serde::Serialize;
 pub struct BenchArgs {
     /// Collective: allreduce (f32 sum, in place), allgatherv (bytes per
     /// rank), sparse (the engine's sparse synchronization vs dense
-    /// MPI_Allreduce) or gradiveq (compressed-domain ring vs ring and QSGD ring).
+    /// MPI_Allreduce), gradiveq (compressed-domain ring vs ring and QSGD
+    /// ring) or step (the engine on a whole layer table vs the step model
+    /// and MPI_Allreduce).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
     /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|all.
@@ -59,9 +61,18 @@ pub struct BenchArgs {
     /// string is used as given; `--density` with another value is an error.
     #[arg(long)]
     pub density: Option<f64>,
-    /// `--op sparse`: number of layers, fused into one allgatherv.
-    #[arg(long, default_value_t = 1)]
-    pub layers: usize,
+    /// `--op sparse`: number of layers, fused into one allgatherv;
+    /// `--op step`: the layers file (JSON, see `examples/layers/`).
+    #[arg(long, default_value = "1")]
+    pub layers: String,
+    /// `--op step`: a calibrated profile; the plan (`cost::plan_step`)
+    /// chooses every layer's strategy and predicts the step.
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
+    /// `--op step`: strategies the plan chooses among (comma list of
+    /// cost-model names; default: what `Strategy::Auto` chooses among).
+    #[arg(long, default_value = "")]
+    pub strategies: String,
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,
@@ -385,6 +396,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     match a.op.as_str() {
         "sparse" => return super::sparse_bench::run(comm, a),
         "gradiveq" => return super::gradiveq_bench::run(comm, a),
+        "step" => return super::step_bench::run(comm, a),
         _ => {}
     }
     let (op, sizes) = agree_inputs(comm, dense_inputs(a), |(op, sizes)| {

@@ -8,6 +8,7 @@ mod codecs;
 mod gradiveq_bench;
 mod model;
 mod sparse_bench;
+mod step_bench;
 mod verify;
 
 use crate::comm::MpiComm;
@@ -24,6 +25,7 @@ pub use model::{
     PredictRecord,
 };
 pub use sparse_bench::SparseRecord;
+pub use step_bench::{StepGroupRecord, StepLayerRecord, StepRecord};
 pub use verify::VerifyArgs;
 
 /// gradsync: gradient synchronization for data-parallel training over MPI.

@@ -84,6 +84,8 @@ const DEFAULT_DENSITY: f64 = 0.001;
 struct Inputs {
     /// Layer sizes (bytes, multiples of 4).
     sizes: Vec<usize>,
+    /// `--layers`: number of layers.
+    layers: usize,
     /// The layers' strategy (`Dense` for `--codec dense`).
     strategy: Strategy,
     /// The density used, for codecs with one.
@@ -108,7 +110,13 @@ fn density_key(codec: &CodecConfig) -> Option<&'static str> {
 /// warning.
 fn inputs(a: &BenchArgs) -> Result<Inputs> {
     check_common(a)?;
-    if a.layers == 0 {
+    let layers: usize = a.layers.trim().parse().map_err(|_| {
+        Error::InvalidArgument(format!(
+            "--layers {:?}: --op sparse takes a number of layers",
+            a.layers
+        ))
+    })?;
+    if layers == 0 {
         return Err(Error::InvalidArgument(
             "--layers 0: must be at least 1".into(),
         ));
@@ -131,6 +139,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         }
         return Ok(Inputs {
             sizes,
+            layers,
             strategy: Strategy::Dense,
             density: None,
             allgather,
@@ -186,6 +195,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
     };
     Ok(Inputs {
         sizes,
+        layers,
         strategy: Strategy::Sparse {
             codec,
             density: None,
@@ -210,7 +220,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let mut m = common_must_match(a);
         m.push(("--codec", strategy_params(&i.strategy)));
         m.push(("--bytes", format!("{:?}", i.sizes)));
-        m.push(("--layers", a.layers.to_string()));
+        m.push(("--layers", i.layers.to_string()));
         m.push(("--allgather", i.allgather.name().to_string()));
         m.push(("--overlap", a.overlap.to_string()));
         m
@@ -264,10 +274,10 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
         ..Config::default()
     };
     let mut s = GradSync::new(world, cfg)?;
-    let ids: Vec<LayerId> = (0..a.layers)
+    let ids: Vec<LayerId> = (0..inp.layers)
         .map(|l| s.register_with(&format!("layer{l}"), &[n], strategy.clone()))
         .collect::<Result<_>>()?;
-    let input: Vec<Vec<f32>> = (0..a.layers)
+    let input: Vec<Vec<f32>> = (0..inp.layers)
         .map(|l| synthetic(n, "normal", (rank * 1000 + l) as u64 + 1))
         .collect::<Result<_>>()?;
     let mut work = input.clone();
@@ -349,7 +359,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
         ranks: p,
         bytes: n * 4,
         density: inp.density,
-        layers: a.layers,
+        layers: inp.layers,
         iters: a.iters,
         median_s: med,
         min_s: t.iter().copied().fold(f64::INFINITY, f64::min),

@@ -1,0 +1,424 @@
+//! `gradsync bench --op step`: the engine ([`crate::sync::GradSync::sync`])
+//! on a whole model's layer table, against the step model's prediction
+//! ([`crate::cost::plan_step`]) and against the MPI library's own
+//! `MPI_Allreduce` of the same gradients fused into one buffer (what a
+//! Horovod-style dense job does), interleaved in the same run.
+//!
+//! Every layer gets random gradients of its own magnitude (a normal
+//! distribution whose scale is drawn log-uniformly in `[1e-5, 1e-1]` per
+//! layer, the same on every rank; the values differ by rank), so that the
+//! selection sees a realistic spread across layers. The strategy of each
+//! layer is the plan's: with `--profile`, `plan_step` over `--strategies`
+//! (default: what `Strategy::Auto` chooses among); without a profile, the
+//! engine's default (dense below its compression threshold, else RGC).
+
+use super::bench::{
+    agree_inputs, check_common, common_must_match, flag_error, median, time_interleaved, timed,
+    BenchArgs,
+};
+use super::{max_over_ranks, model, synthetic};
+use crate::codec::RgcMethod;
+use crate::comm::{MpiComm, Transport};
+use crate::cost::{self, GroupKind, LayerKind, Profile, StepLayer, StepQuery, StrategyId};
+use crate::dense::AllreduceAlgo;
+use crate::sync::{Config, GradSync, Strategy};
+use crate::{Error, Result};
+use serde::Serialize;
+
+/// One planned layer of the benchmark.
+#[derive(Serialize, Debug, Clone)]
+pub struct StepLayerRecord {
+    /// Name.
+    pub name: String,
+    /// f32 elements.
+    pub elements: usize,
+    /// Strategy (a cost-model name).
+    pub choice: String,
+    /// Group (`dense`, `sparse`).
+    pub group: GroupKind,
+    /// Predicted marginal seconds (null without a profile).
+    pub predicted_s: Option<f64>,
+}
+
+/// One group of the measured step.
+#[derive(Serialize, Debug, Clone)]
+pub struct StepGroupRecord {
+    /// `dense` or `sparse`.
+    pub kind: GroupKind,
+    /// The collective.
+    pub algorithm: String,
+    /// Layers in it.
+    pub layers: usize,
+    /// Their elements.
+    pub elements: usize,
+    /// This rank's message bytes for the group (measured, rank 0).
+    pub message_bytes: usize,
+    /// Measured median seconds of its collective (slowest rank).
+    pub measured_s: f64,
+    /// Predicted seconds of its collective (null without a profile).
+    pub predicted_s: Option<f64>,
+}
+
+/// The `--json` record of `gradsync bench --op step`.
+#[derive(Serialize, Debug, Clone)]
+pub struct StepRecord {
+    /// `step`.
+    pub op: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// The layers file.
+    pub layers_file: String,
+    /// Layers.
+    pub layers: usize,
+    /// f32 elements of the whole table.
+    pub elements: usize,
+    /// Density of the sparse strategies.
+    pub density: f64,
+    /// What the plan chose among.
+    pub strategies: Vec<String>,
+    /// Timed steps.
+    pub iters: usize,
+    /// Median seconds of one engine step (slowest rank).
+    pub median_s: f64,
+    /// Fastest step.
+    pub min_s: f64,
+    /// The step model's prediction (null without a profile).
+    pub predicted_s: Option<f64>,
+    /// `(predicted_s − median_s) / median_s`.
+    pub rel_error: Option<f64>,
+    /// Median of `MPI_Allreduce` of the whole table fused into one buffer.
+    pub dense_mpi_median_s: f64,
+    /// `dense_mpi_median_s / median_s`.
+    pub speedup_vs_dense: f64,
+    /// Bytes of this rank's messages in one step: its fused sparse
+    /// message plus its fused dense buffer (rank 0).
+    pub wire_bytes_per_rank: usize,
+    /// The step's groups, measured and predicted.
+    pub groups: Vec<StepGroupRecord>,
+    /// Median local seconds of a step (selection, packing, unpacking).
+    pub local_s: f64,
+    /// Per layer, in table order.
+    pub choices: Vec<StepLayerRecord>,
+    /// Layers per strategy.
+    pub choice_counts: std::collections::BTreeMap<String, usize>,
+}
+
+/// The rank-local inputs.
+struct Inputs {
+    path: String,
+    layers: Vec<model::LayerSpec>,
+    profile: Option<Profile>,
+    density: f64,
+    allowed: Vec<StrategyId>,
+}
+
+fn inputs(a: &BenchArgs) -> Result<Inputs> {
+    check_common(a)?;
+    let path = std::path::PathBuf::from(&a.layers);
+    if a.layers.parse::<usize>().is_ok() {
+        return Err(Error::InvalidArgument(format!(
+            "--op step: --layers {:?} must be a layers file (JSON, see examples/layers/), not a count",
+            a.layers
+        )));
+    }
+    let layers = model::read_layers(&path)?;
+    if layers.is_empty() {
+        return Err(Error::file(&path, "no layers"));
+    }
+    if let Some(l) = layers.iter().find(|l| l.elements == 0) {
+        return Err(Error::file(
+            &path,
+            format!("layer {:?} has no elements", l.name),
+        ));
+    }
+    let profile = a
+        .profile
+        .as_ref()
+        .map(|p| Profile::load(p).map_err(|e| flag_error("--profile", e)))
+        .transpose()?;
+    let allowed = cost::parse_list(&a.strategies)
+        .map_err(|e| flag_error(format!("--strategies {:?}", a.strategies), e))?;
+    if let Some(id) = allowed.iter().find(|id| !id.engine_runs()) {
+        return Err(Error::InvalidArgument(format!(
+            "--strategies: the engine cannot run {id} from a plan"
+        )));
+    }
+    if profile.is_none() && !a.strategies.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--strategies needs --profile (the plan chooses among them)".into(),
+        ));
+    }
+    Ok(Inputs {
+        path: a.layers.clone(),
+        layers,
+        profile,
+        density: a.density.unwrap_or(0.001),
+        allowed,
+    })
+}
+
+/// Per layer the engine strategy and cost-model id; the prediction; what
+/// the plan chose among.
+type Planned = (
+    Vec<(Strategy, StrategyId)>,
+    Option<cost::StepPlan>,
+    Vec<StrategyId>,
+);
+
+/// The plan: per layer the engine strategy and the cost-model id, and the
+/// prediction (with a profile).
+fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
+    let Some(prof) = &inp.profile else {
+        // The engine's default without a profile.
+        let v = inp
+            .layers
+            .iter()
+            .map(|l| {
+                if l.elements < cfg.compress_threshold {
+                    (Strategy::Dense, StrategyId::DenseRabenseifner)
+                } else {
+                    (Strategy::rgc(inp.density), StrategyId::SparseAllgather)
+                }
+            })
+            .collect();
+        return Ok((v, None, Vec::new()));
+    };
+    let allowed = if inp.allowed.is_empty() {
+        cost::engine_candidates(cfg.allreduce, cfg.auto_quant)
+    } else {
+        inp.allowed.clone()
+    };
+    let q = StepQuery {
+        p,
+        density: inp.density,
+        select_method: "trimmed".into(),
+        gradiveq_ratio: 8.0,
+        allowed: allowed.clone(),
+    };
+    let table: Vec<StepLayer> = inp
+        .layers
+        .iter()
+        .map(|l| StepLayer {
+            name: l.name.clone(),
+            n: l.elements,
+            kind: LayerKind::Auto,
+        })
+        .collect();
+    let plan = cost::plan_step(prof, &q, &table)?;
+    let v = plan
+        .layers
+        .iter()
+        .map(|l| {
+            l.choice
+                .engine_strategy(inp.density, RgcMethod::Trimmed)
+                .map(|s| (s, l.choice))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!("the engine cannot run {}", l.choice))
+                })
+        })
+        .collect::<Result<_>>()?;
+    Ok((v, Some(plan), allowed))
+}
+
+/// The scale of layer `i`'s gradients: log-uniform in `[1e-5, 1e-1]`,
+/// from a hash of the index (the same on every rank).
+fn layer_scale(i: usize) -> f32 {
+    let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+    // `synthetic` draws with scale 1e-3.
+    (10f64.powf(-5.0 + 4.0 * u) / 1e-3) as f32
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    let inp = agree_inputs(comm, inputs(a), |inp| {
+        let mut m = common_must_match(a);
+        m.push(("--layers", inp.path.clone()));
+        m.push((
+            "layer table",
+            format!(
+                "{} layers, {} elements",
+                inp.layers.len(),
+                inp.layers.iter().map(|l| l.elements).sum::<usize>()
+            ),
+        ));
+        m.push((
+            "--profile",
+            inp.profile.as_ref().map_or_else(String::new, |p| {
+                serde_json::to_string(p).unwrap_or_default()
+            }),
+        ));
+        m.push(("--strategies", format!("{:?}", inp.allowed)));
+        m.push(("--density", inp.density.to_string()));
+        m
+    })?;
+    let (rank, p) = (comm.rank(), comm.size());
+    let mut cfg = Config::default();
+    if inp.allowed.contains(&StrategyId::DenseRing)
+        && !inp.allowed.contains(&StrategyId::DenseRabenseifner)
+    {
+        cfg.allreduce = AllreduceAlgo::Ring;
+    }
+    let (strategies, plan, allowed) = plan(&inp, p, &cfg)?;
+    let algo = cfg.allreduce;
+    let mut s = GradSync::new(comm.communicator(), cfg)?;
+    for (l, (st, _)) in inp.layers.iter().zip(&strategies) {
+        s.register_with(&l.name, &[l.elements], st.clone())?;
+    }
+    let input: Vec<Vec<f32>> = inp
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let k = layer_scale(i);
+            let mut g = synthetic(l.elements, "normal", (rank * 100_003 + i) as u64 + 1)?;
+            g.iter_mut().for_each(|x| *x *= k);
+            Ok(g)
+        })
+        .collect::<Result<_>>()?;
+    let mut work = input.clone();
+    let dense_in: Vec<f32> = input.concat();
+    let mut dense_out = vec![0f32; dense_in.len()];
+    let mut parts: [Vec<f64>; 3] = Default::default();
+    let mut bytes = (0usize, 0usize);
+    let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
+        if k == 0 {
+            return timed(comm, || {
+                comm.native_allreduce_sum(&dense_in, &mut dense_out)
+                    .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
+            });
+        }
+        for (w, i) in work.iter_mut().zip(&input) {
+            w.copy_from_slice(i);
+        }
+        let mut st = None;
+        let t = timed(comm, || {
+            let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
+            st = Some(s.sync(&mut views)?.clone());
+            Ok(())
+        })?;
+        let st = st.expect("sync ran");
+        parts[0].push(st.allgather_s);
+        parts[1].push(st.allreduce_s);
+        parts[2].push(st.select_s + st.pack_s + st.unpack_s);
+        bytes = (st.fused_bytes, st.dense_bytes);
+        Ok(t)
+    })?;
+    let mut med = [0f64; 3];
+    for (m, v) in med.iter_mut().zip(parts.iter_mut()) {
+        let mut tail = v.split_off(a.warmup.min(v.len()));
+        *m = median(&mut tail);
+    }
+    max_over_ranks(comm, &mut med);
+    let dense = median(&mut times[0]);
+    let t = &mut times[1];
+    let median_s = median(t);
+    let min_s = t.iter().copied().fold(f64::INFINITY, f64::min);
+    let mut choices = Vec::new();
+    let mut counts = std::collections::BTreeMap::new();
+    let mut groups: Vec<StepGroupRecord> = Vec::new();
+    for (i, (l, (_, id))) in inp.layers.iter().zip(&strategies).enumerate() {
+        let group = if matches!(id, StrategyId::DenseRabenseifner | StrategyId::DenseRing) {
+            GroupKind::Dense
+        } else {
+            GroupKind::Sparse
+        };
+        *counts.entry(id.name().to_string()).or_insert(0usize) += 1;
+        choices.push(StepLayerRecord {
+            name: l.name.clone(),
+            elements: l.elements,
+            choice: id.name().to_string(),
+            group,
+            predicted_s: plan.as_ref().map(|pl| pl.layers[i].marginal_s),
+        });
+        match groups.iter_mut().find(|g| g.kind == group) {
+            Some(g) => {
+                g.layers += 1;
+                g.elements += l.elements;
+            }
+            None => groups.push(StepGroupRecord {
+                kind: group,
+                algorithm: match group {
+                    GroupKind::Dense => match algo {
+                        AllreduceAlgo::Ring => "dense-ring",
+                        _ => "dense-rabenseifner",
+                    },
+                    _ => "sparse-allgather",
+                }
+                .into(),
+                layers: 1,
+                elements: l.elements,
+                message_bytes: 0,
+                measured_s: 0.0,
+                predicted_s: None,
+            }),
+        }
+    }
+    for g in &mut groups {
+        let (measured, msg) = match g.kind {
+            GroupKind::Dense => (med[1], bytes.1),
+            _ => (med[0], bytes.0),
+        };
+        g.measured_s = measured;
+        g.message_bytes = msg;
+        g.predicted_s = plan
+            .as_ref()
+            .and_then(|pl| pl.groups.iter().find(|x| x.kind == g.kind))
+            .map(|x| x.comm_s);
+    }
+    let predicted_s = plan.as_ref().map(|pl| pl.seconds);
+    let rec = StepRecord {
+        op: "step".into(),
+        ranks: p,
+        layers_file: inp.path.clone(),
+        layers: inp.layers.len(),
+        elements: inp.layers.iter().map(|l| l.elements).sum(),
+        density: inp.density,
+        strategies: allowed.iter().map(|x| x.name().to_string()).collect(),
+        iters: a.iters,
+        median_s,
+        min_s,
+        predicted_s,
+        rel_error: predicted_s.map(|x| (x - median_s) / median_s),
+        dense_mpi_median_s: dense,
+        speedup_vs_dense: dense / median_s,
+        wire_bytes_per_rank: bytes.0 + bytes.1,
+        groups,
+        local_s: med[2],
+        choices,
+        choice_counts: counts,
+    };
+    if rank == 0 {
+        if a.json {
+            println!("{}", serde_json::to_string(&rec)?);
+        } else {
+            println!(
+                "step of {} ({} layers, {} elements) on {p} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; choices {:?}",
+                rec.layers_file,
+                rec.layers,
+                rec.elements,
+                rec.median_s * 1e3,
+                rec.min_s * 1e3,
+                rec.predicted_s
+                    .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3)),
+                rec.dense_mpi_median_s * 1e3,
+                rec.speedup_vs_dense,
+                rec.wire_bytes_per_rank,
+                rec.choice_counts
+            );
+            for g in &rec.groups {
+                println!(
+                    "  group {:?} ({}): {} layers, {} elements, {} bytes/rank, measured {:.3} ms, predicted {}",
+                    g.kind,
+                    g.algorithm,
+                    g.layers,
+                    g.elements,
+                    g.message_bytes,
+                    g.measured_s * 1e3,
+                    g.predicted_s
+                        .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3))
+                );
+            }
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,176 @@
+//! `gradsync bench --op step` under real `mpirun`: the engine on a whole
+//! layer table against the step model and `MPI_Allreduce` (issue #13). Only
+//! the record's consistency is asserted here; timings are for benchmarks.
+
+mod common;
+use common::{gradsync, mpirun};
+use std::path::Path;
+use std::time::Duration;
+
+fn temp(name: &str, body: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gradsync-step-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let f = dir.join(name);
+    std::fs::write(&f, body).expect("write");
+    f
+}
+
+const LAYERS: &str = r#"{"layers": [
+  {"name": "conv", "elements": 40000},
+  {"name": "bn.w", "elements": 64},
+  {"name": "bn.b", "elements": 64},
+  {"name": "fc", "elements": 300000},
+  {"name": "fc.b", "elements": 10}
+]}"#;
+
+fn run(np: usize, args: &[&str]) -> (bool, String, String) {
+    mpirun(np, Path::new(gradsync()), args, Duration::from_secs(120))
+}
+
+#[test]
+fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
+    let layers = temp("layers.json", LAYERS);
+    // A profile whose selection costs make small layers dense: the plan
+    // has two groups.
+    let prof = temp(
+        "profile.json",
+        r#"{"alpha": 2e-6, "beta": 1e-9, "select": {"trimmed": {"a": 2e-5, "b": 1e-9}}}"#,
+    );
+    for np in [1usize, 2, 3] {
+        let (ok, out, err) = run(
+            np,
+            &[
+                "bench",
+                "--op",
+                "step",
+                "--layers",
+                layers.to_str().unwrap(),
+                "--profile",
+                prof.to_str().unwrap(),
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--json",
+            ],
+        );
+        assert!(ok, "np={np}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
+        assert_eq!(v["op"], "step");
+        assert_eq!(v["ranks"], np);
+        assert_eq!(v["layers"], 5);
+        assert_eq!(v["elements"], 340_138);
+        for f in [
+            "median_s",
+            "predicted_s",
+            "dense_mpi_median_s",
+            "speedup_vs_dense",
+        ] {
+            assert!(v[f].as_f64().expect(f) > 0.0 || np == 1, "{f} in {out}");
+        }
+        assert!(v["rel_error"].is_number());
+        let choices = v["choices"].as_array().expect("choices");
+        assert_eq!(choices.len(), 5);
+        // The same plan as `gradsync plan` on the same profile.
+        let (ok, plan, err) = run(
+            1,
+            &[
+                "plan",
+                "--layers",
+                layers.to_str().unwrap(),
+                "--ranks",
+                &np.to_string(),
+                "--profile",
+                prof.to_str().unwrap(),
+                "--strategies",
+                "dense-rabenseifner,sparse-allgather",
+                "--json",
+            ],
+        );
+        assert!(ok, "{err}");
+        let plan: serde_json::Value = serde_json::from_str(plan.trim()).expect("plan JSON");
+        for (c, l) in choices
+            .iter()
+            .zip(plan["layers"].as_array().expect("layers"))
+        {
+            assert_eq!(c["name"], l["name"]);
+            assert_eq!(c["choice"], l["choice"], "np={np}");
+        }
+        if np > 1 {
+            assert_eq!(c_group(choices, "bn.w"), "dense", "{out}");
+            assert_eq!(c_group(choices, "fc"), "sparse", "{out}");
+            let groups = v["groups"].as_array().expect("groups");
+            assert_eq!(groups.len(), 2, "{out}");
+            // Bytes on the wire: the fused dense buffer (bn.w, bn.b, fc.b
+            // and the status word) plus the fused sparse message.
+            let dense = groups.iter().find(|g| g["kind"] == "dense").expect("dense");
+            assert_eq!(dense["message_bytes"], 4 * (64 + 64 + 10));
+            assert!(v["wire_bytes_per_rank"].as_u64().expect("wire") < 4 * 340_138 / 50);
+        }
+    }
+    // Without a profile: the engine's defaults, no prediction.
+    let (ok, out, err) = run(
+        2,
+        &[
+            "bench",
+            "--op",
+            "step",
+            "--layers",
+            layers.to_str().unwrap(),
+            "--iters",
+            "2",
+            "--json",
+        ],
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert!(v["predicted_s"].is_null());
+}
+
+fn c_group(choices: &[serde_json::Value], name: &str) -> String {
+    choices
+        .iter()
+        .find(|c| c["name"] == name)
+        .and_then(|c| c["group"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn step_bad_inputs_name_the_flag_or_file_on_every_rank() {
+    let layers = temp("bad-layers.json", LAYERS);
+    let empty = temp("empty.json", r#"{"layers": []}"#);
+    for (args, wants) in [
+        (vec!["--layers", "3"], vec!["--layers", "layers file"]),
+        (
+            vec!["--layers", empty.to_str().unwrap()],
+            vec![empty.to_str().unwrap(), "no layers"],
+        ),
+        (
+            vec![
+                "--layers",
+                layers.to_str().unwrap(),
+                "--strategies",
+                "sparse-allgather",
+            ],
+            vec!["--strategies", "--profile"],
+        ),
+        (
+            vec![
+                "--layers",
+                layers.to_str().unwrap(),
+                "--profile",
+                "/nonexistent.json",
+            ],
+            vec!["--profile", "/nonexistent.json"],
+        ),
+    ] {
+        let mut a = vec!["bench", "--op", "step", "--iters", "1"];
+        a.extend(args);
+        let (ok, _, err) = run(2, &a);
+        assert!(!ok, "{a:?} accepted");
+        for w in wants {
+            assert!(err.contains(w), "{w:?} not in {err}");
+        }
+    }
+}
