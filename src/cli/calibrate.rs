@@ -616,6 +616,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         gamma_reduce_curve: Vec::new(),
         select,
         codecs: codec_fits,
+        dense_local: LinearFit::default(),
         gradiveq_compress: LinearFit::default(),
         gradiveq_decompress: LinearFit::default(),
         pingpong: pingpong_fit,

@@ -16,6 +16,9 @@
 //! | `gradiveq-ring` | the ring formula on `N/r` bytes (ratio `r`) plus the compression not hidden behind communication (below) | GradiVeQ Alg. 1 |
 //! | one per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`) | `T_encode(n) + ⌈lg p⌉·α + (p−1)·(w + 32)·β + p·T_decode(n)`, `w` the codec's wire bytes | the codec's message exchanged by the same allgather, each rank decoding `p` messages |
 //!
+//! Dense strategies add the engine's local cost of a dense layer,
+//! `T_dense_local(n)` (fusing, momentum, unfusing; zero unless calibrated).
+//!
 //! The non-power-of-two term: gradsync's Rabenseifner folds the first `2r`
 //! ranks (`r = p − 2^⌊lg p⌋`) as Open MPI does: partners swap halves and
 //! reduce one each (`α + ½N·β + ½N·γ`), the odd rank hands its reduced half
@@ -82,6 +85,11 @@ pub struct LinearFit {
 }
 
 impl LinearFit {
+    /// Whether both coefficients are zero (not measured).
+    pub fn is_zero(&self) -> bool {
+        self.a == 0.0 && self.b == 0.0
+    }
+
     /// Evaluate at `n` elements.
     pub fn at(&self, n: f64) -> f64 {
         self.a + self.b * n
@@ -295,6 +303,12 @@ pub struct Profile {
     /// Per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`).
     #[serde(default)]
     pub codecs: BTreeMap<String, CodecFit>,
+    /// The engine's local cost of one dense layer per step: copying it
+    /// into the fused dense buffer, the momentum update and copying the
+    /// average out (`n` elements; zero when not measured). The step model
+    /// charges it to every dense layer ([`plan_step`]).
+    #[serde(default, skip_serializing_if = "LinearFit::is_zero")]
+    pub dense_local: LinearFit,
     /// GradiVeQ compression of a whole layer.
     #[serde(default)]
     pub gradiveq_compress: LinearFit,
@@ -343,6 +357,7 @@ impl Profile {
             gamma_reduce_curve: Vec::new(),
             select: BTreeMap::new(),
             codecs: BTreeMap::new(),
+            dense_local: LinearFit::default(),
             gradiveq_compress: LinearFit::default(),
             gradiveq_decompress: LinearFit::default(),
             pingpong: LinearFit::default(),
@@ -384,6 +399,7 @@ impl Profile {
                 ]
             }))
             .chain([
+                ("dense_local".to_string(), self.dense_local),
                 ("gradiveq_compress".to_string(), self.gradiveq_compress),
                 ("gradiveq_decompress".to_string(), self.gradiveq_decompress),
             ]);

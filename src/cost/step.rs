@@ -189,7 +189,7 @@ fn option(prof: &Profile, q: &StepQuery, n: usize, id: StrategyId, density: f64)
             id,
             group: GroupKind::Dense,
             bytes: 4.0 * nf,
-            local: 0.0,
+            local: prof.dense_local.at(nf),
         },
         StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
             let (codec, fit) = if id == StrategyId::SparseAllgather {
@@ -241,7 +241,10 @@ pub(super) fn alone(
     let pf = q.p as f64;
     let frac = if q.p > 1 { (pf - 1.0) / pf } else { 0.0 };
     let (seconds, wire_bytes) = match o.group {
-        GroupKind::Dense => (dense_group(prof, id, o.bytes, q.p), 2.0 * frac * o.bytes),
+        GroupKind::Dense => (
+            o.local + dense_group(prof, id, o.bytes, q.p),
+            2.0 * frac * o.bytes,
+        ),
         GroupKind::Sparse => {
             let m = o.bytes + FUSED_HEADER_LEN as f64;
             (o.local + sparse_group(prof, m, q.p), (pf - 1.0) * m)

@@ -480,7 +480,7 @@ fn a_second_group_opens_only_when_it_pays() {
                 "trimmed",
             )
             .expect("predict");
-            let c = choose(&preds, &[]).expect("choice");
+            let c = choose(&preds, &default_candidates(&pr)).expect("choice");
             assert_eq!(plan.layers[0].choice, c.id, "n={n} p={p}");
             assert!(rel(plan.seconds, c.seconds) < 1e-12, "n={n} p={p}");
         }
