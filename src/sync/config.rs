@@ -4,7 +4,7 @@
 //! density schedule), SBC's communication delay, momentum, weight decay,
 //! local clipping (§5.5) and the NaN/Inf policy, with their rank-local
 //! validity checks. Plain data: what a step does with them is decided in
-//! the step plan (per-step policy) and [`layer`](super::layer)
+//! [`plan`](super::plan) (per-step policy) and [`layer`](super::layer)
 //! (Algorithm 4's math).
 
 use crate::codec::{CodecConfig, RgcMethod};

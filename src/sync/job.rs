@@ -8,12 +8,14 @@
 //! ([`crate::failure`]). Also the between-steps status agreement used by
 //! snapshot restores.
 
-use super::GradSync;
+use super::layer::Layer;
+use super::plan::StepPlan;
+use super::{Config, GradSync};
 use crate::comm::Transport;
 use crate::dense::{
     allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
-use crate::sparse::{failure_text, fused_allgather};
+use crate::sparse::{failure_text, fused_allgather, write_failed, write_fused, EntryKind};
 use crate::{Error, Result};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -255,6 +257,120 @@ impl<C: Transport + Send + 'static> Drop for GradSync<C> {
             if let Ok(comm) = w.thread.join() {
                 drop(comm);
             }
+        }
+    }
+}
+
+impl Job {
+    /// Pack the step as `plan` says: the dense status word after the fused
+    /// dense buffer (filled by the local phase), this rank's fused sparse
+    /// message (or its failure marker when `local` failed), and the
+    /// collectives to run.
+    pub(super) fn pack(
+        &mut self,
+        plan: &StepPlan,
+        layers: &[Layer],
+        cfg: &Config,
+        local: &Result<()>,
+    ) {
+        let step = plan.step;
+        let dense_len = plan.dense.elems;
+        // Dense layers: the status word after the fused buffer (0 = ok).
+        self.dense.resize(dense_len + 1, 0.0);
+        self.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
+        self.dense_len = dense_len;
+        match local {
+            Ok(()) => write_fused(
+                &mut self.fused,
+                step,
+                plan.sparse.ids.iter().map(|&i| {
+                    let l = &layers[i as usize];
+                    let kind = if l.non_finite {
+                        EntryKind::NonFinite
+                    } else {
+                        EntryKind::Unit
+                    };
+                    (i, kind, if l.non_finite { &[][..] } else { &l.unit[..] })
+                }),
+            ),
+            Err(e) => write_failed(&mut self.fused, step, &e.to_string()),
+        }
+        self.step = Some(step);
+        self.local_failed = local.as_ref().err().map(|e| e.to_string());
+        self.do_gather = plan.gather;
+        self.do_gvq = plan.rings;
+        self.do_reduce = plan.reduce;
+        self.gvq_s = 0.0;
+        self.gather_algo = Some(cfg.allgather);
+        self.reduce_algo = Some(cfg.allreduce);
+        self.allgather_s = 0.0;
+        self.allreduce_s = 0.0;
+        self.result = None;
+        if !self.do_gather && !plan.sparse.ids.is_empty() {
+            // One rank: the gathered data is our own message.
+            self.gathered.data.clear();
+            self.gathered.data.extend_from_slice(&self.fused);
+            self.gathered.displs.clear();
+            self.gathered.displs.extend([0, self.fused.len()]);
+        }
+    }
+}
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Run the packed `job`'s collectives: on the progress thread when
+    /// overlap is on and allowed (true is returned; [`collect`](Self::collect)
+    /// gets the job back), else here. A step without any collective (a
+    /// delayed local step, one rank) only records `local`'s outcome, as
+    /// this rank's alone.
+    pub(super) fn communicate(&mut self, mut job: Box<Job>, local: &Result<()>) -> bool {
+        if !(job.do_gather || job.do_reduce || job.do_gvq) {
+            job.result = Some(match local {
+                Ok(()) => Ok(()),
+                // No exchange this step (a delayed local step or one rank):
+                // the error is this rank's alone.
+                Err(e) => Err(Error::RankFailed {
+                    rank: self.rank,
+                    others: 0,
+                    step: job.step,
+                    message: e.to_string(),
+                }),
+            });
+            self.job = Some(job);
+            return false;
+        }
+        if self.cfg.overlap && self.ensure_worker() {
+            let w = self.worker.as_ref().expect("worker just ensured");
+            if let Err(mpsc::SendError(job)) = w.jobs.send(job) {
+                // The progress thread is gone (it panicked): peers may
+                // be waiting for this rank's part of the step.
+                let comm = self.comm.as_ref();
+                drop(job);
+                let msg = "gradsync: the progress thread has exited";
+                match comm {
+                    Some(c) => c.abort(1, msg),
+                    None => panic!("{msg}"),
+                }
+            }
+            self.in_flight = true;
+            true
+        } else {
+            job.run(self.comm.as_ref().expect("transport held without a worker"));
+            self.job = Some(job);
+            false
+        }
+    }
+
+    /// The step's job back from the progress thread (blocking until its
+    /// round is done), or from this thread.
+    pub(super) fn collect(&mut self) -> Result<Box<Job>> {
+        if self.in_flight {
+            self.in_flight = false;
+            let w = self.worker.as_ref().expect("in-flight job has a worker");
+            w.done
+                .recv()
+                .map_err(|_| Error::Transport("progress thread has exited".into()))
+        } else {
+            Ok(self.job.take().expect("job buffers present"))
         }
     }
 }

@@ -7,24 +7,17 @@
 //! SBC's communication delay (local directions accumulated in `acc`,
 //! subtracted again through `prev`); Lin et al.'s local gradient clipping
 //! (§5.5). [`GradSync::local_phase`] runs it over the table as the step's
-//! plan says, after validating this rank's inputs. No
-//! communication here.
+//! [plan](super::plan) says (mode and codec density of each layer), after
+//! validating this rank's inputs. No policy and no communication here.
 
 use super::job::{GvqEntry, Job};
-use super::{GradSync, LayerStats, Strategy, Warmup};
-use crate::codec::{Codec, CodecConfig};
+use super::plan::Mode;
+use super::{GradSync, LayerStats, Strategy};
+use crate::codec::Codec;
 use crate::comm::Transport;
 use crate::{Error, Result};
 use rayon::prelude::*;
 use std::time::Instant;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Mode {
-    Gradiveq,
-    Dense,
-    Sparse,
-    Local,
-}
 
 pub(super) struct Layer {
     pub(super) name: String,
@@ -46,15 +39,12 @@ pub(super) struct Layer {
     pub(super) unit: Vec<u8>,
     /// GradiVeQ state (moved into the communication job during a step).
     pub(super) gvq: Option<crate::gradiveq::schedule::GradiveqLayer>,
-    pub(super) mode: Mode,
     /// Density the codec was last set to.
     pub(super) cur_density: Option<f64>,
     pub(super) non_finite: bool,
     /// This step's unit was subtracted from the residual (undone by
     /// `unsend` when the step fails).
     pub(super) sent: bool,
-    /// Offset in the fused dense buffer.
-    pub(super) dense_off: usize,
     pub(super) stats: LayerStats,
 }
 
@@ -83,7 +73,6 @@ struct StepParams {
     nesterov: bool,
     wd: f32,
     delay: bool,
-    stage_density: Option<f64>,
 }
 
 /// `g_eff[i] = factor·g[i] + wd·w[i]`.
@@ -142,7 +131,13 @@ impl Layer {
 
     /// Sparse step: accumulate into the residual, encode, keep what was not
     /// sent.
-    fn compress(&mut self, g: &[f32], w: Option<&[f32]>, p: &StepParams) -> Result<()> {
+    fn compress(
+        &mut self,
+        g: &[f32],
+        w: Option<&[f32]>,
+        p: &StepParams,
+        want: Option<f64>,
+    ) -> Result<()> {
         let t0 = Instant::now();
         if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
             self.non_finite = true;
@@ -168,10 +163,6 @@ impl Layer {
             }
         }
         let codec = self.codec.as_mut().expect("sparse layer has a codec");
-        let want = p.stage_density.or(match &self.strategy {
-            Strategy::Sparse { density, codec } => density.or_else(|| config_density(codec)),
-            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
-        });
         if want != self.cur_density {
             if let Some(d) = want {
                 // Codecs without a density keep their own (documented).
@@ -335,26 +326,27 @@ impl Layer {
         }
     }
 
-    pub(super) fn fill_stats(&mut self, _p: usize) {
+    /// Clear the per-step flags and timers before a step.
+    pub(super) fn begin_step(&mut self) {
+        self.non_finite = false;
+        self.sent = false;
+        self.stats.select_s = 0.0;
+        self.stats.unpack_s = 0.0;
+    }
+
+    /// The ratio (and, for a local step, codec and density) of this step's
+    /// stats, once the step is done.
+    pub(super) fn fill_stats(&mut self, mode: Mode) {
         let s = &mut self.stats;
         s.ratio = if s.bytes_sent == 0 {
             f64::INFINITY
         } else {
             (4 * self.n) as f64 / s.bytes_sent as f64
         };
-        if self.mode == Mode::Local {
+        if mode == Mode::Local {
             s.codec = "none".into();
             s.density = 0.0;
         }
-    }
-}
-
-/// The density parameter of a codec configuration, if it has one.
-pub(super) fn config_density(c: &CodecConfig) -> Option<f64> {
-    match c {
-        CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => Some(*density),
-        CodecConfig::Sbc { p } => Some(*p),
-        _ => None,
     }
 }
 
@@ -368,10 +360,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
         job: &mut Job,
-        dense_len: usize,
     ) -> Result<()> {
+        let plan = &self.plan;
         job.dense.clear();
-        job.dense.resize(dense_len, 0.0);
+        job.dense.resize(plan.dense.elems, 0.0);
         for e in &mut job.gvq {
             e.state = None;
         }
@@ -408,14 +400,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         let cfg = &self.cfg;
-        let step = self.step;
-        let stage_density = match &cfg.warmup {
-            Warmup::Density {
-                schedule,
-                steps_per_stage,
-            } => schedule.get((step / steps_per_stage) as usize).copied(),
-            _ => None,
-        };
         // Local clipping: one factor for all layers of this rank.
         let factor = match cfg.clip_norm {
             Some(c) => {
@@ -433,25 +417,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             None => 1.0,
         };
-        let sparse_elems: usize = self
-            .layers
-            .iter()
-            .filter(|l| l.mode == Mode::Sparse)
-            .map(|l| l.n)
-            .sum();
         let params = StepParams {
             factor,
             momentum: cfg.momentum,
             nesterov: cfg.nesterov,
             wd: cfg.weight_decay,
-            delay: cfg.delay > 1,
-            stage_density,
+            delay: plan.delayed,
         };
         // Sparse and local layers: compress in parallel when it pays.
         let work = |(i, l): (usize, &mut Layer)| -> Result<()> {
             let w = weights.map(|w| w[i]);
-            match l.mode {
-                Mode::Sparse => l.compress(grads[i], w, &params),
+            let lp = &plan.layers[i];
+            match lp.mode {
+                Mode::Sparse => l.compress(grads[i], w, &params, lp.density),
                 Mode::Local => {
                     l.local_step(grads[i], w, &params);
                     Ok(())
@@ -459,11 +437,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Mode::Dense | Mode::Gradiveq => Ok(()),
             }
         };
-        // Parallel only across two or more sparse layers: one layer gains
-        // nothing, and idle rayon workers spinning next to MPI's polling cost
-        // more than they bring on a few cores.
-        let sparse_layers = self.layers.iter().filter(|l| l.mode != Mode::Dense).count();
-        let r = if sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems {
+        let r = if plan.parallel_local {
             self.layers.par_iter_mut().enumerate().try_for_each(work)
         } else {
             self.layers.iter_mut().enumerate().try_for_each(work)
@@ -479,10 +453,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut gi = 0;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let w = weights.map(|w| w[i]);
-            if l.mode == Mode::Dense {
-                let dst = &mut job.dense[l.dense_off..l.dense_off + l.n];
+            let lp = &plan.layers[i];
+            if lp.mode == Mode::Dense {
+                let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
                 l.dense_contribution(grads[i], w, &params, dst);
-            } else if l.mode == Mode::Gradiveq {
+            } else if lp.mode == Mode::Gradiveq {
                 if job.gvq.len() == gi {
                     job.gvq.push(GvqEntry::default());
                 }

@@ -65,11 +65,51 @@
 //! The strategy of a layer is resolved once, at registration:
 //! [`GradSync::resolve`] gives the default, and `Auto` asks the cost model
 //! ([`crate::cost`]) with `Config::profile`.
+//!
+//! # A step
+//!
+//! [`GradSync::start`] and [`GradSync::wait`] read as a script:
+//!
+//! 1. **plan** — every per-step decision, a pure function of (step, options,
+//!    number of ranks, layer table), alike on every rank and tested without
+//!    a transport;
+//! 2. **local math** — this rank's inputs validated, clipping, Algorithm 4
+//!    on sparse layers, the dense layers' fused buffer, the local step of a
+//!    delayed step (no communication);
+//! 3. **pack** — the fused sparse message (or this rank's failure marker),
+//!    the dense status word, the collectives to run;
+//! 4. **communicate** — on the progress thread or inline;
+//! 5. **unpack** (in `wait`) — every rank's units decoded and averaged,
+//!    momentum on dense results, the NaN/Inf policy, the step's stats.
+//!
+//! # Where each decision lives
+//!
+//! | decision | where |
+//! |---|---|
+//! | a layer's strategy (default by size, or the cost model) | registration, `table.rs`: [`GradSync::resolve`], [`GradSync::auto_choice`] over [`crate::cost::choose`] |
+//! | options' validity; GradiVeQ not with `delay > 1` | `config.rs` (`Config::check`), `table.rs` (registration) |
+//! | whether a step communicates (SBC's delay, steps `T−1, 2T−1, ...`) | `plan.rs` |
+//! | each layer's mode this step (dense warm-up, sparse, GradiVeQ, local) | `plan.rs` |
+//! | the codec density this step (density warm-up schedule, else the layer's own) | `plan.rs` |
+//! | dense layers' offsets in the fused buffer; the sparse, GradiVeQ and local groups | `plan.rs` |
+//! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
+//! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
+//! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
+//! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
+//! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
+//! | what a snapshot holds and how a restore is agreed | `snapshot.rs` |
+//!
+//! Files: `config.rs` (options), `plan.rs` (the step planner), `layer.rs`
+//! (layer state and Algorithm 4), `job.rs` (progress job and thread),
+//! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
+//! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings);
+//! this file holds the engine, its constructors and the step script.
 
 mod config;
 mod job;
 mod layer;
 mod options;
+mod plan;
 mod snapshot;
 mod stats;
 mod table;
@@ -81,11 +121,11 @@ pub use stats::{LayerStats, StepStats};
 pub use table::LayerId;
 
 use crate::comm::{MpiComm, Transport};
-use crate::sparse::{write_failed, write_fused, Entry, EntryKind};
+use crate::sparse::Entry;
 use crate::{Error, Result};
 use job::{Job, Worker};
-use layer::{Layer, Mode};
-use std::sync::mpsc;
+use layer::Layer;
+use plan::{plan_step_into, LayerPlanInput, Mode, StepPlan};
 use std::time::Instant;
 use table::{fnv, FNV_OFFSET};
 
@@ -113,6 +153,10 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     size: usize,
     cfg: Config,
     layers: Vec<Layer>,
+    /// The planner's view of the layer table (one row per layer).
+    table: Vec<LayerPlanInput>,
+    /// The current (or last) step's plan.
+    plan: StepPlan,
     table_hash: u64,
     table_checked: bool,
     /// Set (alike on every rank) when the table check failed: the engine
@@ -124,11 +168,11 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     started: Option<StartInfo>,
     entries: Vec<Entry>,
     rank_entries: Vec<Entry>,
-    sparse_ids: Vec<u32>,
     last: StepStats,
     warned_no_thread: bool,
 }
 
+/// What `start` tells `wait` about the step.
 struct StartInfo {
     communicated: bool,
     overlapped: bool,
@@ -179,6 +223,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             worker: None,
             cfg,
             layers: Vec::new(),
+            table: Vec::new(),
+            plan: StepPlan::default(),
             table_hash,
             table_checked: false,
             broken: None,
@@ -188,7 +234,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             started: None,
             entries: Vec::new(),
             rank_entries: Vec::new(),
-            sparse_ids: Vec::new(),
             last: StepStats::default(),
             warned_no_thread: false,
         };
@@ -283,6 +328,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// The step's gradients (and weights), or the caller's own failure.
+    /// The step script's first half: plan → local math → pack → communicate.
     #[allow(clippy::type_complexity)]
     fn start_impl(&mut self, input: Result<(&[&[f32]], Option<&[&[f32]]>)>) -> Result<()> {
         if self.started.is_some() {
@@ -295,113 +341,35 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.check_table()?;
         let t_pack = Instant::now();
         let step = self.step;
-        let communicates = (step + 1) % self.cfg.delay == 0;
-        let dense_len = self.plan_modes(communicates);
+        // 1. Plan: every per-step decision, alike on every rank (plan.rs).
+        plan_step_into(&mut self.plan, step, &self.cfg, self.size, &self.table);
+        for l in &mut self.layers {
+            l.begin_step();
+        }
         let mut job = self.job.take().expect("job buffers present when idle");
-        // The rank-local half of the step. From here on this rank enters the
-        // step's collectives whatever happens, carrying a failure flag if
-        // this half failed, so no peer is left waiting (crate::failure).
+        // 2. Local math (Algorithm 4, layer.rs). From here on this rank
+        // enters the step's collectives whatever happens, carrying a
+        // failure flag if this half failed, so no peer is left waiting
+        // (crate::failure).
         let local = match input {
-            Ok((grads, weights)) => self.local_phase(grads, weights, &mut job, dense_len),
+            Ok((grads, weights)) => self.local_phase(grads, weights, &mut job),
             Err(e) => {
                 job.dense.clear();
-                job.dense.resize(dense_len, 0.0);
+                job.dense.resize(self.plan.dense.elems, 0.0);
                 Err(e)
             }
         };
         if let Err(e) = &local {
             log::debug!("gradsync: rank {} step {step}: {e}", self.rank);
         }
-        // Dense layers: the status word after the fused buffer (0 = ok).
-        job.dense.resize(dense_len + 1, 0.0);
-        job.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
-        job.dense_len = dense_len;
-        self.sparse_ids.clear();
-        self.sparse_ids.extend(
-            self.layers
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.mode == Mode::Sparse)
-                .map(|(i, _)| i as u32),
-        );
-        match &local {
-            Ok(()) => {
-                let layers = &self.layers;
-                write_fused(
-                    &mut job.fused,
-                    step,
-                    self.sparse_ids.iter().map(|&i| {
-                        let l = &layers[i as usize];
-                        let kind = if l.non_finite {
-                            EntryKind::NonFinite
-                        } else {
-                            EntryKind::Unit
-                        };
-                        (i, kind, if l.non_finite { &[][..] } else { &l.unit[..] })
-                    }),
-                );
-            }
-            Err(e) => write_failed(&mut job.fused, step, &e.to_string()),
-        }
-        job.step = Some(step);
-        job.local_failed = local.as_ref().err().map(|e| e.to_string());
-        job.do_gather = !self.sparse_ids.is_empty() && self.size > 1;
-        job.do_gvq = self.layers.iter().any(|l| l.mode == Mode::Gradiveq);
-        // A step with GradiVeQ layers and no fused message carries its
-        // status in a one-word allreduce before the rings.
-        job.do_reduce = dense_len > 0 || (job.do_gvq && !job.do_gather);
-        job.gvq_s = 0.0;
-        job.gather_algo = Some(self.cfg.allgather);
-        job.reduce_algo = Some(self.cfg.allreduce);
-        job.allgather_s = 0.0;
-        job.allreduce_s = 0.0;
-        job.result = None;
-        if !job.do_gather && !self.sparse_ids.is_empty() {
-            // One rank: the gathered data is our own message.
-            job.gathered.data.clear();
-            job.gathered.data.extend_from_slice(&job.fused);
-            job.gathered.displs.clear();
-            job.gathered.displs.extend([0, job.fused.len()]);
-        }
+        // 3. Pack: the fused sparse message and the dense status word (job.rs).
+        job.pack(&self.plan, &self.layers, &self.cfg, &local);
         let select_s: f64 = self.layers.iter().map(|l| l.stats.select_s).sum();
         let pack_s = (t_pack.elapsed().as_secs_f64() - select_s).max(0.0);
-        let mut overlapped = false;
-        if job.do_gather || job.do_reduce || job.do_gvq {
-            if self.cfg.overlap && self.ensure_worker() {
-                let w = self.worker.as_ref().expect("worker just ensured");
-                if let Err(mpsc::SendError(job)) = w.jobs.send(job) {
-                    // The progress thread is gone (it panicked): peers may
-                    // be waiting for this rank's part of the step.
-                    let comm = self.comm.as_ref();
-                    drop(job);
-                    let msg = "gradsync: the progress thread has exited";
-                    match comm {
-                        Some(c) => c.abort(1, msg),
-                        None => panic!("{msg}"),
-                    }
-                }
-                self.in_flight = true;
-                overlapped = true;
-            } else {
-                job.run(self.comm.as_ref().expect("transport held without a worker"));
-                self.job = Some(job);
-            }
-        } else {
-            job.result = Some(match &local {
-                Ok(()) => Ok(()),
-                // No exchange this step (a delayed local step or one rank):
-                // the error is this rank's alone.
-                Err(e) => Err(Error::RankFailed {
-                    rank: self.rank,
-                    others: 0,
-                    step: Some(step),
-                    message: e.to_string(),
-                }),
-            });
-            self.job = Some(job);
-        }
+        // 4. Communicate: on the progress thread, or here (job.rs).
+        let overlapped = self.communicate(job, &local);
         self.started = Some(StartInfo {
-            communicated: communicates,
+            communicated: self.plan.communicates,
             overlapped,
             select_s,
             pack_s,
@@ -409,34 +377,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok(())
     }
 
-    /// The step plan, a pure function of (step, config, layer table): each
-    /// layer's mode and offset in the fused dense buffer. Returns the fused
-    /// dense length. The same on every rank whatever the inputs.
-    fn plan_modes(&mut self, communicates: bool) -> usize {
-        let dense_warmup = matches!(self.cfg.warmup, Warmup::Dense { steps } if self.step < steps);
-        let mut dense_len = 0usize;
-        for l in &mut self.layers {
-            l.mode = if !communicates {
-                Mode::Local
-            } else if l.gvq.is_some() && !dense_warmup {
-                Mode::Gradiveq
-            } else if l.codec.is_none() || dense_warmup {
-                Mode::Dense
-            } else {
-                Mode::Sparse
-            };
-            l.non_finite = false;
-            l.sent = false;
-            l.stats.select_s = 0.0;
-            l.stats.unpack_s = 0.0;
-            if l.mode == Mode::Dense {
-                l.dense_off = dense_len;
-                dense_len += l.n;
-            }
-        }
-        dense_len
-    }
-
+    /// Finish the step started by [`start`](Self::start): `out[i]` receives
     /// layer `i`'s update direction. On [`Error::NonFinite`] every other
     /// layer's result is still written.
     pub fn wait(&mut self, out: &mut [&mut [f32]]) -> Result<&StepStats> {
@@ -445,44 +386,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .take()
             .ok_or_else(|| Error::InvalidArgument("wait without start".into()))?;
         let t_wait = Instant::now();
-        let mut job = if self.in_flight {
-            self.in_flight = false;
-            let w = self.worker.as_ref().expect("in-flight job has a worker");
-            w.done
-                .recv()
-                .map_err(|_| Error::Transport("progress thread has exited".into()))?
-        } else {
-            self.job.take().expect("job buffers present")
-        };
+        let mut job = self.collect()?;
         let wait_s = t_wait.elapsed().as_secs_f64();
         let result = job.result.take().unwrap_or(Ok(()));
-        let r = self.finish(&mut job, out, result);
-        // Reuse the previous step's per-layer records (no allocation once
-        // the names have been copied).
-        let mut layer_stats = std::mem::take(&mut self.last.layers);
-        layer_stats.resize_with(self.layers.len(), LayerStats::default);
-        for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
-            d.clone_from(&l.stats);
-        }
-        self.last = StepStats {
-            step: self.step,
-            communicated: info.communicated,
-            overlapped: info.overlapped,
-            layers: layer_stats,
-            fused_bytes: if self.sparse_ids.is_empty() {
-                0
-            } else {
-                job.fused.len()
-            },
-            dense_bytes: 4 * job.dense_len,
-            select_s: info.select_s,
-            pack_s: info.pack_s,
-            allgather_s: job.allgather_s,
-            allreduce_s: job.allreduce_s,
-            gradiveq_s: job.gvq_s,
-            unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
-            wait_s,
-        };
+        // 5. Unpack (unpack.rs).
+        let r = self.unpack(&mut job, out, result);
+        self.record_stats(&info, &job, wait_s);
         self.job = Some(job);
         // The round happened (every rank sees the same gathered bytes, so
         // ranks fail alike): the counter advances with the state.
@@ -507,9 +416,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// This rank's encoded unit of layer `id` in the last step (empty unless
     /// the layer was sparse).
     pub fn last_unit(&self, id: LayerId) -> &[u8] {
+        let sparse = |i: usize| self.plan.layers.get(i).map(|p| p.mode) == Some(Mode::Sparse);
         self.layers
             .get(id.0)
-            .filter(|l| l.mode == Mode::Sparse && !l.non_finite)
+            .filter(|l| sparse(id.0) && !l.non_finite)
             .map_or(&[][..], |l| &l.unit[..])
     }
 

@@ -2,6 +2,9 @@
 //! ([`StepStats`]) statistics, filled by the local phase, the progress job
 //! and the unpacking, returned by `sync`/`wait`.
 
+use super::job::Job;
+use super::{GradSync, StartInfo};
+use crate::comm::Transport;
 use serde::Serialize;
 
 /// What ran for one layer in one step.
@@ -65,4 +68,37 @@ pub struct StepStats {
     pub unpack_s: f64,
     /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
     pub wait_s: f64,
+}
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Fill [`last_stats`](GradSync::last_stats) from the layers' records and
+    /// the step's job.
+    pub(super) fn record_stats(&mut self, info: &StartInfo, job: &Job, wait_s: f64) {
+        // Reuse the previous step's per-layer records (no allocation once
+        // the names have been copied).
+        let mut layer_stats = std::mem::take(&mut self.last.layers);
+        layer_stats.resize_with(self.layers.len(), LayerStats::default);
+        for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
+            d.clone_from(&l.stats);
+        }
+        self.last = StepStats {
+            step: self.step,
+            communicated: info.communicated,
+            overlapped: info.overlapped,
+            layers: layer_stats,
+            fused_bytes: if self.plan.sparse.ids.is_empty() {
+                0
+            } else {
+                job.fused.len()
+            },
+            dense_bytes: 4 * job.dense_len,
+            select_s: info.select_s,
+            pack_s: info.pack_s,
+            allgather_s: job.allgather_s,
+            allreduce_s: job.allreduce_s,
+            gradiveq_s: job.gvq_s,
+            unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
+            wait_s,
+        };
+    }
 }

@@ -8,7 +8,8 @@
 //! allreduce per registration, one more before the first step; the failure
 //! model of [`crate::failure`]).
 
-use super::layer::{zeros, Layer, Mode};
+use super::layer::{zeros, Layer};
+use super::plan::LayerPlanInput;
 use super::{GradSync, LayerStats, Strategy};
 use crate::codec::{Codec, CodecConfig, RgcMethod};
 use crate::comm::Transport;
@@ -251,17 +252,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             dir: Vec::new(),
             unit: Vec::new(),
             gvq,
-            mode: Mode::Dense,
             cur_density: None,
             non_finite: false,
             sent: false,
-            dense_off: 0,
             stats: LayerStats {
                 name: name.to_string(),
                 auto,
                 ..LayerStats::default()
             },
         };
+        self.table.push(LayerPlanInput::new(n, &layer.strategy));
         self.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
         Ok(LayerId(id))

@@ -3,10 +3,11 @@
 //! codecs through their `decode`), the dense average and GradiVeQ's ring
 //! output with momentum applied (`dense_update`), the delayed steps'
 //! correction, and the NaN/Inf policy. What each layer reads is fixed by
-//! the step's plan (the step plan).
+//! the step's plan ([`plan`](super::plan)).
 
 use super::job::Job;
-use super::layer::{Layer, Mode};
+use super::layer::Layer;
+use super::plan::Mode;
 use super::{GradSync, NonFinitePolicy};
 use crate::comm::Transport;
 use crate::sparse::{parse_fused, unpack_layer, Entry, EntryKind};
@@ -15,7 +16,9 @@ use rayon::prelude::*;
 use std::time::Instant;
 
 impl<C: Transport + Send + 'static> GradSync<C> {
-    pub(super) fn finish(
+    /// Unpack the step's results into `out` (the last part of the step
+    /// script): `comm` is the outcome of the communication round.
+    pub(super) fn unpack(
         &mut self,
         job: &mut Job,
         out: &mut [&mut [f32]],
@@ -62,7 +65,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 .map_or_else(|| format!("#{id}"), |l| l.name.clone())
         };
         // Parse every rank's fused message; entries[l * p + r].
-        let ns = self.sparse_ids.len();
+        let plan = &self.plan;
+        let ns = plan.sparse.ids.len();
         if ns > 0 {
             self.entries.clear();
             self.entries.resize(
@@ -85,7 +89,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     job.gathered.message(r),
                     r,
                     self.step,
-                    &self.sparse_ids,
+                    &plan.sparse.ids,
                     &names,
                     &mut self.rank_entries,
                 )?;
@@ -97,21 +101,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let inv = 1.0 / p as f32;
         let rank = self.rank;
         let policy = self.cfg.non_finite;
-        let params = (self.cfg.momentum, self.cfg.nesterov, self.cfg.delay > 1);
+        let params = (self.cfg.momentum, self.cfg.nesterov, plan.delayed);
         let gathered = &job.gathered;
         let entries = &self.entries;
-        let sparse_pos = |i: usize| self.sparse_ids.binary_search(&(i as u32)).ok();
+        let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
         let dense = &job.dense;
         let gvq = &job.gvq;
-        let total: usize = self
-            .layers
-            .iter()
-            .filter(|l| l.mode == Mode::Sparse)
-            .map(|l| l.n)
-            .sum();
         let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Option<Error>> {
             let t = Instant::now();
-            let r = match l.mode {
+            let lp = &plan.layers[i];
+            let r = match lp.mode {
                 Mode::Local => {
                     o.copy_from_slice(&l.dir);
                     l.non_finite.then(|| Error::NonFinite {
@@ -162,7 +161,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     }
                 }
                 Mode::Dense => {
-                    let g = &dense[l.dense_off..l.dense_off + l.n];
+                    let g = &dense[lp.dense_off..lp.dense_off + l.n];
                     o.copy_from_slice(g);
                     if g.iter().any(|x| !x.is_finite()) {
                         Some(Error::NonFinite {
@@ -178,7 +177,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             l.stats.unpack_s = t.elapsed().as_secs_f64();
             Ok(r)
         };
-        let errors: Vec<Option<Error>> = if ns >= 2 && total >= self.cfg.parallel_min_elems {
+        let errors: Vec<Option<Error>> = if plan.parallel_unpack {
             self.layers
                 .par_iter_mut()
                 .zip(out.par_iter_mut())
@@ -193,8 +192,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 .map(work)
                 .collect::<Result<_>>()?
         };
-        for l in &mut self.layers {
-            l.fill_stats(p);
+        for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
+            l.fill_stats(lp.mode);
         }
         match errors.into_iter().flatten().next() {
             Some(e) if policy == NonFinitePolicy::Error => Err(e),
