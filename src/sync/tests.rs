@@ -1060,3 +1060,59 @@ fn auto_predict_and_plan_make_the_same_choice() {
         assert!(kinds.len() >= 2, "the sizes span a crossover: {kinds:?}");
     }
 }
+
+/// The engine does what the planner says, step by step: each layer's
+/// reported strategy is its planned mode, the step communicates when the
+/// plan does, and the sparse layer's codec runs at the planned density.
+#[test]
+fn the_engine_executes_the_plan() {
+    let configs = [
+        Config {
+            delay: 3,
+            warmup: Warmup::Dense { steps: 4 },
+            momentum: 0.9,
+            ..cfg()
+        },
+        Config {
+            warmup: Warmup::Density {
+                schedule: vec![0.5, 0.1],
+                steps_per_stage: 2,
+            },
+            ..cfg()
+        },
+    ];
+    for c in configs {
+        let p = 2;
+        LocalComm::run(p, |comm| {
+            let rank = comm.rank();
+            let mut s = GradSync::with_transport(comm, c.clone()).expect("engine");
+            s.register("bias", &[10]).expect("dense");
+            s.register_with("w", &[1000], Strategy::rgc(0.01))
+                .expect("sparse");
+            for step in 0..9u64 {
+                let mut a = grad(rank, step, 0, 10);
+                let mut b = grad(rank, step, 1, 1000);
+                let st = s.sync(&mut [&mut a[..], &mut b[..]]).expect("sync").clone();
+                let plan = plan::plan_step(step, &c, p, &s.table);
+                assert_eq!(s.plan, plan, "step {step}");
+                assert_eq!(st.communicated, plan.communicates, "step {step}");
+                for (l, lp) in st.layers.iter().zip(&plan.layers) {
+                    let want = match lp.mode {
+                        Mode::Dense => "dense",
+                        Mode::Sparse => "sparse",
+                        Mode::Local => "local",
+                        Mode::Gradiveq => "gradiveq",
+                    };
+                    assert_eq!(l.strategy, want, "step {step} layer {}", l.name);
+                }
+                if plan.layers[1].mode == Mode::Sparse {
+                    let d = plan.layers[1].density.expect("rgc has a density");
+                    assert_eq!(s.layers[1].cur_density, Some(d), "step {step}");
+                    // Trimmed top-k sends about that fraction.
+                    let sent = st.layers[1].density;
+                    assert!(sent > 0.0 && sent <= 1.5 * d, "step {step}: {sent} vs {d}");
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,207 @@
+//! The engine's options: how a layer is synchronized ([`Strategy`]: dense,
+//! a sparse codec — RGC/RedSync, SBC, 3LC, ... —, GradiVeQ, or the cost
+//! model's choice), warm-up ([`Warmup`]: RedSync §5.6's dense steps or DGC's
+//! density schedule), SBC's communication delay, momentum, weight decay,
+//! local clipping (§5.5) and the NaN/Inf policy, with their rank-local
+//! validity checks. Plain data: what a step does with them is decided in
+//! [`plan`](super::plan) (per-step policy) and [`layer`](super::layer)
+//! (Algorithm 4's math).
+
+use crate::codec::{CodecConfig, RgcMethod};
+use crate::dense::{AllgathervAlgo, AllreduceAlgo};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// How one layer is synchronized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "strategy", rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Fused Rabenseifner allreduce of the full gradient.
+    Dense,
+    /// Residual compression with `codec`; `density` (when given) overrides
+    /// the codec's own density (`rgc`, `rgc-quant`: `density`; `sbc`: `p`).
+    Sparse {
+        /// The codec.
+        codec: CodecConfig,
+        /// Fraction of elements sent, for codecs that have one.
+        #[serde(default)]
+        density: Option<f64>,
+    },
+    /// GradiVeQ ([`crate::gradiveq`]): the layer is aggregated by the
+    /// compressed-domain ring, with its own schedule (warm-up, `L_t`
+    /// QSGD-aggregated samples, `L_c` compressed steps, the eq.-7 loss
+    /// monitor). Meant for convolution layers flattened by
+    /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
+    /// of at least `K` elements. Not combinable with `delay > 1`.
+    Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
+    /// The cost model's choice ([`crate::cost`]) from `Config::profile` at
+    /// registration: `Dense`, RGC (`sparse-allgather`) or, with
+    /// `Config::auto_quant`, quantized RGC, whichever is predicted fastest
+    /// for the layer's size on this communicator. Resolved once, logged, and
+    /// visible in [`GradSync::layer`](super::GradSync::layer) and the step stats.
+    Auto,
+}
+
+impl Strategy {
+    /// RGC with trimmed top-k at `density`, RedSync's choice for mid-size layers.
+    pub fn rgc(density: f64) -> Self {
+        Strategy::Sparse {
+            codec: CodecConfig::Rgc {
+                density,
+                method: RgcMethod::Trimmed,
+            },
+            density: None,
+        }
+    }
+    /// Short label: `dense` or the codec name.
+    pub fn label(&self) -> String {
+        match self {
+            Strategy::Dense => "dense".into(),
+            Strategy::Sparse { codec, .. } => codec.name(),
+            Strategy::Auto => "auto".into(),
+            Strategy::Gradiveq(_) => "gradiveq".into(),
+        }
+    }
+}
+
+/// Warm-up of sparse layers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "warmup", rename_all = "kebab-case")]
+pub enum Warmup {
+    /// Sparse from the first step.
+    #[default]
+    None,
+    /// Every layer dense for the first `steps` steps (RedSync §5.6's choice).
+    Dense {
+        /// Number of dense steps.
+        steps: u64,
+    },
+    /// Density `schedule[i]` during steps `i·steps_per_stage ..
+    /// (i+1)·steps_per_stage`, then the layer's own (DGC's exponential
+    /// warm-up, e.g. `[0.25, 0.0625, 0.015625, 0.004]`). Codecs without a
+    /// density ignore it.
+    Density {
+        /// Densities of the stages.
+        schedule: Vec<f64>,
+        /// Steps per stage.
+        steps_per_stage: u64,
+    },
+}
+
+/// What to do when a gradient holds NaN or Inf.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NonFinitePolicy {
+    /// Every rank returns [`Error::NonFinite`] naming the layer (and the rank
+    /// for sparse layers) after writing the other layers' results.
+    #[default]
+    Error,
+    /// The layer's result is NaN on every rank (so a loss scaler can skip the
+    /// step); residuals and momentum are not poisoned.
+    Propagate,
+}
+
+/// Engine options. Serializable, so runs can keep them in JSON profiles.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Strategy given by [`GradSync::register`](super::GradSync::register) to layers with at least
+    /// `compress_threshold` elements.
+    pub codec: CodecConfig,
+    /// Layers with fewer elements are `Dense` under [`GradSync::register`](super::GradSync::register)
+    /// (RedSync's `compress_thd`).
+    pub compress_threshold: usize,
+    /// Momentum factor `m` (0 = plain SGD).
+    pub momentum: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Weight decay: `g += weight_decay · w` (needs the weights).
+    pub weight_decay: f32,
+    /// Global gradient-norm clipping threshold `c`; each rank clips its local
+    /// gradient to `c · N^−1/2` before residual accumulation.
+    pub clip_norm: Option<f32>,
+    /// Warm-up of sparse layers.
+    pub warmup: Warmup,
+    /// Communicate every `delay` steps (SBC's communication delay; 1 = every step).
+    pub delay: u64,
+    /// Allgatherv of the fused sparse messages.
+    pub allgather: AllgathervAlgo,
+    /// Allreduce of the fused dense buffer.
+    pub allreduce: AllreduceAlgo,
+    /// NaN/Inf policy.
+    pub non_finite: NonFinitePolicy,
+    /// Communicate on a progress thread so `start`/`wait` overlap computation.
+    pub overlap: bool,
+    /// Compress and unpack layers in parallel (rayon) when the sparse layers
+    /// hold at least this many elements in all.
+    pub parallel_min_elems: usize,
+    /// A calibrated cluster profile (`gradsync calibrate`). With one,
+    /// [`GradSync::register`](super::GradSync::register) gives every layer [`Strategy::Auto`].
+    pub profile: Option<crate::cost::Profile>,
+    /// Density of the sparse strategies `Auto` considers.
+    pub auto_density: f64,
+    /// Let `Auto` choose quantized RGC too.
+    pub auto_quant: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            codec: CodecConfig::Rgc {
+                density: 0.001,
+                method: RgcMethod::Trimmed,
+            },
+            compress_threshold: 32 * 1024,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            clip_norm: None,
+            warmup: Warmup::None,
+            delay: 1,
+            allgather: AllgathervAlgo::RecursiveDoubling,
+            allreduce: AllreduceAlgo::Rabenseifner,
+            non_finite: NonFinitePolicy::Error,
+            overlap: true,
+            parallel_min_elems: 1 << 18,
+            profile: None,
+            auto_density: 0.001,
+            auto_quant: false,
+        }
+    }
+}
+
+impl Config {
+    /// The options' own checks (rank-local).
+    pub(super) fn check(&self) -> Result<()> {
+        let cfg = self;
+        if cfg.delay == 0 {
+            return Err(Error::InvalidArgument("delay must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&cfg.momentum) {
+            return Err(Error::InvalidArgument(format!(
+                "momentum {} must lie in [0, 1)",
+                cfg.momentum
+            )));
+        }
+        if let Some(c) = cfg.clip_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::InvalidArgument(format!(
+                    "clip_norm {c} must be positive"
+                )));
+            }
+        }
+        if let Warmup::Density {
+            schedule,
+            steps_per_stage,
+        } = &cfg.warmup
+        {
+            if *steps_per_stage == 0 || schedule.iter().any(|d| !(*d > 0.0 && *d <= 1.0)) {
+                return Err(Error::InvalidArgument(
+                    "density warm-up needs steps_per_stage ≥ 1 and densities in (0, 1]".into(),
+                ));
+            }
+        }
+        cfg.codec.build()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,492 @@
+//! One layer's state and the local math of a step: RedSync's Algorithm 4
+//! (Appendix A; §4, §5.6): momentum correction (plain or Nesterov),
+//! residual accumulation `V`, selection and encoding by the layer's codec,
+//! momentum factor masking and error feedback (`V -= sent`, or `γ·V` for
+//! damped codecs), undone by `unsend` when a step fails; dense layers'
+//! contribution to the fused allreduce buffer and momentum on the average;
+//! SBC's communication delay (local directions accumulated in `acc`,
+//! subtracted again through `prev`); Lin et al.'s local gradient clipping
+//! (§5.5). [`GradSync::local_phase`] runs it over the table as the step's
+//! [plan](super::plan) says (mode and codec density of each layer), after
+//! validating this rank's inputs. No policy and no communication here.
+
+use super::job::{GvqEntry, Job};
+use super::plan::Mode;
+use super::{GradSync, LayerStats, Strategy};
+use crate::codec::Codec;
+use crate::comm::Transport;
+use crate::{Error, Result};
+use rayon::prelude::*;
+use std::time::Instant;
+
+pub(super) struct Layer {
+    pub(super) name: String,
+    pub(super) shape: Vec<usize>,
+    pub(super) n: usize,
+    pub(super) strategy: Strategy,
+    pub(super) codec: Option<Box<dyn Codec>>,
+    /// Residual V (sparse layers).
+    pub(super) v: Vec<f32>,
+    /// Momentum U (when momentum ≠ 0).
+    pub(super) u: Vec<f32>,
+    /// Delay: sum of local directions applied since the last communication.
+    pub(super) acc: Vec<f32>,
+    /// Delay: `acc` before this step's direction (subtracted from the result).
+    pub(super) prev: Vec<f32>,
+    /// Local direction (delayed steps) or dense decode scratch.
+    pub(super) dir: Vec<f32>,
+    /// This step's encoded unit.
+    pub(super) unit: Vec<u8>,
+    /// GradiVeQ state (moved into the communication job during a step).
+    pub(super) gvq: Option<crate::gradiveq::schedule::GradiveqLayer>,
+    /// Density the codec was last set to.
+    pub(super) cur_density: Option<f64>,
+    pub(super) non_finite: bool,
+    /// This step's unit was subtracted from the residual (undone by
+    /// `unsend` when the step fails).
+    pub(super) sent: bool,
+    pub(super) stats: LayerStats,
+}
+
+/// `n` zeros when `on` (without writing them when `!fill`: a probe that
+/// `n` floats can be allocated), or an error instead of the allocator's
+/// abort when they cannot be.
+pub(super) fn zeros(n: usize, on: bool, fill: bool) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    if on {
+        v.try_reserve_exact(n).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "cannot allocate {n} f32 elements ({} bytes) of layer state",
+                n.saturating_mul(4)
+            ))
+        })?;
+        if fill {
+            v.resize(n, 0.0);
+        }
+    }
+    Ok(v)
+}
+
+struct StepParams {
+    factor: f32,
+    momentum: f32,
+    nesterov: bool,
+    wd: f32,
+    delay: bool,
+}
+
+/// `g_eff[i] = factor·g[i] + wd·w[i]`.
+#[inline]
+fn g_eff(g: &[f32], w: Option<&[f32]>, p: &StepParams, i: usize) -> f32 {
+    let x = p.factor * g[i];
+    match w {
+        Some(w) if p.wd != 0.0 => x + p.wd * w[i],
+        _ => x,
+    }
+}
+
+fn all_finite(x: &[f32]) -> bool {
+    x.iter().fold(true, |a, v| a & v.is_finite())
+}
+
+#[allow(clippy::needless_range_loop)] // index loops over several parallel arrays
+impl Layer {
+    /// The momentum-corrected local direction of `g_eff` (updates `U`):
+    /// `U = m·U + g; d = U` (or `g + m·U` for Nesterov); `d = g` without
+    /// momentum.
+    #[inline]
+    fn direction(u: &mut [f32], p: &StepParams, i: usize, g: f32) -> f32 {
+        if p.momentum == 0.0 {
+            return g;
+        }
+        let ui = p.momentum * u[i] + g;
+        u[i] = ui;
+        if p.nesterov {
+            g + p.momentum * ui
+        } else {
+            ui
+        }
+    }
+
+    /// A delayed step without communication: the local direction, kept in
+    /// `dir` and added to `acc`.
+    fn local_step(&mut self, g: &[f32], w: Option<&[f32]>, p: &StepParams) {
+        let t = Instant::now();
+        self.dir.resize(self.n, 0.0);
+        if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
+            // Nothing to accumulate; the caller sees NaN locally.
+            self.dir.fill(f32::NAN);
+            self.non_finite = true;
+        } else {
+            for i in 0..self.n {
+                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
+                self.dir[i] = d;
+                self.acc[i] += d;
+            }
+        }
+        self.stats.strategy = "local".into();
+        self.stats.bytes_sent = 0;
+        self.stats.pack_s = t.elapsed().as_secs_f64();
+    }
+
+    /// Sparse step: accumulate into the residual, encode, keep what was not
+    /// sent.
+    fn compress(
+        &mut self,
+        g: &[f32],
+        w: Option<&[f32]>,
+        p: &StepParams,
+        want: Option<f64>,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
+            self.non_finite = true;
+            self.unit.clear();
+            self.stats.pack_s = t0.elapsed().as_secs_f64();
+            return Ok(());
+        }
+        let n = self.n;
+        if p.delay {
+            // prev = acc; acc += d; V += acc; acc = 0.
+            for i in 0..n {
+                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
+                self.prev[i] = self.acc[i];
+                self.v[i] += self.acc[i] + d;
+                self.acc[i] = 0.0;
+            }
+        } else if p.momentum == 0.0 && p.factor == 1.0 && (w.is_none() || p.wd == 0.0) {
+            crate::dense::add_into(&mut self.v, g);
+        } else {
+            for i in 0..n {
+                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
+                self.v[i] += d;
+            }
+        }
+        let codec = self.codec.as_mut().expect("sparse layer has a codec");
+        if want != self.cur_density {
+            if let Some(d) = want {
+                // Codecs without a density keep their own (documented).
+                if let Err(e) = codec.set_density(d) {
+                    log::debug!("gradsync: layer {:?}: {e}", self.name);
+                }
+            }
+            self.cur_density = want;
+        }
+        let fb = codec
+            .feedback(n)
+            .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", self.name)))?;
+        let t1 = Instant::now();
+        let pre = t1 - t0;
+        let enc = match fb {
+            crate::codec::Feedback::Damped(gamma) => {
+                // Encode γ·V (V keeps what was not sent of V itself).
+                self.dir.clear();
+                self.dir.extend(self.v.iter().map(|x| gamma * x));
+                codec.encode(&self.dir, &mut self.unit)
+            }
+            _ => codec.encode(&self.v, &mut self.unit),
+        };
+        enc.map_err(|e| {
+            Error::InvalidArgument(format!("layer {:?}: encoding failed: {e}", self.name))
+        })?;
+        let t2 = Instant::now();
+        // V -= sent; U[i] = 0 where sent (momentum factor masking; not
+        // without feedback, where V is this step's direction only).
+        let no_fb = fb == crate::codec::Feedback::None;
+        let (v, u) = (
+            &mut self.v,
+            if no_fb { &mut [][..] } else { &mut self.u[..] },
+        );
+        let mut sent = 0usize;
+        let sparse = codec.for_each_sent(&self.unit, n, &mut |i, x| {
+            v[i] -= x;
+            if let Some(ui) = u.get_mut(i) {
+                *ui = 0.0;
+            }
+            sent += 1;
+        })?;
+        if !sparse {
+            self.dir.resize(n, 0.0);
+            codec.decode(&self.unit, &mut self.dir)?;
+            for i in 0..n {
+                let x = self.dir[i];
+                v[i] -= x;
+                if x != 0.0 {
+                    sent += 1;
+                    if let Some(ui) = u.get_mut(i) {
+                        *ui = 0.0;
+                    }
+                }
+            }
+        }
+        self.sent = true;
+        // Starvation: nothing sent although there was something to send.
+        let starved = sent == 0 && v.iter().any(|&x| x != 0.0);
+        let norm = if starved {
+            v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
+        } else {
+            0.0
+        };
+        if no_fb {
+            v.fill(0.0);
+        }
+        if starved {
+            self.stats.starved_steps += 1;
+            // Warn at N, 2N, 4N, ... consecutive steps.
+            let (k, lim) = (self.stats.starved_steps, crate::codec::STARVED_STEPS);
+            if k % lim == 0 && (k / lim).is_power_of_two() {
+                log::warn!(
+                    "gradsync: layer {:?} ({} elements, codec {}) sent nothing for {k} \
+                     consecutive steps while its residual grew (norm {:.3e}): it starves",
+                    self.name,
+                    n,
+                    codec.config().name(),
+                    norm
+                );
+            }
+        } else {
+            self.stats.starved_steps = 0;
+        }
+        self.stats.feedback = fb.label();
+        self.stats.strategy = "sparse".into();
+        self.stats.codec = codec.config().name();
+        self.stats.density = if n == 0 { 0.0 } else { sent as f64 / n as f64 };
+        self.stats.bytes_sent = self.unit.len();
+        self.stats.select_s = (t2 - t1).as_secs_f64();
+        self.stats.pack_s = (pre + t2.elapsed()).as_secs_f64();
+        Ok(())
+    }
+
+    /// Undo `V -= sent` of this step (a failed step sends nothing): the
+    /// residual again holds this step's gradient. Momentum masking is not
+    /// undone (it only zeroes `U` where values were selected).
+    pub(super) fn unsend(&mut self) {
+        if !self.sent {
+            return;
+        }
+        self.sent = false;
+        let Some(codec) = self.codec.as_ref() else {
+            return;
+        };
+        let v = &mut self.v;
+        match codec.for_each_sent(&self.unit, self.n, &mut |i, x| v[i] += x) {
+            Ok(true) => {}
+            _ => {
+                self.dir.resize(self.n, 0.0);
+                if codec.decode(&self.unit, &mut self.dir).is_ok() {
+                    crate::dense::add_into(&mut self.v, &self.dir);
+                }
+            }
+        }
+    }
+
+    /// Dense step: what this rank puts in the fused allreduce buffer.
+    fn dense_contribution(
+        &mut self,
+        g: &[f32],
+        w: Option<&[f32]>,
+        p: &StepParams,
+        dst: &mut [f32],
+    ) {
+        let t = Instant::now();
+        if p.delay {
+            for i in 0..self.n {
+                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
+                self.prev[i] = self.acc[i];
+                dst[i] = self.acc[i] + d;
+                self.acc[i] = 0.0;
+            }
+        } else {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = g_eff(g, w, p, i);
+            }
+        }
+        if !self.v.is_empty() {
+            // A sparse layer in dense warm-up: flush its residual.
+            crate::dense::add_into(dst, &self.v);
+            self.v.fill(0.0);
+        }
+        self.stats.strategy = "dense".into();
+        self.stats.codec = "none".into();
+        self.stats.density = 1.0;
+        self.stats.bytes_sent = 4 * self.n;
+        self.stats.pack_s = t.elapsed().as_secs_f64();
+    }
+
+    /// Dense result `o` (the average): apply momentum, or undo the delayed
+    /// local steps.
+    pub(super) fn dense_update(&mut self, o: &mut [f32], (m, nesterov, delay): (f32, bool, bool)) {
+        if delay {
+            crate::dense::sub_from(o, &self.prev);
+        } else if m != 0.0 {
+            for (x, u) in o.iter_mut().zip(self.u.iter_mut()) {
+                *u = m * *u + *x;
+                *x = if nesterov { *x + m * *u } else { *u };
+            }
+        }
+    }
+
+    /// Clear the per-step flags and timers before a step.
+    pub(super) fn begin_step(&mut self) {
+        self.non_finite = false;
+        self.sent = false;
+        self.stats.select_s = 0.0;
+        self.stats.unpack_s = 0.0;
+    }
+
+    /// The ratio (and, for a local step, codec and density) of this step's
+    /// stats, once the step is done.
+    pub(super) fn fill_stats(&mut self, mode: Mode) {
+        let s = &mut self.stats;
+        s.ratio = if s.bytes_sent == 0 {
+            f64::INFINITY
+        } else {
+            (4 * self.n) as f64 / s.bytes_sent as f64
+        };
+        if mode == Mode::Local {
+            s.codec = "none".into();
+            s.density = 0.0;
+        }
+    }
+}
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Validate this rank's inputs, run the local math (Algorithm 4's
+    /// residual and momentum updates, selection and encoding), and fill the
+    /// fused dense buffer and GradiVeQ inputs of `job`. An error here is
+    /// this rank's alone; the caller still enters the step's collectives.
+    pub(super) fn local_phase(
+        &mut self,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+        job: &mut Job,
+    ) -> Result<()> {
+        let plan = &self.plan;
+        job.dense.clear();
+        job.dense.resize(plan.dense.elems, 0.0);
+        for e in &mut job.gvq {
+            e.state = None;
+        }
+        if grads.len() != self.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradients for {} registered layers",
+                grads.len(),
+                self.layers.len()
+            )));
+        }
+        if let Some(w) = weights {
+            if w.len() != grads.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "{} weight tensors for {} layers",
+                    w.len(),
+                    grads.len()
+                )));
+            }
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if grads[i].len() != l.n {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: gradient has {} elements, registered {}",
+                    l.name,
+                    grads[i].len(),
+                    l.n
+                )));
+            }
+            if let Some(w) = weights.map(|w| w[i].len()).filter(|&w| w != l.n) {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: weights have {w} elements, registered {}",
+                    l.name, l.n
+                )));
+            }
+        }
+        let cfg = &self.cfg;
+        // Local clipping: one factor for all layers of this rank.
+        let factor = match cfg.clip_norm {
+            Some(c) => {
+                let norm = grads
+                    .iter()
+                    .map(|g| g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+                    .sum::<f64>()
+                    .sqrt();
+                let limit = f64::from(c) / (self.size as f64).sqrt();
+                if norm > limit {
+                    (limit / norm) as f32
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        let params = StepParams {
+            factor,
+            momentum: cfg.momentum,
+            nesterov: cfg.nesterov,
+            wd: cfg.weight_decay,
+            delay: plan.delayed,
+        };
+        // Sparse and local layers: compress in parallel when it pays.
+        let work = |(i, l): (usize, &mut Layer)| -> Result<()> {
+            let w = weights.map(|w| w[i]);
+            let lp = &plan.layers[i];
+            match lp.mode {
+                Mode::Sparse => l.compress(grads[i], w, &params, lp.density),
+                Mode::Local => {
+                    l.local_step(grads[i], w, &params);
+                    Ok(())
+                }
+                Mode::Dense | Mode::Gradiveq => Ok(()),
+            }
+        };
+        let r = if plan.parallel_local {
+            self.layers.par_iter_mut().enumerate().try_for_each(work)
+        } else {
+            self.layers.iter_mut().enumerate().try_for_each(work)
+        };
+        if let Err(e) = r {
+            // Nothing this rank encoded is sent: put it back in the residuals.
+            for l in &mut self.layers {
+                l.unsend();
+            }
+            return Err(e);
+        }
+        // Dense layers: the fused buffer; GradiVeQ layers: their inputs.
+        let mut gi = 0;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let w = weights.map(|w| w[i]);
+            let lp = &plan.layers[i];
+            if lp.mode == Mode::Dense {
+                let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
+                l.dense_contribution(grads[i], w, &params, dst);
+            } else if lp.mode == Mode::Gradiveq {
+                if job.gvq.len() == gi {
+                    job.gvq.push(GvqEntry::default());
+                }
+                let e = &mut job.gvq[gi];
+                e.layer = i;
+                e.input.resize(l.n, 0.0);
+                e.output.resize(l.n, 0.0);
+                l.dense_contribution(grads[i], w, &params, &mut e.input);
+                l.stats.strategy = "gradiveq".into();
+                l.stats.codec = "gradiveq".into();
+                gi += 1;
+            }
+        }
+        job.gvq.truncate(gi);
+        // A NaN/Inf in a GradiVeQ layer's input would poison its ring on
+        // every rank: the step fails on every rank instead.
+        if let Some(e) = job.gvq.iter().find(|e| !all_finite(&e.input)) {
+            let layer = self.layers[e.layer].name.clone();
+            for l in &mut self.layers {
+                l.unsend();
+            }
+            return Err(Error::NonFinite {
+                rank: Some(self.rank),
+                layer,
+            });
+        }
+        for e in &mut job.gvq {
+            e.state = self.layers[e.layer].gvq.take();
+        }
+        Ok(())
+    }
+}

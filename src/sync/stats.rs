@@ -1,0 +1,104 @@
+//! What a step reports: per-layer ([`LayerStats`]) and per-step
+//! ([`StepStats`]) statistics, filled by the local phase, the progress job
+//! and the unpacking, returned by `sync`/`wait`.
+
+use super::job::Job;
+use super::{GradSync, StartInfo};
+use crate::comm::Transport;
+use serde::Serialize;
+
+/// What ran for one layer in one step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LayerStats {
+    /// Layer name.
+    pub name: String,
+    /// `dense`, `sparse` or `local` (a delayed step without communication).
+    pub strategy: String,
+    /// Codec name (`none` for dense).
+    pub codec: String,
+    /// Whether the strategy was the cost model's choice (`Strategy::Auto`).
+    pub auto: bool,
+    /// Fraction of this rank's elements sent (1 for dense).
+    pub density: f64,
+    /// Bytes this rank put on the wire for the layer (unit or dense slice).
+    pub bytes_sent: usize,
+    /// `4n / bytes_sent`.
+    pub ratio: f64,
+    /// Selection and encoding, seconds.
+    pub select_s: f64,
+    /// Residual / momentum update and packing, seconds.
+    pub pack_s: f64,
+    /// Decoding every rank's unit (or unfusing), seconds.
+    pub unpack_s: f64,
+    /// Error feedback of a sparse layer (`full`, `damped(γ)`, `none`; see
+    /// [`Codec::feedback`](crate::codec::Codec::feedback)), empty for others.
+    pub feedback: String,
+    /// Consecutive sparse steps, up to this one, in which the layer sent
+    /// nothing although its residual was not zero (0 once it sends). At
+    /// [`crate::codec::STARVED_STEPS`] the engine warns that it starves.
+    pub starved_steps: u64,
+}
+
+/// What ran in one step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StepStats {
+    /// Step counter (0-based) of this step.
+    pub step: u64,
+    /// Whether the step communicated (false on delayed local steps).
+    pub communicated: bool,
+    /// Whether communication ran on the progress thread.
+    pub overlapped: bool,
+    /// Per layer.
+    pub layers: Vec<LayerStats>,
+    /// Bytes of this rank's fused sparse message.
+    pub fused_bytes: usize,
+    /// Bytes of the fused dense buffer.
+    pub dense_bytes: usize,
+    /// Sum of the layers' `select_s`.
+    pub select_s: f64,
+    /// Sum of the layers' `pack_s` plus fusion.
+    pub pack_s: f64,
+    /// Allgatherv of the fused sparse messages, seconds.
+    pub allgather_s: f64,
+    /// Dense allreduce, seconds.
+    pub allreduce_s: f64,
+    /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
+    pub gradiveq_s: f64,
+    /// Unpacking, seconds.
+    pub unpack_s: f64,
+    /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
+    pub wait_s: f64,
+}
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Fill [`last_stats`](GradSync::last_stats) from the layers' records and
+    /// the step's job.
+    pub(super) fn record_stats(&mut self, info: &StartInfo, job: &Job, wait_s: f64) {
+        // Reuse the previous step's per-layer records (no allocation once
+        // the names have been copied).
+        let mut layer_stats = std::mem::take(&mut self.last.layers);
+        layer_stats.resize_with(self.layers.len(), LayerStats::default);
+        for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
+            d.clone_from(&l.stats);
+        }
+        self.last = StepStats {
+            step: self.step,
+            communicated: info.communicated,
+            overlapped: info.overlapped,
+            layers: layer_stats,
+            fused_bytes: if self.plan.sparse.ids.is_empty() {
+                0
+            } else {
+                job.fused.len()
+            },
+            dense_bytes: 4 * job.dense_len,
+            select_s: info.select_s,
+            pack_s: info.pack_s,
+            allgather_s: job.allgather_s,
+            allreduce_s: job.allreduce_s,
+            gradiveq_s: job.gvq_s,
+            unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
+            wait_s,
+        };
+    }
+}

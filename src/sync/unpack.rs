@@ -1,0 +1,207 @@
+//! The last part of a step: every rank's fused sparse message parsed and
+//! decoded into the average (RedSync §4's decompression; SBC and the other
+//! codecs through their `decode`), the dense average and GradiVeQ's ring
+//! output with momentum applied (`dense_update`), the delayed steps'
+//! correction, and the NaN/Inf policy. What each layer reads is fixed by
+//! the step's plan ([`plan`](super::plan)).
+
+use super::job::Job;
+use super::layer::Layer;
+use super::plan::Mode;
+use super::{GradSync, NonFinitePolicy};
+use crate::comm::Transport;
+use crate::sparse::{parse_fused, unpack_layer, Entry, EntryKind};
+use crate::{Error, Result};
+use rayon::prelude::*;
+use std::time::Instant;
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Unpack the step's results into `out` (the last part of the step
+    /// script): `comm` is the outcome of the communication round.
+    pub(super) fn unpack(
+        &mut self,
+        job: &mut Job,
+        out: &mut [&mut [f32]],
+        comm: Result<()>,
+    ) -> Result<()> {
+        // GradiVeQ states go back to their layers whatever happened.
+        for e in &mut job.gvq {
+            if let Some(st) = e.state.take() {
+                self.layers[e.layer].gvq = Some(st);
+            }
+        }
+        if comm.is_err() {
+            // The step failed on every rank and nothing is applied: what
+            // this rank encoded goes back into its residuals (nothing lost).
+            for l in &mut self.layers {
+                l.unsend();
+            }
+        }
+        comm?;
+        if out.len() != self.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} output buffers for {} layers",
+                out.len(),
+                self.layers.len()
+            )));
+        }
+        if let Some((i, l)) = self
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(i, l)| out[*i].len() != l.n)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "layer {:?}: output has {} elements, registered {}",
+                l.name,
+                out[i].len(),
+                l.n
+            )));
+        }
+        let p = self.size;
+        let names = |id: u32| {
+            self.layers
+                .get(id as usize)
+                .map_or_else(|| format!("#{id}"), |l| l.name.clone())
+        };
+        // Parse every rank's fused message; entries[l * p + r].
+        let plan = &self.plan;
+        let ns = plan.sparse.ids.len();
+        if ns > 0 {
+            self.entries.clear();
+            self.entries.resize(
+                ns * p,
+                Entry {
+                    layer: 0,
+                    kind: EntryKind::Unit,
+                    start: 0,
+                    end: 0,
+                },
+            );
+            if job.gathered.len() != p {
+                return Err(Error::Transport(format!(
+                    "gathered {} messages from {p} ranks",
+                    job.gathered.len()
+                )));
+            }
+            for r in 0..p {
+                parse_fused(
+                    job.gathered.message(r),
+                    r,
+                    self.step,
+                    &plan.sparse.ids,
+                    &names,
+                    &mut self.rank_entries,
+                )?;
+                for (j, e) in self.rank_entries.iter().enumerate() {
+                    self.entries[j * p + r] = *e;
+                }
+            }
+        }
+        let inv = 1.0 / p as f32;
+        let rank = self.rank;
+        let policy = self.cfg.non_finite;
+        let params = (self.cfg.momentum, self.cfg.nesterov, plan.delayed);
+        let gathered = &job.gathered;
+        let entries = &self.entries;
+        let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
+        let dense = &job.dense;
+        let gvq = &job.gvq;
+        let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Option<Error>> {
+            let t = Instant::now();
+            let lp = &plan.layers[i];
+            let r = match lp.mode {
+                Mode::Local => {
+                    o.copy_from_slice(&l.dir);
+                    l.non_finite.then(|| Error::NonFinite {
+                        rank: Some(rank),
+                        layer: l.name.clone(),
+                    })
+                }
+                Mode::Sparse => {
+                    let j = sparse_pos(i).expect("sparse layer is in the fused table");
+                    let codec = l.codec.as_deref().expect("sparse layer has a codec");
+                    let bad = unpack_layer(
+                        gathered,
+                        &entries[j * p..(j + 1) * p],
+                        codec,
+                        &l.name,
+                        inv,
+                        o,
+                    )?;
+                    if params.2 {
+                        crate::dense::sub_from(o, &l.prev);
+                    }
+                    bad.map(|r| {
+                        if policy == NonFinitePolicy::Propagate {
+                            o.fill(f32::NAN);
+                        }
+                        Error::NonFinite {
+                            rank: Some(r),
+                            layer: l.name.clone(),
+                        }
+                    })
+                }
+                Mode::Gradiveq => {
+                    let e = gvq
+                        .iter()
+                        .find(|e| e.layer == i)
+                        .expect("every GradiVeQ layer has a job entry");
+                    for (x, y) in o.iter_mut().zip(&e.output) {
+                        *x = y * inv;
+                    }
+                    if o.iter().any(|x| !x.is_finite()) {
+                        Some(Error::NonFinite {
+                            rank: None,
+                            layer: l.name.clone(),
+                        })
+                    } else {
+                        l.dense_update(o, params);
+                        None
+                    }
+                }
+                Mode::Dense => {
+                    let g = &dense[lp.dense_off..lp.dense_off + l.n];
+                    o.copy_from_slice(g);
+                    if g.iter().any(|x| !x.is_finite()) {
+                        Some(Error::NonFinite {
+                            rank: None,
+                            layer: l.name.clone(),
+                        })
+                    } else {
+                        l.dense_update(o, params);
+                        None
+                    }
+                }
+            };
+            l.stats.unpack_s = t.elapsed().as_secs_f64();
+            Ok(r)
+        };
+        let errors: Vec<Option<Error>> = if plan.parallel_unpack {
+            self.layers
+                .par_iter_mut()
+                .zip(out.par_iter_mut())
+                .enumerate()
+                .map(work)
+                .collect::<Result<_>>()?
+        } else {
+            self.layers
+                .iter_mut()
+                .zip(out.iter_mut())
+                .enumerate()
+                .map(work)
+                .collect::<Result<_>>()?
+        };
+        for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
+            l.fill_stats(lp.mode);
+        }
+        match errors.into_iter().flatten().next() {
+            Some(e) if policy == NonFinitePolicy::Error => Err(e),
+            Some(e) => {
+                log::warn!("gradsync: {e} (propagated as NaN)");
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
