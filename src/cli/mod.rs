@@ -21,8 +21,8 @@ pub use calibrate::{CalibrateArgs, CheckRecord, CheckSummary, ModelCheckArgs};
 pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
 pub use gradiveq_bench::GradiveqRecord;
 pub use model::{
-    predict_record, read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs, PredictArgs,
-    PredictRecord,
+    plan_record, predict_record, read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs,
+    PredictArgs, PredictRecord,
 };
 pub use sparse_bench::SparseRecord;
 pub use step_bench::{StepGroupRecord, StepLayerRecord, StepRecord};

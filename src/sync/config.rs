@@ -34,11 +34,15 @@ pub enum Strategy {
     /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
     /// of at least `K` elements. Not combinable with `delay > 1`.
     Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
-    /// The cost model's choice ([`crate::cost`]) from `Config::profile` at
-    /// registration: `Dense`, RGC (`sparse-allgather`) or, with
-    /// `Config::auto_quant`, quantized RGC, whichever is predicted fastest
-    /// for the layer's size on this communicator. Resolved once, logged, and
-    /// visible in [`GradSync::layer`](super::GradSync::layer) and the step stats.
+    /// The step model's choice ([`crate::cost::plan_step`]) from
+    /// `Config::profile`: `Dense`, RGC (`sparse-allgather`) or, with
+    /// `Config::auto_quant`, quantized RGC, whichever adds least to the
+    /// predicted step of the whole table on this communicator (the fused
+    /// dense allreduce and the fused allgatherv each pay their α once).
+    /// Resolved once, when the table is complete (the first step or a
+    /// snapshot restore), logged, and visible in
+    /// [`GradSync::layer`](super::GradSync::layer) (`Auto` until then),
+    /// [`GradSync::auto_plan`](super::GradSync::auto_plan) and the step stats.
     Auto,
 }
 

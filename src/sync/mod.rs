@@ -62,9 +62,12 @@
 //!   ([`crate::gradiveq`]) on the progress thread, each with its own schedule,
 //!   and get momentum like dense layers.
 //!
-//! The strategy of a layer is resolved once, at registration:
-//! [`GradSync::resolve`] gives the default, and `Auto` asks the cost model
-//! ([`crate::cost`]) with `Config::profile`.
+//! The strategy of a layer is fixed once: at registration for an explicit
+//! one or the default ([`GradSync::resolve`]); for `Auto` layers when the
+//! table is complete (the first step, or a snapshot restore), by the step
+//! model ([`crate::cost::plan_step`]) planning the whole table with
+//! `Config::profile`, so that a group's α is paid once
+//! ([`GradSync::auto_plan`] shows the plan).
 //!
 //! # A step
 //!
@@ -86,7 +89,8 @@
 //!
 //! | decision | where |
 //! |---|---|
-//! | a layer's strategy (default by size, or the cost model) | registration, `table.rs`: [`GradSync::resolve`], [`GradSync::auto_choice`] over [`crate::cost::choose`] |
+//! | a layer's strategy: default by size | registration, `table.rs`: [`GradSync::resolve`] |
+//! | an `Auto` layer's strategy | `table.rs` when the table is complete: [`crate::cost::plan_step`] over [`crate::cost::engine_candidates`] (the one decision table of [`crate::cost`]) |
 //! | options' validity; GradiVeQ not with `delay > 1` | `config.rs` (`Config::check`), `table.rs` (registration) |
 //! | whether a step communicates (SBC's delay, steps `T−1, 2T−1, ...`) | `plan.rs` |
 //! | each layer's mode this step (dense warm-up, sparse, GradiVeQ, local) | `plan.rs` |
@@ -159,6 +163,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     plan: StepPlan,
     table_hash: u64,
     table_checked: bool,
+    /// The step model's plan of the `Auto` layers, once the table is complete.
+    auto_plan: Option<crate::cost::StepPlan>,
     /// Set (alike on every rank) when the table check failed: the engine
     /// communicates no more and every later step returns this error.
     broken: Option<String>,
@@ -227,6 +233,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             plan: StepPlan::default(),
             table_hash,
             table_checked: false,
+            auto_plan: None,
             broken: None,
             step: 0,
             job: Some(Box::default()),

@@ -88,7 +88,7 @@ impl LayerPlanInput {
 }
 
 /// The density parameter of a codec configuration, if it has one.
-fn config_density(c: &CodecConfig) -> Option<f64> {
+pub(super) fn config_density(c: &CodecConfig) -> Option<f64> {
     match c {
         CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => Some(*density),
         CodecConfig::Sbc { p } => Some(*p),

@@ -157,6 +157,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 "cannot restore between start and wait".into(),
             ));
         }
+        // `Auto` layers get their strategies (and codec state) once the
+        // table is complete; a restore completes it (collective, as this is).
+        self.check_table()?;
         let local = parse(self);
         let status = local.as_ref().map(|_| ()).map_err(|e| match e {
             Error::Snapshot(m) => Error::Snapshot(m.clone()),

@@ -1,7 +1,8 @@
 //! The layer table and its agreement across ranks: registration
-//! (`register*`: the strategy of each layer is resolved once here, by
-//! [`GradSync::resolve`], and `Auto` by the cost model's decision table,
-//! [`crate::cost::choose`], in [`GradSync::auto_choice`]), the layer's
+//! (`register*`: a default strategy is resolved here by
+//! [`GradSync::resolve`]; `Auto` layers are planned together when the table
+//! is complete, by the step model [`crate::cost::plan_step`], in
+//! `check_table`), the layer's
 //! state allocation (in the rank-local half, so a failure fails every rank
 //! alike), and the collective checks that every rank registered the same
 //! table under the same options (an FNV hash compared by one small
@@ -76,9 +77,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
     }
 
-    /// `Auto` for a layer of `n` elements: the predicted-fastest of dense
-    /// (the configured allreduce), RGC and optionally quantized RGC at
-    /// `auto_density`, with the predictions (name, seconds) it chose among.
+    /// The cost model's choice for one layer of `n` elements synchronized
+    /// alone (the one-layer case of the step model; a table of `Auto`
+    /// layers is planned as a whole, [`auto_plan`](Self::auto_plan)): the
+    /// predicted-fastest of dense (the configured allreduce), RGC and
+    /// optionally quantized RGC at `auto_density`, with the predictions
+    /// (name, seconds) it chose among.
     pub fn auto_choice(&self, n: usize) -> Result<(Strategy, Vec<(String, f64)>)> {
         use crate::cost::{choose, predict, Query};
         let prof = self.cfg.profile.as_ref().ok_or_else(|| {
@@ -204,7 +208,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let local = strategy
             .and_then(|s| self.prepare_layer(id, name, shape, s))
             .and_then(|l| {
-                let sparse = l.2.is_some();
+                // An `Auto` layer may become sparse when the table is planned.
+                let sparse = l.2.is_some() || l.6;
                 // Every layer needs its length in the step's buffers.
                 drop(zeros(l.0, true, false)?);
                 let st = (
@@ -290,23 +295,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} overflows")))?;
+        // `Auto` is resolved when the table is complete ([`Self::check_table`]):
+        // the step model plans every layer against the whole step.
         let auto = strategy == Strategy::Auto;
-        let strategy = if strategy == Strategy::Auto {
-            let (s, preds) = self.auto_choice(n)?;
-            log::info!(
-                "gradsync: layer {name:?} ({n} elements, {} ranks): auto chose {} from {}",
-                self.size,
-                s.label(),
-                preds
-                    .iter()
-                    .map(|(k, t)| format!("{k} {:.1} us", t * 1e6))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            s
-        } else {
-            strategy
-        };
+        if auto && self.cfg.profile.is_none() {
+            return Err(Error::InvalidArgument(
+                "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
+            ));
+        }
         let gvq = match &strategy {
             Strategy::Gradiveq(sc) => {
                 if self.cfg.delay > 1 {
@@ -321,19 +317,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             _ => None,
         };
-        let codec = match &strategy {
-            // `Auto` was resolved above.
-            Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
-            Strategy::Sparse { codec, density } => {
-                let mut c = codec.build()?;
-                // Error feedback only where it stays bounded (codec::feedback).
-                c.feedback(n)?;
-                if let Some(d) = density {
-                    c.set_density(*d)?;
-                }
-                Some(c)
-            }
-        };
+        let codec = build_codec(&strategy, n)?;
         let h = {
             let mut h = fnv(self.table_hash, b"layer");
             h = fnv(h, &(id as u64).to_le_bytes());
@@ -362,11 +346,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return Err(Error::TableMismatch(why.clone()));
         }
         let n = self.layers.len();
-        let r = self.agree(Ok(h), || {
+        // The `Auto` layers' plan is rank-local (the same on every rank:
+        // same table, same agreed profile); a rank where it fails still
+        // enters the check, which then fails on every rank.
+        let planned = self.plan_auto();
+        let h = planned
+            .as_ref()
+            .map(|_| h)
+            .map_err(|e| Error::InvalidArgument(format!("planning the Auto layers: {e}")));
+        let r = self.agree(h, || {
             format!("this rank registered {n} layers; some rank registered others")
         });
-        match r {
-            Ok(()) => {
+        match r.and(planned) {
+            Ok(planned) => {
+                self.apply_auto(planned);
                 self.table_checked = true;
                 Ok(())
             }
@@ -378,6 +371,178 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 });
                 Err(e)
             }
+        }
+    }
+
+    /// Plan every `Auto` layer with the step model ([`crate::cost::plan_step`])
+    /// over the whole table: the layers fixed by the caller stay as they are
+    /// and open their groups, the `Auto` ones get the strategy of least
+    /// marginal cost to the step among what the engine runs for this
+    /// configuration ([`crate::cost::engine_candidates`]). `None` when no
+    /// layer is `Auto`.
+    fn plan_auto(&self) -> Result<Option<AutoPlan>> {
+        use crate::cost::{self, LayerKind, StepLayer, StepQuery, StrategyId};
+        if !self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
+            return Ok(None);
+        }
+        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
+            )
+        })?;
+        let d = self.cfg.auto_density;
+        let (method, method_name) = self.auto_method()?;
+        let dense = match self.cfg.allreduce {
+            crate::dense::AllreduceAlgo::Ring => StrategyId::DenseRing,
+            _ => StrategyId::DenseRabenseifner,
+        };
+        let table: Vec<StepLayer> = self
+            .layers
+            .iter()
+            .map(|l| StepLayer {
+                name: l.name.clone(),
+                n: l.n,
+                kind: match &l.strategy {
+                    Strategy::Auto => LayerKind::Auto,
+                    s => {
+                        let (id, density) = fixed_id(s, dense, d);
+                        LayerKind::Fixed(id, density)
+                    }
+                },
+            })
+            .collect();
+        let q = StepQuery {
+            p: self.size,
+            density: d,
+            select_method: method_name,
+            gradiveq_ratio: 8.0,
+            allowed: cost::engine_candidates(self.cfg.allreduce, self.cfg.auto_quant),
+        };
+        let plan = cost::plan_step(prof, &q, &table)?;
+        let mut layers = Vec::new();
+        for (i, (l, lp)) in self.layers.iter().zip(&plan.layers).enumerate() {
+            if l.strategy != Strategy::Auto {
+                continue;
+            }
+            let s = lp.choice.engine_strategy(d, method).ok_or_else(|| {
+                Error::InvalidArgument(format!("the engine cannot run {}", lp.choice))
+            })?;
+            let codec = build_codec(&s, l.n)
+                .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?;
+            layers.push((i, s, codec));
+        }
+        Ok(Some(AutoPlan { plan, layers }))
+    }
+
+    /// The RGC selection method `Auto` uses (the configured codec's, if it
+    /// is RGC) and its name in the profile.
+    fn auto_method(&self) -> Result<(RgcMethod, String)> {
+        let method = match &self.cfg.codec {
+            CodecConfig::Rgc { method, .. } => *method,
+            _ => RgcMethod::Trimmed,
+        };
+        let name = serde_json::to_value(method)?
+            .as_str()
+            .unwrap_or("trimmed")
+            .to_string();
+        Ok((method, name))
+    }
+
+    /// Give the `Auto` layers their planned strategies (cannot fail).
+    fn apply_auto(&mut self, planned: Option<AutoPlan>) {
+        let Some(AutoPlan { plan, layers }) = planned else {
+            return;
+        };
+        for (i, s, codec) in layers {
+            let l = &mut self.layers[i];
+            if codec.is_none() {
+                // Not sparse after all: no residual.
+                l.v = Vec::new();
+            }
+            log::debug!(
+                "gradsync: layer {:?} ({} elements): auto planned {} ({} us marginal)",
+                l.name,
+                l.n,
+                s.label(),
+                plan.layers[i].marginal_s * 1e6
+            );
+            self.table[i] = LayerPlanInput::new(l.n, &s);
+            l.strategy = s;
+            l.codec = codec;
+        }
+        let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+        for l in &plan.layers {
+            *counts.entry(l.choice.name()).or_default() += 1;
+        }
+        log::info!(
+            "gradsync: auto planned {} layers on {} ranks: {:?}; predicted step {:.3} ms in {} group(s)",
+            plan.layers.len(),
+            self.size,
+            counts,
+            plan.seconds * 1e3,
+            plan.groups.len()
+        );
+        self.auto_plan = Some(plan);
+    }
+
+    /// The step model's plan of the table ([`crate::cost::plan_step`]) when
+    /// some layer was registered `Auto`: per layer the choice, group and
+    /// marginal seconds, the groups and the predicted step. Available once
+    /// the table is complete (after the first step, or a snapshot restore).
+    pub fn auto_plan(&self) -> Option<&crate::cost::StepPlan> {
+        self.auto_plan.as_ref()
+    }
+}
+
+/// The `Auto` layers' plan: the step model's output and, per `Auto` layer
+/// (index), its strategy and codec.
+pub(super) struct AutoPlan {
+    plan: crate::cost::StepPlan,
+    layers: Vec<AutoLayer>,
+}
+
+/// One planned `Auto` layer: index, strategy, codec.
+type AutoLayer = (usize, Strategy, Option<Box<dyn Codec>>);
+
+/// A layer's codec for `strategy` (sparse only), with error feedback where
+/// it stays bounded ([`Codec::feedback`]).
+fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> {
+    Ok(match strategy {
+        Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
+        Strategy::Sparse { codec, density } => {
+            let mut c = codec.build()?;
+            c.feedback(n)?;
+            if let Some(d) = density {
+                c.set_density(*d)?;
+            }
+            Some(c)
+        }
+    })
+}
+
+/// The cost model's id and density of a layer the caller fixed (`dense`:
+/// the engine's dense algorithm; `auto_density` for codecs without one).
+fn fixed_id(
+    s: &Strategy,
+    dense: crate::cost::StrategyId,
+    auto_density: f64,
+) -> (crate::cost::StrategyId, f64) {
+    use crate::cost::StrategyId;
+    match s {
+        Strategy::Dense | Strategy::Auto => (dense, 1.0),
+        Strategy::Gradiveq(_) => (StrategyId::GradiveqRing, 1.0),
+        Strategy::Sparse { codec, density } => {
+            let d = density
+                .or_else(|| super::plan::config_density(codec))
+                .unwrap_or(auto_density);
+            let id = match codec {
+                CodecConfig::Rgc { .. } => StrategyId::SparseAllgather,
+                CodecConfig::RgcQuant { .. } => StrategyId::SparseAllgatherQuant,
+                // `none` sends 4n bytes: RGC at density ½ sends as many.
+                CodecConfig::None => return (StrategyId::SparseAllgather, 0.5),
+                c => c.name().parse().unwrap_or(StrategyId::SparseAllgather),
+            };
+            (id, d)
         }
     }
 }

@@ -1061,6 +1061,88 @@ fn auto_predict_and_plan_make_the_same_choice() {
     }
 }
 
+/// Issue #13: a table of `Auto` layers is planned as a whole, by the step
+/// model: after the first step the engine runs exactly `gradsync plan`'s
+/// per-layer choice for the same table and profile (ResNet-50's table at
+/// p = 4 on a 1.25 GB/s network with a per-layer selection cost, where the
+/// small vectors join the dense group and the rest the sparse one), and a
+/// layer table mixing fixed and `Auto` layers keeps the fixed ones.
+#[cfg(feature = "cli")]
+#[test]
+fn auto_layers_run_the_plan_of_the_whole_table() {
+    use crate::cost::{LinearFit, Profile};
+    let mut prof = Profile::from_network(5e-6, 1.25e9, 0.0, 0.0).unwrap();
+    prof.select
+        .insert("trimmed".into(), LinearFit { a: 2e-5, b: 1e-9 });
+    let file =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layers/resnet50.json");
+    let layers = crate::cli::read_layers(&file).unwrap();
+    // Only the first 40 layers: the test allocates them on 4 in-process ranks.
+    let layers: Vec<_> = layers.into_iter().take(40).collect();
+    let m = crate::cli::ModelArgs {
+        profile: None,
+        alpha: None,
+        bandwidth: None,
+        gamma_reduce: None,
+        gamma_unpack: None,
+        select_cost: None,
+        select_fixed: None,
+        select_method: "trimmed".into(),
+        gradiveq_ratio: 8.0,
+        strategies: "dense-rabenseifner,sparse-allgather".into(),
+    };
+    let rec = crate::cli::plan_record(&prof, &m, &layers, 4, 0.001).unwrap();
+    let want: Vec<Strategy> = rec
+        .layers
+        .iter()
+        .map(|l| {
+            l.choice
+                .parse::<crate::cost::StrategyId>()
+                .unwrap()
+                .engine_strategy(0.001, crate::codec::RgcMethod::Trimmed)
+                .unwrap()
+        })
+        .collect();
+    assert!(want.contains(&Strategy::Dense) && want.iter().any(|s| s != &Strategy::Dense));
+    let (prof2, layers2) = (prof.clone(), layers.clone());
+    let out = LocalComm::run(4, move |c| {
+        let cfg = Config {
+            profile: Some(prof2.clone()),
+            ..cfg()
+        };
+        let mut s = GradSync::with_transport(c, cfg).unwrap();
+        // One layer fixed sparse, one fixed dense, the rest Auto.
+        for (i, l) in layers2.iter().enumerate() {
+            let st = match i {
+                1 => Strategy::rgc(0.01),
+                3 => Strategy::Dense,
+                _ => Strategy::Auto,
+            };
+            s.register_with(&l.name, &[l.elements], st).unwrap();
+        }
+        assert_eq!(s.layer(LayerId(0)).unwrap().2, &Strategy::Auto);
+        let mut g: Vec<Vec<f32>> = layers2.iter().map(|l| vec![0.01; l.elements]).collect();
+        let mut views: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+        s.sync(&mut views).unwrap();
+        let plan = s.auto_plan().expect("a plan").clone();
+        let got: Vec<Strategy> = (0..layers2.len())
+            .map(|i| s.layer(LayerId(i)).unwrap().2.clone())
+            .collect();
+        (got, plan)
+    });
+    for (r, (got, plan)) in out.iter().enumerate() {
+        assert_eq!(got[1], Strategy::rgc(0.01), "rank {r}");
+        assert_eq!(got[3], Strategy::Dense, "rank {r}");
+        assert!(!plan.layers[1].auto && !plan.layers[3].auto);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            if i != 1 && i != 3 {
+                assert_eq!(g, w, "rank {r} layer {i} ({})", layers[i].name);
+            }
+        }
+        assert_eq!(plan, &out[0].1, "every rank has the same plan");
+    }
+}
+
 /// The engine does what the planner says, step by step: each layer's
 /// reported strategy is its planned mode, the step communicates when the
 /// plan does, and the sparse layer's codec runs at the planned density.
