@@ -96,7 +96,16 @@ fn calibrate_inputs(a: &CalibrateArgs, rank: usize, p: usize) -> Result<Calibrat
         note: a.note.clone(),
         check: a.check,
     };
-    opts.validate(p)?;
+    opts.validate(p).map_err(|e| match e {
+        // The flag's value as given (`1K`), not in bytes.
+        Error::InvalidArgument(m) => Error::InvalidArgument(
+            match m.strip_prefix(&format!("--max-bytes {}:", opts.max_bytes)) {
+                Some(rest) => format!("--max-bytes {}:{rest}", a.max_bytes),
+                None => m,
+            },
+        ),
+        e => e,
+    })?;
     if rank == 0 {
         check_writable(&a.out)?;
     }
@@ -129,7 +138,6 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         );
     };
     let cal = cost::calibrate_with(comm, &opts, &mut bar)?;
-    log::debug!("calibrate: {} rounds of local costs", cal.local_rounds);
     let (profile, nrounds) = (&cal.profile, cal.rounds);
     let (alpha, beta, gamma_reduce, gamma_unpack) = (
         profile.alpha,
