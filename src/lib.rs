@@ -17,7 +17,8 @@
 //! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
 //!   all-reduce (Algorithm 1), with the training schedule.
 //! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
-//!   drives the engine's `Auto` strategy.
+//!   drives the engine's `Auto` strategy, and the calibration that measures
+//!   a cluster's profile from inside a job ([`cost::calibrate`]).
 //! * [`failure`]: the failure model — an error on some ranks reaches every
 //!   rank in the same step, or the job is aborted; never a hang.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).

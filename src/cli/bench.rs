@@ -5,11 +5,12 @@
 
 use super::{max_over_ranks, parse_list, parse_size};
 use crate::comm::{MpiComm, Transport};
+use crate::cost::calibrate::median;
 use crate::dense::{
-    allgatherv, allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions,
-    Gathered, Workspace,
+    allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
+    Workspace,
 };
-use crate::failure::{agree, rank_failed};
+use crate::failure::{agree_inputs, MustMatch};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -132,19 +133,6 @@ pub struct BenchRecord {
     pub chunk_elems: usize,
 }
 
-pub(super) fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        0.5 * (v[m - 1] + v[m])
-    }
-}
-
 /// Integer-valued input, so that every summation order gives the same bits.
 pub(crate) fn fill_input(buf: &mut [f32], rank: usize) {
     for (i, x) in buf.iter_mut().enumerate() {
@@ -201,78 +189,6 @@ pub(super) fn time_interleaved(
         max_over_ranks(comm, t);
     }
     Ok(times)
-}
-
-/// Arguments that must be the same on every rank, as (flag, value) pairs
-/// (the first names the subcommand), compared by [`agree_inputs`].
-pub(super) type MustMatch = Vec<(&'static str, String)>;
-
-/// The end of a subcommand's rank-local input phase (flags parsed into
-/// values, files loaded, everything validated), and the first collective of
-/// the subcommand: every rank learns whether any rank failed, and every
-/// rank then fails alike ([`agree`]: [`Error::RankFailed`] naming the
-/// lowest failing rank and its error). Then `must_match` of the parsed
-/// inputs is compared across ranks ([`same_on_every_rank`]), so that ranks
-/// launched with different arguments (an MPMD `mpirun ... : ...`) fail
-/// alike instead of entering collectives of different lengths or
-/// different counts.
-pub(super) fn agree_inputs<T>(
-    comm: &MpiComm,
-    local: Result<T>,
-    must_match: impl FnOnce(&T) -> MustMatch,
-) -> Result<T> {
-    let v = agree(comm, local)?;
-    same_on_every_rank(comm, &must_match(&v))?;
-    Ok(v)
-}
-
-/// Collective: gathers every rank's `mine` (one small allgatherv) and
-/// returns the same [`Error::RankFailed`] on every rank when some rank's
-/// values differ from rank 0's, naming the lowest such rank and each flag
-/// that differs with both values.
-pub(super) fn same_on_every_rank(comm: &MpiComm, mine: &[(&'static str, String)]) -> Result<()> {
-    let enc = serde_json::to_vec(mine)?;
-    let g = allgatherv(comm, &enc, AllgathervAlgo::RecursiveDoubling)?;
-    let all: Vec<Vec<(String, String)>> = (0..g.len())
-        .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
-        .collect();
-    let msgs: Vec<String> = all.iter().map(|v| differences(&all[0], v)).collect();
-    rank_failed(&msgs, None).map_or(Ok(()), Err)
-}
-
-/// What differs in `theirs` from rank 0's `first`; empty when nothing does.
-fn differences(first: &[(String, String)], theirs: &[(String, String)]) -> String {
-    let mut d = Vec::new();
-    for i in 0..first.len().max(theirs.len()) {
-        match (first.get(i), theirs.get(i)) {
-            (Some((k0, v0)), Some((k, v))) if k0 == k => {
-                if v0 != v {
-                    d.push(format!("{k} {v} (rank 0: {v0})"));
-                }
-            }
-            (Some((k0, v0)), Some((k, v))) => {
-                d.push(format!("{k} {v} where rank 0 has {k0} {v0}"));
-                break;
-            }
-            (Some((k0, v0)), None) => {
-                d.push(format!("no {k0} (rank 0: {v0})"));
-                break;
-            }
-            (None, Some((k, v))) => {
-                d.push(format!("{k} {v} (rank 0: none)"));
-                break;
-            }
-            (None, None) => break,
-        }
-    }
-    if d.is_empty() {
-        String::new()
-    } else {
-        format!(
-            "arguments differ from rank 0's (every rank must pass the same): {}",
-            d.join(", ")
-        )
-    }
 }
 
 /// `e` (a parse error of a flag's value) prefixed with the flag.
@@ -600,46 +516,4 @@ fn bench_allgatherv(
         }
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{differences, median};
-
-    #[test]
-    fn differences_name_each_flag_with_both_values() {
-        let v = |x: &[(&str, &str)]| -> Vec<(String, String)> {
-            x.iter()
-                .map(|(a, b)| (a.to_string(), b.to_string()))
-                .collect()
-        };
-        let r0 = v(&[
-            ("subcommand", "bench --op sparse"),
-            ("--layers", "2"),
-            ("--bytes", "[4]"),
-        ]);
-        assert_eq!(differences(&r0, &r0), "");
-        let r1 = v(&[
-            ("subcommand", "bench --op sparse"),
-            ("--layers", "3"),
-            ("--bytes", "[8]"),
-        ]);
-        assert_eq!(
-            differences(&r0, &r1),
-            "arguments differ from rank 0's (every rank must pass the same): \
-             --layers 3 (rank 0: 2), --bytes [8] (rank 0: [4])"
-        );
-        let other = v(&[("subcommand", "verify"), ("--counts", "[5]")]);
-        assert!(differences(&r0, &other).contains("subcommand verify (rank 0: bench --op sparse)"));
-        assert!(differences(&r0, &r0[..1]).contains("no --layers (rank 0: 2)"));
-        assert!(differences(&r0[..1], &r0).contains("--layers 2 (rank 0: none)"));
-        // Garbage from a peer (an empty list) still differs.
-        assert!(!differences(&r0, &[]).is_empty());
-    }
-    #[test]
-    fn median_of_odd_and_even_lengths() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&mut []).is_nan());
-    }
 }

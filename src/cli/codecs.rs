@@ -9,6 +9,7 @@
 //! message, one decoded tensor) plus what a codec itself allocates.
 
 use crate::codec::{CodecConfig, ErrorFeedback};
+use crate::cost::synthetic;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::Instant;
@@ -69,40 +70,6 @@ pub struct CodecRecord {
     /// Always `null` here; a codec that failed prints a `CodecFailure`
     /// line (same `codec`, `params`, `elements`, `steps`, and the message).
     pub error: Option<String>,
-}
-
-/// xorshift64* uniform in (0, 1).
-fn uniform(s: &mut u64) -> f64 {
-    *s ^= *s >> 12;
-    *s ^= *s << 25;
-    *s ^= *s >> 27;
-    ((s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-}
-
-/// A synthetic gradient-like tensor.
-pub fn synthetic(n: usize, dist: &str, seed: u64) -> Result<Vec<f32>> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let scale = 1e-3;
-    Ok(match dist {
-        "zeros" => vec![0.0; n],
-        "normal" => (0..n)
-            .map(|_| {
-                let (u, v) = (uniform(&mut s), uniform(&mut s));
-                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * scale) as f32
-            })
-            .collect(),
-        "laplace" => (0..n)
-            .map(|_| {
-                let u = uniform(&mut s) - 0.5;
-                (-u.signum() * (1.0 - 2.0 * u.abs()).ln() * scale) as f32
-            })
-            .collect(),
-        d => {
-            return Err(Error::InvalidArgument(format!(
-                "unknown --dist {d:?} (normal, laplace, zeros)"
-            )))
-        }
-    })
 }
 
 /// Read a .npy of f32 or f64 (any shape, either byte order, C or Fortran

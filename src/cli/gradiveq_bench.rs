@@ -16,14 +16,15 @@
 //! compressor, rank `r` compresses row `lt + r` (wrapping).
 
 use super::bench::{
-    agree_inputs, check_common, common_must_match, flag_error, median, time_interleaved, timed,
-    BenchArgs,
+    check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, parse_size, read_npy};
 use crate::comm::{MpiComm, Transport};
+use crate::cost::calibrate::median;
 use crate::dense::{
     rabenseifner_allreduce, ring_allreduce_with, AllreduceOptions, ReduceOp, Workspace,
 };
+use crate::failure::agree_inputs;
 use crate::gradiveq::ring::{
     gradiveq_ring_allreduce, qsgd_ring_allreduce, RingStats, RingWorkspace,
 };

@@ -12,13 +12,17 @@ mod step_bench;
 mod verify;
 
 use crate::comm::MpiComm;
+pub(crate) use crate::cost::calibrate::max_over_ranks;
 use crate::{Error, Result};
 use clap::{Parser, Subcommand};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
+/// A synthetic gradient-like tensor (the library's [`crate::cost::synthetic`]).
+pub use crate::cost::synthetic;
+pub use crate::cost::{CheckRecord, CheckSummary};
 pub use bench::BenchArgs;
-pub use calibrate::{CalibrateArgs, CheckRecord, CheckSummary, ModelCheckArgs};
-pub use codecs::{measure, read_npy, synthetic, CodecRecord, CodecsArgs};
+pub use calibrate::{CalibrateArgs, ModelCheckArgs};
+pub use codecs::{measure, read_npy, CodecRecord, CodecsArgs};
 pub use gradiveq_bench::GradiveqRecord;
 pub use model::{
     plan_record, predict_record, read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs,
@@ -175,14 +179,6 @@ pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Ve
         .filter(|x| !x.trim().is_empty())
         .map(|x| f(x.trim()))
         .collect()
-}
-
-/// Element-wise max over ranks of `v`, via MPI (harness bookkeeping, not timed).
-pub(crate) fn max_over_ranks(comm: &MpiComm, v: &mut [f64]) {
-    use mpi::collective::{CommunicatorCollectives, SystemOperation};
-    let send = v.to_vec();
-    comm.communicator()
-        .all_reduce_into(&send[..], v, SystemOperation::max());
 }
 
 #[cfg(test)]

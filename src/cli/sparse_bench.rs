@@ -10,13 +10,14 @@
 //! on the engine's progress thread.
 
 use super::bench::{
-    agree_inputs, check_common, common_must_match, flag_error, median, parse_sizes,
-    time_interleaved, timed, BenchArgs,
+    check_common, common_must_match, flag_error, parse_sizes, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, synthetic};
 use crate::codec::CodecConfig;
 use crate::comm::{MpiComm, Transport};
+use crate::cost::calibrate::median;
 use crate::dense::AllgathervAlgo;
+use crate::failure::agree_inputs;
 use crate::sync::{Config, GradSync, LayerId, Strategy};
 use crate::{Error, Result};
 use mpi::collective::{CommunicatorCollectives, SystemOperation};

@@ -13,14 +13,15 @@
 //! engine's default (dense below its compression threshold, else RGC).
 
 use super::bench::{
-    agree_inputs, check_common, common_must_match, flag_error, median, time_interleaved, timed,
-    BenchArgs,
+    check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, model, synthetic};
 use crate::codec::RgcMethod;
 use crate::comm::{MpiComm, Transport};
+use crate::cost::calibrate::median;
 use crate::cost::{self, GroupKind, LayerKind, Profile, StepLayer, StepQuery, StrategyId};
 use crate::dense::AllreduceAlgo;
+use crate::failure::agree_inputs;
 use crate::sync::{Config, GradSync, Strategy};
 use crate::{Error, Result};
 use serde::Serialize;

@@ -4,12 +4,13 @@
 //! against `MPI_Allgatherv` and the known pattern. `--mismatch` gives each rank
 //! another length and expects `SizeMismatch` on every rank.
 
-use super::bench::{agree_inputs, flag_error};
+use super::bench::flag_error;
 use super::{max_over_ranks, parse_list};
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
     allgatherv, allreduce, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Real, ReduceOp,
 };
+use crate::failure::agree_inputs;
 use crate::{Error, Result};
 
 /// Arguments of `gradsync verify`.

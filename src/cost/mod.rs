@@ -63,8 +63,13 @@
 //! selection, packing and zeroing the result). Without a profile they are
 //! zero unless given on the command line.
 
+pub(crate) mod calibrate;
 mod decide;
 mod step;
+pub use calibrate::{
+    calibrate, calibrate_with, model_check, synthetic, CalibrateOptions, Calibration, CheckRecord,
+    CheckReport, CheckSummary, ModelCheckOptions, Progress, MIN_ROUNDS,
+};
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use step::{
     plan_step, predict_step, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,

@@ -1,0 +1,364 @@
+//! The calibration itself: the probes of both phases, their rounds, and
+//! the fits that turn the measured means into a [`Profile`].
+
+use super::check::{check_probes, compare, CHECK_SIZES};
+use super::probes::{
+    allgather_time, exchange_time, local, net_sizes, pingpong, sizes_up_to, sparse_step_probe,
+    step_probe, synthetic, Probe,
+};
+use super::{phase, CalibrateOptions, Calibration, Progress};
+use crate::codec::{CodecConfig, RgcMethod};
+use crate::comm::{MpiComm, Transport};
+use crate::cost::{self, CodecFit, LinearFit, Profile, ProfileMeta, PROFILE_VERSION};
+use crate::dense::{
+    allgatherv, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
+    Workspace,
+};
+use crate::Result;
+use std::collections::BTreeMap;
+
+/// Measures and fits (the options are valid and agreed on).
+pub(super) fn run(
+    comm: &MpiComm,
+    opts: &CalibrateOptions,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Calibration> {
+    let p = comm.size();
+    let (densities, max_bytes, reps) = (&opts.densities[..], opts.max_bytes, opts.reps);
+    let ns = sizes_up_to(max_bytes);
+    let net_sizes = net_sizes(max_bytes);
+    let methods = ["trimmed", "threshold", "sampled", "exact"];
+    let codecs = ["fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"];
+    let x = synthetic(ns.last().copied().unwrap_or(1 << 16), "normal", 1)?;
+    // Every measurement is a probe. Two phases of rounds: the network
+    // probes, the allreduces and (with `check`) the check's, then the
+    // local costs (see below).
+    let mut probes: Vec<Probe<'_>> = Vec::new();
+    // 1. α and β. Three measurements over sizes: ping-pong between ranks 0
+    // and 1 (one-way latency and bandwidth), pairwise exchange (sendrecv
+    // both ways at once) and the recursive-doubling allgather. The
+    // collectives the model describes are sequences of exchanges, which a
+    // ping-pong does not measure (both directions at once), and the
+    // allgather adds a copy of the rank's own block; so `alpha` and `beta`
+    // are fitted to the exchanges, and the other two fits are kept in the
+    // profile for reference. The β curve is the exchanges' per-byte cost
+    // at each size from 4 KiB up, `(T(m) − α)/m`.
+    let net = if p > 1 { net_sizes.len() } else { 0 };
+    for &b in &net_sizes[..net] {
+        let mut buf = vec![0u8; b];
+        probes.push(Box::new(move |_| pingpong(comm, &mut buf)));
+    }
+    for &b in &net_sizes[..net] {
+        let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        probes.push(Box::new(move |r| {
+            exchange_time(comm, &mut send, &mut recv, r)
+        }));
+    }
+    for &b in &net_sizes[..net] {
+        let (mut send, mut g) = (vec![0u8; b], Gathered::default());
+        probes.push(Box::new(move |r| {
+            allgather_time(comm, &mut send, &mut g, r)
+        }));
+    }
+    // 2. γ_reduce: what the allreduce costs beyond its α-β part, per
+    // reduced byte. Measured on gradsync's Rabenseifner allreduce over the
+    // layer sizes (fresh data each time), minus its α-β part under the β
+    // curve, fitted against the reduced bytes. This is the effective γ of
+    // the reduction steps on this machine (cache effects included), which
+    // a bare add loop in cache underestimates.
+    let reduce_at = probes.len();
+    for &n in if p > 1 { &ns[..] } else { &[] } {
+        let (x, mut y, mut ws) = (x[..n].to_vec(), vec![0f32; n], Workspace::<f32>::new());
+        probes.push(Box::new(move |_| {
+            y.copy_from_slice(&x);
+            comm.barrier()?;
+            let t0 = mpi::time();
+            let opts = AllreduceOptions {
+                validate: false,
+                ..AllreduceOptions::default()
+            };
+            allreduce_with(comm, &mut y, AllreduceAlgo::Rabenseifner, &opts, &mut ws)?;
+            Ok(mpi::time() - t0)
+        }));
+    }
+    // The network probes, the allreduces and the check's measurements
+    // share rounds of a few hundred milliseconds for at least
+    // `min_seconds`, so each gets dozens of samples from the same mix of
+    // machine states. The local costs come after, in their own rounds (a
+    // few seconds each at 16 MiB layers), with their own buffers: run
+    // first, they left the network phase 2-3x slower than the same probes
+    // in a `model-check` job (measured; a guess at the cause: these VMs
+    // report freed memory to the host through virtio-balloon free page
+    // reporting, and the gigabyte the local probes free comes back slower).
+    let check_at = probes.len();
+    if opts.check {
+        probes.extend(check_probes(comm, &CHECK_SIZES, densities)?);
+    }
+    let (remote_med, nrounds) = phase(
+        comm,
+        &mut probes,
+        reps,
+        opts.min_seconds,
+        1,
+        "network",
+        progress,
+    )?;
+    drop(probes);
+    let mut local_probes: Vec<Probe<'_>> = Vec::new();
+    // 3. γ_unpack: scatter-add of RGC units (1% of the elements), per unit
+    // byte, over the layer sizes.
+    let mut unit_bytes = Vec::new();
+    for &n in &ns {
+        let k = (n / 100).max(1);
+        let mut codec = CodecConfig::Rgc {
+            density: k as f64 / n as f64,
+            method: RgcMethod::Exact,
+        }
+        .build()?;
+        let mut unit = Vec::new();
+        codec.encode(&x[..n], &mut unit)?;
+        unit_bytes.push(unit.len() as f64);
+        let mut y = vec![0f32; n];
+        local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
+    }
+    // 4. Local cost of a sparse step per selection method and density.
+    let select_at = local_probes.len();
+    let mut select_names = Vec::new();
+    for &d in densities {
+        let mut cfgs: Vec<(String, CodecConfig)> = methods
+            .iter()
+            .map(|m| {
+                let method: RgcMethod =
+                    serde_json::from_value(serde_json::json!(m)).expect("method names parse");
+                (m.to_string(), CodecConfig::Rgc { density: d, method })
+            })
+            .collect();
+        cfgs.push(("quant".into(), CodecConfig::RgcQuant { density: d }));
+        for (name, cfg) in cfgs {
+            for &n in &ns {
+                local_probes.push(sparse_step_probe(comm, cfg.clone(), n)?);
+            }
+            select_names.push((name, d));
+        }
+    }
+    // 5. Codecs: encode / decode fits and measured size.
+    let codec_at = local_probes.len();
+    let mut codec_bpe = Vec::new();
+    for name in codecs {
+        let cfg: CodecConfig = name.parse()?;
+        let mut bpe = 0.0;
+        for &n in &ns {
+            let xn = synthetic(n, "normal", 7)?;
+            let mut enc = cfg.build()?;
+            let mut msg = Vec::new();
+            enc.encode(&xn, &mut msg)?;
+            bpe = (msg.len() as f64 - 12.0).max(0.0) / n as f64;
+            let dec = cfg.build()?;
+            let mut acc = vec![0f32; n];
+            let mut out = Vec::new();
+            local_probes.push(local(comm, move || enc.encode(&xn, &mut out)));
+            local_probes.push(local(comm, move || dec.decode_add(&msg, &mut acc)));
+        }
+        codec_bpe.push(bpe);
+    }
+    // 6. The engine's local cost of a dense layer (fusing, momentum, unfusing).
+    let dense_at = local_probes.len();
+    for &n in &ns {
+        local_probes.push(step_probe(comm, crate::sync::Strategy::Dense, n)?);
+    }
+    let (local_med, local_rounds) = phase(
+        comm,
+        &mut local_probes,
+        reps,
+        0.0,
+        3,
+        "local costs",
+        progress,
+    )?;
+    drop(local_probes);
+    log::debug!("calibrate: {local_rounds} rounds of local costs");
+    log::debug!("calibrate: {nrounds} rounds");
+    let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, &b) in net_sizes[..net].iter().enumerate() {
+        let (pp, ex, ag) = (remote_med[i], remote_med[net + i], remote_med[2 * net + i]);
+        log::debug!(
+            "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
+        );
+        let bf = b as f64;
+        pp_rows.push((1.0, bf, pp));
+        ex_rows.push((1.0, bf, ex));
+        ag_rows.push((cost::ceil_lg(p), (p as f64 - 1.0) * bf, ag));
+    }
+    let (alpha, beta) = cost::fit_relative_l2(&ex_rows);
+    let beta_curve: Vec<cost::CurvePoint> = ex_rows
+        .iter()
+        .filter(|r| r.1 >= 4096.0)
+        .map(|&(_, b, t)| cost::CurvePoint {
+            bytes: b,
+            per_byte: ((t - alpha) / b).max(0.0),
+        })
+        .collect();
+    let fit = |rows: &[(f64, f64, f64)]| {
+        let (a, b) = cost::fit_relative_l2(rows);
+        LinearFit { a, b }
+    };
+    let (pingpong_fit, allgather_fit) = (fit(&pp_rows), fit(&ag_rows));
+    let mut rows = Vec::new();
+    if p > 1 {
+        let mut no_gamma = Profile::from_network(alpha, 1.0 / beta.max(1e-300), 0.0, 0.0)?;
+        no_gamma.beta_curve = beta_curve.clone();
+        let mut unit_gamma = no_gamma.clone();
+        unit_gamma.gamma_reduce = 1.0;
+        for (i, &n) in ns.iter().enumerate() {
+            let (bytes, t) = ((4 * n) as f64, remote_med[reduce_at + i]);
+            log::debug!("calibrate: rabenseifner allreduce {bytes} B {t:.3e} s");
+            let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
+            let per = cost::dense_rabenseifner(&unit_gamma, bytes, p) - ab;
+            rows.push((0.0, per, (t - ab).max(t * 1e-3)));
+        }
+    }
+    let gamma_reduce = cost::fit_relative_l2(&rows).1;
+    let rows: Vec<(f64, f64, f64)> = unit_bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &u)| (0.0, u, local_med[i]))
+        .collect();
+    let gamma_unpack = cost::fit_relative_l2(&rows).1;
+    let mut select = BTreeMap::new();
+    for (c, (name, d)) in select_names.iter().enumerate() {
+        let pts: Vec<(f64, f64)> = ns
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (n as f64, local_med[select_at + c * ns.len() + i]))
+            .collect();
+        let fit = LinearFit::fit(&pts);
+        if *d == densities[0] {
+            select.insert(name.clone(), fit);
+        }
+        select.insert(format!("{name}@{d}"), fit);
+    }
+    let mut codec_fits = BTreeMap::new();
+    for (c, name) in codecs.iter().enumerate() {
+        let base = codec_at + 2 * c * ns.len();
+        let (mut enc, mut dec) = (Vec::new(), Vec::new());
+        for (i, &n) in ns.iter().enumerate() {
+            enc.push((n as f64, local_med[base + 2 * i]));
+            dec.push((n as f64, local_med[base + 2 * i + 1]));
+        }
+        let data_dependent = matches!(*name, "3lc" | "fastsgd");
+        codec_fits.insert(
+            name.to_string(),
+            CodecFit {
+                encode: LinearFit::fit(&enc),
+                decode: LinearFit::fit(&dec),
+                bytes_per_element: data_dependent.then_some(codec_bpe[c]),
+            },
+        );
+    }
+    let dense_pts: Vec<(f64, f64)> = ns
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (n as f64, local_med[dense_at + i]))
+        .collect();
+    let dense_local = LinearFit::fit(&dense_pts);
+    let profile = Profile {
+        version: PROFILE_VERSION,
+        alpha,
+        beta,
+        gamma_reduce,
+        gamma_unpack,
+        beta_curve,
+        gamma_reduce_curve: Vec::new(),
+        select,
+        codecs: codec_fits,
+        dense_local,
+        gradiveq_compress: LinearFit::default(),
+        gradiveq_decompress: LinearFit::default(),
+        pingpong: pingpong_fit,
+        allgather: allgather_fit,
+        meta: rank0_meta(comm, &opts.note)?,
+    };
+    profile.validate()?;
+    let check = if opts.check {
+        Some(compare(
+            p,
+            &profile,
+            &CHECK_SIZES,
+            densities,
+            &remote_med[check_at..],
+        )?)
+    } else {
+        None
+    };
+    Ok(Calibration {
+        profile,
+        check,
+        rounds: nrounds,
+        local_rounds,
+    })
+}
+
+/// The profile's [`ProfileMeta`] as rank 0 sees it (host, CPU, MPI library,
+/// date), so that every rank returns the same profile.
+fn rank0_meta(comm: &MpiComm, note: &str) -> Result<ProfileMeta> {
+    let mine = ProfileMeta {
+        machine: machine(),
+        mpi: mpi::environment::library_version()
+            .unwrap_or_default()
+            .trim_end_matches('\0')
+            .to_string(),
+        date: date(),
+        ranks: comm.size(),
+        note: note.to_string(),
+    };
+    let enc = if comm.rank() == 0 {
+        serde_json::to_vec(&mine)?
+    } else {
+        Vec::new()
+    };
+    let g = allgatherv(comm, &enc, AllgathervAlgo::RecursiveDoubling)?;
+    Ok(serde_json::from_slice(g.message(0))?)
+}
+
+fn machine() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_default();
+    let cores = std::fs::read_to_string("/proc/cpuinfo").map_or(0, |s| {
+        s.lines().filter(|l| l.starts_with("processor")).count()
+    });
+    format!("{host}: {cpu}, {cores} cores")
+}
+
+fn date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let days = (secs / 86_400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let s = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        s / 3600,
+        s / 60 % 60,
+        s % 60
+    )
+}

@@ -1,0 +1,255 @@
+//! The probes of a calibration or check: each a measurement that owns its
+//! buffers, run in shuffled rounds by [`rounds`].
+
+use super::interquartile_mean;
+use crate::codec::CodecConfig;
+use crate::comm::tags;
+use crate::comm::{LocalComm, MpiComm, Transport};
+use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
+use crate::sync::{Config, GradSync, Strategy};
+use crate::{Error, Result};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use std::time::Instant;
+
+/// One measurement of a calibration or check round: this rank's seconds (0
+/// where the rank takes no part). Each probe owns its buffers.
+pub(super) type Probe<'a> = Box<dyn FnMut(usize) -> Result<f64> + 'a>;
+
+/// A local measurement run on every rank at once (after a barrier, so the
+/// ranks contend for memory bandwidth as they do in a real step).
+pub(super) fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + 'a) -> Probe<'a> {
+    Box::new(move |_| {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        f()?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
+}
+
+/// Runs every probe once per round until at least `min_rounds` rounds and
+/// `min_seconds` have passed (rank 0 decides, every rank follows), after
+/// one untimed round. Returns each probe's [`interquartile_mean`], the
+/// slowest rank's, and
+/// the number of rounds; `on_round(round, seconds)` reports progress.
+///
+/// Every round runs all probes in a new order, the same on every rank.
+/// This is what makes a calibration on a shared machine repeatable. On the
+/// 2-vCPU KVM guests of this project the two vCPUs share a core complex
+/// most of the time and sit in different ones, where cache-to-cache
+/// transfers are 3–5× slower, for episodes of a fraction of a second to
+/// tens of seconds. Measuring one size after the other catches an episode
+/// in some sizes and not in others, and a calibration followed by a check
+/// compares two different machines. Rounds spread over seconds give every
+/// probe the same mix of states, so their medians describe the same
+/// machine, and the shuffled order stops one probe from always following
+/// the one that filled the caches (a fixed order cost one strategy 40 %).
+pub(super) fn rounds(
+    comm: &MpiComm,
+    probes: &mut [Probe<'_>],
+    min_rounds: usize,
+    min_seconds: f64,
+    seed: u64,
+    mut on_round: impl FnMut(usize, f64),
+) -> Result<(Vec<f64>, usize)> {
+    if probes.is_empty() {
+        return Ok((Vec::new(), 0));
+    }
+    let mut t: Vec<Vec<f64>> = vec![Vec::new(); probes.len()];
+    let mut order: Vec<usize> = (0..probes.len()).collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let start = Instant::now();
+    let mut round = 0;
+    loop {
+        order.shuffle(&mut rng);
+        for &i in &order {
+            // A short burst, as `gradsync bench` and a training loop run
+            // them back to back: the first call warms the caches (a probe
+            // right after another one's 16 MiB finds them full of that
+            // data), the next BURST are timed.
+            for b in 0..=BURST {
+                let x = probes[i](round * (BURST + 1) + b)?;
+                if round > 0 && b > 0 {
+                    t[i].push(x);
+                }
+            }
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        on_round(round, elapsed);
+        let more = round < min_rounds || (elapsed < min_seconds && round < MAX_ROUNDS);
+        let mut flag = [if comm.rank() == 0 && more { 1.0 } else { 0.0 }];
+        max_over_ranks(comm, &mut flag);
+        if flag[0] == 0.0 {
+            break;
+        }
+        round += 1;
+    }
+    let mut med: Vec<f64> = t.iter_mut().map(|v| interquartile_mean(v)).collect();
+    max_over_ranks(comm, &mut med);
+    Ok((med, round))
+}
+
+/// Upper bound on measurement rounds, whatever `min_seconds` says.
+const MAX_ROUNDS: usize = 100_000;
+
+/// Timed calls of a probe per round (after one untimed call).
+const BURST: usize = 3;
+
+/// One-way time of a message between ranks 0 and 1 (ping-pong / 2).
+pub(super) fn pingpong(comm: &MpiComm, buf: &mut [u8]) -> Result<f64> {
+    let rank = comm.rank();
+    comm.barrier()?;
+    let t0 = mpi::time();
+    match rank {
+        0 => {
+            comm.send(buf, 1, tags::CALIBRATE_PINGPONG)?;
+            comm.recv(buf, 1, tags::CALIBRATE_PINGPONG)?;
+        }
+        1 => {
+            comm.recv(buf, 0, tags::CALIBRATE_PINGPONG)?;
+            comm.send(buf, 0, tags::CALIBRATE_PINGPONG)?;
+        }
+        _ => return Ok(0.0),
+    }
+    Ok((mpi::time() - t0) / 2.0)
+}
+
+/// Time of a pairwise exchange (`sendrecv` of the buffer each way between
+/// ranks `2i` and `2i+1`): one step of Rabenseifner's or recursive
+/// doubling's schedule, `α + bytes·β` in the model.
+pub(super) fn exchange_time(
+    comm: &MpiComm,
+    send: &mut [u8],
+    recv: &mut [u8],
+    round: usize,
+) -> Result<f64> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let peer = rank ^ 1;
+    // Fresh data every time, as a gradient is: the sender's cache holds the
+    // lines modified, so the copy pays the cache-to-cache transfer that a
+    // collective's steps pay (a send buffer that never changes ends up
+    // cached on both cores and measures a local copy: 2-4x too fast here).
+    send.fill(round as u8);
+    comm.barrier()?;
+    let t0 = mpi::time();
+    if peer >= p {
+        return Ok(0.0);
+    }
+    comm.sendrecv(send, peer, recv, peer, tags::CALIBRATE_EXCHANGE)?;
+    Ok(mpi::time() - t0)
+}
+
+/// Time of the recursive-doubling allgather of the buffer (fresh data).
+pub(super) fn allgather_time(
+    comm: &MpiComm,
+    send: &mut [u8],
+    g: &mut Gathered,
+    round: usize,
+) -> Result<f64> {
+    send.fill(round as u8);
+    comm.barrier()?;
+    let t0 = mpi::time();
+    allgatherv_with(comm, send, AllgathervAlgo::RecursiveDoubling, g)?;
+    Ok(mpi::time() - t0)
+}
+
+/// Local cost of one sparse engine step (one rank, in process): residual
+/// accumulation, selection, packing, zeroing and unpacking its own unit.
+pub(super) fn sparse_step_probe(comm: &MpiComm, codec: CodecConfig, n: usize) -> Result<Probe<'_>> {
+    step_probe(
+        comm,
+        Strategy::Sparse {
+            codec,
+            density: None,
+        },
+        n,
+    )
+}
+
+/// Local cost of one engine step of a layer with `strategy` (one rank, in
+/// process, so no communication): for a dense layer, copying it into the
+/// fused buffer, momentum and copying the result out (`dense_local`).
+pub(super) fn step_probe(comm: &MpiComm, strategy: Strategy, n: usize) -> Result<Probe<'_>> {
+    let mut s = GradSync::with_transport(
+        LocalComm::create(1).pop().expect("one rank"),
+        Config {
+            overlap: false,
+            ..Config::default()
+        },
+    )?;
+    s.register_with("layer", &[n], strategy)?;
+    let g = synthetic(n, "normal", n as u64)?;
+    let mut w = g.clone();
+    Ok(local(comm, move || {
+        w.copy_from_slice(&g);
+        s.sync(&mut [&mut w[..]]).map(|_| ())
+    }))
+}
+
+/// The layer sizes of the local fits, elements: 16K (64 KiB) up to
+/// `max_bytes`, by factors of 2.
+pub(super) fn sizes_up_to(max_bytes: usize) -> Vec<usize> {
+    // Elements: 16K (64 KiB) .. max, by factors of 2.
+    let mut v = Vec::new();
+    let mut n = 16384usize;
+    while 4 * n <= max_bytes {
+        v.push(n);
+        n *= 2;
+    }
+    v
+}
+
+/// xorshift64* uniform in (0, 1).
+fn uniform(s: &mut u64) -> f64 {
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    ((s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// A synthetic gradient-like tensor of `n` elements: `dist` is `normal`,
+/// `laplace` (scale 10⁻³) or `zeros`; the same `seed` gives the same data.
+/// (`gradsync codecs --synthetic` and the calibration's probes.)
+pub fn synthetic(n: usize, dist: &str, seed: u64) -> Result<Vec<f32>> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let scale = 1e-3;
+    Ok(match dist {
+        "zeros" => vec![0.0; n],
+        "normal" => (0..n)
+            .map(|_| {
+                let (u, v) = (uniform(&mut s), uniform(&mut s));
+                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * scale) as f32
+            })
+            .collect(),
+        "laplace" => (0..n)
+            .map(|_| {
+                let u = uniform(&mut s) - 0.5;
+                (-u.signum() * (1.0 - 2.0 * u.abs()).ln() * scale) as f32
+            })
+            .collect(),
+        d => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown --dist {d:?} (normal, laplace, zeros)"
+            )))
+        }
+    })
+}
+
+/// Element-wise max over ranks of `v`, via MPI (harness bookkeeping, not timed).
+pub(crate) fn max_over_ranks(comm: &MpiComm, v: &mut [f64]) {
+    use mpi::collective::{CommunicatorCollectives, SystemOperation};
+    let send = v.to_vec();
+    comm.communicator()
+        .all_reduce_into(&send[..], v, SystemOperation::max());
+}
+
+/// The network probes' message sizes, bytes: a few small messages for α,
+/// then every power of two of the layer range (32 KiB up to `max_bytes`).
+pub(super) fn net_sizes(max_bytes: usize) -> Vec<usize> {
+    [3usize, 9, 12]
+        .into_iter()
+        .chain(15..=30)
+        .map(|e| 1usize << e)
+        .filter(|&b| b <= max_bytes.max(1 << 12))
+        .collect()
+}
