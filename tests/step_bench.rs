@@ -108,6 +108,47 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
             assert!(v["wire_bytes_per_rank"].as_u64().expect("wire") < 4 * 340_138 / 50);
         }
     }
+    // --compare: the same table dense-only and all-sparse in the same
+    // rounds, one record each, with their own predictions.
+    let (ok, out, err) = run(
+        2,
+        &[
+            "bench",
+            "--op",
+            "step",
+            "--layers",
+            layers.to_str().unwrap(),
+            "--profile",
+            prof.to_str().unwrap(),
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--compare",
+            "--json",
+        ],
+    );
+    assert!(ok, "{err}");
+    let recs: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    let names: Vec<&str> = recs.iter().map(|r| r["config"].as_str().unwrap()).collect();
+    assert_eq!(names, ["planned", "dense", "sparse"]);
+    for (r, want) in recs[1..]
+        .iter()
+        .zip(["dense-rabenseifner", "sparse-allgather"])
+    {
+        let choices = r["choices"].as_array().expect("choices");
+        assert!(choices.iter().all(|c| c["choice"] == want), "{r}");
+        assert_eq!(r["groups"].as_array().expect("groups").len(), 1);
+        assert!(r["predicted_s"].as_f64().expect("predicted") > 0.0);
+    }
+    // The plan is predicted no slower than either uniform table.
+    let pred = |i: usize| recs[i]["predicted_s"].as_f64().unwrap();
+    assert!(pred(0) <= pred(1) && pred(0) <= pred(2), "{out}");
+    // The dense configuration's fused buffer is the whole table.
+    assert_eq!(recs[1]["wire_bytes_per_rank"], 4 * 340_138);
     // Without a profile: the engine's defaults, no prediction.
     let (ok, out, err) = run(
         2,
@@ -153,7 +194,7 @@ fn step_bad_inputs_name_the_flag_or_file_on_every_rank() {
                 "--strategies",
                 "sparse-allgather",
             ],
-            vec!["--strategies", "--profile"],
+            vec!["--strategies", "--profile or --calibrate"],
         ),
         (
             vec![
@@ -173,4 +214,47 @@ fn step_bad_inputs_name_the_flag_or_file_on_every_rank() {
             assert!(err.contains(w), "{w:?} not in {err}");
         }
     }
+}
+
+/// `--calibrate`: the library's calibration from inside the benchmark job,
+/// written to `--profile` and used for the plan.
+#[test]
+fn step_calibrates_in_the_same_job() {
+    let layers = temp("cal-layers.json", LAYERS);
+    let out_prof =
+        std::env::temp_dir().join(format!("gradsync-step-cal-{}.json", std::process::id()));
+    let (ok, out, err) = mpirun(
+        2,
+        Path::new(gradsync()),
+        &[
+            "bench",
+            "--op",
+            "step",
+            "--layers",
+            layers.to_str().unwrap(),
+            "--calibrate",
+            "--profile",
+            out_prof.to_str().unwrap(),
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+    assert!(v["predicted_s"].as_f64().expect("predicted") > 0.0);
+    let prof: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out_prof).expect("profile written"))
+            .expect("profile JSON");
+    assert!(prof["alpha"].as_f64().expect("alpha") > 0.0);
+    assert!(
+        prof["dense_local"]["b"]
+            .as_f64()
+            .expect("dense_local fitted")
+            > 0.0
+    );
+    let _ = std::fs::remove_file(&out_prof);
 }

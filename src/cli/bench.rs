@@ -74,6 +74,16 @@ pub struct BenchArgs {
     /// cost-model names; default: what `Strategy::Auto` chooses among).
     #[arg(long, default_value = "")]
     pub strategies: String,
+    /// `--op step`: calibrate in this job first (`cost::calibrate` with
+    /// its defaults) and plan with that profile; with `--profile`, write
+    /// the profile there.
+    #[arg(long)]
+    pub calibrate: bool,
+    /// `--op step`: also measure the same table dense-only (every layer
+    /// in the fused allreduce) and all-sparse (every layer RGC), in the
+    /// same interleaved rounds: one record per configuration.
+    #[arg(long)]
+    pub compare: bool,
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,

@@ -65,6 +65,9 @@ pub struct StepGroupRecord {
 pub struct StepRecord {
     /// `step`.
     pub op: String,
+    /// `planned` (the plan's choices; the engine's defaults without a
+    /// profile), `dense` (every layer dense) or `sparse` (every layer RGC).
+    pub config: String,
     /// Ranks.
     pub ranks: usize,
     /// The layers file.
@@ -132,11 +135,11 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             format!("layer {:?} has no elements", l.name),
         ));
     }
-    let profile = a
-        .profile
-        .as_ref()
-        .map(|p| Profile::load(p).map_err(|e| flag_error("--profile", e)))
-        .transpose()?;
+    // With --calibrate, --profile names where the new profile goes.
+    let profile = match &a.profile {
+        Some(p) if !a.calibrate => Some(Profile::load(p).map_err(|e| flag_error("--profile", e))?),
+        _ => None,
+    };
     let allowed = cost::parse_list(&a.strategies)
         .map_err(|e| flag_error(format!("--strategies {:?}", a.strategies), e))?;
     if let Some(id) = allowed.iter().find(|id| !id.engine_runs()) {
@@ -144,9 +147,9 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             "--strategies: the engine cannot run {id} from a plan"
         )));
     }
-    if profile.is_none() && !a.strategies.is_empty() {
+    if profile.is_none() && !a.calibrate && !a.strategies.is_empty() {
         return Err(Error::InvalidArgument(
-            "--strategies needs --profile (the plan chooses among them)".into(),
+            "--strategies needs --profile or --calibrate (the plan chooses among them)".into(),
         ));
     }
     Ok(Inputs {
@@ -160,11 +163,10 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
 
 /// Per layer the engine strategy and cost-model id; the prediction; what
 /// the plan chose among.
-type Planned = (
-    Vec<(Strategy, StrategyId)>,
-    Option<cost::StepPlan>,
-    Vec<StrategyId>,
-);
+type Planned = (Choices, Option<cost::StepPlan>, Vec<StrategyId>);
+
+/// Per layer the engine strategy and its cost-model id.
+type Choices = Vec<(Strategy, StrategyId)>;
 
 /// The plan: per layer the engine strategy and the cost-model id, and the
 /// prediction (with a profile).
@@ -230,8 +232,73 @@ fn layer_scale(i: usize) -> f32 {
     (10f64.powf(-5.0 + 4.0 * u) / 1e-3) as f32
 }
 
+/// One measured configuration: its engine, per-layer strategies and
+/// prediction.
+struct Measured {
+    name: &'static str,
+    engine: GradSync,
+    strategies: Vec<(Strategy, StrategyId)>,
+    plan: Option<cost::StepPlan>,
+    parts: [Vec<f64>; 3],
+    bytes: (usize, usize),
+}
+
+/// Every layer with one strategy, and the step model's prediction of it.
+fn uniform(
+    inp: &Inputs,
+    p: usize,
+    st: Strategy,
+    id: StrategyId,
+) -> Result<(Choices, Option<cost::StepPlan>)> {
+    let v = vec![(st, id); inp.layers.len()];
+    let plan = match &inp.profile {
+        Some(prof) => {
+            let q = StepQuery {
+                p,
+                density: inp.density,
+                select_method: "trimmed".into(),
+                gradiveq_ratio: 8.0,
+                allowed: Vec::new(),
+            };
+            let table = step_table(&inp.layers);
+            Some(cost::predict_step(
+                prof,
+                &q,
+                &table,
+                &vec![id; table.len()],
+            )?)
+        }
+        None => None,
+    };
+    Ok((v, plan))
+}
+
+fn step_table(layers: &[model::LayerSpec]) -> Vec<StepLayer> {
+    layers
+        .iter()
+        .map(|l| StepLayer {
+            name: l.name.clone(),
+            n: l.elements,
+            kind: LayerKind::Auto,
+        })
+        .collect()
+}
+
+fn engine(
+    comm: &MpiComm,
+    cfg: &Config,
+    inp: &Inputs,
+    st: &[(Strategy, StrategyId)],
+) -> Result<GradSync> {
+    let mut s = GradSync::new(comm.communicator(), cfg.clone())?;
+    for (l, (st, _)) in inp.layers.iter().zip(st) {
+        s.register_with(&l.name, &[l.elements], st.clone())?;
+    }
+    Ok(s)
+}
+
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let inp = agree_inputs(comm, inputs(a), |inp| {
+    let mut inp = agree_inputs(comm, inputs(a), |inp| {
         let mut m = common_must_match(a);
         m.push(("--layers", inp.path.clone()));
         m.push((
@@ -250,21 +317,56 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         ));
         m.push(("--strategies", format!("{:?}", inp.allowed)));
         m.push(("--density", inp.density.to_string()));
+        m.push(("--calibrate", a.calibrate.to_string()));
+        m.push(("--compare", a.compare.to_string()));
         m
     })?;
     let (rank, p) = (comm.rank(), comm.size());
+    if a.calibrate {
+        // The library's calibration, from inside this job (collective).
+        let prof = cost::calibrate(comm, &cost::CalibrateOptions::default())?;
+        if let Some(path) = &a.profile {
+            crate::failure::agree(comm, if rank == 0 { prof.save(path) } else { Ok(()) })?;
+        }
+        inp.profile = Some(prof);
+    }
     let mut cfg = Config::default();
     if inp.allowed.contains(&StrategyId::DenseRing)
         && !inp.allowed.contains(&StrategyId::DenseRabenseifner)
     {
         cfg.allreduce = AllreduceAlgo::Ring;
     }
-    let (strategies, plan, allowed) = plan(&inp, p, &cfg)?;
     let algo = cfg.allreduce;
-    let mut s = GradSync::new(comm.communicator(), cfg)?;
-    for (l, (st, _)) in inp.layers.iter().zip(&strategies) {
-        s.register_with(&l.name, &[l.elements], st.clone())?;
+    let dense_id = match algo {
+        AllreduceAlgo::Ring => StrategyId::DenseRing,
+        _ => StrategyId::DenseRabenseifner,
+    };
+    let (strategies, plan, allowed) = plan(&inp, p, &cfg)?;
+    let mut configs = vec![("planned", strategies, plan)];
+    if a.compare {
+        let (s, pl) = uniform(&inp, p, Strategy::Dense, dense_id)?;
+        configs.push(("dense", s, pl));
+        let (s, pl) = uniform(
+            &inp,
+            p,
+            Strategy::rgc(inp.density),
+            StrategyId::SparseAllgather,
+        )?;
+        configs.push(("sparse", s, pl));
     }
+    let mut runs: Vec<Measured> = configs
+        .into_iter()
+        .map(|(name, strategies, plan)| {
+            Ok(Measured {
+                name,
+                engine: engine(comm, &cfg, &inp, &strategies)?,
+                strategies,
+                plan,
+                parts: Default::default(),
+                bytes: (0, 0),
+            })
+        })
+        .collect::<Result<_>>()?;
     let input: Vec<Vec<f32>> = inp
         .layers
         .iter()
@@ -279,45 +381,68 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let mut work = input.clone();
     let dense_in: Vec<f32> = input.concat();
     let mut dense_out = vec![0f32; dense_in.len()];
-    let mut parts: [Vec<f64>; 3] = Default::default();
-    let mut bytes = (0usize, 0usize);
-    let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
+    let nruns = runs.len();
+    let mut times = time_interleaved(comm, a.iters, a.warmup, 1 + nruns, |k| {
         if k == 0 {
             return timed(comm, || {
                 comm.native_allreduce_sum(&dense_in, &mut dense_out)
                     .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
             });
         }
+        let r = &mut runs[k - 1];
         for (w, i) in work.iter_mut().zip(&input) {
             w.copy_from_slice(i);
         }
         let mut st = None;
         let t = timed(comm, || {
             let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
-            st = Some(s.sync(&mut views)?.clone());
+            st = Some(r.engine.sync(&mut views)?.clone());
             Ok(())
         })?;
         let st = st.expect("sync ran");
-        parts[0].push(st.allgather_s);
-        parts[1].push(st.allreduce_s);
-        parts[2].push(st.select_s + st.pack_s + st.unpack_s);
-        bytes = (st.fused_bytes, st.dense_bytes);
+        r.parts[0].push(st.allgather_s);
+        r.parts[1].push(st.allreduce_s);
+        r.parts[2].push(st.select_s + st.pack_s + st.unpack_s);
+        r.bytes = (st.fused_bytes, st.dense_bytes);
         Ok(t)
     })?;
+    let dense = median(&mut times[0]);
+    for (r, t) in runs.iter_mut().zip(times.iter_mut().skip(1)) {
+        let rec = record(comm, a, &inp, r, t, dense, algo, &allowed, p)?;
+        if rank == 0 {
+            print_record(a, &rec)?;
+        }
+    }
+    Ok(0)
+}
+
+/// The record of one measured configuration (collective: medians are the
+/// slowest rank's).
+#[allow(clippy::too_many_arguments)]
+fn record(
+    comm: &MpiComm,
+    a: &BenchArgs,
+    inp: &Inputs,
+    r: &mut Measured,
+    t: &mut [f64],
+    dense: f64,
+    algo: AllreduceAlgo,
+    allowed: &[StrategyId],
+    p: usize,
+) -> Result<StepRecord> {
     let mut med = [0f64; 3];
-    for (m, v) in med.iter_mut().zip(parts.iter_mut()) {
+    for (m, v) in med.iter_mut().zip(r.parts.iter_mut()) {
         let mut tail = v.split_off(a.warmup.min(v.len()));
         *m = median(&mut tail);
     }
     max_over_ranks(comm, &mut med);
-    let dense = median(&mut times[0]);
-    let t = &mut times[1];
     let median_s = median(t);
     let min_s = t.iter().copied().fold(f64::INFINITY, f64::min);
+    let (plan, bytes) = (&r.plan, r.bytes);
     let mut choices = Vec::new();
     let mut counts = std::collections::BTreeMap::new();
     let mut groups: Vec<StepGroupRecord> = Vec::new();
-    for (i, (l, (_, id))) in inp.layers.iter().zip(&strategies).enumerate() {
+    for (i, (l, (_, id))) in inp.layers.iter().zip(&r.strategies).enumerate() {
         let group = if matches!(id, StrategyId::DenseRabenseifner | StrategyId::DenseRing) {
             GroupKind::Dense
         } else {
@@ -367,8 +492,9 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             .map(|x| x.comm_s);
     }
     let predicted_s = plan.as_ref().map(|pl| pl.seconds);
-    let rec = StepRecord {
+    Ok(StepRecord {
         op: "step".into(),
+        config: r.name.into(),
         ranks: p,
         layers_file: inp.path.clone(),
         layers: inp.layers.len(),
@@ -387,39 +513,43 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         local_s: med[2],
         choices,
         choice_counts: counts,
-    };
-    if rank == 0 {
-        if a.json {
-            println!("{}", serde_json::to_string(&rec)?);
-        } else {
-            println!(
-                "step of {} ({} layers, {} elements) on {p} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; choices {:?}",
-                rec.layers_file,
-                rec.layers,
-                rec.elements,
-                rec.median_s * 1e3,
-                rec.min_s * 1e3,
-                rec.predicted_s
-                    .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3)),
-                rec.dense_mpi_median_s * 1e3,
-                rec.speedup_vs_dense,
-                rec.wire_bytes_per_rank,
-                rec.choice_counts
-            );
-            for g in &rec.groups {
-                println!(
-                    "  group {:?} ({}): {} layers, {} elements, {} bytes/rank, measured {:.3} ms, predicted {}",
-                    g.kind,
-                    g.algorithm,
-                    g.layers,
-                    g.elements,
-                    g.message_bytes,
-                    g.measured_s * 1e3,
-                    g.predicted_s
-                        .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3))
-                );
-            }
-        }
+    })
+}
+
+fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
+    if a.json {
+        println!("{}", serde_json::to_string(rec)?);
+        return Ok(());
     }
-    Ok(0)
+    println!(
+        "{} step of {} ({} layers, {} elements) on {} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; local {:.3} ms; choices {:?}",
+        rec.config,
+        rec.layers_file,
+        rec.layers,
+        rec.elements,
+        rec.ranks,
+        rec.median_s * 1e3,
+        rec.min_s * 1e3,
+        rec.predicted_s
+            .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3)),
+        rec.dense_mpi_median_s * 1e3,
+        rec.speedup_vs_dense,
+        rec.wire_bytes_per_rank,
+        rec.local_s * 1e3,
+        rec.choice_counts
+    );
+    for g in &rec.groups {
+        println!(
+            "  group {:?} ({}): {} layers, {} elements, {} bytes/rank, measured {:.3} ms, predicted {}",
+            g.kind,
+            g.algorithm,
+            g.layers,
+            g.elements,
+            g.message_bytes,
+            g.measured_s * 1e3,
+            g.predicted_s
+                .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3))
+        );
+    }
+    Ok(())
 }
