@@ -29,6 +29,7 @@ mod qsgd;
 mod rgc;
 mod sbc;
 mod threelc;
+mod wire;
 
 pub use baseline::{Fp16, Int8, NoCompression};
 pub use fastsgd::FastSgd;

@@ -616,26 +616,16 @@ pub fn allgather_unpack(prof: &Profile, m: f64, p: usize) -> f64 {
         + p as f64 * m * prof.gamma_unpack
 }
 
-/// Analytic wire bytes of a codec message for `n` elements at density `d`
-/// (12-byte header included); `None` for data-dependent codecs.
+/// Wire bytes of a codec message for `n` elements at density `d` (the
+/// 12-byte header included), from the codec's own size contract
+/// ([`crate::codec::CodecConfig::wire_bytes`], its parameters' defaults and
+/// density `d`); `None` for data-dependent codecs or an unknown name.
 pub fn codec_wire_bytes(codec: &str, n: usize, d: f64) -> Option<f64> {
-    let nf = n as f64;
-    Some(match codec {
-        "none" => 12.0 + 4.0 * nf,
-        "fp16" => 14.0 + 2.0 * nf,
-        "int8" => 16.0 + nf,
-        "qsgd" => 17.0 + (nf * 4.0 / 8.0).ceil(),
-        "sbc" => {
-            // Golomb-Rice positions: b* + 1/(1 − (1 − p)^(2^b*)) bits each.
-            let p = d.clamp(1e-12, 0.5);
-            let b = crate::codec::Sbc::new(p).map_or(0, |s| s.rice_parameter());
-            let bits = f64::from(b) + 1.0 / (1.0 - (1.0 - p).powf(2f64.powi(i32::from(b))));
-            25.0 + (sparse_k(n, p) * bits / 8.0).ceil()
-        }
-        "rgc" => 16.0 + 8.0 * sparse_k(n, d),
-        "rgc-quant" => 20.0 + 4.0 * sparse_k(n, d),
-        _ => return None,
-    })
+    codec
+        .parse::<crate::codec::CodecConfig>()
+        .ok()?
+        .with_density(d.clamp(1e-12, 1.0))
+        .wire_bytes(n)
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile
