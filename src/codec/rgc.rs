@@ -71,7 +71,7 @@
 //! next turn takes the other sign).
 
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId, Reader};
-use crate::select::{exact_topk, signed_topk, trimmed_topk, ThresholdSearch};
+use crate::select::{exact_topk, signed_topk, trimmed_topk_checked, ThresholdSearch};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -203,12 +203,19 @@ impl Codec for Rgc {
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_n(x.len())?;
-        check_finite(x)?;
+        if self.method != RgcMethod::Trimmed {
+            check_finite(x)?;
+        }
         let k = rgc_k(self.density, x.len());
         let (idx, val) = (&mut self.idx, &mut self.val);
         match self.method {
             RgcMethod::Exact => exact_topk(x, k, idx, val)?,
-            RgcMethod::Trimmed => trimmed_topk(x, k, idx, val)?,
+            // Finiteness from the selection's statistics pass.
+            RgcMethod::Trimmed => {
+                if !trimmed_topk_checked(x, k, idx, val)? {
+                    check_finite(x)?;
+                }
+            }
             RgcMethod::Threshold => {
                 self.search.select(x, k, idx, val)?;
             }

@@ -434,15 +434,32 @@ pub fn trimmed_topk(
     idx_out: &mut Vec<u32>,
     val_out: &mut Vec<f32>,
 ) -> Result<()> {
+    trimmed_topk_checked(x, k, idx_out, val_out).map(|_| ())
+}
+
+/// [`trimmed_topk`], also returning whether every element of `x` is finite,
+/// read from the statistics pass it makes anyway (no `NaN` counted, finite
+/// maximum), so an encoder needs no separate check. When `x` is not all
+/// finite the selection is made just the same (NaN-safe, as above).
+pub(crate) fn trimmed_topk_checked(
+    x: &[f32],
+    k: usize,
+    idx_out: &mut Vec<u32>,
+    val_out: &mut Vec<f32>,
+) -> Result<bool> {
     check_len(x)?;
     idx_out.clear();
     val_out.clear();
-    if k == 0 || x.is_empty() {
-        return Ok(());
+    if x.is_empty() {
+        return Ok(true);
     }
     let (mean, max, m) = abs_stats(x);
+    let finite = m == x.len() && max.is_finite();
+    if k == 0 {
+        return Ok(finite);
+    }
     if k >= m {
-        return exact_topk(x, k, idx_out, val_out);
+        return exact_topk(x, k, idx_out, val_out).map(|_| finite);
     }
     // The ratios Algorithm 2 tries, 1 − ε, 1 − 2ε, ..., 0, are counted in
     // ONE pass (the printed loop makes one pass per ratio); the first with at
@@ -460,7 +477,7 @@ pub fn trimmed_topk(
         .find(|(_, &c)| c >= k)
         .map_or(f32::NEG_INFINITY, |(&t, _)| t);
     select_topk_above(x, k, thr, idx_out, val_out);
-    Ok(())
+    Ok(finite)
 }
 
 /// Ratios Algorithm 2 can try: `1 − jε` for `j = 1..` down to 0.
