@@ -394,15 +394,20 @@ fn filter_signed(x: &[f32], tp: f32, tn: f32, pos: &mut Vec<u32>, neg: &mut Vec<
     let mut mx = [0i32; L];
     let chunks = x.chunks_exact(L);
     let tail_start = x.len() - chunks.remainder().len();
+    // Branch-free compaction of a chunk (`c.len() ≤ L`): write every index,
+    // advance past those that pass (a branch each mispredicts at 1–2%).
+    let (mut bp, mut bn) = ([0u32; L], [0u32; L]);
     let mut visit = |base: usize, c: &[f32]| {
+        let (mut kp, mut kn) = (0, 0);
         for (j, &v) in c.iter().enumerate() {
-            if v >= tp {
-                pos.push((base + j) as u32);
-            }
-            if v <= ntn {
-                neg.push((base + j) as u32);
-            }
+            let i = (base + j) as u32;
+            bp[kp] = i;
+            kp += usize::from(v >= tp);
+            bn[kn] = i;
+            kn += usize::from(v <= ntn);
         }
+        pos.extend_from_slice(&bp[..kp]);
+        neg.extend_from_slice(&bn[..kn]);
     };
     for (ci, c) in chunks.enumerate() {
         let mut hit = false;
