@@ -259,26 +259,33 @@ fn reference_sum(
         // The paper's filter keeps every nonzero: Σ|x| is the sum sent.
         return (sum, f64::INFINITY);
     }
-    let jc = if x.len() >= 4 * SAMPLE && u32::try_from(x.len()).is_ok() {
-        estimate_level(x, max, p, tau, ln_b).map_or(tau, |j| {
+    // (jc, filter threshold): levels up to jc are summed exactly from the
+    // candidates; the filter goes further down, to 0.85 of the estimated
+    // encoder threshold S·p[τ], so that the kept set is among them too.
+    let (jc, tf) = match (x.len() >= 4 * SAMPLE && u32::try_from(x.len()).is_ok())
+        .then(|| estimate_level(x, max, p, tau, ln_b))
+        .flatten()
+    {
+        Some((j, c)) => {
             // Levels worth a factor 1.25 below the estimate (3 at b = 1.1).
             let margin = (1.25f64.ln() / ln_b).ceil() as usize;
-            (j + margin.max(2)).min(tau)
-        })
-    } else {
-        tau
+            let jc = (j + margin.max(2)).min(tau);
+            (jc, (max * p[jc]).min(0.85 * c * p[tau]))
+        }
+        None => (tau, 0.0),
     };
     let sums = |jc: usize, cand: &mut Vec<(u32, f32)>| -> Option<f64> {
         // bucket[j]: sum of |x_i| with level j relative to the maximum.
         let mut bucket = [0f64; TABLE];
         let t = max * p[jc];
+        let lv = Levels::new(max, p, tau, ln_b);
         let mut add = |a: f64| {
             if a >= t {
-                bucket[level(max, a, p, tau, ln_b)] += a;
+                bucket[lv.of(a)] += a;
             }
         };
         if jc < tau {
-            filter_at_least(x, f32_at_least(t), cand);
+            filter_at_least(x, f32_at_least(tf), cand);
             for &(_, v) in cand.iter() {
                 add(v.abs() as f64);
             }
@@ -302,7 +309,7 @@ fn reference_sum(
         (jc == tau).then(|| best.unwrap_or(f64::NAN))
     };
     let (best, from) = match sums(jc, cand) {
-        Some(b) if jc < tau => (b, max * p[jc]),
+        Some(b) if jc < tau => (b, tf),
         Some(b) => (b, f64::INFINITY),
         None => (sums(tau, cand).expect("all levels decide"), f64::INFINITY),
     };
@@ -316,19 +323,26 @@ fn reference_sum(
     (s, f64::INFINITY)
 }
 
-/// The last valid level (module docs) estimated on a strided sample of
-/// [`SAMPLE`] elements, sums scaled by `n / sample`; `None` when level 0
+/// The last valid level (module docs) and its sum, estimated on a strided
+/// sample of [`SAMPLE`] elements, sums scaled by `n / sample`; `None` when level 0
 /// already looks invalid.
-fn estimate_level(x: &[f32], max: f64, p: &[f64; TABLE], tau: usize, ln_b: f64) -> Option<usize> {
+fn estimate_level(
+    x: &[f32],
+    max: f64,
+    p: &[f64; TABLE],
+    tau: usize,
+    ln_b: f64,
+) -> Option<(usize, f64)> {
     let stride = x.len() / SAMPLE;
     let mut bucket = [0f64; TABLE];
     let floor = max * p[tau];
+    let lv = Levels::new(max, p, tau, ln_b);
     let mut m = 0usize;
     for &v in x.iter().step_by(stride) {
         let a = v.abs() as f64;
         m += 1;
         if a >= floor && a <= max {
-            bucket[level(max, a, p, tau, ln_b)] += a;
+            bucket[lv.of(a)] += a;
         }
     }
     let scale = x.len() as f64 / m as f64;
@@ -339,7 +353,7 @@ fn estimate_level(x: &[f32], max: f64, p: &[f64; TABLE], tau: usize, ln_b: f64) 
         if cum * p[tau] > max * p[j] {
             break;
         }
-        best = Some(j);
+        best = Some((j, cum));
     }
     best
 }
@@ -376,6 +390,54 @@ fn inv_powers(b: f64) -> [f64; TABLE] {
 
 /// `L = ceil(log_b(sum / a))`, exactly: the smallest `L` with
 /// `sum · p[L] ≤ a`. Precondition: `a > 0`, `sum · p[tau] ≤ a`.
+/// [`level`] for many `a` against one `sum`: the products `sum·p[L]` in a
+/// table, an estimate from [`fast_log2`] and two branch-free table compares
+/// (the estimate is within a level for `b ≳ 1.01`); a result that fails
+/// the exact check goes through [`level`]'s loops, so it is exact always.
+struct Levels<'a> {
+    q: [f64; TABLE],
+    p: &'a [f64; TABLE],
+    sum: f64,
+    log2_sum: f64,
+    k: f64,
+    tau: usize,
+    ln_b: f64,
+}
+
+impl<'a> Levels<'a> {
+    fn new(sum: f64, p: &'a [f64; TABLE], tau: usize, ln_b: f64) -> Self {
+        Levels {
+            q: std::array::from_fn(|l| sum * p[l]),
+            p,
+            sum,
+            log2_sum: fast_log2(sum),
+            k: std::f64::consts::LN_2 / ln_b,
+            tau,
+            ln_b,
+        }
+    }
+
+    /// `level(sum, a, ..)`; same precondition `sum·p[τ] ≤ a`.
+    #[inline]
+    fn of(&self, a: f64) -> usize {
+        let (q, tau) = (&self.q, self.tau);
+        let est = (self.log2_sum - fast_log2(a)) * self.k;
+        let e = if est > 0.0 {
+            (est.min(tau as f64) as usize + 1).min(tau)
+        } else {
+            0
+        };
+        let lo = e.saturating_sub(1);
+        let hi = (lo + 1).min(tau);
+        let l = (lo + usize::from(q[lo] > a) + usize::from(q[hi] > a)).min(tau);
+        if (l == 0 || q[l - 1] > a) && (l == tau || q[l] <= a) {
+            l
+        } else {
+            level(self.sum, a, self.p, tau, self.ln_b)
+        }
+    }
+}
+
 #[inline]
 fn level(sum: f64, a: f64, p: &[f64; TABLE], tau: usize, ln_b: f64) -> usize {
     // A start within about one level of the answer (no libm `ln`/`ceil`
@@ -569,12 +631,13 @@ impl Codec for FastSgd {
         self.deltas.clear();
         let mut prev = 0usize;
         let mut max_delta = 0u64;
+        let lv = Levels::new(sum, &p, tau, ln_b);
         let mut keep = |i: usize, v: f32| {
             let a = v.abs() as f64;
             if v == 0.0 || a < tau_e {
                 return;
             }
-            let lev = level(sum, a, &p, tau, ln_b);
+            let lev = lv.of(a);
             let sign = if v < 0.0 { 0x80u8 } else { 0 };
             out.push(sign | (lev.max(1) - 1) as u8);
             let delta = (i - prev) as u64;
@@ -755,16 +818,21 @@ mod tests {
                     sum * p[(s >> 57) as usize % 129] * (1.0 + ((s >> 20) & 0xff) as f64 / 4096.0);
                 for tau in [128, 17] {
                     if sum * p[tau] <= a {
+                        let want = level_scan(sum, a, &p, tau);
                         assert_eq!(
                             level(sum, a, &p, tau, b.ln()),
-                            level_scan(sum, a, &p, tau),
+                            want,
                             "b={b} sum={sum} a={a}"
                         );
+                        let lv = Levels::new(sum, &p, tau, b.ln());
+                        assert_eq!(lv.of(a), want, "table: b={b} sum={sum} a={a}");
                     }
                 }
                 // Exactly on a boundary.
                 let a = sum * p[(s >> 40) as usize % 129];
-                assert_eq!(level(sum, a, &p, 128, b.ln()), level_scan(sum, a, &p, 128));
+                let want = level_scan(sum, a, &p, 128);
+                assert_eq!(level(sum, a, &p, 128, b.ln()), want);
+                assert_eq!(Levels::new(sum, &p, 128, b.ln()).of(a), want);
             }
         }
     }
