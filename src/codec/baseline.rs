@@ -14,7 +14,10 @@
 //!   about 2²⁸ times smaller than `m` land in half's subnormals (the `2⁻³⁹·m`
 //!   term); decoded values are exact multiples of `2^k` and are clamped to
 //!   ±`f32::MAX` (only elements within a relative 2⁻¹² of `f32::MAX` can round up to 2¹²⁸).
-//! * `int8`: `|x − y| ≤ (1 + 2⁻¹⁵)·m/254 + 2⁻¹⁴⁹` (half a step, plus the
+//! * `int8`: `q = round(x · 127/m)` to the nearest integer, ties to even
+//!   (ties went away from zero before the encoder was vectorized; either is
+//!   within half a step), so
+//!   `|x − y| ≤ (1 + 2⁻¹⁵)·m/254 + 2⁻¹⁴⁹` (half a step, plus the
 //!   final rounding to f32; the `2⁻¹⁴⁹` matters only for subnormal results).
 //!   `127/m` and `q·m/127` are computed in f64, so nothing overflows for any
 //!   finite `m` (in f32, `127/m` was infinite for `m < 3.7e-37`).
@@ -27,8 +30,11 @@
 //! | `fp16` | i16 `k` (`-163 ..= 113`; 0 for an all-zero tensor) | `n` × f16, value = `f16 · 2^k` |
 //! | `int8` | f32 `m` (finite, `≥ 0`) | `n` × i8 `q`, value = `q · m / 127` |
 
-use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
+use super::{
+    check_finite, check_header, finite_max_abs, write_header, Codec, CodecConfig, CodecId,
+};
 use crate::{Error, Result};
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 /// fp32 pass-through.
 #[derive(Clone, Copy, Debug, Default)]
@@ -99,12 +105,29 @@ fn fp16_exponent(m: f32) -> i32 {
 /// nonzero f32 `m`.
 const FP16_K: std::ops::RangeInclusive<i32> = -163..=113;
 
-/// Round `x · 2^-k` to half. The product is formed in f64 (`2^-k` may be
-/// beyond f32's range) and is exact in f32 whenever it is at least 2⁻¹²⁶;
-/// smaller ones round to 0 in half either way, so there is one rounding.
-fn to_scaled_f16(x: f32, inv: f64) -> half::f16 {
-    half::f16::from_f32((f64::from(x) * inv) as f32)
+/// The scale `2^-k` as two f32 factors whose product is `2^-k`: one
+/// factor (and `1.0`) when `2^-k` is a normal f32 (`k ≥ -127`), else
+/// `2^64 · 2^(-k-64)` (`k < -127` only happens for `m < 2^-113`, so both
+/// steps scale up and neither overflows: `|x · 2^-k| < 2^15`).
+///
+/// `x · s1 · s2` in f32 is the f64 product `x · 2^-k` rounded once to f32,
+/// so the half that follows sees the same value the f64 formulation gave:
+/// scaling up by powers of two is exact, and a single scale-down rounds only
+/// when the result is below 2⁻¹²⁶, where f32 multiplication rounds the exact
+/// product correctly (and half rounds it to 0 either way).
+fn fp16_scales(k: i32) -> (f32, f32) {
+    let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    if -k <= 127 {
+        (pow2(-k), 1.0)
+    } else {
+        (pow2(64), pow2(-k - 64))
+    }
 }
+
+/// Elements per block of the fp16/int8 encoders: scale (and convert) into a
+/// stack buffer, then one `extend_from_slice`, so the hot loops have no
+/// per-element `Vec` pushes and stay vectorized.
+const BLOCK: usize = 4096;
 
 impl Codec for Fp16 {
     fn id(&self) -> CodecId {
@@ -114,16 +137,30 @@ impl Codec for Fp16 {
         CodecConfig::Fp16
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
-        check_finite(x)?;
-        let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let m = finite_max_abs(x)?;
         let k = fp16_exponent(m);
         debug_assert!(FP16_K.contains(&k));
-        let inv = 2f64.powi(-k);
+        let (s1, s2) = fp16_scales(k);
         write_header(out, CodecId::Fp16, x.len());
         out.reserve(2 + 2 * x.len());
         out.extend_from_slice(&(k as i16).to_le_bytes());
-        for &v in x {
-            out.extend_from_slice(&to_scaled_f16(v, inv).to_le_bytes());
+        // `half`'s slice conversion uses the CPU's F16C instructions (runtime
+        // detection) where present, else its portable round-to-nearest-even
+        // code: the same half values either way.
+        let mut scaled = [0f32; BLOCK];
+        let mut bits = [0u16; BLOCK];
+        for c in x.chunks(BLOCK) {
+            let (f, h) = (&mut scaled[..c.len()], &mut bits[..c.len()]);
+            for (d, &v) in f.iter_mut().zip(c) {
+                *d = v * s1 * s2;
+            }
+            h.reinterpret_cast_mut::<half::f16>()
+                .convert_from_f32_slice(f);
+            if cfg!(target_endian = "little") {
+                out.extend_from_slice(bytemuck::cast_slice(h));
+            } else {
+                out.extend(h.iter().flat_map(|b| b.to_le_bytes()));
+            }
         }
         Ok(())
     }
@@ -152,6 +189,17 @@ impl Codec for Fp16 {
     }
 }
 
+/// `t` clamped to `[-127, 127]` and rounded to the nearest integer (ties to
+/// even), as the two's-complement byte. Adding `1.5·2⁵²` makes the FPU round
+/// to an integer (the sum's ulp is 1), and the sum's low mantissa bits are
+/// that integer modulo 2³²; no `round()` call (a libm call without SSE4.1),
+/// no branch, so the loop vectorizes on every x86-64.
+#[inline(always)]
+fn round_to_i8(t: f64) -> u8 {
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
+    (t.clamp(-127.0, 127.0) + MAGIC).to_bits() as u8
+}
+
 impl Codec for Int8 {
     fn id(&self) -> CodecId {
         CodecId::Int8
@@ -160,9 +208,8 @@ impl Codec for Int8 {
         CodecConfig::Int8
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
-        check_finite(x)?;
+        let scale = finite_max_abs(x)?;
         write_header(out, CodecId::Int8, x.len());
-        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         out.extend_from_slice(&scale.to_le_bytes());
         // In f64: 127/scale is finite for every positive f32 (up to 127·2¹⁴⁹).
         let inv = if scale > 0.0 {
@@ -171,10 +218,13 @@ impl Codec for Int8 {
             0.0
         };
         out.reserve(x.len());
-        out.extend(
-            x.iter()
-                .map(|&v| ((f64::from(v) * inv).round().clamp(-127.0, 127.0) as i8) as u8),
-        );
+        let mut q = [0u8; BLOCK];
+        for c in x.chunks(BLOCK) {
+            for (d, &v) in q.iter_mut().zip(c) {
+                *d = round_to_i8(f64::from(v) * inv);
+            }
+            out.extend_from_slice(&q[..c.len()]);
+        }
         Ok(())
     }
     fn decode_add(&self, bytes: &[u8], acc: &mut [f32]) -> Result<()> {
@@ -192,5 +242,82 @@ impl Codec for Int8 {
             *a += (f64::from(b as i8) * step) as f32;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::HEADER_LEN;
+    use super::*;
+
+    /// The per-element formulations the block encoders replaced: f64 scale
+    /// then one rounding to half; `round()` (ties away) to int8.
+    fn reference(x: &[f32]) -> (Vec<u8>, Vec<u8>) {
+        let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let k = fp16_exponent(m);
+        let inv = 2f64.powi(-k);
+        let h = x
+            .iter()
+            .flat_map(|&v| half::f16::from_f32((f64::from(v) * inv) as f32).to_le_bytes())
+            .collect();
+        let inv = if m > 0.0 { 127.0 / f64::from(m) } else { 0.0 };
+        let q = x
+            .iter()
+            .map(|&v| ((f64::from(v) * inv).round().clamp(-127.0, 127.0) as i8) as u8)
+            .collect();
+        (h, q)
+    }
+
+    #[test]
+    fn block_encoders_match_the_per_element_reference() {
+        let sub = f32::from_bits(1);
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![0.0; 5],
+            vec![sub, -sub, 0.0],
+            vec![3e-44, -1e-45, 7e-40],
+            vec![1e-36, -2.5e-38, 1e-40, 3e-45],
+            vec![f32::MAX, -f32::MAX, 1.0, 1e-30, -65504.0],
+            vec![1e6, -3.0, 0.1, 1e-3, 6e-8],
+        ];
+        // Gradient-like data over a spread of scales, not a block multiple.
+        for (s, scale) in [1e-30f32, 1e-3, 1.0, 1e20].iter().enumerate() {
+            cases.push(
+                (0..9000)
+                    .map(|i| {
+                        let u = ((i * 7919 + s * 31) % 10007) as f32 / 10007.0 - 0.5;
+                        u * u.abs() * scale
+                    })
+                    .collect(),
+            );
+        }
+        for x in &cases {
+            let (h, q) = reference(x);
+            let mut msg = Vec::new();
+            Fp16.encode(x, &mut msg).expect("finite");
+            assert_eq!(
+                &msg[HEADER_LEN + 2..],
+                &h[..],
+                "fp16 {:?}",
+                &x[..x.len().min(4)]
+            );
+            Int8.encode(x, &mut msg).expect("finite");
+            let got = &msg[HEADER_LEN + 4..];
+            for (i, (&a, &b)) in got.iter().zip(&q).enumerate() {
+                // Exact ties may now round to even instead of away from zero.
+                let (a, b) = (i32::from(a as i8), i32::from(b as i8));
+                assert!((a - b).abs() <= 1, "int8 element {i}: {a} vs {b}");
+                if a != b {
+                    let t = f64::from(x[i]) * 127.0
+                        / f64::from(f32::from_le_bytes(
+                            msg[HEADER_LEN..HEADER_LEN + 4].try_into().expect("4 bytes"),
+                        ));
+                    assert_eq!(t.fract().abs(), 0.5, "only ties differ: {t}");
+                }
+            }
+            assert_eq!(got.len(), q.len());
+        }
+        assert!(Fp16.encode(&[1.0, f32::NAN], &mut Vec::new()).is_err());
+        assert!(Int8.encode(&[f32::NEG_INFINITY], &mut Vec::new()).is_err());
     }
 }

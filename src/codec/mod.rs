@@ -300,6 +300,33 @@ pub fn check_finite(x: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// `max|x_i|` of `x`, or the error [`check_finite`] gives when `x` holds
+/// NaN/Inf, in one pass that checks and reduces together (encoders used to
+/// make two). Magnitudes are compared as the bits of `|x_i|` (sign cleared),
+/// which order like the values and put NaN/Inf (`≥ 0x7f80_0000`) above every
+/// finite one; sixteen independent lanes keep the loop vectorized.
+pub(crate) fn finite_max_abs(x: &[f32]) -> Result<f32> {
+    const L: usize = 16;
+    let mut lanes = [0i32; L];
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = (*m).max((v.to_bits() & 0x7fff_ffff) as i32);
+        }
+    }
+    let m = tail
+        .iter()
+        .map(|v| (v.to_bits() & 0x7fff_ffff) as i32)
+        .chain(lanes)
+        .max()
+        .unwrap_or(0);
+    if m >= 0x7f80_0000 {
+        check_finite(x)?;
+    }
+    Ok(f32::from_bits(m as u32))
+}
+
 /// Typed codec configuration. Serializes as `{"codec": "3lc", "s": 1.75}` and
 /// parses from `3lc:s=1.75` (see [`std::str::FromStr`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -12,7 +12,9 @@
 //!   strictly positive values (1st, 3rd, ... call) and the `k` most negative
 //!   values (2nd, 4th, ...); every sent position carries one value, the mean
 //!   of the selected values, so only indices and one float travel. Selection
-//!   is exact (quickselect); fewer than `k` entries are sent when the tensor
+//!   is exact: a threshold estimated on a strided sample, one filter pass
+//!   and a quickselect among the candidates (`crate::select`'s
+//!   `exact_topk_signed`; the exact set whatever the sample says); fewer than `k` entries are sent when the tensor
 //!   has fewer than `k` values of the turn's sign (none: `len = 0`,
 //!   `mean = 0`), and the turn still flips.
 //!
@@ -69,7 +71,7 @@
 //! next turn takes the other sign).
 
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId, Reader};
-use crate::select::{exact_topk, exact_topk_signed, trimmed_topk, ThresholdSearch};
+use crate::select::{exact_topk, signed_topk, trimmed_topk_checked, ThresholdSearch};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -201,12 +203,19 @@ impl Codec for Rgc {
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_n(x.len())?;
-        check_finite(x)?;
+        if self.method != RgcMethod::Trimmed {
+            check_finite(x)?;
+        }
         let k = rgc_k(self.density, x.len());
         let (idx, val) = (&mut self.idx, &mut self.val);
         match self.method {
             RgcMethod::Exact => exact_topk(x, k, idx, val)?,
-            RgcMethod::Trimmed => trimmed_topk(x, k, idx, val)?,
+            // Finiteness from the selection's statistics pass.
+            RgcMethod::Trimmed => {
+                if !trimmed_topk_checked(x, k, idx, val)? {
+                    check_finite(x)?;
+                }
+            }
             RgcMethod::Threshold => {
                 self.search.select(x, k, idx, val)?;
             }
@@ -310,9 +319,18 @@ impl Codec for RgcQuant {
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
         check_n(x.len())?;
-        check_finite(x)?;
         let k = rgc_k(self.density, x.len());
-        exact_topk_signed(x, k, self.next_is_positive(), &mut self.idx, &mut self.val)?;
+        // Exact selection; the same pass checks every element is finite.
+        let positive = self.next_is_positive();
+        let side = Some((&mut self.idx, &mut self.val));
+        let finite = if positive {
+            signed_topk(x, k, side, None)?
+        } else {
+            signed_topk(x, k, None, side)?
+        };
+        if !finite {
+            check_finite(x)?;
+        }
         // Wrapping: a restored counter may sit at u64::MAX (odd), and 0
         // (even) still alternates the sign.
         self.calls = self.calls.wrapping_add(1);

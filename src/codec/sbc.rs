@@ -33,9 +33,13 @@
 //! count, e.g., the smallest positives as "remaining positives"; we do not:
 //! they are the least important values, not the most).
 //!
-//! Selection is `O(n)` (`select_nth_unstable_by` on a reused scratch copy) plus
-//! one scan; inputs with NaN/Inf are rejected with
-//! [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+//! Selection is exact and `O(n)`: a threshold per sign estimated on a strided
+//! sample, one filter pass over `x` for both signs (which also checks every
+//! element is finite), and a quickselect among the few candidates
+//! (`crate::select`'s signed top-k; before, two quickselects on a full copy
+//! of `x`). Inputs with NaN/Inf are rejected with
+//! [`Error::InvalidArgument`](crate::Error::InvalidArgument), as are tensors
+//! of more than 2^32 elements (positions are selected as u32).
 //!
 //! # Position coding
 //!
@@ -83,8 +87,8 @@ use super::golomb::{
     expected_bits_per_position, optimal_rice_parameter, BitReader, BitWriter, MAX_RICE_PARAMETER,
 };
 use super::{check_finite, check_header, write_header, Codec, CodecConfig, CodecId};
+use crate::select::signed_topk;
 use crate::{Error, Result};
-use std::cmp::Ordering;
 
 /// Sparse binary compression with Golomb-Rice position coding.
 ///
@@ -99,11 +103,11 @@ use std::cmp::Ordering;
 pub struct Sbc {
     p: f64,
     b: u8,
-    /// Scratch copy of the input for the selections.
-    scratch: Vec<f32>,
-    /// Positions of the positive and negative candidate sets.
-    pos_set: Vec<usize>,
-    neg_set: Vec<usize>,
+    /// Positions and values of the positive and negative sets.
+    pos_set: Vec<u32>,
+    pos_val: Vec<f32>,
+    neg_set: Vec<u32>,
+    neg_val: Vec<f32>,
 }
 
 impl Sbc {
@@ -117,9 +121,10 @@ impl Sbc {
         Ok(Sbc {
             p,
             b: optimal_rice_parameter(p),
-            scratch: Vec::new(),
             pos_set: Vec::new(),
+            pos_val: Vec::new(),
             neg_set: Vec::new(),
+            neg_val: Vec::new(),
         })
     }
 
@@ -148,89 +153,52 @@ impl Sbc {
         ((self.p * n as f64).round() as usize).clamp(1, n)
     }
 
-    /// Sparse binarization of `x` (finite): fills the chosen positions
-    /// (ascending) into `self.pos_set` and returns the mean.
-    fn binarize(&mut self, x: &[f32]) -> f32 {
+    /// Sparse binarization of `x`: fills the chosen positions (ascending)
+    /// into `self.pos_set` and returns the mean; NaN/Inf inputs are
+    /// rejected (checked in the selection's own pass).
+    ///
+    /// `P` (the positive members of the `k` largest) is exactly the top
+    /// `min(k, #{x_i > 0})` positive values, ties lowest index first, and
+    /// `N` likewise on the negative side, so both come from
+    /// `crate::select`'s exact signed top-k (a sampled threshold, one filter
+    /// pass for both sides, quickselect among the candidates).
+    fn binarize(&mut self, x: &[f32]) -> Result<f32> {
         let n = x.len();
-        self.pos_set.clear();
-        self.neg_set.clear();
-        if n == 0 {
-            return 0.0;
-        }
         let k = self.k_for(n);
-        self.scratch.clear();
-        self.scratch.extend_from_slice(x);
-        // k-th largest: ascending index n − k.
-        let (_, &mut hi, _) = self
-            .scratch
-            .select_nth_unstable_by(n - k, |a, b| a.total_cmp(b));
-        // k-th smallest: ascending index k − 1, within the lower part when the
-        // two sets are disjoint (the upper part is ≥ it already).
-        let lo = if k - 1 < n - k {
-            *self.scratch[..n - k]
-                .select_nth_unstable_by(k - 1, |a, b| a.total_cmp(b))
-                .1
-        } else {
-            *self
-                .scratch
-                .select_nth_unstable_by(k - 1, |a, b| a.total_cmp(b))
-                .1
+        let finite = signed_topk(
+            x,
+            k,
+            Some((&mut self.pos_set, &mut self.pos_val)),
+            Some((&mut self.neg_set, &mut self.neg_val)),
+        )?;
+        if !finite {
+            check_finite(x)?;
+        }
+        // Sums in f64, in index order.
+        let mean = |v: &[f32]| {
+            if v.is_empty() {
+                0.0
+            } else {
+                (v.iter().map(|&v| f64::from(v)).sum::<f64>() / v.len() as f64) as f32
+            }
         };
-        // Elements strictly beyond the thresholds are in; ties at the
-        // threshold fill the rest lowest index first.
-        let (mut above, mut below) = (0usize, 0usize);
-        for v in x {
-            above += usize::from(v.total_cmp(&hi) == Ordering::Greater);
-            below += usize::from(v.total_cmp(&lo) == Ordering::Less);
-        }
-        let mut ties_hi = k - above;
-        let mut ties_lo = k - below;
-        let (mut sum_p, mut sum_n) = (0f64, 0f64);
-        for (i, v) in x.iter().enumerate() {
-            let in_top = match v.total_cmp(&hi) {
-                Ordering::Greater => true,
-                Ordering::Equal if ties_hi > 0 => {
-                    ties_hi -= 1;
-                    true
-                }
-                _ => false,
-            };
-            let in_bottom = match v.total_cmp(&lo) {
-                Ordering::Less => true,
-                Ordering::Equal if ties_lo > 0 => {
-                    ties_lo -= 1;
-                    true
-                }
-                _ => false,
-            };
-            if in_top && *v > 0.0 {
-                self.pos_set.push(i);
-                sum_p += f64::from(*v);
-            }
-            if in_bottom && *v < 0.0 {
-                self.neg_set.push(i);
-                sum_n += f64::from(*v);
-            }
-        }
-        let mean = |s: f64, c: usize| if c == 0 { 0.0 } else { (s / c as f64) as f32 };
-        let mu_p = mean(sum_p, self.pos_set.len());
-        let mu_n = mean(sum_n, self.neg_set.len());
-        if mu_p >= mu_n.abs() {
+        let mu_p = mean(&self.pos_val);
+        let mu_n = mean(&self.neg_val);
+        Ok(if mu_p >= mu_n.abs() {
             mu_p
         } else {
             std::mem::swap(&mut self.pos_set, &mut self.neg_set);
             mu_n
-        }
+        })
     }
 
     /// The binarized vector the codec transmits for `x` (what decoding
     /// reproduces exactly).
     pub fn binarized(&mut self, x: &[f32]) -> Result<Vec<f32>> {
-        check_finite(x)?;
-        let mean = self.binarize(x);
+        let mean = self.binarize(x)?;
         let mut y = vec![0f32; x.len()];
         for &i in &self.pos_set {
-            y[i] = mean;
+            y[i as usize] = mean;
         }
         Ok(y)
     }
@@ -296,8 +264,7 @@ impl Codec for Sbc {
         Ok(())
     }
     fn encode(&mut self, x: &[f32], out: &mut Vec<u8>) -> Result<()> {
-        check_finite(x)?;
-        let mean = self.binarize(x);
+        let mean = self.binarize(x)?;
         write_header(out, CodecId::Sbc, x.len());
         let b = self.b;
         out.push(b);
@@ -308,6 +275,7 @@ impl Codec for Sbc {
         let mut w = BitWriter::new(out);
         let mut base = 0usize;
         for &p in &self.pos_set {
+            let p = p as usize;
             w.write_rice((p + 1 - base) as u64, b);
             base = p + 1;
         }
@@ -381,6 +349,31 @@ mod tests {
             y[i] = m;
         }
         y
+    }
+
+    /// Above the selection's sampling size (the sampled path), the message
+    /// still decodes to exactly the sort-based binarization.
+    #[test]
+    fn large_tensors_match_the_reference() {
+        let n = (1 << 17) + 999;
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let lap: Vec<f32> = (0..n)
+            .map(|_| next() * (next().abs() + 1e-7).ln())
+            .collect();
+        let skew: Vec<f32> = lap.iter().map(|v| v + 0.2).collect();
+        let coarse: Vec<f32> = lap.iter().map(|v| (v * 8.0).round()).collect();
+        for x in [&lap, &skew, &coarse] {
+            for p in [0.001, 0.01, 0.1] {
+                let mut c = Sbc::new(p).expect("test");
+                assert_eq!(round_trip(&mut c, x).1, reference(x, p), "p = {p}");
+            }
+        }
     }
 
     #[test]

@@ -382,3 +382,31 @@ proptest! {
         }
     }
 }
+
+/// Encoders that check finiteness inside their own passes (fused with a
+/// max, a norm, a selection) reject NaN/±∞ anywhere, also in tensors long
+/// enough for their sampled and blocked paths.
+#[test]
+fn every_codec_rejects_non_finite_in_long_tensors() {
+    let n = 300_007;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 1e-3)
+        .collect();
+    for cfg in CodecConfig::all_defaults() {
+        let mut c = cfg.build().expect("codec");
+        let mut msg = Vec::new();
+        c.encode(&x, &mut msg).expect("finite input");
+        for at in [0, n / 2, n - 1] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut y = x.clone();
+                y[at] = bad;
+                let r = c.encode(&y, &mut msg);
+                assert!(
+                    matches!(r, Err(crate::Error::InvalidArgument(_))),
+                    "{}: {bad} at {at} gave {r:?}",
+                    cfg.name()
+                );
+            }
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //! | [`trimmed_topk`] | §5.2.1, Algorithm 2 | exactly `min(k, m)` entries |
 //! | [`ThresholdSearch::select`] | §5.2.2, Algorithm 3 + threshold reuse | `k..=2k` entries after a search |
 //! | [`ThresholdSearch::select_sampled`] | §5.2.2 "sampled threshold binary search" | `k..=2k` entries after an estimate |
-//! | [`exact_topk_signed`] | §5.2.3 `topk_quant` / `lowk_quant` | exactly `min(k, m±)` entries |
+//! | [`exact_topk_signed`] | §5.2.3 `topk_quant` / `lowk_quant` (sampled threshold, one filter pass, quickselect of the candidates) | exactly `min(k, m±)` entries |
 //!
 //! (`m` is the number of non-NaN elements, `m±` the number of strictly
 //! positive / strictly negative ones.)
@@ -262,7 +262,9 @@ pub fn exact_topk(
 /// Exact top-k of one sign, for quantized RGC (§5.2.3): with `positive`, the
 /// `min(k, #{x_i > 0})` largest values (`topk_quant`); otherwise the
 /// `min(k, #{x_i < 0})` smallest, i.e. largest-magnitude negative values
-/// (`lowk_quant`). Zeros and NaN are never selected. Sorted by index.
+/// (`lowk_quant`). Zeros and NaN are never selected. Sorted by index, ties
+/// to the lower index. Computed by [`signed_topk`] (a sampled threshold and
+/// one filter pass, exact result).
 pub fn exact_topk_signed(
     x: &[f32],
     k: usize,
@@ -270,13 +272,160 @@ pub fn exact_topk_signed(
     idx_out: &mut Vec<u32>,
     val_out: &mut Vec<f32>,
 ) -> Result<()> {
-    check_len(x)?;
+    let out = Some((idx_out, val_out));
     if positive {
-        select_topk(x, k, |v| v > 0.0, idx_out, val_out);
+        signed_topk(x, k, out, None)?;
     } else {
-        select_topk(x, k, |v| v < 0.0, idx_out, val_out);
+        signed_topk(x, k, None, out)?;
     }
     Ok(())
+}
+
+/// Below this many elements [`signed_topk`] selects exactly from the start.
+const SIGNED_SAMPLE_MIN: usize = 1 << 17;
+/// Elements sampled (strided) for [`signed_topk`]'s threshold estimate.
+const SIGNED_SAMPLE: usize = 1 << 16;
+
+/// The output pair of one side of [`signed_topk`]: indices and values.
+pub(crate) type Side<'a> = Option<(&'a mut Vec<u32>, &'a mut Vec<f32>)>;
+
+/// [`exact_topk_signed`] for the positive side (`pos`), the negative side
+/// (`neg`) or both, and whether every element of `x` is finite (so encoders
+/// need no separate `check_finite` pass). The result is exact; only the
+/// cost depends on the data:
+///
+/// 1. estimate: on a strided sample of [`SIGNED_SAMPLE`] elements, take per
+///    side the `r`-th largest magnitude of that sign, with
+///    `r = e + 4√e + 4` and `e = k·|sample|/n` the expected sample count
+///    above the true `k`-th magnitude (the margin makes a short threshold
+///    very unlikely on data in random order);
+/// 2. one branch-free, chunked filter pass collects the candidates
+///    `x_i ≥ t₊` and `x_i ≤ −t₋` (about `r·n/|sample|` of each) and the
+///    finiteness of every element;
+/// 3. per side, the exact top-k of the candidates (quickselect, ties to the
+///    lower index), which is the top-k of `x` once there are at least `k`
+///    candidates: every non-candidate of that sign is below the threshold.
+///
+/// A side with fewer than `k` candidates (structured data fooling the
+/// stride, or fewer than `k` elements of that sign), and tensors shorter
+/// than [`SIGNED_SAMPLE_MIN`], take the exact path ([`select_topk`], one
+/// more pass).
+pub(crate) fn signed_topk<'a>(
+    x: &[f32],
+    k: usize,
+    mut pos: Side<'a>,
+    mut neg: Side<'a>,
+) -> Result<bool> {
+    check_len(x)?;
+    for (i, v) in pos.iter_mut().chain(neg.iter_mut()) {
+        i.clear();
+        v.clear();
+    }
+    let n = x.len();
+    let exact_side = |side: &mut Side<'_>, positive: bool| {
+        if let Some((i, v)) = side {
+            if positive {
+                select_topk(x, k, |v| v > 0.0, i, v);
+            } else {
+                select_topk(x, k, |v| v < 0.0, i, v);
+            }
+        }
+    };
+    if k == 0 || n < SIGNED_SAMPLE_MIN || k.saturating_mul(8) > n {
+        exact_side(&mut pos, true);
+        exact_side(&mut neg, false);
+        return Ok(x.iter().all(|v| v.is_finite()));
+    }
+    // 1. Thresholds from the sample (NaN: that side is not wanted or the
+    //    sample has too few of its sign; `x ≥ NaN` is always false).
+    let stride = n / SIGNED_SAMPLE;
+    let sample_len = n.div_ceil(stride);
+    let e = k as f64 * sample_len as f64 / n as f64;
+    let r = (e + 4.0 * e.sqrt() + 4.0).ceil() as usize;
+    let estimate = |want: bool, positive: bool| -> f32 {
+        if !want {
+            return f32::NAN;
+        }
+        let mut mags: Vec<f32> = x
+            .iter()
+            .step_by(stride)
+            .filter_map(|&v| {
+                let m = if positive { v } else { -v };
+                (m > 0.0).then_some(m)
+            })
+            .collect();
+        if mags.len() < r {
+            return f32::NAN;
+        }
+        *mags.select_nth_unstable_by(r - 1, |a, b| b.total_cmp(a)).1
+    };
+    let tp = estimate(pos.is_some(), true);
+    let tn = estimate(neg.is_some(), false);
+    // 2. One filter pass for both sides, collecting the finiteness too.
+    let (mut pi, mut ni) = (Vec::new(), Vec::new());
+    let pos_idx = pos.as_mut().map_or(&mut pi, |(i, _)| &mut **i);
+    let neg_idx = neg.as_mut().map_or(&mut ni, |(i, _)| &mut **i);
+    let finite = filter_signed(x, tp, tn, pos_idx, neg_idx);
+    // 3. Exact top-k among the candidates, or the exact path.
+    for (side, positive) in [(&mut pos, true), (&mut neg, false)] {
+        if let Some((i, v)) = side {
+            if i.len() >= k {
+                v.clear();
+                v.extend(i.iter().map(|&j| x[j as usize].abs()));
+                reduce_to_topk(x, k, i, v);
+            } else {
+                exact_side(side, positive);
+            }
+        }
+    }
+    Ok(finite)
+}
+
+/// Indices with `x_i ≥ tp` into `pos` and with `x_i ≤ −tn` into `neg`, in
+/// order (a NaN threshold selects nothing); returns whether every element
+/// is finite. Chunks of 16 are tested branch-free and skipped when nothing in
+/// them passes; the finiteness is a max over the magnitude bits (NaN and
+/// ±∞ are the bit patterns `≥ 0x7f80_0000`).
+fn filter_signed(x: &[f32], tp: f32, tn: f32, pos: &mut Vec<u32>, neg: &mut Vec<u32>) -> bool {
+    const L: usize = 16;
+    pos.clear();
+    neg.clear();
+    let ntn = -tn;
+    let mut mx = [0i32; L];
+    let chunks = x.chunks_exact(L);
+    let tail_start = x.len() - chunks.remainder().len();
+    // Branch-free compaction of a chunk (`c.len() ≤ L`): write every index,
+    // advance past those that pass (a branch each mispredicts at 1–2%).
+    let (mut bp, mut bn) = ([0u32; L], [0u32; L]);
+    let mut visit = |base: usize, c: &[f32]| {
+        let (mut kp, mut kn) = (0, 0);
+        for (j, &v) in c.iter().enumerate() {
+            let i = (base + j) as u32;
+            bp[kp] = i;
+            kp += usize::from(v >= tp);
+            bn[kn] = i;
+            kn += usize::from(v <= ntn);
+        }
+        pos.extend_from_slice(&bp[..kp]);
+        neg.extend_from_slice(&bn[..kn]);
+    };
+    for (ci, c) in chunks.enumerate() {
+        let mut hit = false;
+        for (m, &v) in mx.iter_mut().zip(c) {
+            hit |= (v >= tp) | (v <= ntn);
+            *m = (*m).max((v.to_bits() & 0x7fff_ffff) as i32);
+        }
+        if hit {
+            visit(ci * L, c);
+        }
+    }
+    visit(tail_start, &x[tail_start..]);
+    let tail_max = x[tail_start..]
+        .iter()
+        .map(|v| (v.to_bits() & 0x7fff_ffff) as i32)
+        .max()
+        .unwrap_or(0);
+    mx.iter().copied().max().unwrap_or(0).max(tail_max) < 0x7f80_0000
 }
 
 /// Trimmed top-k (§5.2.1, Algorithm 2 as corrected in the errata): lower the
@@ -290,15 +439,32 @@ pub fn trimmed_topk(
     idx_out: &mut Vec<u32>,
     val_out: &mut Vec<f32>,
 ) -> Result<()> {
+    trimmed_topk_checked(x, k, idx_out, val_out).map(|_| ())
+}
+
+/// [`trimmed_topk`], also returning whether every element of `x` is finite,
+/// read from the statistics pass it makes anyway (no `NaN` counted, finite
+/// maximum), so an encoder needs no separate check. When `x` is not all
+/// finite the selection is made just the same (NaN-safe, as above).
+pub(crate) fn trimmed_topk_checked(
+    x: &[f32],
+    k: usize,
+    idx_out: &mut Vec<u32>,
+    val_out: &mut Vec<f32>,
+) -> Result<bool> {
     check_len(x)?;
     idx_out.clear();
     val_out.clear();
-    if k == 0 || x.is_empty() {
-        return Ok(());
+    if x.is_empty() {
+        return Ok(true);
     }
     let (mean, max, m) = abs_stats(x);
+    let finite = m == x.len() && max.is_finite();
+    if k == 0 {
+        return Ok(finite);
+    }
     if k >= m {
-        return exact_topk(x, k, idx_out, val_out);
+        return exact_topk(x, k, idx_out, val_out).map(|_| finite);
     }
     // The ratios Algorithm 2 tries, 1 − ε, 1 − 2ε, ..., 0, are counted in
     // ONE pass (the printed loop makes one pass per ratio); the first with at
@@ -316,7 +482,7 @@ pub fn trimmed_topk(
         .find(|(_, &c)| c >= k)
         .map_or(f32::NEG_INFINITY, |(&t, _)| t);
     select_topk_above(x, k, thr, idx_out, val_out);
-    Ok(())
+    Ok(finite)
 }
 
 /// Ratios Algorithm 2 can try: `1 − jε` for `j = 1..` down to 0.

@@ -369,3 +369,73 @@ proptest! {
         check_selection(&x, k, &idx, &val);
     }
 }
+
+/// The sampled signed top-k (tensors ≥ SIGNED_SAMPLE_MIN) returns exactly
+/// the sort-based set, whether the sample's estimate holds or the data
+/// fools it (then the exact path runs), and flags non-finite inputs.
+#[test]
+fn sampled_signed_topk_is_exact() {
+    let n = SIGNED_SAMPLE_MIN + 12_345;
+    let stride = n / SIGNED_SAMPLE;
+    let sorted = |x: &[f32], k: usize, positive: bool| -> Vec<u32> {
+        let mut i: Vec<u32> = (0..x.len() as u32)
+            .filter(|&i| {
+                let v = x[i as usize];
+                if positive {
+                    v > 0.0
+                } else {
+                    v < 0.0
+                }
+            })
+            .collect();
+        // Largest magnitude first, ties to the lower index.
+        i.sort_by(|&a, &b| {
+            let (a_, b_) = (x[a as usize].abs(), x[b as usize].abs());
+            b_.total_cmp(&a_).then(a.cmp(&b))
+        });
+        i.truncate(k);
+        i.sort_unstable();
+        i
+    };
+    let mut cases = vec![uniform(n, 11), normal(n, 12)];
+    // Ties everywhere: few distinct values.
+    cases.push(
+        uniform(n, 13)
+            .iter()
+            .map(|v| (v * 4.0).round() / 4.0)
+            .collect(),
+    );
+    // Large values only where the stride never looks: the estimate is far
+    // too high, the exact path must take over.
+    let mut fool = uniform(n, 14);
+    for (i, v) in fool.iter_mut().enumerate() {
+        if i % stride == stride / 2 {
+            *v *= 100.0;
+        }
+    }
+    cases.push(fool);
+    // One sign only.
+    cases.push(uniform(n, 15).iter().map(|v| v.abs() + 0.5).collect());
+    let (mut pi, mut pv, mut ni, mut nv) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for x in &cases {
+        for k in [1, 17, n / 1000, n / 100, n / 9] {
+            let finite = signed_topk(x, k, Some((&mut pi, &mut pv)), Some((&mut ni, &mut nv)))
+                .expect("test");
+            assert!(finite);
+            assert_eq!(pi, sorted(x, k, true), "positive side, k = {k}");
+            assert_eq!(ni, sorted(x, k, false), "negative side, k = {k}");
+            for (i, v) in pi.iter().zip(&pv).chain(ni.iter().zip(&nv)) {
+                assert_eq!(x[*i as usize].to_bits(), v.to_bits());
+            }
+            exact_topk_signed(x, k, false, &mut ni, &mut nv).expect("test");
+            assert_eq!(ni, sorted(x, k, false), "one side, k = {k}");
+        }
+    }
+    let mut x = uniform(n, 16);
+    x[n - 1] = f32::NAN;
+    assert!(!signed_topk(&x, 50, None, Some((&mut ni, &mut nv))).expect("test"));
+    assert_eq!(ni, sorted(&x, 50, false));
+    x[n - 1] = f32::INFINITY;
+    assert!(!signed_topk(&x, 50, Some((&mut pi, &mut pv)), None).expect("test"));
+    assert_eq!(pi[pi.len() - 1] as usize, n - 1, "+inf is the largest");
+}
