@@ -75,8 +75,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "")]
     pub strategies: String,
     /// `--op step`: calibrate in this job first (`cost::calibrate` with
-    /// its defaults) and plan with that profile; with `--profile`, write
-    /// the profile there.
+    /// its defaults but messages and layers up to 64 MiB) and plan with
+    /// that profile; with `--profile`, write the profile there.
     #[arg(long)]
     pub calibrate: bool,
     /// `--op step`: also measure the same table dense-only (every layer

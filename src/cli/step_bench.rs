@@ -324,7 +324,13 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let (rank, p) = (comm.rank(), comm.size());
     if a.calibrate {
         // The library's calibration, from inside this job (collective).
-        let prof = cost::calibrate(comm, &cost::CalibrateOptions::default())?;
+        // Messages and layers up to 64 MiB: a whole table's fused buffers
+        // are hundreds of MB, far past the default's 16 MiB curve.
+        let opts = cost::CalibrateOptions {
+            max_bytes: 64 << 20,
+            ..Default::default()
+        };
+        let prof = cost::calibrate(comm, &opts)?;
         if let Some(path) = &a.profile {
             crate::failure::agree(comm, if rank == 0 { prof.save(path) } else { Ok(()) })?;
         }

@@ -314,6 +314,13 @@ pub struct Profile {
     /// charges it to every dense layer ([`plan_step`]).
     #[serde(default, skip_serializing_if = "LinearFit::is_zero")]
     pub dense_local: LinearFit,
+    /// Effective speedup of the engine's layer-parallel local phase
+    /// (selection, encoding and unpacking of several sparse layers spread
+    /// over its threads), measured by `calibrate` with every rank busy at
+    /// once; 1 when not measured. The step model divides the sparse
+    /// group's local seconds by it when the group has two layers or more.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub local_parallelism: f64,
     /// GradiVeQ compression of a whole layer.
     #[serde(default)]
     pub gradiveq_compress: LinearFit,
@@ -333,6 +340,14 @@ pub struct Profile {
     /// Metadata.
     #[serde(default)]
     pub meta: ProfileMeta,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
 }
 
 fn profile_version() -> u32 {
@@ -363,6 +378,7 @@ impl Profile {
             select: BTreeMap::new(),
             codecs: BTreeMap::new(),
             dense_local: LinearFit::default(),
+            local_parallelism: 1.0,
             gradiveq_compress: LinearFit::default(),
             gradiveq_decompress: LinearFit::default(),
             pingpong: LinearFit::default(),
@@ -383,6 +399,9 @@ impl Profile {
         }
         let ok = |v: f64| v.is_finite() && v >= 0.0;
         let mut bad = Vec::new();
+        if !(self.local_parallelism.is_finite() && self.local_parallelism > 0.0) {
+            bad.push(format!("local_parallelism = {}", self.local_parallelism));
+        }
         for (name, v) in [
             ("alpha", self.alpha),
             ("beta", self.beta),

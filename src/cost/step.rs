@@ -14,6 +14,12 @@
 //! 4. each GradiVeQ layer's own compressed-domain ring (no fusion);
 //! 5. decoding: the `p` received units of every sparse layer.
 //!
+//! The sparse layers' local work (steps 1 and 5) runs on the engine's
+//! threads, several layers at once; a profile's `local_parallelism` (the
+//! speedup `calibrate` measured) divides it when the sparse group has two
+//! layers or more. The dense layers' fusing and momentum
+//! (`dense_local`) run on one thread.
+//!
 //! All of it runs one after the other (the progress thread overlaps the
 //! whole step with the caller's computation, not its parts with each
 //! other), so the step time is the sum
@@ -341,7 +347,18 @@ fn marginal(prof: &Profile, p: usize, open: Open, s: Sizes, o: &Option_) -> f64 
         }
         GroupKind::Gradiveq => 0.0,
     };
-    comm + o.local
+    comm + effective_local(prof, o, 2)
+}
+
+/// A layer's local seconds as the step spends them: a sparse layer's work
+/// runs on the engine's threads beside the others' when the sparse group
+/// has two layers or more ([`Profile::local_parallelism`]).
+fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
+    if o.group == GroupKind::Sparse && sparse_layers >= 2 {
+        o.local / prof.local_parallelism
+    } else {
+        o.local
+    }
 }
 
 fn check(q: &StepQuery) -> Result<()> {
@@ -531,9 +548,13 @@ fn dense_algo(assign: &[Option_]) -> Option<StrategyId> {
 fn total_seconds(prof: &Profile, p: usize, dense: Option<StrategyId>, assign: &[Option_]) -> f64 {
     let mut s = Sizes::default();
     let mut t = 0.0;
+    let nsparse = assign
+        .iter()
+        .filter(|o| o.group == GroupKind::Sparse)
+        .count();
     for o in assign {
         s.add(o, 1.0);
-        t += o.local;
+        t += effective_local(prof, o, nsparse);
     }
     let algo = dense
         .or_else(|| dense_algo(assign))
@@ -553,6 +574,10 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
     for o in assign {
         sizes.add(o, 1.0);
     }
+    let nsparse = assign
+        .iter()
+        .filter(|o| o.group == GroupKind::Sparse)
+        .count();
     let open = Open {
         dense: Some(algo),
         sparse: true,
@@ -579,10 +604,11 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         // The layer's marginal cost against the rest of the step.
         let mut rest = sizes;
         rest.add(o, -1.0);
+        let local_s = effective_local(prof, o, nsparse);
         let marginal_s = if o.group == GroupKind::Gradiveq {
             o.local
         } else {
-            marginal(prof, p, open, rest, o)
+            marginal(prof, p, open, rest, o) - effective_local(prof, o, 2) + local_s
         };
         let density = match l.kind {
             LayerKind::Fixed(_, d) => d,
@@ -596,7 +622,7 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
             group: o.group,
             auto: l.kind == LayerKind::Auto,
             message_bytes: o.bytes,
-            local_s: o.local,
+            local_s,
             marginal_s,
             alone_s,
         });
@@ -625,7 +651,7 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         g.layers += 1;
         g.elements += l.n;
         g.message_bytes += o.bytes;
-        g.local_s += o.local;
+        g.local_s += local_s;
     }
     let mut groups = Vec::new();
     if dense.layers > 0 {

@@ -3,8 +3,8 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, exchange_time, local, net_sizes, pingpong, sizes_up_to, sparse_step_probe,
-    step_probe, synthetic, Probe,
+    allgather_time, exchange_time, layers_probe, local, net_sizes, pingpong, sizes_up_to,
+    sparse_step_probe, step_probe, synthetic, Probe,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -166,6 +166,17 @@ pub(super) fn run(
     for &n in &ns {
         local_probes.push(step_probe(comm, crate::sync::Strategy::Dense, n)?);
     }
+    // 7. The speedup of the engine's layer-parallel local phase: eight RGC
+    // layers sharing the largest size, in parallel and one after another.
+    let par_at = local_probes.len();
+    let par_n = (ns.last().copied().unwrap_or(1 << 16) / 8).max(1);
+    let par_codec = CodecConfig::Rgc {
+        density: densities[0],
+        method: RgcMethod::Trimmed,
+    };
+    for parallel in [true, false] {
+        local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
+    }
     let (local_med, local_rounds) = phase(
         comm,
         &mut local_probes,
@@ -204,6 +215,12 @@ pub(super) fn run(
     };
     let (pingpong_fit, allgather_fit) = (fit(&pp_rows), fit(&ag_rows));
     let mut rows = Vec::new();
+    // γ_reduce by the size of the largest reduced message (half the
+    // vector): what each allreduce costs beyond its α-β part per reduced
+    // byte at that size. Large vectors reduce and copy at memory speed,
+    // small ones in cache; one constant fitted over both would charge a
+    // 100 MB model's fused buffer the cache rate.
+    let mut gamma_reduce_curve = Vec::new();
     if p > 1 {
         let mut no_gamma = Profile::from_network(alpha, 1.0 / beta.max(1e-300), 0.0, 0.0)?;
         no_gamma.beta_curve = beta_curve.clone();
@@ -215,6 +232,12 @@ pub(super) fn run(
             let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
             let per = cost::dense_rabenseifner(&unit_gamma, bytes, p) - ab;
             rows.push((0.0, per, (t - ab).max(t * 1e-3)));
+            if per > 0.0 {
+                gamma_reduce_curve.push(cost::CurvePoint {
+                    bytes: bytes / 2.0,
+                    per_byte: ((t - ab) / per).max(0.0),
+                });
+            }
         }
     }
     let gamma_reduce = cost::fit_relative_l2(&rows).1;
@@ -261,6 +284,13 @@ pub(super) fn run(
         .map(|(i, &n)| (n as f64, local_med[dense_at + i]))
         .collect();
     let dense_local = LinearFit::fit(&dense_pts);
+    let (par, ser) = (local_med[par_at], local_med[par_at + 1]);
+    let local_parallelism = if par > 0.0 && ser > 0.0 {
+        (ser / par).clamp(0.25, 64.0)
+    } else {
+        1.0
+    };
+    log::debug!("calibrate: 8 layers' local phase {ser:.3e} s serial, {par:.3e} s parallel");
     let profile = Profile {
         version: PROFILE_VERSION,
         alpha,
@@ -268,10 +298,11 @@ pub(super) fn run(
         gamma_reduce,
         gamma_unpack,
         beta_curve,
-        gamma_reduce_curve: Vec::new(),
+        gamma_reduce_curve,
         select,
         codecs: codec_fits,
         dense_local,
+        local_parallelism,
         gradiveq_compress: LinearFit::default(),
         gradiveq_decompress: LinearFit::default(),
         pingpong: pingpong_fit,

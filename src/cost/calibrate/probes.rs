@@ -57,6 +57,25 @@ pub(super) fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + '
     })
 }
 
+/// [`local`] with an untimed preparation before the caches are evicted:
+/// `prep(&mut state)` (e.g. a fresh gradient copied into place, which a
+/// training step gets from backpropagation), then `f(&mut state)` timed.
+pub(super) fn local_prep<'a, T: 'a>(
+    comm: &'a MpiComm,
+    mut state: T,
+    mut prep: impl FnMut(&mut T) + 'a,
+    mut f: impl FnMut(&mut T) -> Result<()> + 'a,
+) -> Probe<'a> {
+    Box::new(move |_| {
+        prep(&mut state);
+        evict_caches();
+        comm.barrier()?;
+        let t0 = Instant::now();
+        f(&mut state)?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
+}
+
 /// Runs every probe once per round until at least `min_rounds` rounds and
 /// `min_seconds` have passed (rank 0 decides, every rank follows), after
 /// one untimed round. Returns each probe's [`interquartile_mean`], the
@@ -209,11 +228,60 @@ pub(super) fn step_probe(comm: &MpiComm, strategy: Strategy, n: usize) -> Result
     )?;
     s.register_with("layer", &[n], strategy)?;
     let g = synthetic(n, "normal", n as u64)?;
-    let mut w = g.clone();
-    Ok(local(comm, move || {
-        w.copy_from_slice(&g);
-        s.sync(&mut [&mut w[..]]).map(|_| ())
-    }))
+    let w = g.clone();
+    Ok(local_prep(
+        comm,
+        (s, w),
+        move |(_, w)| w.copy_from_slice(&g),
+        |(s, w)| s.sync(&mut [&mut w[..]]).map(|_| ()),
+    ))
+}
+
+/// One engine step of `layers` RGC layers of `n` elements each (one rank,
+/// in process), with the layers' local work spread over the engine's
+/// threads (`parallel`) or one after the other: the two give the
+/// effective speedup of the engine's layer-parallel local phase.
+pub(super) fn layers_probe(
+    comm: &MpiComm,
+    codec: CodecConfig,
+    layers: usize,
+    n: usize,
+    parallel: bool,
+) -> Result<Probe<'_>> {
+    let mut s = GradSync::with_transport(
+        LocalComm::create(1).pop().expect("one rank"),
+        Config {
+            overlap: false,
+            parallel_min_elems: if parallel { 0 } else { usize::MAX },
+            ..Config::default()
+        },
+    )?;
+    let mut g = Vec::with_capacity(layers);
+    for i in 0..layers {
+        s.register_with(
+            &format!("layer{i}"),
+            &[n],
+            Strategy::Sparse {
+                codec: codec.clone(),
+                density: None,
+            },
+        )?;
+        g.push(synthetic(n, "normal", (n + i) as u64)?);
+    }
+    let w = g.clone();
+    Ok(local_prep(
+        comm,
+        (s, w),
+        move |(_, w)| {
+            for (w, g) in w.iter_mut().zip(&g) {
+                w.copy_from_slice(g);
+            }
+        },
+        |(s, w)| {
+            let mut views: Vec<&mut [f32]> = w.iter_mut().map(|x| &mut x[..]).collect();
+            s.sync(&mut views).map(|_| ())
+        },
+    ))
 }
 
 /// The layer sizes of the local fits, elements: 16K (64 KiB) up to
