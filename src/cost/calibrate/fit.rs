@@ -254,6 +254,7 @@ pub(super) fn run(
             .enumerate()
             .map(|(i, &n)| (n as f64, local_med[select_at + c * ns.len() + i]))
             .collect();
+        log::debug!("calibrate: select {name}@{d}: {pts:?}");
         let fit = LinearFit::fit(&pts);
         if *d == densities[0] {
             select.insert(name.clone(), fit);
@@ -283,6 +284,7 @@ pub(super) fn run(
         .enumerate()
         .map(|(i, &n)| (n as f64, local_med[dense_at + i]))
         .collect();
+    log::debug!("calibrate: dense local: {dense_pts:?}");
     let dense_local = LinearFit::fit(&dense_pts);
     let (par, ser) = (local_med[par_at], local_med[par_at + 1]);
     let local_parallelism = if par > 0.0 && ser > 0.0 {
