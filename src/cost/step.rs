@@ -15,9 +15,9 @@
 //! 5. decoding: the `p` received units of every sparse layer.
 //!
 //! The sparse layers' local work (steps 1 and 5) runs on the engine's
-//! threads, several layers at once; a profile's `local_parallelism` (the
-//! speedup `calibrate` measured) divides it when the sparse group has two
-//! layers or more. The dense layers' fusing and momentum
+//! threads, several layers at once, where the profile's `local_parallelism`
+//! (the speedup `calibrate` measured) is at least 1; it then divides that
+//! work when the sparse group has two layers or more. The dense layers' fusing and momentum
 //! (`dense_local`) run on one thread.
 //!
 //! All of it runs one after the other (the progress thread overlaps the
@@ -354,8 +354,10 @@ fn marginal(prof: &Profile, p: usize, open: Open, s: Sizes, o: &Option_) -> f64 
 /// runs on the engine's threads beside the others' when the sparse group
 /// has two layers or more ([`Profile::local_parallelism`]).
 fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
+    // The engine runs the phase in parallel only where the profile says it
+    // pays (`sync::plan`), so a measured slowdown never applies.
     if o.group == GroupKind::Sparse && sparse_layers >= 2 {
-        o.local / prof.local_parallelism
+        o.local / prof.local_parallelism.max(1.0)
     } else {
         o.local
     }

@@ -259,15 +259,48 @@ pub(super) fn plan_step_into(
     // Parallel only across two or more layers: one layer gains nothing,
     // and idle rayon workers spinning next to MPI's polling cost more than
     // they bring on a few cores.
+    // Only where it pays: a profile whose calibration measured the
+    // layer-parallel phase slower than one layer after another (every core
+    // already busy with a rank) keeps it serial.
+    let pays = cfg
+        .profile
+        .as_ref()
+        .is_none_or(|p| p.local_parallelism >= 1.0);
     let non_dense = plan.layers.len() - plan.dense.ids.len();
-    plan.parallel_local = non_dense >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
+    plan.parallel_local = pays && non_dense >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
     plan.parallel_unpack =
-        plan.sparse.ids.len() >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
+        pays && plan.sparse.ids.len() >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A profile that measured the parallel local phase slower keeps it
+    /// serial; one that measured a gain (or no profile) runs it.
+    #[test]
+    fn parallel_local_phase_only_where_the_profile_says_it_pays() {
+        let table = [
+            LayerPlanInput::new(1 << 20, &Strategy::rgc(0.01)),
+            LayerPlanInput::new(1 << 20, &Strategy::rgc(0.01)),
+        ];
+        let mut prof = crate::cost::Profile::from_network(1e-6, 1e9, 0.0, 0.0).unwrap();
+        for (par, want) in [(None, true), (Some(0.9), false), (Some(1.6), true)] {
+            let cfg = Config {
+                profile: par.map(|x| {
+                    prof.local_parallelism = x;
+                    prof.clone()
+                }),
+                ..Config::default()
+            };
+            let p = plan_step(0, &cfg, 2, &table);
+            assert_eq!(
+                (p.parallel_local, p.parallel_unpack),
+                (want, want),
+                "{par:?}"
+            );
+        }
+    }
     use crate::codec::RgcMethod;
 
     fn sparse(n: usize, density: Option<f64>) -> LayerPlanInput {

@@ -16,43 +16,16 @@ use std::time::Instant;
 /// where the rank takes no part). Each probe owns its buffers.
 pub(super) type Probe<'a> = Box<dyn FnMut(usize) -> Result<f64> + 'a>;
 
-/// Bytes read before every local measurement to push its data out of
-/// the caches: twice the 32 MiB last-level cache of the machines this was
-/// measured on, more than most servers' per-socket L3 share.
-const EVICT_BYTES: usize = 64 << 20;
-
-thread_local! {
-    static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Read one word per cache line of an [`EVICT_BYTES`] buffer, so that the
-/// next measurement starts with cold caches. A training step streams the
-/// whole gradient table (hundreds of MB) through every layer's local
-/// work, so each layer's data is cold when its turn comes; a probe that
-/// repeats one layer of a few MB would measure it at cache speed (it did:
-/// 0.5 ns per element for the dense path where whole-model steps took 1.5).
-pub(super) fn evict_caches() {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.is_empty() {
-            s.resize(EVICT_BYTES / 8, 0);
-        }
-        // Reads, not writes: dirty lines would be written back during the
-        // measurement (64 MiB of extra traffic, +20 % at 16M elements).
-        let mut acc = 0u64;
-        for x in s.iter().step_by(8) {
-            acc = acc.wrapping_add(*x);
-        }
-        std::hint::black_box(acc);
-    });
-}
-
 /// A local measurement run on every rank at once (after a barrier, so the
-/// ranks contend for memory bandwidth as they do in a real step), each
-/// call from cold caches ([`evict_caches`], untimed).
+/// ranks contend for memory bandwidth as they do in a real step).
+///
+/// The caches are left as the previous call left them. Cold-cache probes
+/// (a 64 MiB sweep before each call) were tried for issue #13: they
+/// over-predicted the engine's sparse path in whole-model steps by about
+/// 25 % (1.6–1.8 ns per element against 1.3–1.45 measured in the step)
+/// and did not close the dense path's gap, so they were dropped.
 pub(super) fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + 'a) -> Probe<'a> {
     Box::new(move |_| {
-        evict_caches();
         comm.barrier()?;
         let t0 = Instant::now();
         f()?;
@@ -60,9 +33,9 @@ pub(super) fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + '
     })
 }
 
-/// [`local`] with an untimed preparation before the caches are evicted:
-/// `prep(&mut state)` (e.g. a fresh gradient copied into place, which a
-/// training step gets from backpropagation), then `f(&mut state)` timed.
+/// [`local`] with an untimed preparation: `prep(&mut state)` (e.g. a fresh
+/// gradient copied into place, which a training step gets from
+/// backpropagation), then `f(&mut state)` timed.
 pub(super) fn local_prep<'a, T: 'a>(
     comm: &'a MpiComm,
     mut state: T,
@@ -71,7 +44,6 @@ pub(super) fn local_prep<'a, T: 'a>(
 ) -> Probe<'a> {
     Box::new(move |_| {
         prep(&mut state);
-        evict_caches();
         comm.barrier()?;
         let t0 = Instant::now();
         f(&mut state)?;
