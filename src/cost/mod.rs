@@ -663,21 +663,6 @@ fn nominal_bytes_per_element(codec: &str) -> f64 {
 /// `sparse-allgather` (`trimmed` by default in the CLI); the quantized
 /// strategy uses the `quant` fit.
 pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Prediction>> {
-    if q.p == 0 {
-        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
-    }
-    if !(q.density > 0.0 && q.density <= 1.0) {
-        return Err(Error::InvalidArgument(format!(
-            "density {} must lie in (0, 1]",
-            q.density
-        )));
-    }
-    if !(q.gradiveq_ratio >= 1.0 && q.gradiveq_ratio.is_finite()) {
-        return Err(Error::InvalidArgument(format!(
-            "GradiVeQ ratio {} must be at least 1",
-            q.gradiveq_ratio
-        )));
-    }
     let sq = StepQuery {
         p: q.p,
         density: q.density,
@@ -685,6 +670,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         gradiveq_ratio: q.gradiveq_ratio,
         allowed: Vec::new(),
     };
+    step::check(&sq)?;
     Ok(StrategyId::ALL
         .into_iter()
         .map(|id| step::alone(prof, &sq, q.n, id, q.density))

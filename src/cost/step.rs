@@ -363,7 +363,8 @@ fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
     }
 }
 
-fn check(q: &StepQuery) -> Result<()> {
+/// Ranks, density and GradiVeQ ratio in range (errors name the value).
+pub(super) fn check(q: &StepQuery) -> Result<()> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }

@@ -17,6 +17,9 @@ use crate::dense::{
 use crate::Result;
 use std::collections::BTreeMap;
 
+/// Largest layer of the local-cost probes (bytes).
+const LOCAL_MAX_BYTES: usize = 16 << 20;
+
 /// Measures and fits (the options are valid and agreed on).
 pub(super) fn run(
     comm: &MpiComm,
@@ -26,6 +29,11 @@ pub(super) fn run(
     let p = comm.size();
     let (densities, max_bytes, reps) = (&opts.densities[..], opts.max_bytes, opts.reps);
     let ns = sizes_up_to(max_bytes);
+    // The local fits stop at 16 MiB layers: every probe owns its buffers
+    // for the whole calibration, and at 64 MiB they took 5 GB per rank (a
+    // p = 4 job on a 24 GB machine was killed); the per-element costs
+    // have reached their memory-bound plateau well before.
+    let lns = sizes_up_to(max_bytes.min(LOCAL_MAX_BYTES));
     let net_sizes = net_sizes(max_bytes);
     let methods = ["trimmed", "threshold", "sampled", "exact"];
     let codecs = ["fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"];
@@ -108,7 +116,7 @@ pub(super) fn run(
     // 3. γ_unpack: scatter-add of RGC units (1% of the elements), per unit
     // byte, over the layer sizes.
     let mut unit_bytes = Vec::new();
-    for &n in &ns {
+    for &n in &lns {
         let k = (n / 100).max(1);
         let mut codec = CodecConfig::Rgc {
             density: k as f64 / n as f64,
@@ -135,7 +143,7 @@ pub(super) fn run(
             .collect();
         cfgs.push(("quant".into(), CodecConfig::RgcQuant { density: d }));
         for (name, cfg) in cfgs {
-            for &n in &ns {
+            for &n in &lns {
                 local_probes.push(sparse_step_probe(comm, cfg.clone(), n)?);
             }
             select_names.push((name, d));
@@ -147,7 +155,7 @@ pub(super) fn run(
     for name in codecs {
         let cfg: CodecConfig = name.parse()?;
         let mut bpe = 0.0;
-        for &n in &ns {
+        for &n in &lns {
             let xn = synthetic(n, "normal", 7)?;
             let mut enc = cfg.build()?;
             let mut msg = Vec::new();
@@ -163,13 +171,13 @@ pub(super) fn run(
     }
     // 6. The engine's local cost of a dense layer (fusing, momentum, unfusing).
     let dense_at = local_probes.len();
-    for &n in &ns {
+    for &n in &lns {
         local_probes.push(step_probe(comm, crate::sync::Strategy::Dense, n)?);
     }
     // 7. The speedup of the engine's layer-parallel local phase: eight RGC
     // layers sharing the largest size, in parallel and one after another.
     let par_at = local_probes.len();
-    let par_n = (ns.last().copied().unwrap_or(1 << 16) / 8).max(1);
+    let par_n = (lns.last().copied().unwrap_or(1 << 16) / 8).max(1);
     let par_codec = CodecConfig::Rgc {
         density: densities[0],
         method: RgcMethod::Trimmed,
@@ -249,10 +257,10 @@ pub(super) fn run(
     let gamma_unpack = cost::fit_relative_l2(&rows).1;
     let mut select = BTreeMap::new();
     for (c, (name, d)) in select_names.iter().enumerate() {
-        let pts: Vec<(f64, f64)> = ns
+        let pts: Vec<(f64, f64)> = lns
             .iter()
             .enumerate()
-            .map(|(i, &n)| (n as f64, local_med[select_at + c * ns.len() + i]))
+            .map(|(i, &n)| (n as f64, local_med[select_at + c * lns.len() + i]))
             .collect();
         log::debug!("calibrate: select {name}@{d}: {pts:?}");
         let fit = LinearFit::fit(&pts);
@@ -263,9 +271,9 @@ pub(super) fn run(
     }
     let mut codec_fits = BTreeMap::new();
     for (c, name) in codecs.iter().enumerate() {
-        let base = codec_at + 2 * c * ns.len();
+        let base = codec_at + 2 * c * lns.len();
         let (mut enc, mut dec) = (Vec::new(), Vec::new());
-        for (i, &n) in ns.iter().enumerate() {
+        for (i, &n) in lns.iter().enumerate() {
             enc.push((n as f64, local_med[base + 2 * i]));
             dec.push((n as f64, local_med[base + 2 * i + 1]));
         }
@@ -279,7 +287,7 @@ pub(super) fn run(
             },
         );
     }
-    let dense_pts: Vec<(f64, f64)> = ns
+    let dense_pts: Vec<(f64, f64)> = lns
         .iter()
         .enumerate()
         .map(|(i, &n)| (n as f64, local_med[dense_at + i]))
