@@ -19,7 +19,7 @@ use super::{max_over_ranks, model, synthetic};
 use crate::codec::RgcMethod;
 use crate::comm::{MpiComm, Transport};
 use crate::cost::calibrate::median;
-use crate::cost::{self, GroupKind, LayerKind, Profile, StepLayer, StepQuery, StrategyId};
+use crate::cost::{self, GroupKind, Profile, StepQuery, StrategyId};
 use crate::dense::AllreduceAlgo;
 use crate::failure::agree_inputs;
 use crate::sync::{Config, GradSync, Strategy};
@@ -198,16 +198,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         gradiveq_ratio: 8.0,
         allowed: allowed.clone(),
     };
-    let table: Vec<StepLayer> = inp
-        .layers
-        .iter()
-        .map(|l| StepLayer {
-            name: l.name.clone(),
-            n: l.elements,
-            kind: LayerKind::Auto,
-        })
-        .collect();
-    let plan = cost::plan_step(prof, &q, &table)?;
+    let plan = cost::plan_step(prof, &q, &model::step_layers(&inp.layers))?;
     let v = plan
         .layers
         .iter()
@@ -260,7 +251,7 @@ fn uniform(
                 gradiveq_ratio: 8.0,
                 allowed: Vec::new(),
             };
-            let table = step_table(&inp.layers);
+            let table = model::step_layers(&inp.layers);
             Some(cost::predict_step(
                 prof,
                 &q,
@@ -271,17 +262,6 @@ fn uniform(
         None => None,
     };
     Ok((v, plan))
-}
-
-fn step_table(layers: &[model::LayerSpec]) -> Vec<StepLayer> {
-    layers
-        .iter()
-        .map(|l| StepLayer {
-            name: l.name.clone(),
-            n: l.elements,
-            kind: LayerKind::Auto,
-        })
-        .collect()
 }
 
 fn engine(

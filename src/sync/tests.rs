@@ -1001,6 +1001,24 @@ fn fuzz_non_finite_state_is_never_written() {
     });
 }
 
+/// `gradsync predict`/`plan`'s arguments with the network from a profile
+/// given in code and `strategies` as the candidates.
+#[cfg(feature = "cli")]
+fn model_args(strategies: String) -> crate::cli::ModelArgs {
+    crate::cli::ModelArgs {
+        profile: None,
+        alpha: None,
+        bandwidth: None,
+        gamma_reduce: None,
+        gamma_unpack: None,
+        select_cost: None,
+        select_fixed: None,
+        select_method: "trimmed".into(),
+        gradiveq_ratio: 8.0,
+        strategies,
+    }
+}
+
 /// Issue #13: `Strategy::Auto`, `gradsync predict`'s choice and `plan`
 /// decide through the one table (`cost::choose`): for the same layer,
 /// profile and candidates they agree.
@@ -1026,25 +1044,13 @@ fn auto_predict_and_plan_make_the_same_choice() {
                 .map(|&n| s.auto_choice(n).unwrap().0)
                 .collect::<Vec<_>>()
         });
-        let m = crate::cli::ModelArgs {
-            profile: None,
-            alpha: None,
-            bandwidth: None,
-            gamma_reduce: None,
-            gamma_unpack: None,
-            select_cost: None,
-            select_fixed: None,
-            select_method: "trimmed".into(),
-            gradiveq_ratio: 8.0,
-            strategies: crate::cost::engine_candidates(
-                crate::dense::AllreduceAlgo::Rabenseifner,
-                quant,
-            )
-            .iter()
-            .map(|id| id.name())
-            .collect::<Vec<_>>()
-            .join(","),
-        };
+        let m = model_args(
+            crate::cost::engine_candidates(crate::dense::AllreduceAlgo::Rabenseifner, quant)
+                .iter()
+                .map(|id| id.name())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
         let mut kinds = std::collections::BTreeSet::new();
         for (i, &n) in [64usize, 9408, 32768, 1 << 20, 1 << 24].iter().enumerate() {
             let rec = crate::cli::predict_record(&prof, &m, n, 4, 0.001).unwrap();
@@ -1079,18 +1085,7 @@ fn auto_layers_run_the_plan_of_the_whole_table() {
     let layers = crate::cli::read_layers(&file).unwrap();
     // Only the first 40 layers: the test allocates them on 4 in-process ranks.
     let layers: Vec<_> = layers.into_iter().take(40).collect();
-    let m = crate::cli::ModelArgs {
-        profile: None,
-        alpha: None,
-        bandwidth: None,
-        gamma_reduce: None,
-        gamma_unpack: None,
-        select_cost: None,
-        select_fixed: None,
-        select_method: "trimmed".into(),
-        gradiveq_ratio: 8.0,
-        strategies: "dense-rabenseifner,sparse-allgather".into(),
-    };
+    let m = model_args("dense-rabenseifner,sparse-allgather".into());
     let rec = crate::cli::plan_record(&prof, &m, &layers, 4, 0.001).unwrap();
     let want: Vec<Strategy> = rec
         .layers
