@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50, help="dense warm-up steps (same in every mode)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON line (rank 0)")
+    ap.add_argument("--profile", default=None,
+                    help="cluster profile from `gradsync calibrate` (JSON); --mode auto plans with it")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     names = [n for n, _ in params]
     ws = [w for _, w in params]
 
-    sync = gradsync.GradSync(comm, momentum=args.momentum, warmup_steps=args.warmup)
+    sync = gradsync.GradSync(comm, profile=args.profile, momentum=args.momentum, warmup_steps=args.warmup)
     for name, w in params:
         if args.mode == "dense":
             strategy = "dense"
