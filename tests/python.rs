@@ -160,7 +160,8 @@ fn torch_wrapper() {
 }
 
 /// The digits training run: the compressed runs reach the dense run's test
-/// accuracy within 1 point in the same number of steps (4 ranks).
+/// accuracy within 1 point in the same number of steps (4 ranks), and the
+/// `MPI_Allreduce` baseline (`mpi-dense`) trains like gradsync's dense.
 #[test]
 fn train_digits_compressed_matches_dense() {
     if !python_ready("train_digits_compressed_matches_dense") {
@@ -168,7 +169,7 @@ fn train_digits_compressed_matches_dense() {
     }
     let script = repo().join("examples/python/train_digits.py");
     let mut acc = std::collections::HashMap::new();
-    for mode in ["dense", "auto", "rgc"] {
+    for mode in ["mpi-dense", "dense", "auto", "rgc"] {
         let (ok, out, err) = mpirun_py(4, &script, &["--mode", mode, "--json"], 600);
         assert!(ok, "{mode}\n{out}\n{err}");
         let line = out
@@ -182,6 +183,11 @@ fn train_digits_compressed_matches_dense() {
     }
     let dense = acc["dense"];
     assert!(dense > 0.9, "dense run trains: {dense}");
+    assert!(
+        (acc["mpi-dense"] - dense).abs() <= 0.01,
+        "mpi-dense: test accuracy {} vs gradsync dense {dense}",
+        acc["mpi-dense"]
+    );
     for mode in ["auto", "rgc"] {
         assert!(
             acc[mode] >= dense - 0.01,

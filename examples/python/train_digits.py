@@ -179,9 +179,73 @@ def accuracy(ws, x, y) -> float:
     return float((logits.argmax(axis=1) == y).mean())
 
 
+MODES = ["mpi-dense", "gradsync-dense", "dense", "auto", "rgc"]
+
+
+class MpiDense:
+    """The baseline a user has today: every gradient fused into one buffer,
+    ``MPI_Allreduce`` (mpi4py, the MPI library's own algorithm), averaged,
+    then momentum SGD's direction (``u = m u + g``, the same update as
+    gradsync's dense layers)."""
+
+    def __init__(self, comm, params, momentum: float):
+        self.comm = comm
+        self.sizes = [w.size for _, w in params]
+        self.buf = np.zeros(sum(self.sizes), np.float32)
+        self.u = np.zeros_like(self.buf)
+        self.momentum = np.float32(momentum)
+        self.inv = np.float32(1.0 / comm.Get_size())
+
+    def sync(self, grads):
+        off = 0
+        for g in grads:
+            self.buf[off:off + g.size] = g.ravel()
+            off += g.size
+        self.comm.Allreduce(MPI.IN_PLACE, self.buf, op=MPI.SUM)
+        self.buf *= self.inv
+        if self.momentum:
+            self.u *= self.momentum
+            self.u += self.buf
+            d = self.u
+        else:
+            d = self.buf
+        off = 0
+        for g in grads:
+            g.ravel()[:] = d[off:off + g.size]
+            off += g.size
+        return {"fused_bytes": 0, "dense_bytes": 4 * self.buf.size}
+
+
+class Progress:
+    """One progress bar per run on rank 0's stderr (a line per 10 % when
+    stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.tty = sys.stderr.isatty()
+        self.last_tenth = -1
+
+    def update(self, step: int, wall: float, acc):
+        if not self.enabled:
+            return
+        frac = step / max(self.total, 1)
+        tenth = int(frac * 10)
+        if not self.tty and tenth == self.last_tenth and step != self.total:
+            return
+        self.last_tenth = tenth
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        a = "" if acc is None else f"  test acc {acc * 100:5.1f} %"
+        line = f"{self.label:>15s} [{bar}] {step:5d}/{self.total}  {wall:7.1f} s{a}"
+        end = "\n" if (not self.tty or step == self.total) else ""
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["dense", "auto", "rgc"], default="dense")
+    ap.add_argument("--mode", choices=MODES, default="dense",
+                    help="mpi-dense: MPI_Allreduce from mpi4py; gradsync-dense (or dense): gradsync's "
+                         "fused Rabenseifner; auto: the cost model; rgc: RGC weights, dense biases")
     ap.add_argument("--density", type=float, default=0.001, help="RGC density for --mode rgc")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -195,7 +259,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON line (rank 0)")
     ap.add_argument("--profile", default=None,
                     help="cluster profile from `gradsync calibrate` (JSON); --mode auto plans with it")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also measure the test accuracy every N steps (not counted in the times)")
+    ap.add_argument("--curve", default=None,
+                    help="write the run's record (accuracy curve, times, per-layer choice) to this JSON file")
+    ap.add_argument("--progress", action="store_true", help="a progress bar on rank 0's stderr")
+    ap.add_argument("--label", default=None, help="the run's name in the progress bar and the record")
     args = ap.parse_args(argv)
+    mode = "gradsync-dense" if args.mode == "dense" else args.mode
+    label = args.label or mode
+    for flag, v in (("--steps", args.steps), ("--hidden", args.hidden), ("--batch", args.batch)):
+        if v < 1:
+            print(f"{flag} must be at least 1 (got {v})", file=sys.stderr)
+            return 2
+    if args.eval_every < 0 or args.warmup < 0:
+        print("--eval-every and --warmup must be >= 0", file=sys.stderr)
+        return 2
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -209,25 +288,34 @@ def main(argv=None) -> int:
     names = [n for n, _ in params]
     ws = [w for _, w in params]
 
-    sync = gradsync.GradSync(comm, profile=args.profile, momentum=args.momentum, warmup_steps=args.warmup)
-    for name, w in params:
-        if args.mode == "dense":
-            strategy = "dense"
-        elif args.mode == "auto":
-            strategy = "auto"
-        else:
-            strategy = f"rgc:density={args.density}" if name.endswith("weight") else "dense"
-        sync.register(name, w.shape, strategy=strategy)
+    if mode == "mpi-dense":
+        sync = MpiDense(comm, params, args.momentum)
+    else:
+        sync = gradsync.GradSync(comm, profile=args.profile, momentum=args.momentum,
+                                 warmup_steps=args.warmup)
+        for name, w in params:
+            if mode == "gradsync-dense":
+                strategy = "dense"
+            elif mode == "auto":
+                strategy = "auto"
+            else:
+                strategy = f"rgc:density={args.density}" if name.endswith("weight") else "dense"
+            sync.register(name, w.shape, strategy=strategy)
 
     rng = np.random.default_rng(args.seed + 1)  # same on every rank: same global batches
     n = len(x_train)
     order = rng.permutation(n)
     pos = 0
     bytes_total = 0
+    layer_bytes = np.zeros(len(names))
     losses = []
+    curve = []
+    sync_s = compute_s = 0.0
+    last_stats = None
+    bar = Progress(label, args.steps, args.progress and rank == 0)
     comm.Barrier()
-    t0 = time.perf_counter()
     for step in range(args.steps):
+        t0 = time.perf_counter()
         if pos + args.batch > n:
             order = rng.permutation(n)
             pos = 0
@@ -242,12 +330,32 @@ def main(argv=None) -> int:
             for name, g, w in zip(names, grads, ws):
                 if name.endswith("weight"):
                     g += args.weight_decay * w
+        t1 = time.perf_counter()
         stats = sync.sync(grads)  # in place: grads now hold the update directions
+        t2 = time.perf_counter()
         bytes_total += stats["fused_bytes"] + stats["dense_bytes"]
+        if "layers" in stats:
+            layer_bytes += [ls["bytes_sent"] for ls in stats["layers"]]
+            last_stats = stats
+        else:
+            layer_bytes += [4 * g.size for g in grads]
         for w, d in zip(ws, grads):
             w -= args.lr * d
         losses.append(loss)
-    seconds = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        t3 = time.perf_counter()
+        sync_s += t2 - t1
+        compute_s += (t1 - t0) + (t3 - t2)
+        done = step + 1
+        # Every rank evaluates (the same parameters, the same cost), so no
+        # rank waits for another in the next step; not counted in the times.
+        acc = None
+        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
+            acc = accuracy(ws, x_test, y_test)
+            curve.append({"step": done, "wall_s": round(sync_s + compute_s, 6), "test_accuracy": acc})
+        bar.update(done, sync_s + compute_s, acc)
+    # The slowest rank's times.
+    seconds = comm.allreduce(sync_s + compute_s, op=MPI.MAX)
+    sync_max = comm.allreduce(sync_s, op=MPI.MAX)
 
     # Every rank must hold exactly the same parameters.
     crc = 0
@@ -259,28 +367,53 @@ def main(argv=None) -> int:
     test_acc = accuracy(ws, x_test, y_test)
     logits, _ = forward(ws, x_train)
     train_loss, _ = softmax_xent(logits, y_train)
-    layers = sync.layers()
-    sync.close()
+    if mode == "mpi-dense":
+        layers = [(nm, tuple(w.shape), "mpi-allreduce") for nm, w in params]
+        strategies = ["mpi-allreduce"] * len(names)
+    else:
+        layers = sync.layers()
+        # The strategy each layer ran at the last step (auto: the plan's).
+        strategies = ([f"{ls['strategy']}" + (f":{ls['codec']}" if ls["codec"] != "none" else "")
+                       for ls in last_stats["layers"]] if last_stats else [s for _, _, s in layers])
+        sync.close()
+    steps = max(args.steps, 1)
+    record = {
+        "name": label,
+        "mode": mode,
+        "ranks": size,
+        "steps": args.steps,
+        "test_acc": round(test_acc, 6),
+        "test_accuracy": round(test_acc, 6),
+        "train_loss": round(train_loss, 6),
+        "seconds": round(seconds, 3),
+        "wall_s": round(seconds, 3),
+        "sync_s_per_step": sync_max / steps,
+        "compute_s_per_step": (seconds - sync_max) / steps,
+        "bytes_sent_per_step": bytes_total / steps,
+        "bytes_per_step": bytes_total / steps,
+        "layers": [{"name": nm, "shape": list(shape), "elements": int(np.prod(shape)),
+                    "strategy": st, "bytes_per_step": float(b / steps)}
+                   for (nm, shape, _), st, b in zip(layers, strategies, layer_bytes)],
+        "curve": curve,
+    }
 
     if rank == 0:
+        if args.curve:
+            with open(args.curve, "w") as f:
+                json.dump(record, f, indent=1)
         if args.json:
-            print(json.dumps({
-                "mode": args.mode,
-                "ranks": size,
-                "steps": args.steps,
-                "test_acc": round(test_acc, 6),
-                "train_loss": round(train_loss, 6),
-                "seconds": round(seconds, 3),
-                "bytes_sent_per_step": bytes_total / max(args.steps, 1),
-            }), flush=True)
+            print(json.dumps({k: record[k] for k in (
+                "mode", "ranks", "steps", "test_acc", "train_loss", "seconds", "bytes_sent_per_step",
+                "sync_s_per_step", "compute_s_per_step")}), flush=True)
         else:
-            print(f"mode={args.mode} ranks={size} steps={args.steps} lr={args.lr} momentum={args.momentum} "
+            print(f"mode={mode} ranks={size} steps={args.steps} lr={args.lr} momentum={args.momentum} "
                   f"batch={args.batch} hidden={args.hidden} weight_decay={args.weight_decay} warmup={args.warmup} "
                   f"seed={args.seed}")
-            for name, shape, strategy in layers:
-                print(f"  {name:11s} {str(tuple(shape)):12s} {strategy}")
+            for (name, shape, strategy), st in zip(layers, strategies):
+                print(f"  {name:11s} {str(tuple(shape)):12s} {strategy} ({st} at the last step)")
             print(f"test accuracy {test_acc * 100:.2f} %  train loss {train_loss:.4f}  "
-                  f"{seconds:.2f} s  {bytes_total / max(args.steps, 1):.0f} bytes sent per step")
+                  f"{seconds:.2f} s ({sync_max / steps * 1e3:.2f} ms/step synchronizing)  "
+                  f"{bytes_total / steps:.0f} bytes sent per step")
             print("parameters identical on every rank" if identical else f"PARAMETERS DIFFER: crc32 {crcs}")
     if not identical:
         if rank == 0 and args.json:

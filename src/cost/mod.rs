@@ -314,6 +314,13 @@ pub struct Profile {
     /// charges it to every dense layer ([`plan_step`]).
     #[serde(default, skip_serializing_if = "LinearFit::is_zero")]
     pub dense_local: LinearFit,
+    /// The same cost per gradient byte by the size of the step's whole
+    /// table (bytes): a step whose table is larger than the last-level
+    /// cache streams its dense layers from memory (measured on one layer
+    /// up to 16 MiB, then on tables of several). Empty in profiles from
+    /// before it (then [`Self::dense_local`] alone).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_local_curve: Vec<CurvePoint>,
     /// Effective speedup of the engine's layer-parallel local phase
     /// (selection, encoding and unpacking of several sparse layers spread
     /// over its threads), measured by `calibrate` with every rank busy at
@@ -375,6 +382,7 @@ impl Profile {
             gamma_unpack,
             beta_curve: Vec::new(),
             gamma_reduce_curve: Vec::new(),
+            dense_local_curve: Vec::new(),
             select: BTreeMap::new(),
             codecs: BTreeMap::new(),
             dense_local: LinearFit::default(),
@@ -435,6 +443,7 @@ impl Profile {
         for (name, curve) in [
             ("beta_curve", &self.beta_curve),
             ("gamma_reduce_curve", &self.gamma_reduce_curve),
+            ("dense_local_curve", &self.dense_local_curve),
         ] {
             for (i, c) in curve.iter().enumerate() {
                 if !(c.bytes.is_finite() && c.bytes > 0.0 && ok(c.per_byte)) {
@@ -478,6 +487,17 @@ impl Profile {
     /// β at a message of `m` bytes (the curve if there is one).
     pub fn beta_at(&self, m: f64) -> f64 {
         curve_at(&self.beta_curve, self.beta, m)
+    }
+
+    /// The engine's local cost of a dense layer of `n` elements in a step
+    /// whose whole table has `table` elements: `4n` bytes at the
+    /// [`Self::dense_local_curve`]'s cost per byte for the table's size,
+    /// or [`Self::dense_local`] where there is no curve.
+    pub fn dense_local_at(&self, n: f64, table: f64) -> f64 {
+        if self.dense_local_curve.is_empty() {
+            return self.dense_local.at(n);
+        }
+        4.0 * n * curve_at(&self.dense_local_curve, 0.0, 4.0 * table.max(n))
     }
 
     /// γ_reduce at a reduced message of `m` bytes.

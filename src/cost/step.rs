@@ -18,7 +18,9 @@
 //! threads, several layers at once, where the profile's `local_parallelism`
 //! (the speedup `calibrate` measured) is at least 1; it then divides that
 //! work when the sparse group has two layers or more. The dense layers' fusing and momentum
-//! (`dense_local`) run on one thread.
+//! (`dense_local`) run on one thread; their cost per element depends on
+//! the whole table's size (the step's working set: a table larger than
+//! the last-level cache streams from memory), [`Profile::dense_local_at`].
 //!
 //! All of it runs one after the other (the progress thread overlaps the
 //! whole step with the caller's computation, not its parts with each
@@ -185,8 +187,16 @@ struct Option_ {
     local: f64,
 }
 
-/// The option `id` for a layer of `n` elements at `density`.
-fn option(prof: &Profile, q: &StepQuery, n: usize, id: StrategyId, density: f64) -> Option_ {
+/// The option `id` for a layer of `n` elements at `density`, in a step
+/// whose whole table has `table` elements (the dense path's per-element
+/// cost depends on it: [`Profile::dense_local_at`]).
+fn option(
+    prof: &Profile,
+    q: &StepQuery,
+    (n, table): (usize, f64),
+    id: StrategyId,
+    density: f64,
+) -> Option_ {
     let (p, nf) = (q.p as f64, n as f64);
     let toc = TOC_ENTRY_LEN as f64;
     let unpack = |m: f64| p * m * prof.gamma_unpack;
@@ -195,7 +205,7 @@ fn option(prof: &Profile, q: &StepQuery, n: usize, id: StrategyId, density: f64)
             id,
             group: GroupKind::Dense,
             bytes: 4.0 * nf,
-            local: prof.dense_local.at(nf),
+            local: prof.dense_local_at(nf, table),
         },
         StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
             let (codec, fit) = if id == StrategyId::SparseAllgather {
@@ -243,7 +253,7 @@ pub(super) fn alone(
     id: StrategyId,
     density: f64,
 ) -> Prediction {
-    let o = option(prof, q, n, id, density);
+    let o = option(prof, q, (n, n as f64), id, density);
     let pf = q.p as f64;
     let frac = if q.p > 1 { (pf - 1.0) / pf } else { 0.0 };
     let (seconds, wire_bytes) = match o.group {
@@ -403,11 +413,12 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         return Err(Error::InvalidArgument("no strategy to choose from".into()));
     }
     let p = q.p;
+    let table = table_elements(layers);
     let fixed: Vec<Option<Option_>> = layers
         .iter()
         .map(|l| match l.kind {
             LayerKind::Auto => None,
-            LayerKind::Fixed(id, d) => Some(option(prof, q, l.n, id, d)),
+            LayerKind::Fixed(id, d) => Some(option(prof, q, (l.n, table), id, d)),
         })
         .collect();
     // The dense algorithm a fixed dense layer forces (the engine fuses all
@@ -427,7 +438,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
     };
     let has_sparse = cands
         .iter()
-        .any(|c| option(prof, q, 1, *c, q.density).group == GroupKind::Sparse);
+        .any(|c| option(prof, q, (1, table), *c, q.density).group == GroupKind::Sparse);
     let mut configs = Vec::new();
     let dense_opts: Vec<Option<StrategyId>> = if forced_dense.is_some() {
         dense_algos.iter().map(|a| Some(*a)).collect()
@@ -461,7 +472,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             .map(|l| {
                 cands
                     .iter()
-                    .map(|c| option(prof, q, l.n, *c, q.density))
+                    .map(|c| option(prof, q, (l.n, table), *c, q.density))
                     .filter(|o| match o.group {
                         GroupKind::Dense => open.dense == Some(o.id),
                         GroupKind::Sparse => open.sparse,
@@ -529,18 +540,25 @@ pub fn predict_step(
             layers.len()
         )));
     }
+    let table = table_elements(layers);
     let assign: Vec<Option_> = layers
         .iter()
         .zip(choice)
         .map(|(l, c)| match l.kind {
-            LayerKind::Fixed(id, d) => option(prof, q, l.n, id, d),
-            LayerKind::Auto => option(prof, q, l.n, *c, q.density),
+            LayerKind::Fixed(id, d) => option(prof, q, (l.n, table), id, d),
+            LayerKind::Auto => option(prof, q, (l.n, table), *c, q.density),
         })
         .collect();
     Ok(describe(prof, q, layers, &assign))
 }
 
 /// The dense algorithm of an assignment (the first dense layer's).
+/// Elements of the whole table (every layer's gradient is read each step,
+/// whatever its strategy, so this is the step's working set).
+fn table_elements(layers: &[StepLayer]) -> f64 {
+    layers.iter().map(|l| l.n as f64).sum()
+}
+
 fn dense_algo(assign: &[Option_]) -> Option<StrategyId> {
     assign
         .iter()

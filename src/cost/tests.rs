@@ -518,3 +518,35 @@ fn fixed_layers_are_kept_and_open_their_group() {
     assert_eq!(plan.seconds, 0.0);
     assert!(plan.groups.is_empty());
 }
+
+/// The dense path's local cost follows the whole table's size: the same
+/// layer costs more per element in a table larger than the cache (the
+/// curve), a profile without the curve keeps its linear fit, and a curve
+/// out of order does not validate.
+#[test]
+fn dense_local_cost_follows_the_table_size() {
+    use StrategyId::*;
+    let mut pr = Profile::from_network(1e-6, 1e9, 0.0, 0.0).expect("profile");
+    pr.dense_local = LinearFit { a: 1e-5, b: 4e-10 };
+    let n = 1 << 20;
+    assert_eq!(
+        pr.dense_local_at(n as f64, 1e9),
+        pr.dense_local.at(n as f64)
+    );
+    // 0.1 ns/byte up to 16 MiB tables, 0.2 from 64 MiB.
+    pr.dense_local_curve = curve(&[(16.0 * 1048576.0, 1e-10), (64.0 * 1048576.0, 2e-10)]);
+    pr.validate().expect("valid");
+    let small = pr.dense_local_at(n as f64, n as f64);
+    let big = pr.dense_local_at(n as f64, 100e6);
+    assert!(rel(small, 4.0 * n as f64 * 1e-10) < 1e-12, "{small}");
+    assert!(rel(big, 4.0 * n as f64 * 2e-10) < 1e-12, "{big}");
+    // The step model charges it per layer at the table's size.
+    let q = sq(2, &[DenseRabenseifner]);
+    let alone = plan_step(&pr, &q, &table(&[n])).expect("plan");
+    let in_big = plan_step(&pr, &q, &table(&[n; 25])).expect("plan");
+    let l0 = alone.layers[0].local_s;
+    let l1 = in_big.layers[0].local_s;
+    assert!(rel(l0, small) < 1e-12 && rel(l1, big) < 1e-12, "{l0} {l1}");
+    pr.dense_local_curve.reverse();
+    assert!(pr.validate().is_err());
+}

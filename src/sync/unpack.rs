@@ -162,14 +162,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
                 Mode::Dense => {
                     let g = &dense[lp.dense_off..lp.dense_off + l.n];
-                    o.copy_from_slice(g);
                     if g.iter().any(|x| !x.is_finite()) {
+                        o.copy_from_slice(g);
                         Some(Error::NonFinite {
                             rank: None,
                             layer: l.name.clone(),
                         })
                     } else {
-                        l.dense_update(o, params);
+                        l.dense_update_from(g, o, params);
                         None
                     }
                 }

@@ -3,8 +3,8 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, exchange_time, layers_probe, local, net_sizes, pingpong, sizes_up_to,
-    sparse_step_probe, step_probe, synthetic, Probe,
+    allgather_time, barrier_span, exchange_time, layers_probe, local, net_cap, net_sizes, pingpong,
+    sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe, NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -20,6 +20,10 @@ use std::collections::BTreeMap;
 /// Largest layer of the local-cost probes (bytes).
 const LOCAL_MAX_BYTES: usize = 16 << 20;
 
+/// Tables of this many of the largest local layers also measure the dense
+/// path's local cost (the `dense_local_curve` beyond one layer).
+const DENSE_TABLES: [usize; 2] = [2, 4];
+
 /// Measures and fits (the options are valid and agreed on).
 pub(super) fn run(
     comm: &MpiComm,
@@ -34,7 +38,20 @@ pub(super) fn run(
     // p = 4 job on a 24 GB machine was killed); the per-element costs
     // have reached their memory-bound plateau well before.
     let lns = sizes_up_to(max_bytes.min(LOCAL_MAX_BYTES));
-    let net_sizes = net_sizes(max_bytes);
+    // The network probes stop where one exchange takes NET_PROBE_S (a
+    // slow network's large messages add nothing to the fits but minutes).
+    let net_max = if p > 1 {
+        net_cap(comm, max_bytes)?
+    } else {
+        max_bytes
+    };
+    if net_max < max_bytes && comm.rank() == 0 {
+        log::info!(
+            "calibrate: network messages up to {net_max} bytes (one exchange of that size takes \
+             over {NET_PROBE_S} s; the beta curve is flat beyond)"
+        );
+    }
+    let net_sizes = net_sizes(net_max);
     let methods = ["trimmed", "threshold", "sampled", "exact"];
     let codecs = ["fp16", "int8", "qsgd", "sbc", "3lc", "fastsgd"];
     let x = synthetic(ns.last().copied().unwrap_or(1 << 16), "normal", 1)?;
@@ -75,7 +92,12 @@ pub(super) fn run(
     // the reduction steps on this machine (cache effects included), which
     // a bare add loop in cache underestimates.
     let reduce_at = probes.len();
-    for &n in if p > 1 { &ns[..] } else { &[] } {
+    let reduce_ns: Vec<usize> = ns
+        .iter()
+        .copied()
+        .filter(|&n| p > 1 && 4 * n <= net_max)
+        .collect();
+    for &n in &reduce_ns {
         let (x, mut y, mut ws) = (x[..n].to_vec(), vec![0f32; n], Workspace::<f32>::new());
         probes.push(Box::new(move |_| {
             y.copy_from_slice(&x);
@@ -169,10 +191,19 @@ pub(super) fn run(
         }
         codec_bpe.push(bpe);
     }
-    // 6. The engine's local cost of a dense layer (fusing, momentum, unfusing).
+    // 6. The engine's local cost of a dense layer (fusing, momentum,
+    // unfusing): one layer of each size, then tables of 2 and 4 of the
+    // largest (a whole model's table exceeds the last-level cache, where
+    // the cost per element is ~1.6x that of a cached layer: measured).
     let dense_at = local_probes.len();
-    for &n in &lns {
-        local_probes.push(step_probe(comm, crate::sync::Strategy::Dense, n)?);
+    let top = lns.last().copied().unwrap_or(1 << 16);
+    let dense_tables: Vec<(usize, usize)> = lns
+        .iter()
+        .map(|&n| (1, n))
+        .chain(DENSE_TABLES.iter().map(|&k| (k, top)))
+        .collect();
+    for &(k, n) in &dense_tables {
+        local_probes.push(step_probe(comm, crate::sync::Strategy::Dense, k, n)?);
     }
     // 7. The speedup of the engine's layer-parallel local phase: eight RGC
     // layers sharing the largest size, in parallel and one after another.
@@ -185,7 +216,10 @@ pub(super) fn run(
     for parallel in [true, false] {
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
-    let (local_med, local_rounds) = phase(
+    // 8. The barriers around every local probe, subtracted from each.
+    let base_at = local_probes.len();
+    local_probes.push(barrier_span(comm));
+    let (mut local_med, local_rounds) = phase(
         comm,
         &mut local_probes,
         reps,
@@ -195,7 +229,11 @@ pub(super) fn run(
         progress,
     )?;
     drop(local_probes);
-    log::debug!("calibrate: {local_rounds} rounds of local costs");
+    let base = local_med[base_at];
+    for m in &mut local_med {
+        *m = (*m - base).max(*m * 0.1);
+    }
+    log::debug!("calibrate: {local_rounds} rounds of local costs (barriers {base:.3e} s)");
     log::debug!("calibrate: {nrounds} rounds");
     let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &b) in net_sizes[..net].iter().enumerate() {
@@ -234,7 +272,7 @@ pub(super) fn run(
         no_gamma.beta_curve = beta_curve.clone();
         let mut unit_gamma = no_gamma.clone();
         unit_gamma.gamma_reduce = 1.0;
-        for (i, &n) in ns.iter().enumerate() {
+        for (i, &n) in reduce_ns.iter().enumerate() {
             let (bytes, t) = ((4 * n) as f64, remote_med[reduce_at + i]);
             log::debug!("calibrate: rabenseifner allreduce {bytes} B {t:.3e} s");
             let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
@@ -294,6 +332,17 @@ pub(super) fn run(
         .collect();
     log::debug!("calibrate: dense local: {dense_pts:?}");
     let dense_local = LinearFit::fit(&dense_pts);
+    let mut dense_local_curve: Vec<cost::CurvePoint> = Vec::new();
+    for (i, &(k, n)) in dense_tables.iter().enumerate() {
+        let (bytes, t) = ((4 * k * n) as f64, local_med[dense_at + i]);
+        if t > 0.0 && t.is_finite() && dense_local_curve.last().is_none_or(|c| c.bytes < bytes) {
+            dense_local_curve.push(cost::CurvePoint {
+                bytes,
+                per_byte: t / bytes,
+            });
+        }
+    }
+    log::debug!("calibrate: dense local curve: {dense_local_curve:?}");
     let (par, ser) = (local_med[par_at], local_med[par_at + 1]);
     let local_parallelism = if par > 0.0 && ser > 0.0 {
         (ser / par).clamp(0.25, 64.0)
@@ -312,6 +361,7 @@ pub(super) fn run(
         select,
         codecs: codec_fits,
         dense_local,
+        dense_local_curve,
         local_parallelism,
         gradiveq_compress: LinearFit::default(),
         gradiveq_decompress: LinearFit::default(),

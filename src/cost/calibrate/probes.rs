@@ -17,7 +17,13 @@ use std::time::Instant;
 pub(super) type Probe<'a> = Box<dyn FnMut(usize) -> Result<f64> + 'a>;
 
 /// A local measurement run on every rank at once (after a barrier, so the
-/// ranks contend for memory bandwidth as they do in a real step).
+/// ranks contend for memory bandwidth as they do in a real step), timed
+/// up to a second barrier: the span until the slowest rank is done, which
+/// is what a step waits for before its collective. (Timed to the rank's
+/// own end, ranks sharing a core measured their work as if alone: at 4
+/// ranks on 2 cores the local phase of a step took twice the prediction.)
+/// The barriers' own cost is an empty probe in the same rounds
+/// ([`barrier_span`]), which the fits subtract.
 ///
 /// The caches are left as the previous call left them. Cold-cache probes
 /// (a 64 MiB sweep before each call) were tried for issue #13: they
@@ -29,8 +35,15 @@ pub(super) fn local<'a>(comm: &'a MpiComm, mut f: impl FnMut() -> Result<()> + '
         comm.barrier()?;
         let t0 = Instant::now();
         f()?;
+        comm.barrier()?;
         Ok(t0.elapsed().as_secs_f64())
     })
+}
+
+/// The empty [`local`] probe: two barriers, the part of every local
+/// probe's time that is not the work.
+pub(super) fn barrier_span(comm: &MpiComm) -> Probe<'_> {
+    local(comm, || Ok(()))
 }
 
 /// [`local`] with an untimed preparation: `prep(&mut state)` (e.g. a fresh
@@ -47,6 +60,7 @@ pub(super) fn local_prep<'a, T: 'a>(
         comm.barrier()?;
         let t0 = Instant::now();
         f(&mut state)?;
+        comm.barrier()?;
         Ok(t0.elapsed().as_secs_f64())
     })
 }
@@ -186,30 +200,23 @@ pub(super) fn sparse_step_probe(comm: &MpiComm, codec: CodecConfig, n: usize) ->
             codec,
             density: None,
         },
+        1,
         n,
     )
 }
 
-/// Local cost of one engine step of a layer with `strategy` (one rank, in
-/// process, so no communication): for a dense layer, copying it into the
-/// fused buffer, momentum and copying the result out (`dense_local`).
-pub(super) fn step_probe(comm: &MpiComm, strategy: Strategy, n: usize) -> Result<Probe<'_>> {
-    let mut s = GradSync::with_transport(
-        LocalComm::create(1).pop().expect("one rank"),
-        Config {
-            overlap: false,
-            ..Config::default()
-        },
-    )?;
-    s.register_with("layer", &[n], strategy)?;
-    let g = synthetic(n, "normal", n as u64)?;
-    let w = g.clone();
-    Ok(local_prep(
-        comm,
-        (s, w),
-        move |(_, w)| w.copy_from_slice(&g),
-        |(s, w)| s.sync(&mut [&mut w[..]]).map(|_| ()),
-    ))
+/// Local cost of one engine step of `layers` layers of `n` elements with
+/// `strategy` (one rank, in process, so no communication): for dense
+/// layers, copying them into the fused buffer, momentum and copying the
+/// result out (`dense_local`). Several layers make a table larger than one
+/// layer may be (a whole model's dense step streams from memory).
+pub(super) fn step_probe(
+    comm: &MpiComm,
+    strategy: Strategy,
+    layers: usize,
+    n: usize,
+) -> Result<Probe<'_>> {
+    engine_probe(comm, Config::default(), strategy, layers, n)
 }
 
 /// One engine step of `layers` RGC layers of `n` elements each (one rank,
@@ -223,24 +230,37 @@ pub(super) fn layers_probe(
     n: usize,
     parallel: bool,
 ) -> Result<Probe<'_>> {
+    let config = Config {
+        parallel_min_elems: if parallel { 0 } else { usize::MAX },
+        ..Config::default()
+    };
+    let strategy = Strategy::Sparse {
+        codec,
+        density: None,
+    };
+    engine_probe(comm, config, strategy, layers, n)
+}
+
+/// One step of an in-process engine (`config`, without its progress
+/// thread) over `layers` layers of `n` elements with `strategy`; the
+/// gradients are copied in before the clock starts.
+fn engine_probe(
+    comm: &MpiComm,
+    config: Config,
+    strategy: Strategy,
+    layers: usize,
+    n: usize,
+) -> Result<Probe<'_>> {
     let mut s = GradSync::with_transport(
         LocalComm::create(1).pop().expect("one rank"),
         Config {
             overlap: false,
-            parallel_min_elems: if parallel { 0 } else { usize::MAX },
-            ..Config::default()
+            ..config
         },
     )?;
     let mut g = Vec::with_capacity(layers);
     for i in 0..layers {
-        s.register_with(
-            &format!("layer{i}"),
-            &[n],
-            Strategy::Sparse {
-                codec: codec.clone(),
-                density: None,
-            },
-        )?;
+        s.register_with(&format!("layer{i}"), &[n], strategy.clone())?;
         g.push(synthetic(n, "normal", (n + i) as u64)?);
     }
     let w = g.clone();
@@ -314,6 +334,33 @@ pub(crate) fn max_over_ranks(comm: &MpiComm, v: &mut [f64]) {
     let send = v.to_vec();
     comm.communicator()
         .all_reduce_into(&send[..], v, SystemOperation::max());
+}
+
+/// Seconds one pairwise exchange may take before larger messages stop
+/// being measured ([`net_cap`]).
+pub(super) const NET_PROBE_S: f64 = 0.05;
+
+/// The largest network message worth measuring, bytes: sizes double from
+/// 64 KiB up to `max_bytes` until one exchange (every pair at once, the
+/// slowest rank's) takes [`NET_PROBE_S`]. Beyond it the messages are
+/// bandwidth-bound, so the β curve is flat there (and the model extends
+/// its last point); on a 1 Gbit/s link a 64 MiB message costs seconds per
+/// call, and with every probe timed several times per round a 4-rank
+/// calibration did not finish in 14 minutes. Collective: every rank
+/// returns the same size.
+pub(super) fn net_cap(comm: &MpiComm, max_bytes: usize) -> Result<usize> {
+    let mut b = 64 << 10;
+    while b < max_bytes {
+        let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        exchange_time(comm, &mut send, &mut recv, 0)?;
+        let mut t = [exchange_time(comm, &mut send, &mut recv, 1)?];
+        max_over_ranks(comm, &mut t);
+        if t[0] > NET_PROBE_S {
+            return Ok(b);
+        }
+        b *= 2;
+    }
+    Ok(max_bytes)
 }
 
 /// The network probes' message sizes, bytes: a few small messages for α,
