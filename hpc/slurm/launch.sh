@@ -45,10 +45,12 @@ if [ "$_gradsync_tasks_here" -gt "$(nproc)" ]; then
   export OMPI_MCA_btl="${OMPI_MCA_btl:-self,tcp}" OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"
 fi
 
+_gradsync_note=""
+[ "$GRADSYNC_OVERSUBSCRIBED" = 0 ] \
+  || _gradsync_note="; $_gradsync_tasks_here tasks on $(nproc) cores: oversubscribed, OMPI_MCA_btl=$OMPI_MCA_btl"
 echo "gradsync job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) on cluster ${SLURM_CLUSTER_NAME:-?}:" \
   "${SLURM_NTASKS:-?} tasks on ${SLURM_JOB_NUM_NODES:-?} node(s) (${SLURM_JOB_NODELIST:-?})," \
-  "launcher $GRADSYNC_LAUNCHER, working directory $PWD" \
-  "$([ "$GRADSYNC_OVERSUBSCRIBED" = 1 ] && echo "; $_gradsync_tasks_here tasks on $(nproc) cores: oversubscribed, OMPI_MCA_btl=$OMPI_MCA_btl")"
+  "launcher $GRADSYNC_LAUNCHER, working directory $PWD$_gradsync_note"
 
 # One line per rank, then the command itself (exec: same process, same rank).
 # shellcheck disable=SC2016 # expanded by each rank's shell
