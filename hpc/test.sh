@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Quick start, command 2: install what is missing and run every test (unit and
-# property tests in process, integration tests on real mpirun ranks), then a
-# short smoke run of every fuzz target over its kept corpus (fuzz/README.md;
-# GRADSYNC_SKIP_FUZZ=1 skips it, FUZZ_SECONDS sets seconds per target).
+# property tests in process, integration tests on real mpirun ranks), the
+# Slurm tests (hpc/slurm_test.sh: the job scripts on a one-node Slurm,
+# skipped with the reason where Slurm cannot start; GRADSYNC_REQUIRE_SLURM=1
+# makes that a failure), then a short smoke run of every fuzz target over its
+# kept corpus (fuzz/README.md; GRADSYNC_SKIP_FUZZ=1 skips it, FUZZ_SECONDS
+# sets seconds per target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hpc/setup.sh
@@ -24,6 +27,9 @@ if cargo tree --no-default-features -e normal -p gradsync | grep -E '^[^a-z]*(cl
   exit 1
 fi
 echo "test.sh: the library builds without the cli feature and its crates"
+# The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs
+# slurm-wlm and munge); skipped with the reason where Slurm cannot start here.
+hpc/slurm_test.sh
 if [ "${GRADSYNC_SKIP_FUZZ:-0}" = 1 ]; then
   echo "test.sh: fuzz smoke run skipped (GRADSYNC_SKIP_FUZZ=1)"
 else
