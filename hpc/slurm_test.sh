@@ -145,6 +145,8 @@ EOF
 unset GRADSYNC_DIR GRADSYNC_LAUNCHER GRADSYNC_SRUN_MPI GRADSYNC_SRUN_ARGS GRADSYNC_MPIRUN_ARGS \
   GRADSYNC_BIND GRADSYNC_CALIBRATE_ARGS GRADSYNC_TRAIN_ARGS GRADSYNC_TRAIN_MODES
 export GRADSYNC_BIN="$BIN" GRADSYNC_PYTHON="$PY" GRADSYNC_PROFILE="$WORK/profile.json"
+# train_digits.py's own defaults (a smaller model than the demo's: seconds).
+export GRADSYNC_TRAIN_ARGS="--hidden 256 --steps 1500 --warmup 50"
 
 # 1. Calibration, srun --mpi=pmix.
 GRADSYNC_CALIBRATE_ARGS="--min-seconds 1 --reps 3 --max-bytes 256K --densities 0.001" \
