@@ -27,9 +27,14 @@ samples is the same on every rank; rank r takes its own disjoint shard of it
 
 Modes (``--mode``):
 
-* ``dense``: every layer registered ``"dense"`` (plain momentum SGD);
-* ``auto``:  every layer registered ``"auto"`` (without a profile: layers of
-  at least 32768 elements, here the H x H weight, are RGC at 0.1 %);
+* ``mpi-dense``: no gradsync: the gradients fused into one buffer,
+  ``MPI_Allreduce`` through mpi4py, averaged, momentum ``u = m u + g`` (the
+  baseline a user has today; the same update as ``dense``);
+* ``dense`` (or ``gradsync-dense``): every layer registered ``"dense"``
+  (plain momentum SGD, gradsync's fused Rabenseifner allreduce);
+* ``auto``:  every layer registered ``"auto"``: with ``--profile`` (a
+  ``gradsync calibrate`` file) the step model chooses per layer; without,
+  layers of at least 32768 elements, here the H x H weight, are RGC at 0.1 %;
 * ``rgc``:   every weight registered ``"rgc:density=D"`` (``--density``,
   default 0.001: 65 of 65536, 16 of 16384 and 2 of 2560 elements per rank
   and step), biases ``"dense"``.
@@ -56,9 +61,16 @@ From the repository root::
     hpc/mpirun.sh -np 4 python3 examples/python/train_digits.py --mode auto --json
 
 ``--json`` prints one JSON line from rank 0: ``{"mode", "ranks", "steps",
-"test_acc", "train_loss", "seconds", "bytes_sent_per_step"}`` (seconds: the
-training loop, slowest rank; bytes: mean over the steps of the stats'
-``fused_bytes + dense_bytes``, warm-up steps included).
+"test_acc", "train_loss", "seconds", "bytes_sent_per_step",
+"sync_s_per_step", "compute_s_per_step"}`` (seconds: the training loop,
+slowest rank, without ``--eval-every``'s evaluations; sync: the ``sync``
+calls; bytes: mean over the steps of the stats' ``fused_bytes +
+dense_bytes``, warm-up steps included). ``--eval-every N`` measures the test
+accuracy every N steps (every rank, not timed), ``--curve FILE`` writes the
+run's record (those fields, the accuracy curve, each layer's strategy and
+bytes per step) for ``hpc/demo_report.py``, ``--progress`` shows a progress
+bar on rank 0's stderr. ``hpc/demo.sh`` runs the four modes at
+``--hidden 1024 --steps 300 --warmup 0``.
 
 Measured
 --------
