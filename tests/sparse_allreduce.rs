@@ -56,3 +56,39 @@ fn sparse_allreduce_errors_reach_every_rank() {
         assert_eq!(after, np, "np={np}:\n{out}");
     }
 }
+
+#[test]
+fn bench_sparse_allreduce_checks_pass() {
+    let (ok, out, err) = mpirun(
+        3,
+        std::path::Path::new(common::gradsync()),
+        &[
+            "bench",
+            "--op",
+            "sparse-allreduce",
+            "--check",
+            "--json",
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--bytes",
+            "0,4,400K",
+            "--density",
+            "0.3",
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{err}\n{out}");
+    let recs: Vec<serde_json::Value> = out
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    // 3 sizes x (sparse allreduce, fused allgatherv).
+    assert_eq!(recs.len(), 6, "{out}");
+    assert!(
+        recs.iter().all(|r| r["check"] == "ok" && r["ranks"] == 3),
+        "{out}"
+    );
+}
