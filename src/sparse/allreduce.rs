@@ -221,15 +221,19 @@ pub fn sparse_allreduce<C: Transport>(
         send.extend(part.iter().map(|&(_, x)| x.to_bits()));
         let mut cnt = [0u64];
         comm.sendrecv(&[part.len() as u64], dst, &mut cnt, src, TAG)?;
+        // A peer's corrupt count or index is this rank's alone while the
+        // others go on exchanging: the job ends (the failure model of
+        // crate::failure) instead of returning here and leaving them waiting.
         let c = usize::try_from(cnt[0])
             .ok()
             .filter(|&c| c <= width)
-            .ok_or_else(|| {
-                peer(
+            .unwrap_or_else(|| {
+                let e = peer(
                     src,
                     format!("sends {} pairs for a region of width {width}", cnt[0]),
-                )
-            })?;
+                );
+                comm.abort(1, &format!("sparse allreduce: {e}"))
+            });
         let mut buf = vec![0u32; 2 * c];
         comm.sendrecv(&send, dst, &mut buf, src, TAG)?;
         received[src] = buf;
@@ -245,10 +249,11 @@ pub fn sparse_allreduce<C: Transport>(
         let c = buf.len() / 2;
         for (&i, &x) in buf[..c].iter().zip(&buf[c..]) {
             if !mine.contains(&(i as usize)) {
-                return Err(peer(
+                let e = peer(
                     r,
                     format!("sent index {i} outside this rank's region {mine:?}"),
-                ));
+                );
+                comm.abort(1, &format!("sparse allreduce: {e}"));
             }
             all.push((i, f32::from_bits(x)));
         }
