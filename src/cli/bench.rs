@@ -19,8 +19,10 @@ use serde::Serialize;
 pub struct BenchArgs {
     /// Collective: allreduce (f32 sum, in place), allgatherv (bytes per
     /// rank), sparse (the engine's sparse synchronization vs dense
-    /// MPI_Allreduce), gradiveq (compressed-domain ring vs ring and QSGD
-    /// ring) or step (the engine on a whole layer table vs the step model
+    /// MPI_Allreduce), sparse-allreduce (one layer's pairs: the Ok-Topk
+    /// sparse allreduce vs the fused allgatherv of units and MPI_Allreduce
+    /// of the dense layer; --bytes, --density), gradiveq (compressed-domain
+    /// ring vs ring and QSGD ring) or step (the engine on a whole layer table vs the step model
     /// and MPI_Allreduce).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
@@ -151,7 +153,7 @@ pub(crate) fn fill_input(buf: &mut [f32], rank: usize) {
 }
 
 /// Any-rank-failed flag, agreed on by all ranks.
-fn any_rank(comm: &MpiComm, failed: bool) -> bool {
+pub(super) fn any_rank(comm: &MpiComm, failed: bool) -> bool {
     let mut v = [f64::from(u8::from(failed))];
     max_over_ranks(comm, &mut v);
     v[0] > 0.0
@@ -313,7 +315,7 @@ fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
             parse_sizes("--sizes", &a.sizes, 1)?,
         )),
         other => Err(Error::InvalidArgument(format!(
-            "unknown --op {other:?} (allreduce, allgatherv, sparse, gradiveq)"
+            "unknown --op {other:?} (allreduce, allgatherv, sparse, sparse-allreduce, gradiveq, step)"
         ))),
     }
 }
@@ -321,6 +323,7 @@ fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     match a.op.as_str() {
         "sparse" => return super::sparse_bench::run(comm, a),
+        "sparse-allreduce" => return super::sparse_allreduce_bench::run(comm, a),
         "gradiveq" => return super::gradiveq_bench::run(comm, a),
         "step" => return super::step_bench::run(comm, a),
         _ => {}
@@ -344,7 +347,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     Ok(i32::from(records.iter().any(|r| r.check == "failed")))
 }
 
-fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) -> Result<()> {
+pub(super) fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) -> Result<()> {
     if comm.rank() != 0 {
         return Ok(());
     }

@@ -7,6 +7,7 @@ mod calibrate;
 mod codecs;
 mod gradiveq_bench;
 mod model;
+mod sparse_allreduce_bench;
 mod sparse_bench;
 mod step_bench;
 mod verify;

@@ -20,6 +20,9 @@ pub const ALLGATHERV: Tag = 14;
 pub const GRADIVEQ: Tag = 15;
 /// The QSGD ring GradiVeQ is compared with.
 pub const QSGD_RING: Tag = 16;
+/// The sparse allreduce (Ok-Topk split-and-reduce,
+/// [`crate::sparse::allreduce`]): its agreement and pairwise exchange.
+pub const SPARSE_ALLREDUCE: Tag = 17;
 /// The engine's layer-table and options agreement.
 pub const TABLE: Tag = 21;
 /// The failure model's agreement ([`crate::failure::agree`]).
@@ -30,7 +33,7 @@ pub const CALIBRATE_PINGPONG: Tag = 77;
 pub const CALIBRATE_EXCHANGE: Tag = 78;
 
 /// Every tag above, for the distinctness test.
-pub const ALL: [Tag; 11] = [
+pub const ALL: [Tag; 12] = [
     BARRIER,
     VALIDATE,
     RABENSEIFNER,
@@ -38,6 +41,7 @@ pub const ALL: [Tag; 11] = [
     ALLGATHERV,
     GRADIVEQ,
     QSGD_RING,
+    SPARSE_ALLREDUCE,
     TABLE,
     AGREE,
     CALIBRATE_PINGPONG,

@@ -27,6 +27,13 @@
 //! *failure message* instead: magic `b"GSFX"`, its step (u64 LE), then its
 //! error text (UTF-8). Every rank sees every message, so every rank learns
 //! which rank failed and why in the same exchange ([`failure_text`]).
+//!
+//! Beside it, [`allreduce`] is an O(k) sparse allreduce of one layer's
+//! `(index, value)` pairs (Ok-Topk's split-and-reduce and allgather with
+//! SparCML's dense switch), not yet used by the engine.
+
+pub mod allreduce;
+pub use allreduce::{sparse_allreduce, Balance, SparseAllreduceOptions, SparseAllreduceReport};
 
 use crate::codec::Codec;
 use crate::comm::Transport;

@@ -1,0 +1,152 @@
+//! `gradsync bench --op sparse-allreduce`: one layer's sparse contribution
+//! (`--density` of `--bytes / 4` elements a rank, distinct random indices,
+//! integer values) summed three ways in interleaved rounds: the sparse
+//! allreduce ([`crate::sparse::allreduce`], default options), the fused
+//! allgatherv of RedSync units `[len | indices | values]` followed by the
+//! scatter-add of every rank's unit (today's sparse path), and
+//! `MPI_Allreduce` of the dense layer (the baseline). `--check` compares
+//! both results bitwise with `MPI_Allreduce`.
+
+use super::bench::{
+    any_rank, check_common, common_must_match, emit, parse_sizes, time_interleaved, timed,
+    BenchArgs, BenchRecord,
+};
+use crate::comm::{MpiComm, Transport};
+use crate::cost::calibrate::median;
+use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
+use crate::failure::agree_inputs;
+use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
+use crate::{Error, Result};
+use rand::SeedableRng;
+
+const ALGOS: [&str; 2] = ["sparse-allreduce", "fused-allgatherv"];
+
+fn inputs(a: &BenchArgs) -> Result<(Vec<usize>, f64)> {
+    check_common(a)?;
+    Ok((
+        parse_sizes("--bytes", &a.bytes, 4)?,
+        a.density.unwrap_or(0.001),
+    ))
+}
+
+/// Fused-allgatherv path: gather `[k u32 | idx | val]` units, scatter-add.
+fn fused(comm: &MpiComm, unit: &[u8], g: &mut Gathered, out: &mut [f32]) -> Result<()> {
+    allgatherv_with(comm, unit, AllgathervAlgo::RecursiveDoubling, g)?;
+    out.fill(0.0);
+    for r in 0..g.len() {
+        let m = g.message(r);
+        let k = u32::from_le_bytes(m[..4].try_into().expect("4 bytes")) as usize;
+        if m.len() != 4 + 8 * k {
+            return Err(Error::Transport(format!(
+                "unit of rank {r} has a bad length"
+            )));
+        }
+        let (idx, val) = m[4..].split_at(4 * k);
+        for (i, v) in idx.chunks_exact(4).zip(val.chunks_exact(4)) {
+            let i = u32::from_le_bytes(i.try_into().expect("4 bytes")) as usize;
+            out[i] += f32::from_le_bytes(v.try_into().expect("4 bytes"));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
+    let (sizes, density) = agree_inputs(comm, inputs(a), |(sizes, density)| {
+        let mut m = common_must_match(a);
+        m.push(("--bytes", format!("{sizes:?}")));
+        m.push(("--density", density.to_string()));
+        m
+    })?;
+    let (rank, p) = (comm.rank(), comm.size());
+    let opts = SparseAllreduceOptions::default();
+    let mut failed = false;
+    let mut first = true;
+    for &bytes in &sizes {
+        let n = bytes / 4;
+        let k = ((density * n as f64).round() as usize).clamp(usize::from(n > 0), n);
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(rank as u64 + 1);
+        let mut idx: Vec<u32> = rand::seq::index::sample(&mut rng, n, k)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+        idx.sort_unstable();
+        let val: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((i as usize * 31 + rank * 17) % 64) as f32 - 32.0)
+            .collect();
+        let mut dense = vec![0f32; n];
+        for (&i, &v) in idx.iter().zip(&val) {
+            dense[i as usize] = v;
+        }
+        let mut unit = Vec::with_capacity(4 + 8 * k);
+        unit.extend_from_slice(&(k as u32).to_le_bytes());
+        idx.iter()
+            .for_each(|i| unit.extend_from_slice(&i.to_le_bytes()));
+        val.iter()
+            .for_each(|v| unit.extend_from_slice(&v.to_le_bytes()));
+        let mut reference = vec![0f32; n];
+        let mut out = vec![0f32; n];
+        let mut g = Gathered::default();
+        let mpi = |dense: &[f32], reference: &mut [f32]| {
+            comm.native_allreduce_sum(dense, reference)
+                .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
+        };
+        mpi(&dense, &mut reference)?;
+        let mut checks = Vec::new();
+        for k in 0..ALGOS.len() {
+            checks.push(if a.check {
+                if k == 0 {
+                    sparse_allreduce(comm, n, &idx, &val, &mut out, &opts)?;
+                } else {
+                    fused(comm, &unit, &mut g, &mut out)?;
+                }
+                let bad = out
+                    .iter()
+                    .zip(&reference)
+                    .any(|(x, y)| x.to_bits() != y.to_bits());
+                if any_rank(comm, bad) {
+                    failed = true;
+                    "failed"
+                } else {
+                    "ok"
+                }
+            } else {
+                "skipped"
+            });
+        }
+        let mut ref2 = vec![0f32; n];
+        let times = time_interleaved(comm, a.iters, a.warmup, ALGOS.len() + 1, |op| match op {
+            0 => timed(comm, || mpi(&dense, &mut ref2)),
+            1 => timed(comm, || {
+                sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())
+            }),
+            _ => timed(comm, || fused(comm, &unit, &mut g, &mut out)),
+        })?;
+        let mpi_med = median(&mut times[0].clone());
+        for (j, name) in ALGOS.iter().enumerate() {
+            let med = median(&mut times[j + 1].clone());
+            let min = times[j + 1].iter().copied().fold(f64::INFINITY, f64::min);
+            let rec = BenchRecord {
+                op: "sparse-allreduce".into(),
+                algo: (*name).into(),
+                ranks: p,
+                bytes,
+                iters: a.iters,
+                median_s: med,
+                min_s: min,
+                mpi_median_s: mpi_med,
+                ratio_vs_mpi: med / mpi_med,
+                busbw_gbs: if med > 0.0 {
+                    2.0 * (p as f64 - 1.0) / p as f64 * bytes as f64 / med / 1e9
+                } else {
+                    0.0
+                },
+                check: checks[j].into(),
+                chunk_elems: 0,
+            };
+            emit(comm, a, &rec, first)?;
+            first = false;
+        }
+    }
+    Ok(i32::from(failed))
+}
