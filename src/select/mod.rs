@@ -263,7 +263,7 @@ pub fn exact_topk(
 /// `min(k, #{x_i > 0})` largest values (`topk_quant`); otherwise the
 /// `min(k, #{x_i < 0})` smallest, i.e. largest-magnitude negative values
 /// (`lowk_quant`). Zeros and NaN are never selected. Sorted by index, ties
-/// to the lower index. Computed by [`signed_topk`] (a sampled threshold and
+/// to the lower index. Computed by `signed_topk` (a sampled threshold and
 /// one filter pass, exact result).
 pub fn exact_topk_signed(
     x: &[f32],
