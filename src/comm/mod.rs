@@ -22,9 +22,11 @@
 //! The split mirrors Open MPI's `coll/base` (algorithms over the PML) and
 //! NCCL's primitives/transport separation (see `design.md`).
 
+mod group;
 mod local;
 mod mpi_comm;
 
+pub use group::Group;
 pub use local::LocalComm;
 pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
 

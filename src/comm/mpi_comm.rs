@@ -172,6 +172,21 @@ impl<C: Communicator> MpiComm<C> {
         &self.comm
     }
 
+    /// Every rank's node, as the lowest rank of its node
+    /// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`: the ranks that share
+    /// memory), for the node-aware collectives
+    /// ([`crate::dense::hierarchical_allreduce`]). Collective.
+    pub fn node_ids(&self) -> Vec<usize> {
+        use mpi::collective::{CommunicatorCollectives, SystemOperation};
+        let shared = self.comm.split_shared(self.rank as i32);
+        let me = self.rank as u64;
+        let mut leader = 0u64;
+        shared.all_reduce_into(&me, &mut leader, SystemOperation::min());
+        let mut all = vec![0u64; self.size];
+        self.comm.all_gather_into(&leader, &mut all[..]);
+        all.into_iter().map(|x| x as usize).collect()
+    }
+
     fn raw_recv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<()> {
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
         // SAFETY: buffer pointer/count describe `buf`; status is written by MPI.

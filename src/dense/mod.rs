@@ -21,10 +21,12 @@
 //! one and reuse its buffer across calls.
 
 mod allgatherv;
+pub mod hierarchical;
 mod rabenseifner;
 mod ring;
 
 pub use allgatherv::{allgatherv, allgatherv_with, AllgathervAlgo, Gathered};
+pub use hierarchical::{hierarchical_allreduce, hierarchical_allreduce_with};
 pub use rabenseifner::{rabenseifner_allreduce, rabenseifner_allreduce_with};
 pub use ring::{effective_chunk, ring_allreduce, ring_allreduce_with, MAX_CHUNKS_PER_SEGMENT};
 

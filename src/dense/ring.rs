@@ -19,7 +19,7 @@ use std::ops::Range;
 
 /// Segment `i` of `n` elements split over `p` ranks.
 #[inline]
-fn segment(n: usize, p: usize, i: usize) -> Range<usize> {
+pub(super) fn segment(n: usize, p: usize, i: usize) -> Range<usize> {
     let (base, extra) = (n / p, n % p);
     let start = i * base + i.min(extra);
     start..start + base + usize::from(i < extra)

@@ -366,3 +366,82 @@ fn allreduce_agreed_fails_every_rank_alike() {
         }
     }
 }
+
+// ---- the node-aware allreduce (hierarchical.rs) ----
+
+fn run_hierarchical(p: usize, n: usize, seed: u64, nodes: &[usize], op: ReduceOp) -> Vec<Vec<f32>> {
+    LocalComm::run(p, |c| {
+        let mut buf = int_input(c.rank(), n, seed);
+        let opts = AllreduceOptions {
+            op,
+            ..Default::default()
+        };
+        hierarchical_allreduce(&c, &mut buf, nodes, &opts).expect("hierarchical allreduce");
+        buf
+    })
+}
+
+/// Even, uneven, interleaved and one-rank-per-node maps: the exact sum on
+/// every rank, and the average as the flat algorithms compute it.
+#[test]
+fn hierarchical_exact_for_node_maps() {
+    let maps: Vec<Vec<usize>> = vec![
+        vec![0],
+        vec![0, 0],
+        vec![0, 1],
+        vec![0, 0, 1, 1],
+        vec![0, 1, 0, 1],
+        vec![5, 5, 5, 9, 9],
+        vec![0, 0, 1, 1, 1, 1, 2],
+        vec![0, 1, 2],
+        vec![3, 3, 3, 3, 3, 3, 3, 3],
+        vec![0, 0, 0, 1, 1, 1, 2, 2, 2],
+    ];
+    for nodes in &maps {
+        let p = nodes.len();
+        for n in [0, 1, p.saturating_sub(1), p + 1, 7, 1000, 4099] {
+            let want = expected_sum(p, n, 3);
+            for got in run_hierarchical(p, n, 3, nodes, ReduceOp::Sum) {
+                assert_eq!(got, want, "nodes {nodes:?} n {n}");
+            }
+            let avg: Vec<f32> = want.iter().map(|&x| x * f32::recip_of(p)).collect();
+            for got in run_hierarchical(p, n, 3, nodes, ReduceOp::Average) {
+                assert_eq!(got, avg, "average, nodes {nodes:?} n {n}");
+            }
+        }
+    }
+}
+
+/// A node map of the wrong length, and lengths that differ across ranks,
+/// are errors (on every rank for the lengths).
+#[test]
+fn hierarchical_bad_inputs_are_errors() {
+    let out = LocalComm::run(3, |c| {
+        let mut b = vec![1f32; 4];
+        hierarchical_allreduce(&c, &mut b, &[0, 0], &AllreduceOptions::default()).is_err()
+    });
+    assert!(out.iter().all(|&e| e));
+    let out = LocalComm::run(4, |c| {
+        let mut b = vec![1f32; 4 + usize::from(c.rank() == 2)];
+        hierarchical_allreduce(&c, &mut b, &[0, 0, 1, 1], &AllreduceOptions::default())
+    });
+    assert!(
+        out.iter()
+            .all(|r| matches!(r, Err(Error::SizeMismatch { .. }))),
+        "{out:?}"
+    );
+}
+
+proptest! {
+    #![proptest_config(cfg())]
+
+    #[test]
+    fn prop_hierarchical_exact(nodes in proptest::collection::vec(0usize..4, 1..=10),
+                               n in 0usize..5_000, seed in any::<u64>()) {
+        let p = nodes.len();
+        let want = expected_sum(p, n, seed % 1000);
+        for got in run_hierarchical(p, n, seed % 1000, &nodes, ReduceOp::Sum) {
+            prop_assert_eq!(&got, &want);
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! The node-aware allreduce ([`gradsync::dense::hierarchical_allreduce`]) on
+//! real MPI ranks (`tests/hierarchical.rs`). Runnable by hand:
+//!
+//! ```text
+//! mpirun -np 5 target/release/examples/hierarchical_check
+//! ```
+//!
+//! For the node map MPI reports (`MpiComm::node_ids`, ranks sharing
+//! memory) and for emulated maps (two ranks per node, alternating ranks,
+//! one rank per node, an uneven split), several lengths, sum and average:
+//! the result must equal `MPI_Allreduce` of the same integer-valued inputs
+//! bit for bit (sum; the average as the sum times `1/p`). Prints
+//! `NODES <map>` once, then `OK <case> ranks=<p>` per case on every rank,
+//! or exits 2 with the first difference.
+
+use gradsync::comm::{MpiComm, Transport};
+use gradsync::dense::{hierarchical_allreduce, AllreduceOptions, Real, ReduceOp};
+
+fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + r * 104_729 + seed * 31) % 201) as f32 - 100.0)
+        .collect()
+}
+
+fn main() {
+    let universe = mpi::initialize().expect("MPI");
+    let comm = MpiComm::duplicate_of(&universe.world()).expect("communicator");
+    let (rank, p) = (comm.rank(), comm.size());
+    let mpi_nodes = comm.node_ids();
+    if rank == 0 {
+        println!("NODES {mpi_nodes:?}");
+    }
+    let maps: Vec<(&str, Vec<usize>)> = vec![
+        ("mpi", mpi_nodes),
+        ("pairs", (0..p).map(|r| r / 2).collect()),
+        ("alternating", (0..p).map(|r| r % 2).collect()),
+        ("one-per-node", (0..p).collect()),
+        (
+            "uneven",
+            (0..p).map(|r| usize::from(r > p.div_ceil(2))).collect(),
+        ),
+    ];
+    for (name, nodes) in &maps {
+        for n in [0, 1, p + 1, 1000, 65_537] {
+            for (seed, op) in [(1, ReduceOp::Sum), (2, ReduceOp::Average)] {
+                let x = input(rank, n, seed);
+                let mut want = vec![0f32; n];
+                comm.native_allreduce_sum(&x, &mut want)
+                    .expect("MPI_Allreduce on MpiComm")
+                    .expect("MPI_Allreduce");
+                if op == ReduceOp::Average {
+                    want.iter_mut().for_each(|v| *v *= f32::recip_of(p));
+                }
+                let mut got = x.clone();
+                let opts = AllreduceOptions {
+                    op,
+                    ..Default::default()
+                };
+                if let Err(e) = hierarchical_allreduce(&comm, &mut got, nodes, &opts) {
+                    eprintln!("hierarchical_check: {name} n={n} {op:?}: {e}");
+                    std::process::exit(2);
+                }
+                if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                    eprintln!(
+                        "hierarchical_check: rank {rank}: {name} {nodes:?} n={n} {op:?}: element {i}: {} vs MPI {}",
+                        got[i], want[i]
+                    );
+                    std::process::exit(2);
+                }
+                println!("OK {name} n={n} {op:?} ranks={p}");
+            }
+        }
+    }
+}
