@@ -40,7 +40,8 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) seen_dashdash=1; shift; break ;;
-    *) die "unknown argument '$1' (flags: --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD...)" ;;
+    -*) die "unknown argument '$1' (flags: --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD...)" ;;
+    *) die "missing '--' before the command ('$1'): $me --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD..." ;;
   esac
 done
 [ -n "$hosts" ] || die "--hosts H is required"
@@ -132,6 +133,10 @@ shape() { # namespace device with-delay
 namespaces+=("$sw")
 ip netns add "$sw"
 ip -n "$sw" link set lo up
+if [ -n "$delay" ] && ! tc -n "$sw" qdisc add dev lo root netem delay "$delay" 2>/dev/null; then
+  die "--delay needs tc's netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM); run without --delay"
+fi
+[ -z "$delay" ] || tc -n "$sw" qdisc del dev lo root
 ip -n "$sw" link add br0 type bridge
 ip -n "$sw" link set br0 up
 for ((i = 0; i < hosts; i++)); do
