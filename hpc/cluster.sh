@@ -100,7 +100,13 @@ cleanup() {
     # shellcheck disable=SC2086 # one pid per word
     [ -z "$pids" ] || kill -TERM $pids 2>/dev/null || true
   done
-  sleep 0.2
+  local left
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    left=""
+    for ns in "${namespaces[@]}"; do left+="$(ip netns pids "$ns" 2>/dev/null || true)"; done
+    [ -n "$left" ] || break
+    sleep 0.2
+  done
   for ns in "${namespaces[@]}"; do
     pids="$(ip netns pids "$ns" 2>/dev/null || true)"
     # shellcheck disable=SC2086
@@ -108,6 +114,9 @@ cleanup() {
     ip netns del "$ns" 2>/dev/null || true
   done
   [ -z "$tmp" ] || rm -rf "$tmp"
+  # Open MPI's session folders of the emulated hosts (named after them), left
+  # behind when the job was killed.
+  rm -rf "${TMPDIR:-/tmp}/ompi.$prefix-"*
   exit "$rc"
 }
 trap cleanup EXIT
