@@ -12,6 +12,7 @@
 # --ranks-per-host R  ranks on each host (mpirun -np H*R --map-by ppr:R:node)
 # --link RATE         each host's link rate, both directions (tc tbf: 100mbit, 1gbit, 10gbit...)
 # --delay D           one-way delay added to each host's outgoing traffic (tc netem: 1ms, 500us)
+# --mtu N             the links' MTU (default 1500; 9000 = jumbo frames, fewer packets per byte)
 # --                  then the program and its arguments (not mpirun)
 #
 # The command sees GRADSYNC_CLUSTER_HOSTS, GRADSYNC_CLUSTER_RANKS_PER_HOST,
@@ -26,22 +27,24 @@ hosts=""
 rph=""
 link=""
 delay=""
+mtu=1500
 seen_dashdash=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --hosts|--ranks-per-host|--link|--delay)
+    --hosts|--ranks-per-host|--link|--delay|--mtu)
       [ $# -ge 2 ] || die "$1 needs a value"
       case "$1" in
         --hosts) hosts="$2" ;;
         --ranks-per-host) rph="$2" ;;
         --link) link="$2" ;;
         --delay) delay="$2" ;;
+        --mtu) mtu="$2" ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     --) seen_dashdash=1; shift; break ;;
-    -*) die "unknown argument '$1' (flags: --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD...)" ;;
-    *) die "missing '--' before the command ('$1'): $me --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD..." ;;
+    -*) die "unknown argument '$1' (flags: --hosts H --ranks-per-host R --link RATE [--delay D] [--mtu N] -- CMD...)" ;;
+    *) die "missing '--' before the command ('$1'): $me --hosts H --ranks-per-host R --link RATE [--delay D] [--mtu N] -- CMD..." ;;
   esac
 done
 [ -n "$hosts" ] || die "--hosts H is required"
@@ -65,12 +68,15 @@ link_bps="$(echo "$link" | awk '
 if [ -n "$delay" ]; then
   [[ "$delay" =~ ^[0-9]+(\.[0-9]+)?(s|ms|us)$ ]] || die "--delay must be a time such as 500us, 1ms or 0.1s (got '$delay')"
 fi
-[ "$seen_dashdash" = 1 ] || die "missing '--' before the command (usage: $me --hosts H --ranks-per-host R --link RATE [--delay D] -- CMD...)"
+if ! [[ "$mtu" =~ ^[0-9]+$ ]] || [ "$mtu" -lt 1280 ] || [ "$mtu" -gt 65535 ]; then
+  die "--mtu must be an integer from 1280 to 65535 (got '$mtu')"
+fi
+[ "$seen_dashdash" = 1 ] || die "missing '--' before the command (usage: $me --hosts H --ranks-per-host R --link RATE [--delay D] [--mtu N] -- CMD...)"
 [ $# -gt 0 ] || die "no command after '--'"
 
 if [ "$(id -u)" -ne 0 ]; then
   sudo -n true 2>/dev/null || die "needs root or passwordless sudo (ip netns, tc)"
-  exec sudo -n --preserve-env "$0" --hosts "$hosts" --ranks-per-host "$rph" --link "$link" ${delay:+--delay "$delay"} -- "$@"
+  exec sudo -n --preserve-env "$0" --hosts "$hosts" --ranks-per-host "$rph" --link "$link" ${delay:+--delay "$delay"} --mtu "$mtu" -- "$@"
 fi
 for tool in ip tc unshare mpirun; do
   command -v "$tool" >/dev/null || die "'$tool' not found"
@@ -156,7 +162,8 @@ for ((i = 0; i < hosts; i++)); do
   ip -n "$sw" link add "p$i" type veth peer name eth0 netns "$ns"
   ip -n "$sw" link set "p$i" master br0 up
   ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev eth0
-  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set eth0 mtu "$mtu" up
+  ip -n "$sw" link set "p$i" mtu "$mtu"
   shape "$ns" eth0 1     # host -> switch
   shape "$sw" "p$i" 0    # switch -> host
   echo "$ns slots=$rph" >>"$tmp/hostfile"
@@ -169,7 +176,7 @@ if [ "$rph" -gt "$(nproc)" ] || [ "$np" -gt "$(nproc)" ]; then
   extra+=(--mca mpi_yield_when_idle 1)
   over=" ($np ranks on $(nproc) cores: oversubscribed, timings are not performance figures)"
 fi
-echo "$me: $hosts hosts x $rph ranks per host ($prefix-0..$((hosts - 1)), 10.77.0.1-$hosts), each host's link $link both ways${delay:+, one-way delay $delay}; shared memory within a host, TCP between hosts${over:-}" >&2
+echo "$me: $hosts hosts x $rph ranks per host ($prefix-0..$((hosts - 1)), 10.77.0.1-$hosts), each host's link $link both ways${delay:+, one-way delay $delay}, MTU $mtu; shared memory within a host, TCP between hosts${over:-}" >&2
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export GRADSYNC_CLUSTER_HOSTS="$hosts" GRADSYNC_CLUSTER_RANKS_PER_HOST="$rph"
