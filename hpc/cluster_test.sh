@@ -82,9 +82,11 @@ run() { # name cluster-args... -- command...
   if $SUDO ip netns list | grep -q "^$prefix-"; then
     fail "$name: namespaces left: $($SUDO ip netns list | grep "^$prefix-" | tr '\n' ' ')"
   fi
-  if pgrep -f "orte_node_regex $prefix" | grep -q .; then
+  # Its mpirun (--hostfile /tmp/gsh<pid>.*) and daemons (node regex gsh[w:<pid>]-...).
+  local pat="hostfile /tmp/$prefix\.|orte_node_regex gsh\[[0-9]+:${prefix#gsh}\]"
+  if pgrep -f "$pat" >/dev/null; then
     sleep 2 # daemons already killed may still be exiting
-    ! pgrep -f "orte_node_regex $prefix" | grep -q . || fail "$name: Open MPI daemons of $prefix left"
+    ! pgrep -f "$pat" >/dev/null || fail "$name: mpirun or Open MPI daemons of $prefix left: $(pgrep -af "$pat")"
   fi
 }
 check() { # name cluster-args... -- check-args...
