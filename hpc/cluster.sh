@@ -120,9 +120,9 @@ cleanup() {
     ip netns del "$ns" 2>/dev/null || true
   done
   [ -z "$tmp" ] || rm -rf "$tmp"
-  # Open MPI's session folders of the emulated hosts (named after them), left
-  # behind when the job was killed.
-  rm -rf "${TMPDIR:-/tmp}/ompi.$prefix-"*
+  # Open MPI's session folders and shared-memory segments of the emulated
+  # hosts (named after them), left behind when the job was killed.
+  rm -rf "${TMPDIR:-/tmp}/ompi.$prefix-"* /dev/shm/vader_segment."$prefix-"*
   exit "$rc"
 }
 trap cleanup EXIT
