@@ -183,13 +183,15 @@ export GRADSYNC_CLUSTER_HOSTS="$hosts" GRADSYNC_CLUSTER_RANKS_PER_HOST="$rph"
 export GRADSYNC_CLUSTER_LINK="$link" GRADSYNC_CLUSTER_LINK_BPS="$link_bps"
 # mpirun runs on host 0 (its ranks are mpirun's children); the other hosts'
 # daemons are started through the agent, one per host, directly by mpirun.
+# In the background so that a signal runs the cleanup at once; <&0 keeps
+# stdin (mpirun forwards it to rank 0), which a background job would lose.
 # shellcheck disable=SC2016 # $0 belongs to the inner shell
 ip netns exec "$prefix-0" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$prefix-0" \
   mpirun --hostfile "$tmp/hostfile" -np "$np" --map-by "ppr:$rph:node" --bind-to none --oversubscribe \
   --mca plm_rsh_agent "$agent" --mca plm_rsh_no_tree_spawn 1 \
   --mca pml ob1 --mca btl self,vader,tcp \
   --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 \
-  "${extra[@]}" "$@" &
+  "${extra[@]}" "$@" <&0 &
 mpirun_pid=$!
 rc=0
 wait "$mpirun_pid" || rc=$?
