@@ -27,6 +27,7 @@ if cargo tree --no-default-features -e normal -p gradsync | grep -E '^[^a-z]*(cl
   exit 1
 fi
 echo "test.sh: the library builds without the cli feature and its crates"
+hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh, issue #15); skipped with the reason where namespaces cannot be made
 # The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs
 # slurm-wlm and munge); skipped with the reason where Slurm cannot start here.
 hpc/slurm_test.sh
