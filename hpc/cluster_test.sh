@@ -129,6 +129,24 @@ else
   say "gradsync bench on the cluster: skipped, no $BIN (cargo build --release)"
 fi
 
+# 6b. The node-aware allreduce against MPI_Allreduce with MPI's node map
+# of the emulated hosts (issue #15): 3 x 2, 4 x 1 and 2 x 2.
+HIER="$(dirname "$BIN")/examples/hierarchical_check"
+if [ -x "$HIER" ]; then
+  for hr in "3 2 [0, 0, 2, 2, 4, 4]" "4 1 [0, 1, 2, 3]" "2 2 [0, 0, 2, 2]"; do
+    read -r h r map <<<"$hr"
+    run "hierarchical ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$HIER"
+    log="$WORK/hierarchical ${h}x$r.log"
+    [ "$run_rc" = 0 ] || fail "hierarchical_check on $h x $r exited $run_rc" "$log"
+    grep -qxF "NODES $map" "$log" || fail "MPI's node map on $h x $r is not $map" "$log"
+    oks=$(grep -c "^OK .* ranks=$((h * r))$" "$log" || true)
+    [ "$oks" = $((50 * h * r)) ] || fail "hierarchical_check on $h x $r: $oks OK lines, not $((50 * h * r))" "$log"
+  done
+  say "hierarchical allreduce = MPI_Allreduce on 3 x 2, 4 x 1, 2 x 2 (MPI's node map of the hosts)"
+else
+  say "hierarchical allreduce on the cluster: skipped, no $HIER (cargo build --release --examples)"
+fi
+
 # 7. A failing command's status.
 run "exit 7" --hosts 2 --ranks-per-host 1 --link 1gbit -- sh -c 'exit 7'
 [ "$run_rc" = 7 ] || fail "a command exiting 7 made hpc/cluster.sh exit $run_rc" "$WORK/exit 7.log"
