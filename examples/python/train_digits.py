@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     steps = max(args.steps, 1)
     record = {
         "name": label,
-        "mode": mode,
+        "mode": args.mode,  # as given (`dense` stays `dense` for existing readers)
         "ranks": size,
         "steps": args.steps,
         "test_acc": round(test_acc, 6),
