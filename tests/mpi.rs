@@ -34,10 +34,11 @@ fn verify(np: usize) {
         "p={np}: failed cases: {failed:#?}\n{err}"
     );
     assert!(ok, "p={np}: verify exited non-zero\n{err}");
-    // 6 counts x (f32, f64) x (int, float) x (rabenseifner 2 + ring 2x2 + mpi 2) + 6 x 2 allgatherv
+    // 6 counts x (f32, f64) x (int, float) x (rabenseifner 2 + ring 2x2 + mpi 2
+    // + hierarchical 2) + 6 x 2 allgatherv
     assert_eq!(
         cases.len(),
-        6 * 2 * 2 * 8 + 6 * 2,
+        6 * 2 * 2 * 10 + 6 * 2,
         "p={np}: unexpected number of cases"
     );
     for c in &cases {
@@ -84,8 +85,8 @@ fn size_mismatch_returns_error_on_every_rank() {
             Duration::from_secs(120),
         );
         let cases = json_lines(&out);
-        // 2 counts x 3 algorithms x (mismatch case + the communicator still works)
-        assert_eq!(cases.len(), 12, "p={np}: {out}\n{err}");
+        // 2 counts x 4 algorithms x (mismatch case + the communicator still works)
+        assert_eq!(cases.len(), 16, "p={np}: {out}\n{err}");
         assert!(
             cases.iter().all(|c| c["check"] == "ok"),
             "p={np}: {out}\n{err}"
@@ -96,7 +97,7 @@ fn size_mismatch_returns_error_on_every_rank() {
 
 #[test]
 fn bench_json_has_the_documented_fields_and_checks_pass() {
-    for (op, algo, n) in [("allreduce", 3, 3), ("allgatherv", 2, 3)] {
+    for (op, algo, n) in [("allreduce", 4, 3), ("allgatherv", 2, 3)] {
         let (ok, out, err) = mpirun(
             3,
             Path::new(gradsync()),

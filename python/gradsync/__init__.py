@@ -102,7 +102,7 @@ class GradSync:
         ``compress_threshold``, ``weight_decay`` (then pass ``weights`` to
         :meth:`sync`), ``clip_norm``, ``delay``, ``warmup`` (a density
         schedule, ``{"warmup": "density", "schedule": [...], "steps_per_stage": n}``),
-        ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``),
+        ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``, ``"hierarchical"``),
         ``allgather`` (``"recdbl"``, ``"mpi"``), ``overlap``,
         ``auto_density``, ``auto_quant``. Unknown names raise ``ValueError``.
     """
@@ -278,8 +278,9 @@ def _plain(o: Any) -> Any:
 def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum") -> None:
     """In-place allreduce of a C-contiguous writable ``float32`` or ``float64`` numpy array over ``comm``.
 
-    ``algo``: ``"rabenseifner"`` (recursive halving/doubling), ``"ring"``, or
-    ``"mpi"`` (the MPI library's own ``MPI_Allreduce``); ``op``: ``"sum"`` or
+    ``algo``: ``"rabenseifner"`` (recursive halving/doubling), ``"ring"``,
+    ``"mpi"`` (the MPI library's own ``MPI_Allreduce``) or ``"hierarchical"``
+    (node-aware: within each node, then across nodes); ``op``: ``"sum"`` or
     ``"average"``. Lengths, dtypes and local errors are agreed first, so a
     mismatch or a bad array on one rank raises on every rank (as do an
     ``algo`` or ``op`` that differ across ranks).

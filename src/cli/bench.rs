@@ -300,8 +300,9 @@ fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
                     AllreduceAlgo::Rabenseifner,
                     AllreduceAlgo::Ring,
                     AllreduceAlgo::Mpi,
+                    AllreduceAlgo::Hierarchical,
                 ],
-                "rabenseifner, ring, mpi",
+                "rabenseifner, ring, mpi, hierarchical",
             )?),
             // f32 buffers.
             parse_sizes("--sizes", &a.sizes, 4)?,

@@ -133,11 +133,12 @@ pub(super) fn run(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
     Ok(i32::from(rep.failures > 0))
 }
 
-fn algos() -> [AllreduceAlgo; 3] {
+fn algos() -> [AllreduceAlgo; 4] {
     [
         AllreduceAlgo::Rabenseifner,
         AllreduceAlgo::Ring,
         AllreduceAlgo::Mpi,
+        AllreduceAlgo::Hierarchical,
     ]
 }
 

@@ -110,6 +110,10 @@ impl<C: Transport> Transport for Group<'_, C> {
         }
         Ok(())
     }
+    fn node_ids(&self) -> Option<Vec<usize>> {
+        let all = self.parent.node_ids()?;
+        Some(self.ranks.iter().map(|&r| all[r]).collect())
+    }
     fn abort(&self, code: i32, msg: &str) -> ! {
         self.parent.abort(code, msg)
     }

@@ -116,6 +116,13 @@ pub trait Transport {
     /// panics on this thread.
     fn abort(&self, code: i32, msg: &str) -> !;
 
+    /// Every rank's node (equal ids share a node and its memory), if this
+    /// transport knows them: [`MpiComm::node_ids`] (collective the first
+    /// time). `None` in process. The node-aware collectives need it.
+    fn node_ids(&self) -> Option<Vec<usize>> {
+        None
+    }
+
     /// The MPI library's own `MPI_Allreduce` (sum), out of place, if this
     /// transport has one. `None` means "not available here".
     fn native_allreduce_sum<T: Elem>(&self, _send: &[T], _recv: &mut [T]) -> Option<Result<()>> {

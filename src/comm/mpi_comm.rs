@@ -38,6 +38,8 @@ pub struct MpiComm<C: Communicator = SimpleCommunicator> {
     raw: ffi::MPI_Comm,
     rank: usize,
     size: usize,
+    /// [`MpiComm::node_ids`], once measured.
+    nodes: std::sync::OnceLock<Vec<usize>>,
 }
 
 // SAFETY: an MPI communicator handle is a process-wide reference that any
@@ -164,6 +166,7 @@ impl<C: Communicator> MpiComm<C> {
             raw,
             rank,
             size,
+            nodes: std::sync::OnceLock::new(),
         }
     }
 
@@ -175,8 +178,13 @@ impl<C: Communicator> MpiComm<C> {
     /// Every rank's node, as the lowest rank of its node
     /// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`: the ranks that share
     /// memory), for the node-aware collectives
-    /// ([`crate::dense::hierarchical_allreduce`]). Collective.
+    /// ([`crate::dense::hierarchical_allreduce`]). Collective the first
+    /// time (every rank must call it); kept for the later calls.
     pub fn node_ids(&self) -> Vec<usize> {
+        self.nodes.get_or_init(|| self.measure_node_ids()).clone()
+    }
+
+    fn measure_node_ids(&self) -> Vec<usize> {
         use mpi::collective::{CommunicatorCollectives, SystemOperation};
         let shared = self.comm.split_shared(self.rank as i32);
         let me = self.rank as u64;
@@ -494,6 +502,10 @@ impl<C: Communicator> Transport for MpiComm<C> {
     fn barrier(&self) -> Result<()> {
         // SAFETY: live communicator.
         check(unsafe { ffi::MPI_Barrier(self.raw) }, "MPI_Barrier")
+    }
+
+    fn node_ids(&self) -> Option<Vec<usize>> {
+        Some(MpiComm::node_ids(self))
     }
 
     fn native_allreduce_sum<T: Elem>(&self, send: &[T], recv: &mut [T]) -> Option<Result<()>> {

@@ -101,6 +101,9 @@ pub enum AllreduceAlgo {
     Ring,
     /// The MPI library's own `MPI_Allreduce` (only on [`MpiComm`](crate::comm::MpiComm)).
     Mpi,
+    /// [`hierarchical_allreduce`] over the transport's node map
+    /// ([`Transport::node_ids`]; only on [`MpiComm`](crate::comm::MpiComm)).
+    Hierarchical,
 }
 
 impl std::str::FromStr for AllreduceAlgo {
@@ -110,8 +113,9 @@ impl std::str::FromStr for AllreduceAlgo {
             "rabenseifner" => Ok(Self::Rabenseifner),
             "ring" => Ok(Self::Ring),
             "mpi" => Ok(Self::Mpi),
+            "hierarchical" => Ok(Self::Hierarchical),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi)"
+                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi, hierarchical)"
             ))),
         }
     }
@@ -124,6 +128,7 @@ impl AllreduceAlgo {
             Self::Rabenseifner => "rabenseifner",
             Self::Ring => "ring",
             Self::Mpi => "mpi",
+            Self::Hierarchical => "hierarchical",
         }
     }
 }
@@ -170,6 +175,15 @@ pub fn allreduce_with<C: Transport, T: Real>(
     match algo {
         AllreduceAlgo::Rabenseifner => rabenseifner_allreduce_with(comm, buf, opts, ws),
         AllreduceAlgo::Ring => ring_allreduce_with(comm, buf, opts, ws),
+        AllreduceAlgo::Hierarchical => {
+            let nodes = comm.node_ids().ok_or_else(|| {
+                Error::Unsupported(
+                    "the hierarchical allreduce needs the ranks' nodes (an MPI communicator)"
+                        .into(),
+                )
+            })?;
+            hierarchical_allreduce_with(comm, buf, &nodes, opts, ws)
+        }
         AllreduceAlgo::Mpi => {
             if opts.validate {
                 validate_same_len(comm, buf.len())?;
@@ -309,6 +323,7 @@ pub fn allreduce_agreed<C: Transport>(
             AllreduceAlgo::Rabenseifner => 1,
             AllreduceAlgo::Ring => 2,
             AllreduceAlgo::Mpi => 3,
+            AllreduceAlgo::Hierarchical => 4,
         };
         (a, if o == ReduceOp::Sum { 1 } else { 2 })
     };
