@@ -9,12 +9,15 @@
 //! memory) and for emulated maps (two ranks per node, alternating ranks,
 //! one rank per node, an uneven split), several lengths, sum and average:
 //! the result must equal `MPI_Allreduce` of the same integer-valued inputs
-//! bit for bit (sum; the average as the sum times `1/p`). Prints
-//! `NODES <map>` once, then `OK <case> ranks=<p>` per case on every rank,
-//! or exits 2 with the first difference.
+//! bit for bit (sum; the average as the sum times `1/p`). Then the engine
+//! configured with `AllreduceAlgo::Hierarchical` (MPI's map): three dense
+//! layers' directions must be MPI's average. Prints `NODES <map>` once,
+//! then `OK <case> ranks=<p>` per case on every rank, or exits 2 with the
+//! first difference.
 
 use gradsync::comm::{MpiComm, Transport};
-use gradsync::dense::{hierarchical_allreduce, AllreduceOptions, Real, ReduceOp};
+use gradsync::dense::{hierarchical_allreduce, AllreduceAlgo, AllreduceOptions, Real, ReduceOp};
+use gradsync::sync::{Config, GradSync, Strategy};
 
 fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -70,5 +73,40 @@ fn main() {
                 println!("OK {name} n={n} {op:?} ranks={p}");
             }
         }
+    }
+    // The engine's fused dense group through the hierarchical allreduce.
+    let cfg = Config {
+        allreduce: AllreduceAlgo::Hierarchical,
+        ..Config::default()
+    };
+    let mut engine = GradSync::new(&universe.world(), cfg).expect("engine");
+    let sizes = [7usize, 1000, 65_537];
+    for (i, &n) in sizes.iter().enumerate() {
+        engine
+            .register_with(&format!("layer{i}"), &[n], Strategy::Dense)
+            .expect("register");
+    }
+    for step in 0..3 {
+        let mut grads: Vec<Vec<f32>> = sizes.iter().map(|&n| input(rank, n, 10 + step)).collect();
+        let mut want: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0f32; n]).collect();
+        for (g, w) in grads.iter().zip(want.iter_mut()) {
+            comm.native_allreduce_sum(g, w)
+                .expect("MPI_Allreduce on MpiComm")
+                .expect("MPI_Allreduce");
+            w.iter_mut().for_each(|v| *v *= f32::recip_of(p));
+        }
+        let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        engine.sync(&mut views).expect("engine step");
+        if grads
+            .iter()
+            .zip(&want)
+            .any(|(g, w)| g.iter().zip(w).any(|(a, b)| a.to_bits() != b.to_bits()))
+        {
+            eprintln!(
+                "hierarchical_check: rank {rank}: engine step {step} differs from MPI's average"
+            );
+            std::process::exit(2);
+        }
+        println!("OK engine step={step} ranks={p}");
     }
 }
