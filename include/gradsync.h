@@ -44,6 +44,12 @@ typedef enum gs_algo {
    * The MPI library's own MPI_Allreduce.
    */
   GS_ALGO_MPI = 2,
+  /**
+   * Node-aware: reduce-scatter within each node (shared memory), allreduce
+   * of each shard across nodes, allgather within the node; the nodes are
+   * MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)'s.
+   */
+  GS_ALGO_HIERARCHICAL = 3,
 } gs_algo;
 
 /**

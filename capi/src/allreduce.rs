@@ -41,6 +41,7 @@ fn parse(
         x if x == gs_algo::GS_ALGO_RABENSEIFNER as c_int => AllreduceAlgo::Rabenseifner,
         x if x == gs_algo::GS_ALGO_RING as c_int => AllreduceAlgo::Ring,
         x if x == gs_algo::GS_ALGO_MPI as c_int => AllreduceAlgo::Mpi,
+        x if x == gs_algo::GS_ALGO_HIERARCHICAL as c_int => AllreduceAlgo::Hierarchical,
         x => return Err(format!("gs_allreduce: algo {x} is not a gs_algo")),
     };
     let op = match op {

@@ -86,6 +86,10 @@ pub enum gs_algo {
     GS_ALGO_RING = 1,
     /// The MPI library's own MPI_Allreduce.
     GS_ALGO_MPI = 2,
+    /// Node-aware: reduce-scatter within each node (shared memory), allreduce
+    /// of each shard across nodes, allgather within the node; the nodes are
+    /// MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)'s.
+    GS_ALGO_HIERARCHICAL = 3,
 }
 
 /// Reduction of gs_allreduce.

@@ -87,10 +87,10 @@ static float batch_grad(int step, const float *w_true, const float *b_true,
 /* gs_allreduce against MPI_Allreduce (sum) on integer-valued data. */
 static void check_allreduce(void) {
   const size_t count = 1000 + 37; /* not a multiple of any rank count */
-  const int algos[] = {GS_ALGO_RABENSEIFNER, GS_ALGO_RING, GS_ALGO_MPI};
+  const int algos[] = {GS_ALGO_RABENSEIFNER, GS_ALGO_RING, GS_ALGO_MPI, GS_ALGO_HIERARCHICAL};
   float *f = malloc(count * sizeof *f), *fref = malloc(count * sizeof *f);
   double *d = malloc(count * sizeof *d), *dref = malloc(count * sizeof *d);
-  for (int a = 0; a < 3; a++) {
+  for (int a = 0; a < 4; a++) {
     for (size_t i = 0; i < count; i++) {
       f[i] = (float)((int)((i * 7 + (size_t)rank * 13) % 101) - 50);
       d[i] = (double)((int)((i * 11 + (size_t)rank * 5) % 1001) - 500);
