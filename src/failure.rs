@@ -61,6 +61,20 @@ use crate::{Error, Result};
 
 const TAG_AGREE: Tag = crate::comm::tags::AGREE;
 
+/// FNV-1a's offset basis: the start of a [`fnv`] hash.
+pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a of `bytes`, continuing from `h`: the fingerprints of what must
+/// be the same on every rank (layer tables, collectives' options, node
+/// maps), compared in one small collective.
+pub(crate) fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// Agree on the outcome of a rank-local phase (collective: every rank must
 /// call it once at the same point). With `Ok` on every rank, returns each
 /// rank's value after one 8-byte allreduce. If any rank passed `Err`, every

@@ -395,14 +395,9 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
         AllgathervAlgo::RecursiveDoubling => 1,
         AllgathervAlgo::Mpi => 2,
     });
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for w in words {
-        for b in w.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
+    words.iter().fold(crate::failure::FNV_OFFSET, |h, w| {
+        crate::failure::fnv(h, &w.to_le_bytes())
+    })
 }
 
 fn sorted_pairs(indices: &[u32], values: &[f32]) -> Vec<(u32, f32)> {

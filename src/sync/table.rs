@@ -21,14 +21,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerId(pub usize);
 
-pub(super) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-pub(super) fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub(super) use crate::failure::{fnv, FNV_OFFSET};
 
 const TAG_TABLE: crate::comm::Tag = crate::comm::tags::TABLE;
 
