@@ -11,7 +11,9 @@
 //! the result must equal `MPI_Allreduce` of the same integer-valued inputs
 //! bit for bit (sum; the average as the sum times `1/p`). Then the engine
 //! configured with `AllreduceAlgo::Hierarchical` (MPI's map): three dense
-//! layers' directions must be MPI's average. Prints `NODES <map>` once,
+//! layers' directions must be MPI's average. Bad node maps on one rank
+//! (too short; different) must be an error on every rank (`ERR <case>`),
+//! and the next call must work (`AFTER ok`). Prints `NODES <map>` once,
 //! then `OK <case> ranks=<p>` per case on every rank, or exits 2 with the
 //! first difference.
 
@@ -23,6 +25,11 @@ fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((i * 7919 + r * 104_729 + seed * 31) % 201) as f32 - 100.0)
         .collect()
+}
+
+fn fail(msg: String) -> ! {
+    eprintln!("hierarchical_check: {msg}");
+    std::process::exit(2)
 }
 
 fn main() {
@@ -73,6 +80,45 @@ fn main() {
                 println!("OK {name} n={n} {op:?} ranks={p}");
             }
         }
+    }
+    // A node map of the wrong length on the last rank, then a map that
+    // differs on rank 0: an error on every rank (`ERR <case> <error>`), no
+    // hang; then a good call on the same communicator (`AFTER ok`).
+    let mut b = vec![1f32; 100];
+    let good: Vec<usize> = (0..p).map(|r| r / 2).collect();
+    let short: Vec<usize> = if rank == p - 1 {
+        good[..p - 1].to_vec()
+    } else {
+        good.clone()
+    };
+    let opts = AllreduceOptions::default();
+    match hierarchical_allreduce(&comm, &mut b, &short, &opts) {
+        Err(e) => println!("ERR short-map {e}"),
+        Ok(()) => fail(format!(
+            "rank {rank}: a short map on rank {} was accepted",
+            p - 1
+        )),
+    }
+    if p > 1 {
+        let other: Vec<usize> = if rank == 0 {
+            (0..p).collect()
+        } else {
+            good.clone()
+        };
+        match hierarchical_allreduce(&comm, &mut b, &other, &opts) {
+            Err(e) => println!("ERR different-map {e}"),
+            Ok(()) => fail(format!(
+                "rank {rank}: a different map on rank 0 was accepted"
+            )),
+        }
+    }
+    let mut b = vec![1f32; 100];
+    if hierarchical_allreduce(&comm, &mut b, &good, &opts).is_ok()
+        && b.iter().all(|&x| x == p as f32)
+    {
+        println!("AFTER ok");
+    } else {
+        fail(format!("rank {rank}: the call after the errors failed"));
     }
     // The engine's fused dense group through the hierarchical allreduce.
     let cfg = Config {

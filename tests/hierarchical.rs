@@ -20,6 +20,25 @@ fn hierarchical_allreduce_equals_mpi_allreduce() {
             .filter(|l| l.starts_with("OK ") && l.ends_with(&format!("ranks={np}")))
             .count();
         assert_eq!(oks, 53 * np, "np={np}:\n{out}\n{err}");
+        // A bad map on one rank is an error on every rank, then a good call works.
+        let errs = |case: &str| {
+            out.lines()
+                .filter(|l| l.starts_with(&format!("ERR {case} ")))
+                .count()
+        };
+        assert_eq!(errs("short-map"), np, "{out}");
+        assert!(
+            out.lines()
+                .filter(|l| l.starts_with("ERR short-map"))
+                .all(|l| l.contains(&format!("rank {} failed", np - 1))),
+            "{out}"
+        );
+        assert_eq!(errs("different-map"), if np > 1 { np } else { 0 }, "{out}");
+        assert_eq!(
+            out.lines().filter(|l| *l == "AFTER ok").count(),
+            np,
+            "{out}"
+        );
         // One machine: MPI puts every rank on one node.
         let nodes = out
             .lines()

@@ -15,12 +15,14 @@
 //! shards, `S` the smallest node's count; local ranks `≥ S` take part in
 //! the node's reduce-scatter and allgather with empty shards. The node map
 //! comes from [`MpiComm::node_ids`](crate::comm::MpiComm::node_ids) (ranks
-//! sharing memory) or from the caller; every rank must pass the same map.
+//! sharing memory) or from the caller; every rank must pass the same map
+//! (with `opts.validate`, a map of the wrong length on some rank, or maps
+//! that differ, are the same error on every rank).
 
 use super::ring::segment;
 use super::{
-    add_into, rabenseifner_allreduce_with, scale, split_ref_mut, validate_same_len,
-    AllreduceOptions, Real, ReduceOp, Workspace, TAG_RING as TAG,
+    add_into, rabenseifner_allreduce_with, scale, small_allreduce_max, split_ref_mut,
+    AllreduceOptions, Real, ReduceOp, Workspace, TAG_RING as TAG, TAG_VALIDATE,
 };
 use crate::comm::{Group, Transport};
 use crate::{Error, Result};
@@ -57,14 +59,52 @@ pub fn hierarchical_allreduce_with<C: Transport, T: Real>(
     ws: &mut Workspace<T>,
 ) -> Result<()> {
     let (rank, p, n) = (comm.rank(), comm.size(), buf.len());
-    if nodes.len() != p {
-        return Err(Error::InvalidArgument(format!(
+    let local = if nodes.len() == p {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
             "node map of {} ranks for a communicator of {p}",
             nodes.len()
-        )));
-    }
+        )))
+    };
     if opts.validate {
-        validate_same_len(comm, n)?;
+        // One small collective agrees on the length, the map's validity
+        // and the map itself: ranks holding different maps would enter
+        // different groups and wait for each other forever.
+        let h = nodes.iter().fold(crate::failure::FNV_OFFSET, |h, &x| {
+            crate::failure::fnv(h, &(x as u64).to_le_bytes())
+        });
+        let mut v = [
+            if local.is_err() { (p - rank) as u64 } else { 0 },
+            n as u64,
+            !(n as u64),
+            h,
+            !h,
+        ];
+        small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
+        if v[0] != 0 {
+            crate::failure::agree(comm, local)?;
+            return Err(Error::Transport(
+                "a rank flagged a failure that the agreement did not see".into(),
+            ));
+        }
+        let (max, min) = (v[1], !v[2]);
+        if min != max {
+            return Err(Error::SizeMismatch {
+                local: n as u64,
+                min,
+                max,
+            });
+        }
+        if v[3] != h || !v[4] != h {
+            return Err(Error::ArgumentMismatch(format!(
+                "the node maps of the hierarchical allreduce differ across ranks (this rank's: {nodes:?})"
+            )));
+        }
+    } else {
+        // Without validation the caller guarantees agreement (as for every
+        // algorithm's length); a wrong map is still refused before sending.
+        local?;
     }
     if p == 1 || n == 0 {
         return Ok(());

@@ -430,6 +430,36 @@ fn hierarchical_bad_inputs_are_errors() {
             .all(|r| matches!(r, Err(Error::SizeMismatch { .. }))),
         "{out:?}"
     );
+    // One rank's map of the wrong length, or a map that differs on one
+    // rank: the same error on every rank (not a hang in the node groups).
+    let out = LocalComm::run(4, |c| {
+        let mut b = vec![1f32; 8];
+        let map: &[usize] = if c.rank() == 3 {
+            &[0, 0, 1]
+        } else {
+            &[0, 0, 1, 1]
+        };
+        hierarchical_allreduce(&c, &mut b, map, &AllreduceOptions::default())
+    });
+    assert!(
+        out.iter()
+            .all(|r| matches!(r, Err(Error::RankFailed { rank: 3, .. }))),
+        "{out:?}"
+    );
+    let out = LocalComm::run(4, |c| {
+        let mut b = vec![1f32; 8];
+        let map: &[usize] = if c.rank() == 1 {
+            &[0, 1, 0, 1]
+        } else {
+            &[0, 0, 1, 1]
+        };
+        hierarchical_allreduce(&c, &mut b, map, &AllreduceOptions::default())
+    });
+    assert!(
+        out.iter()
+            .all(|r| matches!(r, Err(Error::ArgumentMismatch(_)))),
+        "{out:?}"
+    );
 }
 
 proptest! {
