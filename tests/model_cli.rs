@@ -108,6 +108,9 @@ fn predict_json_equals_the_formulas() {
                 "dense-ring",
                 "sparse-allgather",
                 "sparse-allgather-quant",
+                "dense-hierarchical",
+                "sparse-allreduce",
+                "sparse-hierarchical",
             ];
             assert!(named.contains(&choice), "{choice}");
             let min = v["strategies"]
@@ -495,4 +498,75 @@ fn file_errors_name_the_file_entry_and_field() {
     args.extend(NET);
     let (ok, _, err) = gradsync(&args);
     assert!(!ok && err.contains("/nonexistent/dir/x.svg"), "{err}");
+}
+
+/// Issue #15: `gradsync scale` sweeps the rank count on nodes of L ranks,
+/// finds the crossovers and plots; bad flags are errors naming the flag.
+#[test]
+fn scale_sweeps_ranks_and_names_bad_flags() {
+    let layers = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/layers/resnet50.json");
+    let dir = std::env::temp_dir().join(format!("gradsync-scale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let svg = dir.join("scale.svg");
+    let net = [
+        "--alpha",
+        "1e-6",
+        "--bandwidth",
+        "5e9",
+        "--inter-alpha",
+        "2e-5",
+        "--inter-bandwidth",
+        "1.25e8",
+    ];
+    let mut args = vec![
+        "scale",
+        "--layers",
+        layers,
+        "--ranks",
+        "8..4096",
+        "--ranks-per-node",
+        "8",
+        "--json",
+        "--plot",
+        svg.to_str().expect("utf-8"),
+    ];
+    args.extend(net);
+    let (ok, out, err) = gradsync(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let pts = v["points"].as_array().expect("points");
+    assert_eq!(pts.len(), 10, "8, 16, ..., 4096");
+    assert_eq!(pts[0]["nodes"], 1);
+    assert_eq!(pts[9]["nodes"], 512);
+    // Past one node the flat fused allgather grows with p, the dense
+    // allreduce does not: dense wins at 4096 ranks, sparse at 16.
+    let t = |i: usize, s: &str| pts[i]["strategies"][s].as_f64().expect(s);
+    assert!(t(9, "sparse-allgather") > 10.0 * t(9, "dense-rabenseifner"));
+    assert!(t(1, "sparse-hierarchical") < t(1, "dense-rabenseifner"));
+    let cross = v["crossovers"].as_array().expect("crossovers");
+    let dense = cross
+        .iter()
+        .find(|c| c["faster"] == "dense (best)")
+        .and_then(|c| c["ranks"].as_u64())
+        .expect("dense overtakes sparse in this range");
+    assert!((16..=4096).contains(&dense), "{dense}");
+    let svg_text = std::fs::read_to_string(&svg).expect("plot written");
+    assert!(svg_text.contains("<svg") && svg_text.contains("sparse-hierarchical"));
+    for (flag, value, needle) in [
+        ("--ranks", "64..8", "--ranks"),
+        ("--ranks", "8,x", "--ranks"),
+        ("--ranks-per-node", "0", "--ranks-per-node"),
+        ("--fill", "1.5", "--fill"),
+        ("--inter-bandwidth", "0", "--inter-bandwidth"),
+    ] {
+        let mut a = vec!["scale", "--layers", layers, flag, value];
+        for kv in net.chunks(2) {
+            if kv[0] != flag {
+                a.extend(kv);
+            }
+        }
+        let (ok, _, err) = gradsync(&a);
+        assert!(!ok && err.contains(needle), "{flag} {value}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

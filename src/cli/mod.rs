@@ -7,6 +7,7 @@ mod calibrate;
 mod codecs;
 mod gradiveq_bench;
 mod model;
+mod scale;
 mod sparse_allreduce_bench;
 mod sparse_bench;
 mod step_bench;
@@ -29,6 +30,7 @@ pub use model::{
     plan_record, predict_record, read_layers, CrossoverArgs, LayerSpec, ModelArgs, PlanArgs,
     PredictArgs, PredictRecord,
 };
+pub use scale::{parse_ranks, scale_record, ScaleArgs, ScaleRecord};
 pub use sparse_bench::SparseRecord;
 pub use step_bench::{StepGroupRecord, StepLayerRecord, StepRecord};
 pub use verify::VerifyArgs;
@@ -61,6 +63,9 @@ pub enum Command {
     Plan(PlanArgs),
     /// Layer size at which sparse beats dense, with an optional SVG plot (no MPI).
     Crossover(CrossoverArgs),
+    /// Predicted step sync time per strategy against the number of ranks, on
+    /// nodes of --ranks-per-node ranks, with an optional SVG plot (no MPI).
+    Scale(ScaleArgs),
 }
 
 /// Entry point of the binary; returns the process exit code.
@@ -72,6 +77,7 @@ pub fn main() -> i32 {
         Command::Predict(a) => Some(model::run_predict(a)),
         Command::Plan(a) => Some(model::run_plan(a)),
         Command::Crossover(a) => Some(model::run_crossover(a)),
+        Command::Scale(a) => Some(scale::run(a)),
         _ => None,
     };
     if let Some(r) = no_mpi {
@@ -155,6 +161,7 @@ fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
         Command::Predict(a) => model::run_predict(a),
         Command::Plan(a) => model::run_plan(a),
         Command::Crossover(a) => model::run_crossover(a),
+        Command::Scale(a) => scale::run(a),
     }
 }
 

@@ -40,6 +40,22 @@ pub struct ModelArgs {
     /// Strategies the choice is made among (comma list; default: all).
     #[arg(long, default_value = "")]
     pub strategies: String,
+    /// Ranks per node (block placement): the two-level model of
+    /// `cost::topology` (default: every rank on one node).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ranks_per_node: Option<u64>,
+    /// Latency between nodes, seconds per message (default: the profile's
+    /// `inter_node`, else its `alpha`).
+    #[arg(long)]
+    pub inter_alpha: Option<f64>,
+    /// Bandwidth of a node's link, bytes per second (default: the
+    /// profile's `inter_node`, else one level).
+    #[arg(long)]
+    pub inter_bandwidth: Option<f64>,
+    /// Measured fill ratio of the sparse allreduce, distinct indices of
+    /// the sum over p·k, in (0, 1] (default: independent selections).
+    #[arg(long)]
+    pub fill: Option<f64>,
 }
 
 impl ModelArgs {
@@ -60,6 +76,38 @@ impl ModelArgs {
         if let Some(g) = self.gamma_unpack {
             p.gamma_unpack = g;
         }
+        if self.inter_alpha.is_some() || self.inter_bandwidth.is_some() {
+            let mut e = p.inter_node.clone().unwrap_or(cost::NetLevel {
+                alpha: p.alpha,
+                beta: p.beta,
+                beta_curve: p.beta_curve.clone(),
+            });
+            if let Some(a) = self.inter_alpha {
+                if !(a.is_finite() && a >= 0.0) {
+                    return Err(Error::InvalidArgument(format!(
+                        "--inter-alpha {a}: must be a finite number of seconds ≥ 0"
+                    )));
+                }
+                e.alpha = a;
+            }
+            if let Some(bw) = self.inter_bandwidth {
+                if !(bw.is_finite() && bw > 0.0) {
+                    return Err(Error::InvalidArgument(format!(
+                        "--inter-bandwidth {bw}: must be a positive number of bytes per second"
+                    )));
+                }
+                e.beta = 1.0 / bw;
+                e.beta_curve.clear();
+            }
+            p.inter_node = Some(e);
+        }
+        if let Some(f) = self.fill {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "--fill {f}: must lie in (0, 1] (distinct indices of the sum over p·k)"
+                )));
+            }
+        }
         if self.select_cost.is_some() || self.select_fixed.is_some() {
             let fit = LinearFit {
                 a: self.select_fixed.unwrap_or(0.0),
@@ -70,6 +118,12 @@ impl ModelArgs {
         }
         p.validate()?;
         Ok(p)
+    }
+
+    /// Ranks per node (`--ranks-per-node`).
+    pub fn rpn(&self) -> Option<usize> {
+        self.ranks_per_node
+            .map(|l| usize::try_from(l).unwrap_or(usize::MAX))
     }
 
     /// The candidate strategies of the choice (`--strategies`, else
@@ -172,6 +226,8 @@ pub fn predict_record(
             p,
             density: d,
             gradiveq_ratio: m.gradiveq_ratio,
+            ranks_per_node: m.rpn(),
+            fill: m.fill,
         },
         &m.select_method,
     )?;
@@ -366,6 +422,8 @@ pub fn step_query(
         select_method: m.select_method.clone(),
         gradiveq_ratio: m.gradiveq_ratio,
         allowed: m.allowed(prof)?,
+        ranks_per_node: m.rpn(),
+        fill: m.fill,
     })
 }
 
@@ -539,10 +597,17 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         }
     }
     let max_n = (parse_size(&a.max_bytes)? / 4).max(1);
+    let base = Query {
+        n: 1,
+        p: a.ranks,
+        density: a.density,
+        gradiveq_ratio: a.model.gradiveq_ratio,
+        ranks_per_node: a.model.rpn(),
+        fill: a.model.fill,
+    };
     let x = cost::crossover(
         &prof,
-        a.ranks,
-        a.density,
+        &base,
         &a.model.select_method,
         &a.sparse,
         &a.dense,
@@ -607,9 +672,10 @@ fn plot(
         .take_while(|&n| n <= max_n)
         .filter(|&n| n >= 16)
         .collect();
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = STRATEGIES[..5]
-        .iter()
-        .map(|s| (s.to_string(), Vec::new()))
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = cost::StrategyId::ALL
+        .into_iter()
+        .filter(|s| !s.is_codec())
+        .map(|s| (s.name().to_string(), Vec::new()))
         .collect();
     for &n in &sizes {
         let preds = cost::predict(
@@ -619,6 +685,8 @@ fn plot(
                 p,
                 density: d,
                 gradiveq_ratio: m.gradiveq_ratio,
+                ranks_per_node: m.rpn(),
+                fill: m.fill,
             },
             &m.select_method,
         )?;
@@ -652,7 +720,16 @@ fn plot(
         .y_desc("seconds")
         .draw()
         .map_err(|e| err(&e))?;
-    let colors = [RED, BLUE, GREEN, MAGENTA, BLACK];
+    let colors = [
+        RED,
+        BLUE,
+        GREEN,
+        MAGENTA,
+        BLACK,
+        CYAN,
+        RGBColor(230, 140, 0),
+        RGBColor(120, 60, 160),
+    ];
     for ((name, pts), color) in series.into_iter().zip(colors) {
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))

@@ -196,6 +196,8 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         density: inp.density,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
+        ranks_per_node: None,
+        fill: None,
         allowed: allowed.clone(),
     };
     let plan = cost::plan_step(prof, &q, &model::step_layers(&inp.layers))?;
@@ -249,6 +251,8 @@ fn uniform(
                 density: inp.density,
                 select_method: "trimmed".into(),
                 gradiveq_ratio: 8.0,
+                ranks_per_node: None,
+                fill: None,
                 allowed: Vec::new(),
             };
             let table = model::step_layers(&inp.layers);

@@ -36,6 +36,18 @@ pub enum StrategyId {
     /// GradiVeQ's compressed-domain ring.
     #[serde(rename = "gradiveq-ring")]
     GradiveqRing,
+    /// The node-aware allreduce of the whole layer
+    /// ([`crate::dense::hierarchical_allreduce`]).
+    #[serde(rename = "dense-hierarchical")]
+    DenseHierarchical,
+    /// RGC selection, exchanged by the O(k) sparse allreduce
+    /// ([`crate::sparse::sparse_allreduce`], Ok-Topk's split and reduce).
+    #[serde(rename = "sparse-allreduce")]
+    SparseAllreduce,
+    /// RGC selection, exchanged by the node-aware sparse allreduce (units
+    /// merged per node, exchanged among nodes, broadcast in the node).
+    #[serde(rename = "sparse-hierarchical")]
+    SparseHierarchical,
     /// fp16 in the fused allgather.
     #[serde(rename = "fp16")]
     Fp16,
@@ -58,12 +70,15 @@ pub enum StrategyId {
 
 impl StrategyId {
     /// Every strategy, in [`STRATEGIES`] order.
-    pub const ALL: [StrategyId; 11] = [
+    pub const ALL: [StrategyId; 14] = [
         StrategyId::DenseRabenseifner,
         StrategyId::DenseRing,
         StrategyId::SparseAllgather,
         StrategyId::SparseAllgatherQuant,
         StrategyId::GradiveqRing,
+        StrategyId::DenseHierarchical,
+        StrategyId::SparseAllreduce,
+        StrategyId::SparseHierarchical,
         StrategyId::Fp16,
         StrategyId::Int8,
         StrategyId::Qsgd,
@@ -83,6 +98,25 @@ impl StrategyId {
         self != StrategyId::GradiveqRing
     }
 
+    /// Whether the layer joins the fused dense allreduce.
+    pub fn is_dense(self) -> bool {
+        use StrategyId::*;
+        matches!(self, DenseRabenseifner | DenseRing | DenseHierarchical)
+    }
+
+    /// The collective of the sparse group a layer with this strategy
+    /// joins: the fused allgatherv (RGC, quantized RGC, the codecs), the
+    /// sparse allreduce or the node-aware one; `None` for dense and
+    /// GradiVeQ layers.
+    pub fn sparse_group(self) -> Option<StrategyId> {
+        use StrategyId::*;
+        match self {
+            DenseRabenseifner | DenseRing | DenseHierarchical | GradiveqRing => None,
+            SparseAllreduce | SparseHierarchical => Some(self),
+            _ => Some(SparseAllgather),
+        }
+    }
+
     /// Whether this is one of the codecs (`fp16` … `fastsgd`) rather than
     /// a named collective strategy.
     pub fn is_codec(self) -> bool {
@@ -92,7 +126,10 @@ impl StrategyId {
 
     /// The engine's [`Strategy`] for this id (`density` and `method` for
     /// the selection codecs), or `None` where the engine cannot run it from
-    /// a prediction ([`engine_runs`](Self::engine_runs)).
+    /// a prediction ([`engine_runs`](Self::engine_runs)). The dense
+    /// algorithms are the engine's `Dense` layer and the sparse allreduces
+    /// its RGC layer: which collective their group runs is the plan's
+    /// group algorithm ([`super::GroupPlan::algorithm`]).
     pub fn engine_strategy(self, density: f64, method: RgcMethod) -> Option<Strategy> {
         let sparse = |codec: CodecConfig| {
             Some(Strategy::Sparse {
@@ -101,8 +138,12 @@ impl StrategyId {
             })
         };
         match self {
-            StrategyId::DenseRabenseifner | StrategyId::DenseRing => Some(Strategy::Dense),
-            StrategyId::SparseAllgather => sparse(CodecConfig::Rgc { density, method }),
+            StrategyId::DenseRabenseifner
+            | StrategyId::DenseRing
+            | StrategyId::DenseHierarchical => Some(Strategy::Dense),
+            StrategyId::SparseAllgather
+            | StrategyId::SparseAllreduce
+            | StrategyId::SparseHierarchical => sparse(CodecConfig::Rgc { density, method }),
             StrategyId::SparseAllgatherQuant => sparse(CodecConfig::RgcQuant { density }),
             StrategyId::GradiveqRing => None,
             codec => sparse(codec.name().parse().ok()?),

@@ -66,6 +66,7 @@
 pub(crate) mod calibrate;
 mod decide;
 mod step;
+pub mod topology;
 pub use calibrate::{
     calibrate, calibrate_with, model_check, synthetic, CalibrateOptions, Calibration, CheckRecord,
     CheckReport, CheckSummary, ModelCheckOptions, Progress, MIN_ROUNDS,
@@ -75,6 +76,7 @@ pub use step::{
     plan_step, predict_step, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
     StepQuery,
 };
+pub use topology::NetLevel;
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -344,6 +346,10 @@ pub struct Profile {
     /// reference (it includes the copy of the rank's own block).
     #[serde(default)]
     pub allgather: LinearFit,
+    /// The network between nodes ([`topology`]): `None` when the
+    /// calibrating job ran on one node (the model is then one level).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_node: Option<NetLevel>,
     /// Metadata.
     #[serde(default)]
     pub meta: ProfileMeta,
@@ -391,6 +397,7 @@ impl Profile {
             gradiveq_decompress: LinearFit::default(),
             pingpong: LinearFit::default(),
             allgather: LinearFit::default(),
+            inter_node: None,
             meta: ProfileMeta::default(),
         };
         p.validate()?;
@@ -410,11 +417,14 @@ impl Profile {
         if !(self.local_parallelism.is_finite() && self.local_parallelism > 0.0) {
             bad.push(format!("local_parallelism = {}", self.local_parallelism));
         }
+        let inter = self.inter_node.as_ref();
         for (name, v) in [
             ("alpha", self.alpha),
             ("beta", self.beta),
             ("gamma_reduce", self.gamma_reduce),
             ("gamma_unpack", self.gamma_unpack),
+            ("inter_node.alpha", inter.map_or(0.0, |e| e.alpha)),
+            ("inter_node.beta", inter.map_or(0.0, |e| e.beta)),
         ] {
             if !ok(v) {
                 bad.push(format!("{name} = {v}"));
@@ -440,10 +450,15 @@ impl Profile {
                 bad.push(format!("{k} = {f:?}"));
             }
         }
+        let no_curve = Vec::new();
         for (name, curve) in [
             ("beta_curve", &self.beta_curve),
             ("gamma_reduce_curve", &self.gamma_reduce_curve),
             ("dense_local_curve", &self.dense_local_curve),
+            (
+                "inter_node.beta_curve",
+                inter.map_or(&no_curve, |e| &e.beta_curve),
+            ),
         ] {
             for (i, c) in curve.iter().enumerate() {
                 if !(c.bytes.is_finite() && c.bytes > 0.0 && ok(c.per_byte)) {
@@ -528,6 +543,11 @@ pub struct Query {
     pub density: f64,
     /// GradiVeQ compression ratio `r ≥ 1`.
     pub gradiveq_ratio: f64,
+    /// Ranks per node (`None`: one node; [`topology`]).
+    pub ranks_per_node: Option<usize>,
+    /// Measured fill ratio of the sparse allreduce (`None`: independent
+    /// selections; [`topology`]).
+    pub fill: Option<f64>,
 }
 
 /// One strategy's prediction.
@@ -544,13 +564,16 @@ pub struct Prediction {
     pub wire_bytes: f64,
 }
 
-/// Strategy names in output order (codecs after the five named strategies).
-pub const STRATEGIES: [&str; 11] = [
+/// Strategy names in output order (codecs after the eight named strategies).
+pub const STRATEGIES: [&str; 14] = [
     "dense-rabenseifner",
     "dense-ring",
     "sparse-allgather",
     "sparse-allgather-quant",
     "gradiveq-ring",
+    "dense-hierarchical",
+    "sparse-allreduce",
+    "sparse-hierarchical",
     "fp16",
     "int8",
     "qsgd",
@@ -689,6 +712,8 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         select_method: select_method.to_string(),
         gradiveq_ratio: q.gradiveq_ratio,
         allowed: Vec::new(),
+        ranks_per_node: q.ranks_per_node,
+        fill: q.fill,
     };
     step::check(&sq)?;
     Ok(StrategyId::ALL
@@ -714,27 +739,19 @@ pub fn gradiveq_ring(prof: &Profile, n: usize, p: usize, ratio: f64) -> f64 {
 
 /// Smallest layer size (elements, searched over powers of two and refined
 /// by bisection to 1%) from which `sparse` is predicted faster than `dense`
-/// for every larger size up to `max_n`; `None` if never.
+/// for every larger size up to `max_n`; `None` if never. `base` gives the
+/// ranks, their placement, density, fill and GradiVeQ ratio (its `n` is
+/// ignored).
 pub fn crossover(
     prof: &Profile,
-    p: usize,
-    density: f64,
+    base: &Query,
     select_method: &str,
     sparse: &str,
     dense: &str,
     max_n: usize,
 ) -> Result<Option<usize>> {
     let diff = |n: usize| -> Result<f64> {
-        let preds = predict(
-            prof,
-            &Query {
-                n,
-                p,
-                density,
-                gradiveq_ratio: 8.0,
-            },
-            select_method,
-        )?;
+        let preds = predict(prof, &Query { n, ..*base }, select_method)?;
         let get = |name: &str| {
             preds
                 .iter()

@@ -47,6 +47,7 @@
 //! per-layer [`super::predict`] (one layer alone, paying every α) remains
 //! what `predict` prints.
 
+use super::topology::{self, Net};
 use super::{
     allgather_beta, ceil_lg, codec_wire_bytes, dense_rabenseifner, dense_ring, gradiveq_ring,
     nominal_bytes_per_element, Prediction, Profile, StrategyId,
@@ -90,6 +91,13 @@ pub struct StepQuery {
     /// Strategies free layers are chosen among (empty:
     /// [`super::default_candidates`]).
     pub allowed: Vec<StrategyId>,
+    /// Ranks per node (block placement); `None`: one node, the one-level
+    /// model ([`super::topology`]).
+    pub ranks_per_node: Option<usize>,
+    /// Measured fill ratio `ρ = F/(p·k)` of the sparse allreduce's result
+    /// (from earlier steps); `None`: independent selections
+    /// ([`super::topology`]).
+    pub fill: Option<f64>,
 }
 
 /// The three kinds of group of a step.
@@ -183,7 +191,11 @@ impl StepPlan {
 struct Option_ {
     id: StrategyId,
     group: GroupKind,
+    /// Bytes it adds to its group's message (sparse allreduces: its `8k`
+    /// bytes of pairs).
     bytes: f64,
+    /// Elements (the sparse allreduces' index space).
+    n: f64,
     local: f64,
 }
 
@@ -200,13 +212,22 @@ fn option(
     let (p, nf) = (q.p as f64, n as f64);
     let toc = TOC_ENTRY_LEN as f64;
     let unpack = |m: f64| p * m * prof.gamma_unpack;
+    let o = |group, bytes, local| Option_ {
+        id,
+        group,
+        bytes,
+        n: nf,
+        local,
+    };
     match id {
-        StrategyId::DenseRabenseifner | StrategyId::DenseRing => Option_ {
-            id,
-            group: GroupKind::Dense,
-            bytes: 4.0 * nf,
-            local: prof.dense_local_at(nf, table),
-        },
+        StrategyId::DenseRabenseifner | StrategyId::DenseRing | StrategyId::DenseHierarchical => {
+            o(GroupKind::Dense, 4.0 * nf, prof.dense_local_at(nf, table))
+        }
+        StrategyId::SparseAllreduce | StrategyId::SparseHierarchical => {
+            let k = super::sparse_k(n, density);
+            let fit = prof.select_fit(&q.select_method, density);
+            o(GroupKind::Sparse, 8.0 * k, fit.at(nf))
+        }
         StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
             let (codec, fit) = if id == StrategyId::SparseAllgather {
                 ("rgc", prof.select_fit(&q.select_method, density))
@@ -214,19 +235,13 @@ fn option(
                 ("rgc-quant", prof.select_fit("quant", density))
             };
             let m = codec_wire_bytes(codec, n, density).unwrap_or(0.0);
-            Option_ {
-                id,
-                group: GroupKind::Sparse,
-                bytes: m + toc,
-                local: fit.at(nf) + unpack(m),
-            }
+            o(GroupKind::Sparse, m + toc, fit.at(nf) + unpack(m))
         }
-        StrategyId::GradiveqRing => Option_ {
-            id,
-            group: GroupKind::Gradiveq,
-            bytes: 4.0 * nf / q.gradiveq_ratio,
-            local: gradiveq_ring(prof, n, q.p, q.gradiveq_ratio),
-        },
+        StrategyId::GradiveqRing => o(
+            GroupKind::Gradiveq,
+            4.0 * nf / q.gradiveq_ratio,
+            gradiveq_ring(prof, n, q.p, q.gradiveq_ratio),
+        ),
         codec => {
             let fit = prof.codecs.get(codec.name()).copied().unwrap_or_default();
             let w = match fit.bytes_per_element {
@@ -234,12 +249,11 @@ fn option(
                 None => codec_wire_bytes(codec.name(), n, density)
                     .unwrap_or_else(|| 12.0 + nominal_bytes_per_element(codec.name()) * nf),
             };
-            Option_ {
-                id,
-                group: GroupKind::Sparse,
-                bytes: w + toc,
-                local: fit.encode.at(nf) + p * fit.decode.at(nf),
-            }
+            o(
+                GroupKind::Sparse,
+                w + toc,
+                fit.encode.at(nf) + p * fit.decode.at(nf),
+            )
         }
     }
 }
@@ -253,19 +267,23 @@ pub(super) fn alone(
     id: StrategyId,
     density: f64,
 ) -> Prediction {
+    let net = Net::of(prof, q);
     let o = option(prof, q, (n, n as f64), id, density);
-    let pf = q.p as f64;
-    let frac = if q.p > 1 { (pf - 1.0) / pf } else { 0.0 };
+    let mut s = Sizes::default();
+    s.add(&o, 1.0);
     let (seconds, wire_bytes) = match o.group {
         GroupKind::Dense => (
-            o.local + dense_group(prof, id, o.bytes, q.p),
-            2.0 * frac * o.bytes,
+            o.local + dense_group(&net, id, s.dense),
+            dense_wire(&net, id, s.dense),
         ),
         GroupKind::Sparse => {
-            let m = o.bytes + FUSED_HEADER_LEN as f64;
-            (o.local + sparse_group(prof, m, q.p), (pf - 1.0) * m)
+            let algo = id.sparse_group().unwrap_or(StrategyId::SparseAllgather);
+            (
+                o.local + sparse_group(&net, algo, s),
+                sparse_wire(&net, algo, s),
+            )
         }
-        GroupKind::Gradiveq => (o.local, 2.0 * frac * o.bytes),
+        GroupKind::Gradiveq => (o.local, dense_wire(&net, StrategyId::DenseRing, o.bytes)),
     };
     Prediction {
         id,
@@ -275,23 +293,50 @@ pub(super) fn alone(
     }
 }
 
-/// Seconds of the dense group's allreduce of `bytes` with `algo`.
-fn dense_group(prof: &Profile, algo: StrategyId, bytes: f64, p: usize) -> f64 {
+/// Seconds of the dense group's allreduce of `bytes` with `algo`: the
+/// one-level closed forms of [`super`] on one node, the placement-aware
+/// ones of [`topology`] on several.
+fn dense_group(net: &Net, algo: StrategyId, bytes: f64) -> f64 {
+    let (prof, p) = (net.prof, net.p);
     if bytes <= 0.0 || p <= 1 {
         return 0.0;
     }
-    match algo {
-        StrategyId::DenseRing => dense_ring(prof, bytes, p),
-        _ => dense_rabenseifner(prof, bytes, p),
+    match (algo, net.two_level()) {
+        (StrategyId::DenseHierarchical, _) => topology::hierarchical(net, bytes),
+        (StrategyId::DenseRing, false) => dense_ring(prof, bytes, p),
+        (StrategyId::DenseRing, true) => topology::ring(net, bytes),
+        (_, false) => dense_rabenseifner(prof, bytes, p),
+        (_, true) => topology::rabenseifner(net, bytes),
     }
 }
 
+/// Bytes a rank sends in the dense group's allreduce of `bytes`.
+fn dense_wire(net: &Net, algo: StrategyId, bytes: f64) -> f64 {
+    let p = net.p as f64;
+    if net.p <= 1 {
+        return 0.0;
+    }
+    if algo == StrategyId::DenseHierarchical {
+        // Inside the node 2(L−1)/L, between nodes 2(H−1)/H of a shard.
+        let (l, h) = (net.l.min(net.p) as f64, net.nodes() as f64);
+        return 2.0 * (l - 1.0) / l * bytes + 2.0 * (h - 1.0) / h * bytes / l;
+    }
+    2.0 * (p - 1.0) / p * bytes
+}
+
+/// A tiny group: what a group costs before any layer joins (its α terms).
+const EMPTY: f64 = 1e-9;
+
 /// Its α terms (what a group of zero bytes would cost).
-fn dense_alpha(prof: &Profile, algo: StrategyId, p: usize) -> f64 {
+fn dense_alpha(net: &Net, algo: StrategyId) -> f64 {
+    let (prof, p) = (net.prof, net.p);
     if p <= 1 {
         return 0.0;
     }
     match algo {
+        _ if net.two_level() || algo == StrategyId::DenseHierarchical => {
+            dense_group(net, algo, EMPTY)
+        }
         StrategyId::DenseRing => 2.0 * (p as f64 - 1.0) * prof.alpha,
         _ => {
             let fold = if p.is_power_of_two() { 0.0 } else { 1.0 };
@@ -300,64 +345,124 @@ fn dense_alpha(prof: &Profile, algo: StrategyId, p: usize) -> f64 {
     }
 }
 
-/// Seconds of the fused allgatherv of `m` bytes per rank (the fused
-/// header included; unpacking is the layers').
-fn sparse_group(prof: &Profile, m: f64, p: usize) -> f64 {
-    if m <= 0.0 || p <= 1 {
+/// Seconds of the sparse group's collective (`algo`: the fused allgatherv
+/// of `s.sparse` bytes per rank plus its header, or a sparse allreduce of
+/// `s.sparse / 8` pairs over `s.sparse_n` elements); unpacking the
+/// allgatherv's units is the layers'.
+fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
+    let (prof, p) = (net.prof, net.p);
+    if s.sparse <= 0.0 || p <= 1 {
         return 0.0;
     }
-    ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
+    match algo {
+        StrategyId::SparseAllreduce => {
+            topology::sparse_allreduce(net, s.sparse_n, s.sparse / 8.0, net.fill)
+        }
+        StrategyId::SparseHierarchical => {
+            topology::sparse_hierarchical(net, s.sparse_n, s.sparse / 8.0, net.fill)
+        }
+        _ => {
+            let m = s.sparse + FUSED_HEADER_LEN as f64;
+            if net.two_level() {
+                topology::allgather(net, m)
+            } else {
+                ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
+            }
+        }
+    }
 }
 
-/// The groups that may be open in one configuration.
+/// Its α terms.
+fn sparse_alpha(net: &Net, algo: StrategyId) -> f64 {
+    if algo == StrategyId::SparseAllgather && !net.two_level() {
+        return ceil_lg(net.p) * net.prof.alpha;
+    }
+    let s = Sizes {
+        sparse: EMPTY,
+        sparse_n: EMPTY,
+        ..Sizes::default()
+    };
+    sparse_group(net, algo, s)
+}
+
+/// Bytes a rank sends in the sparse group's collective.
+fn sparse_wire(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
+    let pf = net.p as f64;
+    if net.p <= 1 || s.sparse <= 0.0 {
+        return 0.0;
+    }
+    let k = s.sparse / 8.0;
+    match algo {
+        StrategyId::SparseAllreduce => {
+            let f = topology::fill(s.sparse_n, k, net.p, net.fill);
+            (pf - 1.0) / pf * (8.0 * k + (8.0 * f).min(4.0 * s.sparse_n))
+        }
+        StrategyId::SparseHierarchical => {
+            let l = net.l.min(net.p);
+            let f = topology::fill(s.sparse_n, k, l, net.fill);
+            // A leader's share: its node unit to the other nodes.
+            8.0 * k + (net.nodes() as f64 - 1.0) * (8.0 * f).min(4.0 * s.sparse_n) / l as f64
+        }
+        _ => (pf - 1.0) * (s.sparse + FUSED_HEADER_LEN as f64),
+    }
+}
+
+/// The groups that may be open in one configuration: the dense group's
+/// algorithm and the sparse group's collective.
 #[derive(Clone, Copy, Debug)]
 struct Open {
     dense: Option<StrategyId>,
-    sparse: bool,
+    sparse: Option<StrategyId>,
 }
 
 /// Group sizes of an assignment: dense bytes, sparse bytes (without the
-/// fused header).
+/// fused header) and the sparse layers' elements.
 #[derive(Clone, Copy, Debug, Default)]
 struct Sizes {
     dense: f64,
     sparse: f64,
+    sparse_n: f64,
 }
 
 impl Sizes {
     fn add(&mut self, o: &Option_, sign: f64) {
         match o.group {
             GroupKind::Dense => self.dense += sign * o.bytes,
-            GroupKind::Sparse => self.sparse += sign * o.bytes,
+            GroupKind::Sparse => {
+                self.sparse += sign * o.bytes;
+                self.sparse_n += sign * o.n;
+            }
             GroupKind::Gradiveq => {}
         }
     }
 }
 
 /// What adding `o` to groups of `sizes` costs the step.
-fn marginal(prof: &Profile, p: usize, open: Open, s: Sizes, o: &Option_) -> f64 {
+fn marginal(net: &Net, open: Open, s: Sizes, o: &Option_) -> f64 {
     let comm = match o.group {
         GroupKind::Dense => {
             let algo = open.dense.unwrap_or(StrategyId::DenseRabenseifner);
             let before = if s.dense > 0.0 {
-                dense_group(prof, algo, s.dense, p)
+                dense_group(net, algo, s.dense)
             } else {
-                dense_alpha(prof, algo, p)
+                dense_alpha(net, algo)
             };
-            dense_group(prof, algo, s.dense + o.bytes, p) - before
+            dense_group(net, algo, s.dense + o.bytes) - before
         }
         GroupKind::Sparse => {
-            let h = FUSED_HEADER_LEN as f64;
+            let algo = open.sparse.unwrap_or(StrategyId::SparseAllgather);
             let before = if s.sparse > 0.0 {
-                sparse_group(prof, s.sparse + h, p)
+                sparse_group(net, algo, s)
             } else {
-                ceil_lg(p) * prof.alpha
+                sparse_alpha(net, algo)
             };
-            sparse_group(prof, s.sparse + h + o.bytes, p) - before
+            let mut after = s;
+            after.add(o, 1.0);
+            sparse_group(net, algo, after) - before
         }
         GroupKind::Gradiveq => 0.0,
     };
-    comm + effective_local(prof, o, 2)
+    comm + effective_local(net.prof, o, 2)
 }
 
 /// A layer's local seconds as the step spends them: a sparse layer's work
@@ -373,7 +478,8 @@ fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
     }
 }
 
-/// Ranks, density and GradiVeQ ratio in range (errors name the value).
+/// Ranks, density, GradiVeQ ratio, ranks per node and fill ratio in range
+/// (errors name the value).
 pub(super) fn check(q: &StepQuery) -> Result<()> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
@@ -390,6 +496,18 @@ pub(super) fn check(q: &StepQuery) -> Result<()> {
             q.gradiveq_ratio
         )));
     }
+    if q.ranks_per_node == Some(0) {
+        return Err(Error::InvalidArgument(
+            "ranks per node must be at least 1".into(),
+        ));
+    }
+    if let Some(f) = q.fill {
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "fill ratio {f} must lie in (0, 1] (distinct indices of the sum over p·k)"
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -404,6 +522,15 @@ fn candidates(prof: &Profile, q: &StepQuery) -> Vec<StrategyId> {
     }
 }
 
+/// Whether option `o` may join the groups `open`.
+fn fits(open: Open, o: &Option_) -> bool {
+    match o.group {
+        GroupKind::Dense => open.dense == Some(o.id),
+        GroupKind::Sparse => open.sparse == o.id.sparse_group(),
+        GroupKind::Gradiveq => true,
+    }
+}
+
 /// Choose every [`LayerKind::Auto`] layer's strategy so that the predicted
 /// step is the fastest (module docs), and predict that step.
 pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<StepPlan> {
@@ -412,7 +539,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
     if cands.is_empty() {
         return Err(Error::InvalidArgument("no strategy to choose from".into()));
     }
-    let p = q.p;
+    let net = Net::of(prof, q);
     let table = table_elements(layers);
     let fixed: Vec<Option<Option_>> = layers
         .iter()
@@ -422,23 +549,21 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         })
         .collect();
     // The dense algorithm a fixed dense layer forces (the engine fuses all
-    // dense layers into one allreduce).
+    // dense layers into one allreduce), likewise the sparse collective.
     let forced_dense = fixed.iter().flatten().find_map(|o| match o.group {
         GroupKind::Dense => Some(o.id),
         _ => None,
     });
-    let forced_sparse = fixed.iter().flatten().any(|o| o.group == GroupKind::Sparse);
+    let forced_sparse = fixed.iter().flatten().find_map(|o| o.id.sparse_group());
     let dense_algos: Vec<StrategyId> = match forced_dense {
         Some(a) => vec![a],
-        None => cands
-            .iter()
-            .copied()
-            .filter(|c| matches!(c, StrategyId::DenseRabenseifner | StrategyId::DenseRing))
-            .collect(),
+        None => cands.iter().copied().filter(|c| c.is_dense()).collect(),
     };
-    let has_sparse = cands
-        .iter()
-        .any(|c| option(prof, q, (1, table), *c, q.density).group == GroupKind::Sparse);
+    let mut sparse_algos: Vec<StrategyId> = match forced_sparse {
+        Some(a) => vec![a],
+        None => cands.iter().filter_map(|c| c.sparse_group()).collect(),
+    };
+    sparse_algos.dedup();
     let mut configs = Vec::new();
     let dense_opts: Vec<Option<StrategyId>> = if forced_dense.is_some() {
         dense_algos.iter().map(|a| Some(*a)).collect()
@@ -451,17 +576,18 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             .chain(std::iter::once(None))
             .collect()
     };
+    let sparse_opts: Vec<Option<StrategyId>> = if forced_sparse.is_some() {
+        sparse_algos.iter().map(|a| Some(*a)).collect()
+    } else {
+        std::iter::once(None)
+            .chain(sparse_algos.iter().map(|a| Some(*a)))
+            .collect()
+    };
     for d in &dense_opts {
-        for s in [false, true] {
-            if s && !has_sparse && !forced_sparse {
-                continue;
-            }
-            if !s && forced_sparse {
-                continue;
-            }
+        for s in &sparse_opts {
             configs.push(Open {
                 dense: *d,
-                sparse: s,
+                sparse: *s,
             });
         }
     }
@@ -473,11 +599,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
                 cands
                     .iter()
                     .map(|c| option(prof, q, (l.n, table), *c, q.density))
-                    .filter(|o| match o.group {
-                        GroupKind::Dense => open.dense == Some(o.id),
-                        GroupKind::Sparse => open.sparse,
-                        GroupKind::Gradiveq => true,
-                    })
+                    .filter(|o| fits(open, o))
                     .collect()
             })
             .collect();
@@ -504,8 +626,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
                 let pick = opts[i]
                     .iter()
                     .min_by(|a, b| {
-                        marginal(prof, p, open, sizes, a)
-                            .total_cmp(&marginal(prof, p, open, sizes, b))
+                        marginal(&net, open, sizes, a).total_cmp(&marginal(&net, open, sizes, b))
                     })
                     .copied()
                     .expect("options checked non-empty");
@@ -514,7 +635,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             }
         }
         let assign: Vec<Option_> = assign.into_iter().flatten().collect();
-        let total = total_seconds(prof, p, open.dense, &assign);
+        let total = total_seconds(&net, open, &assign);
         if best.as_ref().is_none_or(|(t, _)| total < *t) {
             best = Some((total, assign));
         }
@@ -549,24 +670,41 @@ pub fn predict_step(
             LayerKind::Auto => option(prof, q, (l.n, table), *c, q.density),
         })
         .collect();
+    let groups = assigned_groups(&assign);
+    if let Some(o) = assign.iter().find(|o| !fits(groups, o)) {
+        return Err(Error::InvalidArgument(format!(
+            "{} cannot share a step with {}: the engine runs one dense and one sparse collective per step",
+            o.id,
+            if o.group == GroupKind::Dense {
+                groups.dense
+            } else {
+                groups.sparse
+            }
+            .map_or("?", StrategyId::name)
+        )));
+    }
     Ok(describe(prof, q, layers, &assign))
 }
 
-/// The dense algorithm of an assignment (the first dense layer's).
 /// Elements of the whole table (every layer's gradient is read each step,
 /// whatever its strategy, so this is the step's working set).
 fn table_elements(layers: &[StepLayer]) -> f64 {
     layers.iter().map(|l| l.n as f64).sum()
 }
 
-fn dense_algo(assign: &[Option_]) -> Option<StrategyId> {
-    assign
-        .iter()
-        .find(|o| o.group == GroupKind::Dense)
-        .map(|o| o.id)
+/// The groups of an assignment (the first dense layer's algorithm, the
+/// first sparse layer's collective).
+fn assigned_groups(assign: &[Option_]) -> Open {
+    Open {
+        dense: assign
+            .iter()
+            .find(|o| o.group == GroupKind::Dense)
+            .map(|o| o.id),
+        sparse: assign.iter().find_map(|o| o.id.sparse_group()),
+    }
 }
 
-fn total_seconds(prof: &Profile, p: usize, dense: Option<StrategyId>, assign: &[Option_]) -> f64 {
+fn total_seconds(net: &Net, open: Open, assign: &[Option_]) -> f64 {
     let mut s = Sizes::default();
     let mut t = 0.0;
     let nsparse = assign
@@ -575,22 +713,31 @@ fn total_seconds(prof: &Profile, p: usize, dense: Option<StrategyId>, assign: &[
         .count();
     for o in assign {
         s.add(o, 1.0);
-        t += effective_local(prof, o, nsparse);
+        t += effective_local(net.prof, o, nsparse);
     }
-    let algo = dense
-        .or_else(|| dense_algo(assign))
+    let got = assigned_groups(assign);
+    let dense = open
+        .dense
+        .or(got.dense)
         .unwrap_or(StrategyId::DenseRabenseifner);
-    t += dense_group(prof, algo, s.dense, p);
-    if s.sparse > 0.0 {
-        t += sparse_group(prof, s.sparse + FUSED_HEADER_LEN as f64, p);
-    }
+    let sparse = open
+        .sparse
+        .or(got.sparse)
+        .unwrap_or(StrategyId::SparseAllgather);
+    t += dense_group(net, dense, s.dense);
+    t += sparse_group(net, sparse, s);
     t
 }
 
 fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Option_]) -> StepPlan {
+    let net = Net::of(prof, q);
     let p = q.p;
-    let pf = p as f64;
-    let algo = dense_algo(assign).unwrap_or(StrategyId::DenseRabenseifner);
+    let got = assigned_groups(assign);
+    let open = Open {
+        dense: Some(got.dense.unwrap_or(StrategyId::DenseRabenseifner)),
+        sparse: Some(got.sparse.unwrap_or(StrategyId::SparseAllgather)),
+    };
+    let (algo, salgo) = (open.dense.expect("set"), open.sparse.expect("set"));
     let mut sizes = Sizes::default();
     for o in assign {
         sizes.add(o, 1.0);
@@ -599,10 +746,6 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         .iter()
         .filter(|o| o.group == GroupKind::Sparse)
         .count();
-    let open = Open {
-        dense: Some(algo),
-        sparse: true,
-    };
     let mut out_layers = Vec::with_capacity(layers.len());
     let mut dense = GroupPlan {
         kind: GroupKind::Dense,
@@ -616,8 +759,12 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
     };
     let mut sparse = GroupPlan {
         kind: GroupKind::Sparse,
-        algorithm: StrategyId::SparseAllgather,
-        message_bytes: FUSED_HEADER_LEN as f64,
+        algorithm: salgo,
+        message_bytes: if salgo == StrategyId::SparseAllgather {
+            FUSED_HEADER_LEN as f64
+        } else {
+            0.0
+        },
         ..dense.clone()
     };
     let mut gvq = Vec::new();
@@ -629,7 +776,7 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         let marginal_s = if o.group == GroupKind::Gradiveq {
             o.local
         } else {
-            marginal(prof, p, open, rest, o) - effective_local(prof, o, 2) + local_s
+            marginal(&net, open, rest, o) - effective_local(prof, o, 2) + local_s
         };
         let density = match l.kind {
             LayerKind::Fixed(_, d) => d,
@@ -651,18 +798,13 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
             GroupKind::Dense => &mut dense,
             GroupKind::Sparse => &mut sparse,
             GroupKind::Gradiveq => {
-                let wire = if p > 1 {
-                    2.0 * (pf - 1.0) / pf * o.bytes
-                } else {
-                    0.0
-                };
                 gvq.push(GroupPlan {
                     kind: GroupKind::Gradiveq,
                     algorithm: StrategyId::GradiveqRing,
                     layers: 1,
                     elements: l.n,
                     message_bytes: o.bytes,
-                    wire_bytes: wire,
+                    wire_bytes: dense_wire(&net, StrategyId::DenseRing, o.bytes),
                     comm_s: 0.0,
                     local_s: o.local,
                 });
@@ -676,17 +818,13 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
     }
     let mut groups = Vec::new();
     if dense.layers > 0 {
-        dense.comm_s = dense_group(prof, algo, dense.message_bytes, p);
-        dense.wire_bytes = if p > 1 {
-            2.0 * (pf - 1.0) / pf * dense.message_bytes
-        } else {
-            0.0
-        };
+        dense.comm_s = dense_group(&net, algo, dense.message_bytes);
+        dense.wire_bytes = dense_wire(&net, algo, dense.message_bytes);
         groups.push(dense);
     }
     if sparse.layers > 0 {
-        sparse.comm_s = sparse_group(prof, sparse.message_bytes, p);
-        sparse.wire_bytes = (pf - 1.0) * sparse.message_bytes;
+        sparse.comm_s = sparse_group(&net, salgo, sizes);
+        sparse.wire_bytes = sparse_wire(&net, salgo, sizes);
         groups.push(sparse);
     }
     groups.extend(gvq);

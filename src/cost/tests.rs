@@ -34,6 +34,8 @@ fn predictions_equal_the_documented_formulas() {
                     p,
                     density: d,
                     gradiveq_ratio: 8.0,
+                    ranks_per_node: None,
+                    fill: None,
                 };
                 let preds = predict(&pr, &q, "trimmed").expect("predict");
                 let pf = p as f64;
@@ -85,6 +87,8 @@ fn one_rank_costs_only_local_work() {
             p: 1,
             density: 0.001,
             gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         },
         "trimmed",
     )
@@ -108,6 +112,8 @@ fn redsync_traffic_remark_at_p128() {
             p: 128,
             density: 0.001,
             gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         },
         "trimmed",
     )
@@ -125,6 +131,8 @@ fn gradiveq_compression_is_hidden_up_to_the_transfer_time() {
         p: 4,
         density: 0.001,
         gradiveq_ratio: 8.0,
+        ranks_per_node: None,
+        fill: None,
     };
     let base = get(&predict(&pr, &q, "trimmed").expect("p"), "gradiveq-ring");
     // A tiny compression cost: only the first segment's quarter shows.
@@ -139,13 +147,23 @@ fn gradiveq_compression_is_hidden_up_to_the_transfer_time() {
     assert!(rel(t - base, 0.25 + (0.75 - phase)) < 1e-9);
 }
 
+fn base8() -> Query {
+    Query {
+        n: 1,
+        p: 8,
+        density: 0.001,
+        gradiveq_ratio: 8.0,
+        ranks_per_node: None,
+        fill: None,
+    }
+}
+
 #[test]
 fn crossover_matches_a_direct_scan() {
     let pr = prof();
     let x = crossover(
         &pr,
-        8,
-        0.001,
+        &base8(),
         "trimmed",
         "sparse-allgather",
         "dense-rabenseifner",
@@ -161,6 +179,8 @@ fn crossover_matches_a_direct_scan() {
                 p: 8,
                 density: 0.001,
                 gradiveq_ratio: 8.0,
+                ranks_per_node: None,
+                fill: None,
             },
             "trimmed",
         )
@@ -176,8 +196,7 @@ fn crossover_matches_a_direct_scan() {
     assert_eq!(
         crossover(
             &slow,
-            8,
-            0.001,
+            &base8(),
             "trimmed",
             "sparse-allgather",
             "dense-rabenseifner",
@@ -210,7 +229,9 @@ fn linear_fit_recovers_a_line_and_profiles_validate() {
             n: 10,
             p: 0,
             density: 0.1,
-            gradiveq_ratio: 8.0
+            gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         },
         "trimmed"
     )
@@ -221,7 +242,9 @@ fn linear_fit_recovers_a_line_and_profiles_validate() {
             n: 10,
             p: 2,
             density: 0.0,
-            gradiveq_ratio: 8.0
+            gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         },
         "trimmed"
     )
@@ -293,6 +316,8 @@ fn curves_follow_each_algorithm_s_messages() {
             p,
             density: 0.01,
             gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         };
         let (a, b) = (
             predict(&prof(), &q, "trimmed").expect("predict"),
@@ -351,6 +376,8 @@ fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
         density: 0.001,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
+        ranks_per_node: None,
+        fill: None,
         allowed: allowed.to_vec(),
     }
 }
@@ -434,6 +461,8 @@ fn small_vectors_join_the_dense_group_in_a_fused_step() {
             p: 32,
             density: 0.001,
             gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
         },
         "trimmed",
     )
@@ -476,6 +505,8 @@ fn a_second_group_opens_only_when_it_pays() {
                     p,
                     density: q.density,
                     gradiveq_ratio: 8.0,
+                    ranks_per_node: None,
+                    fill: None,
                 },
                 "trimmed",
             )

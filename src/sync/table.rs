@@ -99,6 +99,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 p: self.size,
                 density: d,
                 gradiveq_ratio: 8.0,
+                ranks_per_node: None,
+                fill: None,
             },
             &method_name,
         )?;
@@ -409,6 +411,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             density: d,
             select_method: method_name,
             gradiveq_ratio: 8.0,
+            ranks_per_node: None,
+            fill: None,
             allowed: cost::engine_candidates(self.cfg.allreduce, self.cfg.auto_quant),
         };
         let plan = cost::plan_step(prof, &q, &table)?;

@@ -1016,6 +1016,10 @@ fn model_args(strategies: String) -> crate::cli::ModelArgs {
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
         strategies,
+        ranks_per_node: None,
+        inter_alpha: None,
+        inter_bandwidth: None,
+        fill: None,
     }
 }
 

@@ -262,6 +262,8 @@ pub(super) fn compare(
                     p,
                     density: d,
                     gradiveq_ratio: 8.0,
+                    ranks_per_node: None,
+                    fill: None,
                 },
                 "trimmed",
             )?;

@@ -367,6 +367,7 @@ pub(super) fn run(
         gradiveq_decompress: LinearFit::default(),
         pingpong: pingpong_fit,
         allgather: allgather_fit,
+        inter_node: None,
         meta: rank0_meta(comm, &opts.note)?,
     };
     profile.validate()?;

@@ -1,0 +1,370 @@
+//! The two-level network (issue #15): ranks placed `L` per node, shared
+//! memory inside a node, one network link per node between nodes, and the
+//! node-aware and O(k) strategies that only pay off there.
+//!
+//! A profile's `alpha`/`beta`/`beta_curve` describe one pair of ranks
+//! exchanging alone (inside a node when the job that calibrated it spanned
+//! several nodes); [`Profile::inter_node`] the same for a pair on two
+//! different nodes. Ranks are placed in blocks (`mpirun --map-by
+//! ppr:L:node`, Slurm's default block distribution): rank `r` is on node
+//! `⌊r/L⌋`. A step of a collective in which `c` ranks of one node exchange
+//! `m` bytes each with ranks of other nodes, all at once, shares that
+//! node's link `c` ways:
+//!
+//! `T_step = α_inter + c·m·β_inter(m)`, else (every pair inside its node)
+//! `α + m·β(m)`.
+//!
+//! The step's `c` is the largest over the nodes, counted from the
+//! algorithm's own partner schedule (computed once per `(p, L)`):
+//!
+//! | algorithm | partners at step `i` | source |
+//! |---|---|---|
+//! | Rabenseifner, recursive-doubling allgather | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
+//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`) | Thakur et al. §4.3 |
+//! | sparse allreduce (split and reduce) | round `s`: `r → r + s` | Ok-Topk; [`crate::sparse::allreduce`] |
+//!
+//! and the node-aware algorithms are costed by their phases:
+//!
+//! * `dense-hierarchical` ([`crate::dense::hierarchical_allreduce`]): a
+//!   ring reduce-scatter inside each node (`L − 1` steps of `N/S`, `S` the
+//!   smallest node's ranks), Rabenseifner among the `H` nodes on each
+//!   shard of `N/S` bytes with all `S` shards crossing at once (`c = S`),
+//!   the ring allgather inside the node;
+//! * `sparse-allreduce` ([`crate::sparse::sparse_allreduce`]): its
+//!   agreement and sample allgather (`2⌈lg p⌉·α`), `p − 1` rounds of
+//!   pairwise exchange (two messages each: the count, then `k/p` pairs of
+//!   8 bytes), then the recursive-doubling allgather of each region's
+//!   reduced result, `F/p` pairs (`F` the fill-in, below) or its `n/p`
+//!   dense values when that is smaller (SparCML's switch);
+//! * `sparse-hierarchical` (the node-aware sparse allreduce of
+//!   [`crate::sparse`]): the `L − 1` other ranks of a node send their `k`
+//!   pairs to its leader, the leaders allgather the merged node units
+//!   (`F_L` pairs each: the fill-in of `L` ranks) by recursive doubling
+//!   over the `H` nodes (one rank per node crosses), and each leader
+//!   broadcasts the `H` units inside its node (binomial tree).
+//!
+//! **Fill-in.** The sum of `j` ranks' selections of `k` of `n` indices has
+//! `F(j)` distinct indices: `n·(1 − (1 − k/n)^j)` when the selections are
+//! independent (the most a sparse allreduce can carry, and what random
+//! data gives); gradients selected by magnitude overlap more. A measured
+//! fill ratio `ρ = F(p)/(p·k)` (the engine reports `F(p)` each step) gives
+//! `F(j) = clamp(ρ·j·k, k, n)` instead ([`StepQuery::fill`]).
+//!
+//! A profile without [`Profile::inter_node`], or one node (`L ≥ p`), is
+//! the one-level model of [`super`]: exactly the closed forms there.
+
+use super::{ceil_lg, CurvePoint, Profile, StepQuery};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// The network between nodes: one pair of ranks on two nodes exchanging
+/// alone (`gradsync calibrate` on a job spanning several nodes, or
+/// `--inter-alpha`/`--inter-bandwidth`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetLevel {
+    /// Seconds per message.
+    pub alpha: f64,
+    /// Seconds per byte.
+    pub beta: f64,
+    /// β by message size (as [`Profile::beta_curve`]); empty: `beta`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub beta_curve: Vec<CurvePoint>,
+}
+
+impl NetLevel {
+    /// β at a message of `m` bytes.
+    pub fn beta_at(&self, m: f64) -> f64 {
+        super::curve_at(&self.beta_curve, self.beta, m)
+    }
+}
+
+/// The placement a prediction is made for: `p` ranks, `l` per node.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Net<'a> {
+    pub prof: &'a Profile,
+    pub p: usize,
+    /// Ranks per node (`≥ p`: one node).
+    pub l: usize,
+    /// Measured fill ratio of the sparse allreduces, if any.
+    pub fill: Option<f64>,
+}
+
+impl<'a> Net<'a> {
+    /// The placement of `q` (one node without `ranks_per_node`).
+    pub fn of(prof: &'a Profile, q: &StepQuery) -> Self {
+        Net {
+            prof,
+            p: q.p,
+            l: q.ranks_per_node.unwrap_or(q.p).max(1),
+            fill: q.fill,
+        }
+    }
+
+    /// Whether the two-level model applies: several nodes and a profile
+    /// that knows the link between them.
+    pub fn two_level(&self) -> bool {
+        self.l < self.p && self.prof.inter_node.is_some()
+    }
+
+    /// Nodes.
+    pub fn nodes(&self) -> usize {
+        self.p.div_ceil(self.l)
+    }
+
+    /// One exchange step of `m` bytes each way in which `c` ranks of a
+    /// node cross to other nodes (`c = 0`: every pair inside its node).
+    pub fn step(&self, m: f64, c: usize) -> f64 {
+        match (&self.prof.inter_node, c) {
+            (Some(e), c) if c > 0 && self.l < self.p => e.alpha + c as f64 * m * e.beta_at(m),
+            _ => self.prof.alpha + m * self.prof.beta_at(m),
+        }
+    }
+}
+
+/// Which partner schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Sched {
+    /// Recursive halving/doubling after the fold (Rabenseifner, the
+    /// allgatherv): entry `i` is step `i`'s crossing count; the last entry
+    /// is the fold's.
+    Doubling,
+    /// Pairwise exchange `r → r + s`, `s = 1 … p − 1`.
+    Pairwise,
+}
+
+/// Crossing counts by schedule, ranks and ranks per node.
+type Cache = HashMap<(Sched, usize, usize), Rc<Vec<usize>>>;
+
+thread_local! {
+    static SCHEDULES: RefCell<Cache> = RefCell::new(HashMap::new());
+}
+
+/// The largest number of ranks of one node whose partner is on another
+/// node, per step of `sched` for `p` ranks, `l` per node (cached).
+fn crossings(sched: Sched, p: usize, l: usize) -> Rc<Vec<usize>> {
+    SCHEDULES.with(|c| {
+        c.borrow_mut()
+            .entry((sched, p, l))
+            .or_insert_with(|| Rc::new(compute(sched, p, l)))
+            .clone()
+    })
+}
+
+fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
+    let node = |r: usize| r / l;
+    let nodes = p.div_ceil(l);
+    let mut count = vec![0usize; nodes];
+    let mut max_of = |pairs: &mut dyn Iterator<Item = (usize, usize)>| {
+        count.iter_mut().for_each(|c| *c = 0);
+        for (a, b) in pairs {
+            if node(a) != node(b) {
+                count[node(a)] += 1;
+            }
+        }
+        count.iter().copied().max().unwrap_or(0)
+    };
+    match sched {
+        Sched::Doubling => {
+            let f = crate::dense::Fold::new(p);
+            let mut out = Vec::new();
+            let mut mask = 1;
+            while mask < f.p2 {
+                out.push(max_of(
+                    &mut (0..f.p2).map(|v| (f.real(v), f.real(v ^ mask))),
+                ));
+                mask <<= 1;
+            }
+            out.push(max_of(
+                &mut (0..f.r).flat_map(|j| [(2 * j, 2 * j + 1), (2 * j + 1, 2 * j)]),
+            ));
+            out
+        }
+        Sched::Pairwise => (1..p)
+            .map(|s| max_of(&mut (0..p).map(|r| (r, (r + s) % p))))
+            .collect(),
+    }
+}
+
+/// Rabenseifner's allreduce of `bytes` on `p` ranks of `net`, step by step.
+pub(crate) fn rabenseifner(net: &Net, bytes: f64) -> f64 {
+    let p = net.p;
+    if p <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let cross = crossings(Sched::Doubling, p, net.l);
+    let (steps, fold) = cross.split_at(cross.len() - 1);
+    let prof = net.prof;
+    let mut t = 0.0;
+    let mut m = bytes;
+    for &c in steps {
+        m /= 2.0;
+        t += 2.0 * net.step(m, c) + m * prof.gamma_reduce_at(m);
+    }
+    if !p.is_power_of_two() {
+        let c = fold[0];
+        t += 2.0 * net.step(bytes / 2.0, c)
+            + net.step(bytes, c)
+            + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);
+    }
+    t
+}
+
+/// Rabenseifner among `h` nodes, every step crossing `c` ranks of each node
+/// (the middle phase of the hierarchical allreduce).
+fn rabenseifner_nodes(net: &Net, bytes: f64, h: usize, c: usize) -> f64 {
+    if h <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let f = crate::dense::Fold::new(h);
+    let prof = net.prof;
+    let mut t = 0.0;
+    let mut m = bytes;
+    let mut q = 1;
+    while q < f.p2 {
+        m /= 2.0;
+        t += 2.0 * net.step(m, c) + m * prof.gamma_reduce_at(m);
+        q *= 2;
+    }
+    if f.r > 0 {
+        t += 2.0 * net.step(bytes / 2.0, c)
+            + net.step(bytes, c)
+            + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);
+    }
+    t
+}
+
+/// The ring allreduce of `bytes` on `net` (one rank per node crosses).
+pub(crate) fn ring(net: &Net, bytes: f64) -> f64 {
+    let p = net.p;
+    if p <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let seg = bytes / p as f64;
+    let c = usize::from(net.nodes() > 1);
+    2.0 * (p as f64 - 1.0) * net.step(seg, c)
+        + (p as f64 - 1.0) * seg * net.prof.gamma_reduce_at(seg)
+}
+
+/// The ranks of the smallest and the largest node.
+fn node_sizes(net: &Net) -> (usize, usize) {
+    let (p, l) = (net.p, net.l.min(net.p));
+    let last = p - (net.nodes() - 1) * l;
+    (last.min(l), l)
+}
+
+/// The hierarchical (node-aware) allreduce of `bytes`.
+pub(crate) fn hierarchical(net: &Net, bytes: f64) -> f64 {
+    let p = net.p;
+    if p <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let (s, l) = node_sizes(net);
+    let shard = bytes / s as f64;
+    let prof = net.prof;
+    let intra = if l > 1 {
+        2.0 * (l as f64 - 1.0) * net.step(shard, 0)
+            + (l as f64 - 1.0) * shard * prof.gamma_reduce_at(shard)
+    } else {
+        0.0
+    };
+    intra + rabenseifner_nodes(net, shard, net.nodes(), s)
+}
+
+/// The recursive-doubling allgather of `m` bytes per rank (no unpacking).
+pub(crate) fn allgather(net: &Net, m: f64) -> f64 {
+    let p = net.p;
+    if p <= 1 || m <= 0.0 {
+        return 0.0;
+    }
+    let cross = crossings(Sched::Doubling, p, net.l);
+    let mut t = 0.0;
+    let mut q = 1usize;
+    for &c in &cross[..cross.len() - 1] {
+        t += net.step(q.min(p - q) as f64 * m, c);
+        q *= 2;
+    }
+    if !p.is_power_of_two() {
+        // The fold: odd ranks hand their block in, and get all back.
+        let c = cross[cross.len() - 1];
+        t += net.step(m, c) + net.step(p as f64 * m, c);
+    }
+    t
+}
+
+/// Recursive doubling among `h` nodes, one rank per node (the leaders).
+fn allgather_nodes(net: &Net, m: f64, h: usize) -> f64 {
+    if h <= 1 || m <= 0.0 {
+        return 0.0;
+    }
+    let mut t = 0.0;
+    let mut q = 1usize;
+    while q < h {
+        t += net.step(q.min(h - q) as f64 * m, 1);
+        q *= 2;
+    }
+    t
+}
+
+/// Distinct indices of the sum of `j` ranks' selections of `k` of `n`
+/// (module docs).
+pub(crate) fn fill(n: f64, k: f64, j: usize, rho: Option<f64>) -> f64 {
+    if n <= 0.0 || k <= 0.0 {
+        return 0.0;
+    }
+    match rho {
+        Some(rho) => (rho * j as f64 * k).clamp(k.min(n), n),
+        None => n * (1.0 - (1.0 - (k / n).min(1.0)).powi(j as i32)),
+    }
+}
+
+/// Bytes of a sparse allreduce's (or node unit's) reduced result of `f`
+/// distinct indices of `n`: pairs, or the dense values when smaller.
+fn reduced_bytes(f: f64, n: f64) -> f64 {
+    (8.0 * f).min(4.0 * n) + 8.0
+}
+
+/// The sparse allreduce of a group of `n` elements in which every rank
+/// sends `k` pairs (communication and the local summing of received pairs
+/// and results; selection is the layers').
+pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f64 {
+    let p = net.p;
+    if p <= 1 {
+        return 0.0;
+    }
+    let pf = p as f64;
+    let prof = net.prof;
+    let agree = 2.0 * ceil_lg(p) * prof.alpha;
+    let cross = crossings(Sched::Pairwise, p, net.l);
+    let per = 8.0 * k / pf;
+    let rounds: f64 = cross
+        .iter()
+        .map(|&c| net.step(8.0, c) + net.step(per, c))
+        .sum();
+    let region = reduced_bytes(fill(n, k, p, rho) / pf, n / pf);
+    let gather = allgather(net, region);
+    agree + rounds + gather + (8.0 * k + pf * region) * prof.gamma_unpack
+}
+
+/// The node-aware sparse allreduce of a group of `n` elements, `k` pairs
+/// per rank.
+pub(crate) fn sparse_hierarchical(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f64 {
+    let p = net.p;
+    if p <= 1 {
+        return 0.0;
+    }
+    let prof = net.prof;
+    let (_, l) = node_sizes(net);
+    let h = net.nodes();
+    let agree = ceil_lg(p) * prof.alpha;
+    let unit = reduced_bytes(fill(n, k, l, rho), n);
+    let gather_in = (l as f64 - 1.0) * net.step(8.0 * k, 0);
+    let leaders = allgather_nodes(net, unit, h);
+    let bcast = ceil_lg(l) * net.step(h as f64 * unit, 0);
+    agree + gather_in + leaders + bcast + (l as f64 * 8.0 * k + h as f64 * unit) * prof.gamma_unpack
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,130 @@
+use super::*;
+use crate::cost::{dense_rabenseifner, dense_ring, Profile};
+
+fn prof(inter: Option<(f64, f64)>) -> Profile {
+    let mut p = Profile::from_network(1e-6, 5e9, 2e-10, 1e-9).expect("profile");
+    p.inter_node = inter.map(|(alpha, bw)| NetLevel {
+        alpha,
+        beta: 1.0 / bw,
+        beta_curve: Vec::new(),
+    });
+    p
+}
+
+fn net(prof: &Profile, p: usize, l: usize) -> Net<'_> {
+    Net {
+        prof,
+        p,
+        l,
+        fill: None,
+    }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-300)
+}
+
+#[test]
+fn crossings_follow_the_partner_schedules() {
+    // 2 nodes of 2: recursive doubling pairs inside the node first.
+    assert_eq!(*crossings(Sched::Doubling, 4, 2), vec![0, 2, 0]);
+    // 4 nodes of 1: every step crosses with one rank per node.
+    assert_eq!(*crossings(Sched::Doubling, 4, 1), vec![1, 1, 0]);
+    // 6 ranks, 3 nodes of 2: the fold pairs (0,1), (2,3) stay inside
+    // nodes 0 and 1; virtual ranks 0..4 are real 0, 2, 4, 5, and at
+    // distance 2 both ranks of node 2 (4 <-> 0, 5 <-> 2) cross.
+    assert_eq!(*crossings(Sched::Doubling, 6, 2), vec![1, 2, 0]);
+    // Pairwise r -> r + s on 2 nodes of 2: s = 1 and 3 cross once per
+    // node, s = 2 twice.
+    assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
+    // One node: nothing crosses.
+    assert!(crossings(Sched::Pairwise, 5, 8).iter().all(|&c| c == 0));
+}
+
+#[test]
+fn one_rank_per_node_with_equal_levels_is_the_one_level_model() {
+    // Every pair crosses (c = 1) at the same α, β: the closed forms.
+    let pr = prof(Some((1e-6, 5e9)));
+    for p in [2usize, 4, 8, 64] {
+        let n = net(&pr, p, 1);
+        assert!(n.two_level());
+        for bytes in [4096.0, 1e6, 1e8] {
+            let (a, b) = (rabenseifner(&n, bytes), dense_rabenseifner(&pr, bytes, p));
+            assert!(rel(a, b) < 1e-12, "p={p} {bytes}: {a} vs {b}");
+            let (a, b) = (ring(&n, bytes), dense_ring(&pr, bytes, p));
+            assert!(rel(a, b) < 1e-12, "ring p={p} {bytes}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn shared_links_charge_every_rank_that_crosses() {
+    // 2 nodes of 4 over a link 40x slower than shared memory.
+    let pr = prof(Some((2e-5, 1.25e8)));
+    let n = net(&pr, 8, 4);
+    let bytes = 64.0 * 1024.0 * 1024.0;
+    let (bi, be) = (pr.beta, 1.0 / 1.25e8);
+    // Rabenseifner: steps at distance 1 and 2 inside the node (N/2, N/4),
+    // distance 4 across with all 4 ranks (N/8 each): twice each.
+    let want = 2.0 * (2.0 * 1e-6 + (bytes / 2.0 + bytes / 4.0) * bi)
+        + 2.0 * (2e-5 + 4.0 * bytes / 8.0 * be)
+        + (bytes / 2.0 + bytes / 4.0 + bytes / 8.0) * pr.gamma_reduce;
+    assert!(rel(rabenseifner(&n, bytes), want) < 1e-12);
+    // The hierarchical allreduce moves the same bytes across (its shards
+    // of N/4 cross 4 at a time), so the two are within the α terms.
+    let h = hierarchical(&n, bytes);
+    assert!(rel(h, rabenseifner(&n, bytes)) < 0.05, "{h}");
+    // The fused allgather's big steps cross: 4 ranks x 4 blocks.
+    let m = 1e5;
+    let ag = allgather(&n, m);
+    let want = (1e-6 + m * bi) + (1e-6 + 2.0 * m * bi) + (2e-5 + 4.0 * 4.0 * m * be);
+    assert!(rel(ag, want) < 1e-12, "{ag} vs {want}");
+}
+
+#[test]
+fn fill_in_estimates() {
+    // Independent selections: n(1 - (1 - D)^j).
+    let f = fill(1e6, 1e3, 8, None);
+    assert!(rel(f, 1e6 * (1.0 - (1.0 - 1e-3f64).powi(8))) < 1e-12);
+    assert!(f < 8e3 && f > 7.9e3);
+    // A measured ratio, bounded by k and n.
+    assert_eq!(fill(1e6, 1e3, 8, Some(0.5)), 4e3);
+    assert_eq!(fill(1e6, 1e3, 8, Some(1.0 / 64.0)), 1e3);
+    assert_eq!(fill(1e4, 1e3, 64, Some(1.0)), 1e4);
+    assert_eq!(fill(0.0, 0.0, 8, None), 0.0);
+}
+
+#[test]
+fn node_aware_sparse_beats_the_flat_allgather_across_nodes() {
+    // 8 nodes of 8 ranks, 1 Gbit/s links; a 25M-element table at 0.1 %.
+    let pr = prof(Some((2e-5, 1.25e8)));
+    let n = net(&pr, 64, 8);
+    let (elems, k) = (25e6, 25e3);
+    let unit = 8.0 * k + 16.0 + 32.0;
+    let (ag, sar, hier) = (
+        allgather(&n, unit),
+        sparse_allreduce(&n, elems, k, None),
+        sparse_hierarchical(&n, elems, k, None),
+    );
+    // The allgather pushes L·(p − L) units through each link, the
+    // hierarchical path about (H − 1)·L.
+    assert!(hier * 4.0 < ag, "hier {hier} vs allgather {ag}");
+    // Independent selections at p·D = 6 % barely overlap: the sparse
+    // allreduce's result is nearly p·k pairs, so it costs what the
+    // allgather does (Ok-Topk's gain needs overlap or its reselection).
+    assert!(
+        rel(sar, ag) < 0.1,
+        "sparse allreduce {sar} vs allgather {ag}"
+    );
+    // With full overlap (every rank selected the same indices) the
+    // sparse allreduce's result is k pairs, not p·k.
+    let same = Net {
+        fill: Some(1.0 / 64.0),
+        ..n
+    };
+    assert!(sparse_allreduce(&same, elems, k, same.fill) < sar / 2.0);
+    // One node: no link, no inter-node phase.
+    let one = net(&pr, 8, 8);
+    assert!(!one.two_level());
+    assert!(sparse_hierarchical(&one, elems, k, None) < hier);
+}
