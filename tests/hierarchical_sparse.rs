@@ -87,3 +87,47 @@ fn hierarchical_sparse_errors_reach_every_rank() {
         assert!(out.lines().filter(|l| l.starts_with("ERR ")).count() == np * 3 + 2 * two);
     }
 }
+
+#[test]
+fn bench_sparse_allreduce_hierarchical_checks_pass() {
+    for np in [1, 3] {
+        let (ok, out, err) = mpirun(
+            np,
+            std::path::Path::new(common::gradsync()),
+            &[
+                "bench",
+                "--op",
+                "sparse-allreduce",
+                "--hierarchical",
+                "--check",
+                "--json",
+                "--iters",
+                "2",
+                "--warmup",
+                "0",
+                "--bytes",
+                "0,4,400K",
+                "--density",
+                "0.3",
+            ],
+            Duration::from_secs(120),
+        );
+        assert!(ok, "np={np}: {err}\n{out}");
+        let recs: Vec<serde_json::Value> = out
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).expect("JSON"))
+            .collect();
+        // 3 sizes x (sparse allreduce, fused allgatherv, hierarchical).
+        assert_eq!(recs.len(), 9, "{out}");
+        assert!(
+            recs.iter().all(|r| r["check"] == "ok" && r["ranks"] == np),
+            "{out}"
+        );
+        let hier = recs
+            .iter()
+            .filter(|r| r["algo"] == "hierarchical-sparse-allreduce")
+            .count();
+        assert_eq!(hier, 3, "{out}");
+    }
+}
