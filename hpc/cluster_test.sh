@@ -10,6 +10,9 @@
 #   4. 2 hosts x 1 rank, 1gbit, MTU 9000: the rate within 25 % (CPU-bound here);
 #   5. with --delay where the kernel has netem (skipped with the reason if not);
 #   6. `gradsync bench --check` on 2 x 2 (when target/release/gradsync exists);
+#      the node-aware allreduce (3 x 2, 4 x 1, 2 x 2) and the sparse
+#      allreduces, hierarchical and flat (2 x 2, 3 x 2, 4 x 1), against
+#      MPI_Allreduce (when the examples are built);
 #   7. a failing command's status comes back, and after every run no namespace
 #      or Open MPI daemon of that run is left.
 #
@@ -145,6 +148,33 @@ if [ -x "$HIER" ]; then
   say "hierarchical allreduce = MPI_Allreduce on 3 x 2, 4 x 1, 2 x 2 (MPI's node map of the hosts)"
 else
   say "hierarchical allreduce on the cluster: skipped, no $HIER (cargo build --release --examples)"
+fi
+
+# 6c. The sparse allreduces against MPI_Allreduce on the cluster: the
+# hierarchical one with MPI's node map of the hosts and emulated maps
+# (75 cases a rank), the flat Ok-Topk one (60 cases a rank).
+HSPARSE="$(dirname "$BIN")/examples/hierarchical_sparse_check"
+FSPARSE="$(dirname "$BIN")/examples/sparse_allreduce_check"
+if [ -x "$HSPARSE" ] && [ -x "$FSPARSE" ]; then
+  for hr in "2 2 [0, 0, 2, 2]" "3 2 [0, 0, 2, 2, 4, 4]" "4 1 [0, 1, 2, 3]"; do
+    read -r h r map <<<"$hr"
+    np=$((h * r))
+    for ex in "hierarchical_sparse_check 75" "sparse_allreduce_check 60"; do
+      read -r name per <<<"$ex"
+      run "$name ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$(dirname "$BIN")/examples/$name" sum
+      log="$WORK/$name ${h}x$r.log"
+      [ "$run_rc" = 0 ] || fail "$name sum on $h x $r exited $run_rc" "$log"
+      ! grep -q "^FAIL" "$log" || fail "$name sum on $h x $r: a case failed" "$log"
+      if [ "$name" = hierarchical_sparse_check ]; then
+        grep -qxF "NODES $map" "$log" || fail "MPI's node map on $h x $r is not $map" "$log"
+      fi
+      oks=$(grep -c "^OK .* ranks=$np$" "$log" || true)
+      [ "$oks" = $((per * np)) ] || fail "$name sum on $h x $r: $oks OK lines, not $((per * np))" "$log"
+    done
+  done
+  say "hierarchical and flat sparse allreduce = MPI_Allreduce on 2 x 2, 3 x 2, 4 x 1"
+else
+  say "sparse allreduces on the cluster: skipped, no $HSPARSE or $FSPARSE (cargo build --release --examples)"
 fi
 
 # 7. A failing command's status.

@@ -113,6 +113,11 @@ pub struct BenchArgs {
     /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
     #[arg(long, default_value = "recdbl")]
     pub allgather: String,
+    /// `--op sparse-allreduce`: also time (and with `--check` verify) the
+    /// hierarchical sparse allreduce with MPI's node map
+    /// (`MpiComm::node_ids`), as algo `hierarchical-sparse-allreduce`.
+    #[arg(long)]
+    pub hierarchical: bool,
 }
 
 /// One result line of `gradsync bench --json`.

@@ -4,8 +4,11 @@
 //! allreduce ([`crate::sparse::allreduce`], default options), the fused
 //! allgatherv of RedSync units `[len | indices | values]` followed by the
 //! scatter-add of every rank's unit (today's sparse path), and
-//! `MPI_Allreduce` of the dense layer (the baseline). `--check` compares
-//! both results bitwise with `MPI_Allreduce`.
+//! `MPI_Allreduce` of the dense layer (the baseline). With
+//! `--hierarchical` also the hierarchical sparse allreduce
+//! ([`crate::sparse::hierarchical`], MPI's node map from
+//! [`MpiComm::node_ids`]), as algo `hierarchical-sparse-allreduce`.
+//! `--check` compares every result bitwise with `MPI_Allreduce`.
 
 use super::bench::{
     any_rank, check_common, common_must_match, emit, parse_sizes, time_interleaved, timed,
@@ -16,10 +19,15 @@ use crate::cost::calibrate::median;
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use crate::failure::agree_inputs;
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
+use crate::sparse::hierarchical::hierarchical_sparse_allreduce;
 use crate::{Error, Result};
 use rand::SeedableRng;
 
-const ALGOS: [&str; 2] = ["sparse-allreduce", "fused-allgatherv"];
+const ALGOS: [&str; 3] = [
+    "sparse-allreduce",
+    "fused-allgatherv",
+    "hierarchical-sparse-allreduce",
+];
 
 fn inputs(a: &BenchArgs) -> Result<(Vec<usize>, f64)> {
     check_common(a)?;
@@ -55,10 +63,18 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let mut m = common_must_match(a);
         m.push(("--bytes", format!("{sizes:?}")));
         m.push(("--density", density.to_string()));
+        m.push(("--hierarchical", a.hierarchical.to_string()));
         m
     })?;
     let (rank, p) = (comm.rank(), comm.size());
     let opts = SparseAllreduceOptions::default();
+    // MPI's node map (collective the first time: every rank asks, or none).
+    let nodes = if a.hierarchical {
+        comm.node_ids()
+    } else {
+        Vec::new()
+    };
+    let algos = &ALGOS[..if a.hierarchical { 3 } else { 2 }];
     let mut failed = false;
     let mut first = true;
     for &bytes in &sizes {
@@ -93,12 +109,15 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         };
         mpi(&dense, &mut reference)?;
         let mut checks = Vec::new();
-        for k in 0..ALGOS.len() {
+        for k in 0..algos.len() {
             checks.push(if a.check {
-                if k == 0 {
-                    sparse_allreduce(comm, n, &idx, &val, &mut out, &opts)?;
-                } else {
-                    fused(comm, &unit, &mut g, &mut out)?;
+                match k {
+                    0 => sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())?,
+                    1 => fused(comm, &unit, &mut g, &mut out)?,
+                    _ => {
+                        hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
+                            .map(|_| ())?
+                    }
                 }
                 let bad = out
                     .iter()
@@ -115,15 +134,19 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             });
         }
         let mut ref2 = vec![0f32; n];
-        let times = time_interleaved(comm, a.iters, a.warmup, ALGOS.len() + 1, |op| match op {
+        let times = time_interleaved(comm, a.iters, a.warmup, algos.len() + 1, |op| match op {
             0 => timed(comm, || mpi(&dense, &mut ref2)),
             1 => timed(comm, || {
                 sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())
             }),
-            _ => timed(comm, || fused(comm, &unit, &mut g, &mut out)),
+            2 => timed(comm, || fused(comm, &unit, &mut g, &mut out)),
+            _ => timed(comm, || {
+                hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
+                    .map(|_| ())
+            }),
         })?;
         let mpi_med = median(&mut times[0].clone());
-        for (j, name) in ALGOS.iter().enumerate() {
+        for (j, name) in algos.iter().enumerate() {
             let med = median(&mut times[j + 1].clone());
             let min = times[j + 1].iter().copied().fold(f64::INFINITY, f64::min);
             let rec = BenchRecord {

@@ -23,6 +23,9 @@ pub const QSGD_RING: Tag = 16;
 /// The sparse allreduce (Ok-Topk split-and-reduce,
 /// [`crate::sparse::allreduce`]): its agreement and pairwise exchange.
 pub const SPARSE_ALLREDUCE: Tag = 17;
+/// The hierarchical sparse allreduce ([`crate::sparse::hierarchical`]):
+/// its agreement, the node's gather of pairs and broadcast of node units.
+pub const SPARSE_HIERARCHICAL: Tag = 18;
 /// The engine's layer-table and options agreement.
 pub const TABLE: Tag = 21;
 /// The failure model's agreement ([`crate::failure::agree`]).
@@ -33,7 +36,7 @@ pub const CALIBRATE_PINGPONG: Tag = 77;
 pub const CALIBRATE_EXCHANGE: Tag = 78;
 
 /// Every tag above, for the distinctness test.
-pub const ALL: [Tag; 12] = [
+pub const ALL: [Tag; 13] = [
     BARRIER,
     VALIDATE,
     RABENSEIFNER,
@@ -42,6 +45,7 @@ pub const ALL: [Tag; 12] = [
     GRADIVEQ,
     QSGD_RING,
     SPARSE_ALLREDUCE,
+    SPARSE_HIERARCHICAL,
     TABLE,
     AGREE,
     CALIBRATE_PINGPONG,

@@ -344,6 +344,33 @@ fn check_local(
     out_len: usize,
     opts: &SparseAllreduceOptions,
 ) -> Result<()> {
+    check_pairs(rank, n, indices, values, out_len)?;
+    let bad = |m: String| Err(Error::InvalidArgument(format!("rank {rank}: {m}")));
+    if opts.delta.is_nan() {
+        return bad("delta is NaN".into());
+    }
+    if let Balance::Fixed(b) = &opts.balance {
+        let ok = b.len() == p + 1 && b[0] == 0 && b[p] == n && b.windows(2).all(|w| w[0] <= w[1]);
+        if !ok {
+            return bad(format!(
+                "fixed boundaries {b:?} are not p + 1 = {} non-decreasing values from 0 to n = {n}",
+                p + 1
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The checks of one rank's pairs and output (shared with
+/// [`super::hierarchical`]): `n` fits 32-bit indices, as many values as
+/// indices, an output of length `n`, every index below `n`.
+pub(crate) fn check_pairs(
+    rank: usize,
+    n: usize,
+    indices: &[u32],
+    values: &[f32],
+    out_len: usize,
+) -> Result<()> {
     let bad = |m: String| Err(Error::InvalidArgument(format!("rank {rank}: {m}")));
     if n > u32::MAX as usize {
         return bad(format!("n = {n} does not fit 32-bit indices"));
@@ -365,18 +392,6 @@ fn check_local(
         return bad(format!(
             "index {i} (pair {pos}) is out of range for n = {n}"
         ));
-    }
-    if opts.delta.is_nan() {
-        return bad("delta is NaN".into());
-    }
-    if let Balance::Fixed(b) = &opts.balance {
-        let ok = b.len() == p + 1 && b[0] == 0 && b[p] == n && b.windows(2).all(|w| w[0] <= w[1]);
-        if !ok {
-            return bad(format!(
-                "fixed boundaries {b:?} are not p + 1 = {} non-decreasing values from 0 to n = {n}",
-                p + 1
-            ));
-        }
     }
     Ok(())
 }
@@ -400,7 +415,8 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
     })
 }
 
-fn sorted_pairs(indices: &[u32], values: &[f32]) -> Vec<(u32, f32)> {
+/// One rank's pairs sorted by index, duplicates summed in input order.
+pub(crate) fn sorted_pairs(indices: &[u32], values: &[f32]) -> Vec<(u32, f32)> {
     let mut v: Vec<(u32, f32)> = indices
         .iter()
         .copied()
@@ -414,7 +430,7 @@ fn sorted_pairs(indices: &[u32], values: &[f32]) -> Vec<(u32, f32)> {
 }
 
 /// Sum runs of equal indices of a sorted list, in order.
-fn merge_sorted(v: Vec<(u32, f32)>) -> Vec<(u32, f32)> {
+pub(crate) fn merge_sorted(v: Vec<(u32, f32)>) -> Vec<(u32, f32)> {
     let mut out: Vec<(u32, f32)> = Vec::with_capacity(v.len());
     for (i, x) in v {
         match out.last_mut() {

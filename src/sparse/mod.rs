@@ -28,12 +28,18 @@
 //! error text (UTF-8). Every rank sees every message, so every rank learns
 //! which rank failed and why in the same exchange ([`failure_text`]).
 //!
-//! Beside it, [`allreduce`] is an O(k) sparse allreduce of one layer's
-//! `(index, value)` pairs (Ok-Topk's split-and-reduce and allgather with
-//! SparCML's dense switch), not yet used by the engine.
+//! Beside it, two allreduces of one layer's `(index, value)` pairs, not yet
+//! used by the engine: [`allreduce`], O(k) per rank (Ok-Topk's
+//! split-and-reduce and allgather with SparCML's dense switch), and
+//! [`hierarchical`], node-aware (the node's pairs reduced into one unit per
+//! node over shared memory, the node units allgathered among the nodes'
+//! leaders, then broadcast within each node: one unit per node crosses the
+//! network).
 
 pub mod allreduce;
+pub mod hierarchical;
 pub use allreduce::{sparse_allreduce, Balance, SparseAllreduceOptions, SparseAllreduceReport};
+pub use hierarchical::{hierarchical_sparse_allreduce, HierarchicalSparseReport};
 
 use crate::codec::Codec;
 use crate::comm::Transport;
