@@ -3,7 +3,7 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, barrier_span, exchange_time, layers_probe, local, net_cap, net_sizes, pingpong,
+    allgather_time, barrier_span, exchange_time, exchange_time_with, layers_probe, pairs, local, net_cap, net_sizes, pingpong,
     sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe, NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
@@ -69,14 +69,43 @@ pub(super) fn run(
     // profile for reference. The β curve is the exchanges' per-byte cost
     // at each size from 4 KiB up, `(T(m) − α)/m`.
     let net = if p > 1 { net_sizes.len() } else { 0 };
+    // On several nodes (issue #15) the exchanges pair ranks inside their
+    // node, and one more set of probes times rank 0 with a rank of
+    // another node, alone on the link: the profile's two levels.
+    let pairs = pairs(
+        &if p > 1 { comm.node_ids() } else { vec![0] },
+        comm.rank(),
+    );
+    if pairs.multi && comm.rank() == 0 {
+        log::info!(
+            "calibrate: the job spans several nodes (up to {} ranks per node): \
+             measuring inside a node and between nodes",
+            pairs.ranks_per_node
+        );
+    }
     for &b in &net_sizes[..net] {
         let mut buf = vec![0u8; b];
         probes.push(Box::new(move |_| pingpong(comm, &mut buf)));
     }
     for &b in &net_sizes[..net] {
         let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        let peer = pairs.intra;
+        let multi = pairs.multi;
         probes.push(Box::new(move |r| {
-            exchange_time(comm, &mut send, &mut recv, r)
+            if multi {
+                exchange_time_with(comm, peer, &mut send, &mut recv, r)
+            } else {
+                exchange_time(comm, &mut send, &mut recv, r)
+            }
+        }));
+    }
+    let inter_at = probes.len();
+    let inter = if pairs.multi { net } else { 0 };
+    for &b in &net_sizes[..inter] {
+        let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        let peer = pairs.inter;
+        probes.push(Box::new(move |r| {
+            exchange_time_with(comm, peer, &mut send, &mut recv, r)
         }));
     }
     for &b in &net_sizes[..net] {
@@ -237,7 +266,7 @@ pub(super) fn run(
     log::debug!("calibrate: {nrounds} rounds");
     let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &b) in net_sizes[..net].iter().enumerate() {
-        let (pp, ex, ag) = (remote_med[i], remote_med[net + i], remote_med[2 * net + i]);
+        let (pp, ex, ag) = (remote_med[i], remote_med[net + i], remote_med[2 * net + inter + i]);
         log::debug!(
             "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
         );
@@ -246,15 +275,38 @@ pub(super) fn run(
         ex_rows.push((1.0, bf, ex));
         ag_rows.push((cost::ceil_lg(p), (p as f64 - 1.0) * bf, ag));
     }
-    let (alpha, beta) = cost::fit_relative_l2(&ex_rows);
-    let beta_curve: Vec<cost::CurvePoint> = ex_rows
-        .iter()
-        .filter(|r| r.1 >= 4096.0)
-        .map(|&(_, b, t)| cost::CurvePoint {
-            bytes: b,
-            per_byte: ((t - alpha) / b).max(0.0),
-        })
-        .collect();
+    let level = |rows: &[(f64, f64, f64)]| {
+        let (alpha, beta) = cost::fit_relative_l2(rows);
+        let curve: Vec<cost::CurvePoint> = rows
+            .iter()
+            .filter(|r| r.1 >= 4096.0)
+            .map(|&(_, b, t)| cost::CurvePoint {
+                bytes: b,
+                per_byte: ((t - alpha) / b).max(0.0),
+            })
+            .collect();
+        cost::NetLevel {
+            alpha,
+            beta,
+            beta_curve: curve,
+        }
+    };
+    let inter_node = pairs.multi.then(|| {
+        let rows: Vec<(f64, f64, f64)> = net_sizes[..inter]
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (1.0, b as f64, remote_med[inter_at + i]))
+            .collect();
+        log::debug!("calibrate: between nodes {rows:?}");
+        level(&rows)
+    });
+    // Every node holds one rank: nothing was measured inside a node, and
+    // the one level is the link.
+    let intra = match (&inter_node, pairs.any_intra) {
+        (Some(e), false) => e.clone(),
+        _ => level(&ex_rows),
+    };
+    let (alpha, beta, beta_curve) = (intra.alpha, intra.beta, intra.beta_curve);
     let fit = |rows: &[(f64, f64, f64)]| {
         let (a, b) = cost::fit_relative_l2(rows);
         LinearFit { a, b }
@@ -270,13 +322,29 @@ pub(super) fn run(
     if p > 1 {
         let mut no_gamma = Profile::from_network(alpha, 1.0 / beta.max(1e-300), 0.0, 0.0)?;
         no_gamma.beta_curve = beta_curve.clone();
+        no_gamma.inter_node = inter_node.clone();
         let mut unit_gamma = no_gamma.clone();
         unit_gamma.gamma_reduce = 1.0;
+        // The allreduce's α-β part on this job's placement (two levels
+        // when it spans nodes).
+        let raben = |prof: &Profile, bytes: f64| {
+            let net = cost::topology::Net {
+                prof,
+                p,
+                l: pairs.ranks_per_node,
+                fill: None,
+            };
+            if net.two_level() {
+                cost::topology::rabenseifner(&net, bytes)
+            } else {
+                cost::dense_rabenseifner(prof, bytes, p)
+            }
+        };
         for (i, &n) in reduce_ns.iter().enumerate() {
             let (bytes, t) = ((4 * n) as f64, remote_med[reduce_at + i]);
             log::debug!("calibrate: rabenseifner allreduce {bytes} B {t:.3e} s");
-            let ab = cost::dense_rabenseifner(&no_gamma, bytes, p);
-            let per = cost::dense_rabenseifner(&unit_gamma, bytes, p) - ab;
+            let ab = raben(&no_gamma, bytes);
+            let per = raben(&unit_gamma, bytes) - ab;
             rows.push((0.0, per, (t - ab).max(t * 1e-3)));
             if per > 0.0 {
                 gamma_reduce_curve.push(cost::CurvePoint {
@@ -367,7 +435,7 @@ pub(super) fn run(
         gradiveq_decompress: LinearFit::default(),
         pingpong: pingpong_fit,
         allgather: allgather_fit,
-        inter_node: None,
+        inter_node,
         meta: rank0_meta(comm, &opts.note)?,
     };
     profile.validate()?;

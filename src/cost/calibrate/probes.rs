@@ -161,8 +161,19 @@ pub(super) fn exchange_time(
     recv: &mut [u8],
     round: usize,
 ) -> Result<f64> {
-    let (rank, p) = (comm.rank(), comm.size());
-    let peer = rank ^ 1;
+    let peer = comm.rank() ^ 1;
+    exchange_time_with(comm, (peer < comm.size()).then_some(peer), send, recv, round)
+}
+
+/// The same with this rank's partner given (`None`: this rank only takes
+/// part in the barrier).
+pub(super) fn exchange_time_with(
+    comm: &MpiComm,
+    peer: Option<usize>,
+    send: &mut [u8],
+    recv: &mut [u8],
+    round: usize,
+) -> Result<f64> {
     // Fresh data every time, as a gradient is: the sender's cache holds the
     // lines modified, so the copy pays the cache-to-cache transfer that a
     // collective's steps pay (a send buffer that never changes ends up
@@ -170,11 +181,56 @@ pub(super) fn exchange_time(
     send.fill(round as u8);
     comm.barrier()?;
     let t0 = mpi::time();
-    if peer >= p {
+    let Some(peer) = peer else {
         return Ok(0.0);
-    }
+    };
     comm.sendrecv(send, peer, recv, peer, tags::CALIBRATE_EXCHANGE)?;
     Ok(mpi::time() - t0)
+}
+
+/// The pairs of a calibration on several nodes (issue #15): inside a node
+/// every rank is paired with a neighbour of the same node (all pairs at
+/// once, as the collectives' intra-node steps run), across nodes rank 0
+/// alone with the first rank of another node (one pair on the link, the
+/// model's `inter_node` level).
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Pairs {
+    /// Whether the job spans several nodes.
+    pub multi: bool,
+    /// Largest number of ranks on one node.
+    pub ranks_per_node: usize,
+    /// Whether some node has two ranks (an intra-node pair exists).
+    pub any_intra: bool,
+    /// This rank's partner inside its node.
+    pub intra: Option<usize>,
+    /// This rank's partner on another node (ranks 0 and its peer only).
+    pub inter: Option<usize>,
+}
+
+/// [`Pairs`] from the node of every rank.
+pub(super) fn pairs(nodes: &[usize], rank: usize) -> Pairs {
+    let mine: Vec<usize> = (0..nodes.len())
+        .filter(|&r| nodes[r] == nodes[rank])
+        .collect();
+    let i = mine.iter().position(|&r| r == rank).unwrap_or(0);
+    let intra = mine.get(i ^ 1).copied();
+    let other = (0..nodes.len()).find(|&r| nodes[r] != nodes[0]);
+    let inter = match other {
+        Some(o) if rank == 0 => Some(o),
+        Some(o) if rank == o => Some(0),
+        _ => None,
+    };
+    let mut counts = std::collections::HashMap::new();
+    for &n in nodes {
+        *counts.entry(n).or_insert(0usize) += 1;
+    }
+    Pairs {
+        multi: other.is_some(),
+        ranks_per_node: counts.values().copied().max().unwrap_or(1),
+        any_intra: counts.values().any(|&c| c >= 2),
+        intra,
+        inter,
+    }
 }
 
 /// Time of the recursive-doubling allgather of the buffer (fresh data).
