@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! mpirun -np 4 target/release/examples/engine_check codecs
+//! mpirun -np 5 target/release/examples/engine_check exchange
 //! mpirun -np 3 target/release/examples/engine_check mismatch
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 6
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 3 --save /tmp/snap
@@ -14,6 +15,17 @@
 //!   steps; every sparse layer's result must equal `MPI_Allreduce` of every
 //!   rank's decoded unit divided by `p`, every dense layer's the
 //!   `MPI_Allreduce` average. Prints `OK <codec>` per codec.
+//! * `exchange`: an engine with `sparse_exchange = allreduce` (RGC,
+//!   quantized RGC, threshold RGC, fp16, dense, empty and partly zero
+//!   layers, momentum, overlapped) beside one with the fused allgatherv,
+//!   fed the same gradients: every layer's result must be bitwise the
+//!   allgather engine's and, for sparse layers, `MPI_Allreduce` of every
+//!   rank's decoded unit divided by `p`; the step's `sparse_reduce_nnz`
+//!   must be the size of the union of every rank's selected indices
+//!   (counted by `MPI_Allreduce`). Step 3 puts a NaN into one layer on the
+//!   last rank: both engines must fail alike on every rank, naming it.
+//!   Prints `OK exchange step <t> ...` per checked step (4) and
+//!   `OK exchange nonfinite ...`.
 //! * `mismatch`: the last rank registers a different shape; every rank must
 //!   get the table-mismatch error. Prints `MISMATCH <error>`.
 //! * `run`: steps `from..to` with momentum, Nesterov, weight decay, a density
@@ -21,7 +33,7 @@
 //!   step, optionally saving or loading per-rank snapshots.
 
 use gradsync::codec::CodecConfig;
-use gradsync::sync::{Config, GradSync, Strategy, Warmup};
+use gradsync::sync::{Config, GradSync, SparseExchange, Strategy, Warmup};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -131,6 +143,151 @@ fn codecs<C: Communicator>(world: &C) {
         }
         if rank == 0 {
             println!("OK {name} ranks={p}");
+        }
+    }
+}
+
+fn exchange<C: Communicator>(world: &C) {
+    let (rank, p) = (world.rank() as usize, world.size() as usize);
+    let sp = |c: &str| Strategy::Sparse {
+        codec: c.parse().unwrap_or_else(|e| fail(format!("{c}: {e}"))),
+        density: None,
+    };
+    // (name, elements, strategy, reduced by the sparse allreduce?)
+    let table = [
+        ("bias", 17usize, Strategy::Dense, false),
+        ("rgc", 5000, sp("rgc:density=0.01"), true),
+        ("quant", 3000, sp("rgc-quant:density=0.01"), true),
+        ("thr", 4000, sp("rgc:density=0.01,method=threshold"), true),
+        ("fp16", 700, sp("fp16"), false),
+        ("zero-on-even-ranks", 500, sp("rgc:density=0.02"), true),
+        ("empty", 0, sp("rgc:density=0.01"), true),
+    ];
+    let cfg = Config {
+        momentum: 0.9,
+        sparse_exchange: SparseExchange::Allreduce,
+        ..Config::default()
+    };
+    let gather_cfg = Config {
+        sparse_exchange: SparseExchange::Allgather,
+        ..cfg.clone()
+    };
+    let mut s = GradSync::new(world, cfg).unwrap_or_else(|e| fail(format!("{e}")));
+    let mut a = GradSync::new(world, gather_cfg).unwrap_or_else(|e| fail(format!("{e}")));
+    let ids: Vec<_> = table
+        .iter()
+        .map(|(n, len, st, _)| {
+            a.register_with(n, &[*len], st.clone())
+                .unwrap_or_else(|e| fail(format!("{e}")));
+            s.register_with(n, &[*len], st.clone())
+                .unwrap_or_else(|e| fail(format!("{e}")))
+        })
+        .collect();
+    for step in 0..5u64 {
+        let mut g: Vec<Vec<f32>> = table
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, len, _, _))| {
+                if n == "zero-on-even-ranks" && rank % 2 == 0 {
+                    vec![0.0; len]
+                } else {
+                    grad(rank, step, i, len)
+                }
+            })
+            .collect();
+        let bad_step = step == 3;
+        if bad_step && rank == p - 1 {
+            g[1][7] = f32::NAN;
+        }
+        let mut ga = g.clone();
+        {
+            let view: Vec<&[f32]> = g.iter().map(|v| &v[..]).collect();
+            s.start(&view)
+                .unwrap_or_else(|e| fail(format!("step {step}: {e}")));
+        }
+        let mut out: Vec<&mut [f32]> = g.iter_mut().map(|v| &mut v[..]).collect();
+        let r = s.wait(&mut out).cloned();
+        let mut outa: Vec<&mut [f32]> = ga.iter_mut().map(|v| &mut v[..]).collect();
+        let ra = a.sync(&mut outa).map(|_| ());
+        if bad_step {
+            let (e, ea) = match (r, ra) {
+                (Err(e), Err(ea)) => (e.to_string(), ea.to_string()),
+                (r, ra) => fail(format!(
+                    "step {step}: a NaN did not fail both engines: {:?} / {ra:?}",
+                    r.map(|_| ())
+                )),
+            };
+            if e != ea || !e.contains("\"rgc\"") || !e.contains(&format!("rank {}", p - 1)) {
+                fail(format!("step {step}: {e} / allgather: {ea}"));
+            }
+            if rank == 0 {
+                println!("OK exchange nonfinite ranks={p}");
+            }
+            continue;
+        }
+        let stats = r.unwrap_or_else(|e| fail(format!("step {step}: {e}")));
+        ra.unwrap_or_else(|e| fail(format!("step {step} (allgather): {e}")));
+        if p > 1 && !stats.overlapped {
+            fail("the progress thread did not run".into());
+        }
+        let mut want_nnz = 0usize;
+        for (i, &(lname, len, _, reduced)) in table.iter().enumerate() {
+            if g[i]
+                .iter()
+                .zip(&ga[i])
+                .any(|(x, y)| x.to_bits() != y.to_bits())
+            {
+                fail(format!(
+                    "step {step} layer {lname}: differs from the allgather engine"
+                ));
+            }
+            if lname == "bias" {
+                continue;
+            }
+            let mut mine = vec![0f32; len];
+            s.decode_unit(ids[i], s.last_unit(ids[i]), &mut mine)
+                .unwrap_or_else(|e| fail(format!("step {step} {lname}: {e}")));
+            let mut sum = vec![0f32; len];
+            let mut abs = vec![0f32; len];
+            let mine_abs: Vec<f32> = mine.iter().map(|x| x.abs()).collect();
+            world.all_reduce_into(&mine[..], &mut sum[..], SystemOperation::sum());
+            world.all_reduce_into(&mine_abs[..], &mut abs[..], SystemOperation::sum());
+            for j in 0..len {
+                let want = sum[j] / p as f32;
+                let tol = 4.0 * p as f32 * f32::EPSILON * abs[j] / p as f32 + 1e-30;
+                if (g[i][j] - want).abs() > tol {
+                    fail(format!(
+                        "step {step} layer {lname} [{j}]: engine {} vs MPI_Allreduce {want}",
+                        g[i][j]
+                    ));
+                }
+            }
+            if reduced {
+                // Distinct selected indices of every rank: the union.
+                let mut sel = vec![0i32; len];
+                let l = s.layer(ids[i]).map(|l| l.2.clone());
+                let Some(Strategy::Sparse { codec, .. }) = l else {
+                    fail(format!("{lname} is not sparse"))
+                };
+                let c = codec.build().unwrap_or_else(|e| fail(format!("{e}")));
+                c.for_each_sent(s.last_unit(ids[i]), len, &mut |j, _| sel[j] = 1)
+                    .unwrap_or_else(|e| fail(format!("step {step} {lname}: {e}")));
+                let mut any = vec![0i32; len];
+                world.all_reduce_into(&sel[..], &mut any[..], SystemOperation::max());
+                want_nnz += any.iter().filter(|&&x| x != 0).count();
+            }
+        }
+        if stats.sparse_reduce_nnz != want_nnz || want_nnz == 0 {
+            fail(format!(
+                "step {step}: sparse_reduce_nnz {} but every rank selected {want_nnz} distinct indices",
+                stats.sparse_reduce_nnz
+            ));
+        }
+        if rank == 0 {
+            println!(
+                "OK exchange step {step} nnz={want_nnz} s={:.1e} ranks={p}",
+                stats.sparse_reduce_s
+            );
         }
     }
 }
@@ -252,6 +409,7 @@ fn main() {
     };
     match args.first().map(String::as_str) {
         Some("codecs") => codecs(&world),
+        Some("exchange") => exchange(&world),
         Some("mismatch") => mismatch(&world),
         Some("run") => run(
             &world,
@@ -261,7 +419,7 @@ fn main() {
             opt("--load"),
         ),
         _ => fail(
-            "usage: engine_check codecs | mismatch | run --from A --to B [--save DIR] [--load DIR]"
+            "usage: engine_check codecs | exchange | mismatch | run --from A --to B [--save DIR] [--load DIR]"
                 .into(),
         ),
     }

@@ -103,8 +103,11 @@ class GradSync:
         :meth:`sync`), ``clip_norm``, ``delay``, ``warmup`` (a density
         schedule, ``{"warmup": "density", "schedule": [...], "steps_per_stage": n}``),
         ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``, ``"hierarchical"``),
-        ``allgather`` (``"recdbl"``, ``"mpi"``), ``overlap``,
-        ``auto_density``, ``auto_quant``. Unknown names raise ``ValueError``.
+        ``allgather`` (``"recdbl"``, ``"mpi"``), ``sparse_exchange``
+        (``"allgather"``, or ``"allreduce"``: the RGC and quantized RGC
+        layers by one O(k) sparse allreduce instead of the fused
+        allgatherv, same results), ``overlap``, ``auto_density``,
+        ``auto_quant``. Unknown names raise ``ValueError``.
     """
 
     def __init__(

@@ -105,6 +105,59 @@ pub enum NonFinitePolicy {
     Propagate,
 }
 
+/// How the sparse layers whose codec sends index/value pairs (RGC and
+/// quantized RGC) are exchanged ([`Config::sparse_exchange`]). Layers of
+/// other codecs (fp16, QSGD, SBC, 3LC, ...) always go through the fused
+/// allgatherv.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SparseExchange {
+    /// Every sparse layer's unit in the ONE fused allgatherv (RedSync §4):
+    /// every rank receives every rank's units, O(k·p) bytes per rank.
+    #[default]
+    Allgather,
+    /// The index/value layers' pairs, over their concatenated index space,
+    /// in ONE O(k) sparse allreduce ([`crate::sparse::sparse_allreduce`]:
+    /// Ok-Topk's split-and-reduce, then an allgatherv of the reduced
+    /// regions). The result is bitwise the allgather path's (each pair is
+    /// scaled by `1/p` before the exact sum, which adds in rank order).
+    Allreduce,
+    /// As `Allreduce`, node-aware (the hierarchical sparse allreduce).
+    /// Not available yet: [`Config`]'s check rejects it.
+    Hierarchical,
+}
+
+impl std::str::FromStr for SparseExchange {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "allgather" => Ok(Self::Allgather),
+            "allreduce" => Ok(Self::Allreduce),
+            "hierarchical" => Ok(Self::Hierarchical),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical)"
+            ))),
+        }
+    }
+}
+
+impl SparseExchange {
+    /// Name as used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Allgather => "allgather",
+            Self::Allreduce => "allreduce",
+            Self::Hierarchical => "hierarchical",
+        }
+    }
+    /// The default (serde skips it, so that the options' JSON, and with it
+    /// the table hash that snapshots record, is what it was before the
+    /// option existed).
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// Engine options. Serializable, so runs can keep them in JSON profiles.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -146,6 +199,11 @@ pub struct Config {
     pub auto_density: f64,
     /// Let `Auto` choose quantized RGC too.
     pub auto_quant: bool,
+    /// How the sparse layers of index/value codecs (RGC, quantized RGC)
+    /// are exchanged: in the fused allgatherv (default) or by one sparse
+    /// allreduce ([`SparseExchange`]).
+    #[serde(skip_serializing_if = "SparseExchange::is_default")]
+    pub sparse_exchange: SparseExchange,
 }
 
 impl Default for Config {
@@ -170,6 +228,7 @@ impl Default for Config {
             profile: None,
             auto_density: 0.001,
             auto_quant: false,
+            sparse_exchange: SparseExchange::Allgather,
         }
     }
 }
@@ -204,6 +263,13 @@ impl Config {
                     "density warm-up needs steps_per_stage ≥ 1 and densities in (0, 1]".into(),
                 ));
             }
+        }
+        if cfg.sparse_exchange == SparseExchange::Hierarchical {
+            return Err(Error::InvalidArgument(
+                "sparse_exchange \"hierarchical\" (the node-aware sparse allreduce) is not \
+                 available in this build yet; use \"allgather\" or \"allreduce\""
+                    .into(),
+            ));
         }
         cfg.codec.build()?;
         Ok(())

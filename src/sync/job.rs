@@ -2,20 +2,53 @@
 //! ([`Job`]), moved to the progress thread ([`Worker`]) and back, and the
 //! collectives it runs: the fused sparse messages' allgatherv
 //! ([`crate::sparse`], RedSync §4), the fused dense buffer's allreduce
-//! (Rabenseifner, with a status word after the data) and GradiVeQ's
-//! compressed-domain rings. A failure flagged by any rank reaches every rank
-//! as the same [`crate::Error::RankFailed`]; any other error ends the job
-//! ([`crate::failure`]). Also the between-steps status agreement used by
-//! snapshot restores.
+//! (Rabenseifner, with a status word after the data), the sparse
+//! allreduce of the `reduced` layers (`Config::sparse_exchange`) and
+//! GradiVeQ's compressed-domain rings. A failure flagged by any rank
+//! reaches every rank as the same [`crate::Error::RankFailed`]; any other
+//! error ends the job ([`crate::failure`]). Also the between-steps status
+//! agreement used by snapshot restores.
+//!
+//! # The sparse allreduce of the reduced layers
+//!
+//! With `Config::sparse_exchange = Allreduce`, the sparse layers whose
+//! codec sends index/value pairs (RGC, quantized RGC: the plan's `reduced`
+//! group) are not in the fused message. After the local phase, each such
+//! layer's unit is read back ([`Codec::for_each_sent`](crate::codec::Codec::for_each_sent))
+//! into one list of pairs over the layers' concatenated index space
+//! (global index = the layer's offset + the unit's index), each value
+//! scaled by `1/p` as `unpack_layer` scales it (and `+ 0.0`, as its zeroed
+//! accumulator adds it): the sparse allreduce adds in rank order, so every
+//! layer's result is bitwise the allgather path's.
+//!
+//! Failures and NaN/Inf, in order:
+//!
+//! 1. the step always runs the status allreduce (the plan forces it), with
+//!    two words after the dense data: this rank failed, and some reduced
+//!    layer's gradient held NaN/Inf on this rank (such a layer sends no
+//!    pairs, as its `NonFinite` entry sends no unit in the fused message);
+//! 2. a failure (first word, or a failure marker in the fused message)
+//!    ends the step on every rank with the same `RankFailed`, before the
+//!    sparse allreduce: a rank whose local phase failed never enters it
+//!    alone;
+//! 3. if the second word is set, one small allgatherv of every rank's
+//!    non-finite layer positions gives every rank, per layer, the lowest
+//!    such rank: unpacking then does what the fused path does with a
+//!    `NonFinite` entry (`Error::NonFinite` naming that rank, or NaN);
+//! 4. the sparse allreduce itself; its non-collective errors end the job
+//!    (`run`), like the other collectives'.
 
 use super::layer::Layer;
 use super::plan::StepPlan;
-use super::{Config, GradSync};
+use super::{Config, GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::dense::{
     allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
-use crate::sparse::{failure_text, fused_allgather, write_failed, write_fused, EntryKind};
+use crate::sparse::{
+    failure_text, fused_allgather, sparse_allreduce, write_failed, write_fused, EntryKind,
+    SparseAllreduceOptions,
+};
 use crate::{Error, Result};
 use std::sync::mpsc;
 use std::time::Instant;
@@ -31,8 +64,29 @@ pub(super) struct Job {
     pub(super) do_gather: bool,
     pub(super) do_reduce: bool,
     pub(super) do_gvq: bool,
-    /// Elements of `dense` before its status word.
+    /// Elements of `dense` before its status words.
     pub(super) dense_len: usize,
+    /// Status words after the dense data: 1 (this rank failed), or 2 with
+    /// reduced layers (and: a reduced layer was non-finite on this rank).
+    pub(super) status_len: usize,
+    /// Run the sparse allreduce of the reduced layers.
+    pub(super) do_sparse: bool,
+    /// How the reduced layers are exchanged.
+    pub(super) exchange: SparseExchange,
+    /// This rank's pairs of the reduced layers: global index, value · 1/p.
+    pub(super) sp_idx: Vec<u32>,
+    pub(super) sp_val: Vec<f32>,
+    /// The reduced layers' concatenated index space (elements).
+    pub(super) sp_n: usize,
+    /// The sparse allreduce's result (`sp_n` elements).
+    pub(super) sp_out: Vec<f32>,
+    /// Positions in the reduced group of this rank's non-finite layers.
+    pub(super) sp_nonfinite: Vec<u32>,
+    /// Per reduced layer, the lowest rank whose gradient was non-finite.
+    pub(super) sp_bad_rank: Vec<Option<usize>>,
+    pub(super) sparse_reduce_s: f64,
+    /// Distinct indices of the sparse allreduce's result.
+    pub(super) sparse_reduce_nnz: usize,
     /// The step, for failure messages (`None` between steps).
     pub(super) step: Option<u64>,
     /// This rank's own failure in the local phase (error text).
@@ -106,7 +160,9 @@ impl Job {
             allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
             self.allreduce_s = t.elapsed().as_secs_f64();
             // The status word: the fraction of ranks that failed.
-            if self.dense[self.dense_len] != 0.0 {
+            let status = &self.dense[self.dense_len..];
+            let non_finite = self.status_len > 1 && status[1] != 0.0;
+            if status[0] != 0.0 {
                 let mine = self.local_failed.clone().unwrap_or_default();
                 let g = crate::dense::allgatherv(
                     comm,
@@ -118,6 +174,8 @@ impl Job {
                         .map(|r| String::from_utf8_lossy(g.message(r)).into_owned())
                         .collect(),
                 );
+            } else if non_finite {
+                self.agree_non_finite(comm)?;
             }
         }
         if failed.is_none() && comm.size() == 1 {
@@ -135,6 +193,26 @@ impl Job {
                 }),
             );
         }
+        if self.do_sparse {
+            let t = Instant::now();
+            let opts = SparseAllreduceOptions {
+                gather: self
+                    .gather_algo
+                    .unwrap_or(AllgathervAlgo::RecursiveDoubling),
+                ..SparseAllreduceOptions::default()
+            };
+            self.sp_out.resize(self.sp_n, 0.0);
+            self.sparse_reduce_nnz = reduce_sparse(
+                comm,
+                self.exchange,
+                self.sp_n,
+                &self.sp_idx,
+                &self.sp_val,
+                &mut self.sp_out,
+                &opts,
+            )?;
+            self.sparse_reduce_s = t.elapsed().as_secs_f64();
+        }
         let t = Instant::now();
         if self.do_gvq {
             for e in &mut self.gvq {
@@ -146,6 +224,140 @@ impl Job {
         }
         self.gvq_s = t.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Some rank's reduced layer was non-finite: every rank's positions of
+    /// such layers, by one small allgatherv, into `sp_bad_rank` (the
+    /// lowest rank per layer, as `unpack_layer` reports it).
+    fn agree_non_finite<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        let mine: Vec<u8> = self
+            .sp_nonfinite
+            .iter()
+            .flat_map(|p| p.to_le_bytes())
+            .collect();
+        let g = crate::dense::allgatherv(comm, &mine, AllgathervAlgo::RecursiveDoubling)?;
+        let bad = |rank: usize, reason: String| Error::PeerMessage {
+            rank,
+            layer: "<non-finite markers>".into(),
+            reason,
+        };
+        let layers = self.sp_bad_rank.len();
+        for r in 0..g.len() {
+            let m = g.message(r);
+            if m.len() % 4 != 0 {
+                return Err(bad(r, format!("{} bytes", m.len())));
+            }
+            for c in m.chunks_exact(4) {
+                let pos = u32::from_le_bytes(c.try_into().expect("4 bytes")) as usize;
+                let slot = self.sp_bad_rank.get_mut(pos).ok_or_else(|| {
+                    bad(
+                        r,
+                        format!("layer position {pos} of {layers} reduced layers"),
+                    )
+                })?;
+                slot.get_or_insert(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's pairs of the plan's reduced layers (see the module
+    /// docs): global index and value · 1/p, layer after layer; the
+    /// non-finite layers' positions instead of their pairs. Part of the
+    /// local phase: an error here is this rank's alone.
+    pub(super) fn collect_pairs(
+        &mut self,
+        plan: &StepPlan,
+        layers: &[Layer],
+        ranks: usize,
+    ) -> Result<()> {
+        self.sp_idx.clear();
+        self.sp_val.clear();
+        self.sp_nonfinite.clear();
+        self.sp_n = plan.reduced.elems;
+        if plan.reduced.ids.is_empty() {
+            return Ok(());
+        }
+        if u32::try_from(plan.reduced.elems).is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "the sparse allreduce's layers hold {} elements in all, more than 32-bit \
+                 indices address; use sparse_exchange \"allgather\"",
+                plan.reduced.elems
+            )));
+        }
+        let inv = 1.0 / ranks as f32;
+        for (pos, &id) in plan.reduced.ids.iter().enumerate() {
+            let l = &layers[id as usize];
+            if l.non_finite {
+                self.sp_nonfinite.push(pos as u32);
+                continue;
+            }
+            let off = plan.layers[id as usize].reduce_off as u32;
+            let codec = l.codec.as_deref().ok_or_else(|| {
+                Error::InvalidArgument(format!("layer {:?}: reduced without a codec", l.name))
+            })?;
+            let (idx, val) = (&mut self.sp_idx, &mut self.sp_val);
+            let pairs = codec.for_each_sent(&l.unit, l.n, &mut |i, v| {
+                idx.push(off + i as u32);
+                // `unpack_layer` adds `scale · v` to a zeroed accumulator.
+                val.push(inv * v + 0.0);
+            })?;
+            if !pairs {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: codec {} does not send index/value pairs",
+                    l.name,
+                    codec.config().name()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The sparse allreduce of the reduced layers by `exchange`: the exact sum
+/// of every rank's pairs `(idx, vals)` (indices in `[0, n)`) written into
+/// `out` (length `n`, overwritten), and the number of distinct indices of
+/// the result. At one rank: this rank's pairs, without communication.
+fn reduce_sparse<C: Transport>(
+    comm: &C,
+    exchange: SparseExchange,
+    n: usize,
+    idx: &[u32],
+    vals: &[f32],
+    out: &mut [f32],
+    opts: &SparseAllreduceOptions,
+) -> Result<usize> {
+    if comm.size() == 1 {
+        out.fill(0.0);
+        for (&i, &v) in idx.iter().zip(vals) {
+            let o = out.get_mut(i as usize).ok_or_else(|| {
+                Error::InvalidArgument(format!("sparse index {i} out of range for n = {n}"))
+            })?;
+            *o += v;
+        }
+        let mut distinct = idx.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        return Ok(distinct.len());
+    }
+    match exchange {
+        SparseExchange::Allreduce => {
+            let report = sparse_allreduce(comm, n, idx, vals, out, opts)?;
+            Ok(report.region_nnz.iter().sum())
+        }
+        SparseExchange::Hierarchical => {
+            // WIRE: hierarchical_sparse_allreduce
+            // (`comm.node_ids()` for `nodes`, the same `opts`; return the
+            // report's distinct indices of the result). Config::check
+            // rejects Hierarchical until then, so no step gets here.
+            Err(Error::Unsupported(
+                "sparse_exchange \"hierarchical\": hierarchical_sparse_allreduce is not built yet"
+                    .into(),
+            ))
+        }
+        SparseExchange::Allgather => Err(Error::InvalidArgument(
+            "sparse_exchange \"allgather\" reduces no layer".into(),
+        )),
     }
 }
 
@@ -168,9 +380,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         job.dense.clear();
         job.dense.push(if local.is_err() { 1.0 } else { 0.0 });
         job.dense_len = 0;
+        job.status_len = 1;
         job.do_gather = false;
         job.do_reduce = true;
         job.do_gvq = false;
+        job.do_sparse = false;
         job.local_failed = local.as_ref().err().map(|e| e.to_string());
         job.step = None;
         job.result = None;
@@ -275,9 +489,29 @@ impl Job {
     ) {
         let step = plan.step;
         let dense_len = plan.dense.elems;
-        // Dense layers: the status word after the fused buffer (0 = ok).
-        self.dense.resize(dense_len + 1, 0.0);
+        // Dense layers: the status words after the fused buffer (0 = ok):
+        // this rank failed; with reduced layers also: one of them was
+        // non-finite here (module docs).
+        self.status_len = if plan.sparse_reduce { 2 } else { 1 };
+        self.dense.resize(dense_len + self.status_len, 0.0);
         self.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
+        if plan.sparse_reduce {
+            let nf = local.is_ok() && !self.sp_nonfinite.is_empty();
+            self.dense[dense_len + 1] = if nf { 1.0 } else { 0.0 };
+        }
+        if local.is_err() {
+            // Nothing of a failed local phase is sent.
+            self.sp_idx.clear();
+            self.sp_val.clear();
+            self.sp_nonfinite.clear();
+        }
+        self.sp_n = plan.reduced.elems;
+        self.sp_bad_rank.clear();
+        self.sp_bad_rank.resize(plan.reduced.ids.len(), None);
+        self.do_sparse = plan.sparse_reduce;
+        self.exchange = cfg.sparse_exchange;
+        self.sparse_reduce_s = 0.0;
+        self.sparse_reduce_nnz = 0;
         self.dense_len = dense_len;
         match local {
             Ok(()) => write_fused(
@@ -323,7 +557,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// delayed local step, one rank) only records `local`'s outcome, as
     /// this rank's alone.
     pub(super) fn communicate(&mut self, mut job: Box<Job>, local: &Result<()>) -> bool {
-        if !(job.do_gather || job.do_reduce || job.do_gvq) {
+        if !(job.do_gather || job.do_reduce || job.do_gvq || job.do_sparse) {
             job.result = Some(match local {
                 Ok(()) => Ok(()),
                 // No exchange this step (a delayed local step or one rank):

@@ -13,7 +13,14 @@
 //!   (error feedback, exact for RGC's copied values, keeping quantized codecs'
 //!   rounding in the residual). All sparse layers' units are fused into one
 //!   message per rank and exchanged by ONE allgatherv ([`crate::sparse`]);
-//!   the result is the average of every rank's decoded unit.
+//!   the result is the average of every rank's decoded unit. With
+//!   [`Config::sparse_exchange`] = [`SparseExchange::Allreduce`] the layers
+//!   whose codec sends index/value pairs (RGC, quantized RGC) leave that
+//!   message: their pairs, over the layers' concatenated index space, go
+//!   through ONE O(k) sparse allreduce
+//!   ([`crate::sparse::sparse_allreduce`]) after the step's status
+//!   agreement, with bitwise the same result (`job.rs` says how failures
+//!   and NaN/Inf reach every rank on that path).
 //! * `Dense` layers are fused into one buffer and averaged with Rabenseifner's
 //!   allreduce (Horovod-style tensor fusion); momentum (plain or Nesterov) is
 //!   applied to the average, so every rank keeps the same momentum.
@@ -46,7 +53,9 @@
 //! (bad lengths, an encoder error, NaN/Inf in a GradiVeQ input) still enters
 //! the step's collectives with a failure marker: a `GSFX` message in place of
 //! its fused sparse message, a status word after the fused dense buffer, or,
-//! for steps with only GradiVeQ layers, a one-word allreduce. Every rank
+//! for steps with only GradiVeQ layers or layers for the sparse allreduce,
+//! a small status allreduce (which always runs before the sparse
+//! allreduce, so a failed rank never enters it alone). Every rank
 //! checks the status before applying anything and returns the same
 //! [`Error::RankFailed`]; what each rank had encoded goes back into its
 //! residual, and the step counter advances alike. On delayed steps without
@@ -80,7 +89,8 @@
 //!    on sparse layers, the dense layers' fused buffer, the local step of a
 //!    delayed step (no communication);
 //! 3. **pack** — the fused sparse message (or this rank's failure marker),
-//!    the dense status word, the collectives to run;
+//!    the reduced layers' pairs, the dense status words, the collectives
+//!    to run;
 //! 4. **communicate** — on the progress thread or inline;
 //! 5. **unpack** (in `wait`) — every rank's units decoded and averaged,
 //!    momentum on dense results, the NaN/Inf policy, the step's stats.
@@ -98,6 +108,7 @@
 //! | dense layers' offsets in the fused buffer; the sparse, GradiVeQ and local groups | `plan.rs` |
 //! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
+//! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
@@ -119,7 +130,7 @@ mod stats;
 mod table;
 mod unpack;
 
-pub use config::{Config, NonFinitePolicy, Strategy, Warmup};
+pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup};
 pub use snapshot::SNAPSHOT_VERSION;
 pub use stats::{LayerStats, StepStats};
 pub use table::LayerId;
@@ -359,7 +370,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // failure flag if this half failed, so no peer is left waiting
         // (crate::failure).
         let local = match input {
-            Ok((grads, weights)) => self.local_phase(grads, weights, &mut job),
+            Ok((grads, weights)) => self
+                .local_phase(grads, weights, &mut job)
+                .and_then(|()| self.reduced_pairs(&mut job)),
             Err(e) => {
                 job.dense.clear();
                 job.dense.resize(self.plan.dense.elems, 0.0);
@@ -384,6 +397,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok(())
     }
 
+    /// This rank's pairs of the reduced layers into `job` (the end of the
+    /// local phase); on failure what this rank encoded goes back into its
+    /// residuals, as for any local failure.
+    fn reduced_pairs(&mut self, job: &mut Job) -> Result<()> {
+        let r = job.collect_pairs(&self.plan, &self.layers, self.size);
+        if r.is_err() {
+            for l in &mut self.layers {
+                l.unsend();
+            }
+        }
+        r
+    }
+
     /// Finish the step started by [`start`](Self::start): `out[i]` receives
     /// layer `i`'s update direction. On [`Error::NonFinite`] every other
     /// layer's result is still written.
@@ -406,8 +432,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         let s = &self.last;
         log::debug!(
-            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) unpack {:.3e}s wait {:.3e}s",
-            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.unpack_s, s.wait_s
+            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse allreduce {:.3e}s ({} nnz) unpack {:.3e}s wait {:.3e}s",
+            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_reduce_s, s.sparse_reduce_nnz, s.unpack_s, s.wait_s
         );
         for l in &s.layers {
             log::trace!("gradsync: step {} {l:?}", s.step);

@@ -5,8 +5,8 @@
 //!
 //! Options are a flat JSON object. Every [`Config`] field is accepted in its
 //! serde form (`compress_threshold`, `weight_decay`, `clip_norm`, `delay`,
-//! `allgather`, `allreduce`, `overlap`, `auto_density`, ...), plus the
-//! spellings a training script uses:
+//! `allgather`, `allreduce`, `sparse_exchange`, `overlap`, `auto_density`,
+//! ...), plus the spellings a training script uses:
 //!
 //! | key | value |
 //! |---|---|
@@ -36,8 +36,8 @@ impl Config {
     /// `config_json` and the Python package's keyword arguments give them;
     /// an empty string or `null` gives the defaults. Every [`Config`] field
     /// is accepted in its serde form (`compress_threshold`, `weight_decay`,
-    /// `clip_norm`, `delay`, `allgather`, `allreduce`, `overlap`,
-    /// `auto_density`, ...), plus `warmup_steps` (dense steps first),
+    /// `clip_norm`, `delay`, `allgather`, `allreduce`, `sparse_exchange`,
+    /// `overlap`, `auto_density`, ...), plus `warmup_steps` (dense steps first),
     /// `nonfinite` (`"error"` or `"propagate"`), `codec` as a codec string
     /// (`"rgc:density=0.001"`) and `profile` as a path to a `gradsync
     /// calibrate` profile (or the profile object, checked as a file is).
@@ -62,7 +62,14 @@ impl Config {
         let Value::Object(mut cfg) = serde_json::to_value(Config::default())? else {
             return Err(Error::InvalidArgument("Config is not an object".into()));
         };
-        let known: Vec<String> = cfg.keys().cloned().collect();
+        let mut known: Vec<String> = cfg.keys().cloned().collect();
+        // Serialized only when not the default (it keeps the options' JSON,
+        // and the table hash, as they were before the option existed).
+        for k in ["sparse_exchange"] {
+            if !known.iter().any(|n| n == k) {
+                known.push(k.to_string());
+            }
+        }
         if opts.contains_key("warmup_steps") && opts.contains_key("warmup") {
             return Err(Error::InvalidArgument(
                 "give warmup_steps or warmup, not both".into(),

@@ -19,18 +19,22 @@
 //!   else the codec's);
 //! * the groups: the dense layers' offsets in the fused dense buffer and its
 //!   length (Horovod-style tensor fusion, RedSync §4), the sparse layers
-//!   fused into one allgatherv message, the GradiVeQ layers' rings, the
-//!   local layers;
-//! * which collectives run (allgatherv when some layer is sparse and there
-//!   is more than one rank; the allreduce for the dense buffer, or as a
-//!   one-word status exchange before GradiVeQ's rings when nothing else
-//!   carries the step's status) and whether the local math and the
-//!   unpacking run in parallel.
+//!   fused into one allgatherv message, the sparse layers exchanged by one
+//!   sparse allreduce instead (`Config::sparse_exchange` other than
+//!   `Allgather`, for codecs whose units are index/value pairs: RGC and
+//!   quantized RGC) with their offsets in its concatenated index space,
+//!   the GradiVeQ layers' rings, the local layers;
+//! * which collectives run (allgatherv when some layer is in the fused
+//!   message and there is more than one rank; the allreduce for the dense
+//!   buffer, or as a status exchange before GradiVeQ's rings when nothing
+//!   else carries the step's status and always before the sparse
+//!   allreduce; the sparse allreduce when some layer is reduced) and
+//!   whether the local math and the unpacking run in parallel.
 //!
 //! The rest of the step ([`super::GradSync`]'s `start`/`wait`) only executes
 //! the plan.
 
-use super::config::{Config, Strategy, Warmup};
+use super::config::{Config, SparseExchange, Strategy, Warmup};
 use crate::codec::CodecConfig;
 
 /// What a layer does in one step.
@@ -57,6 +61,9 @@ pub(super) enum LayerKind {
     Sparse {
         /// The layer's configured density.
         density: Option<f64>,
+        /// The codec's units are index/value pairs (RGC, quantized RGC),
+        /// so the layer can be exchanged by the sparse allreduce.
+        pairs: bool,
     },
     /// GradiVeQ.
     Gradiveq,
@@ -79,6 +86,7 @@ impl LayerPlanInput {
         let kind = match strategy {
             Strategy::Sparse { codec, density } => LayerKind::Sparse {
                 density: density.or_else(|| config_density(codec)),
+                pairs: config_pairs(codec),
             },
             Strategy::Gradiveq(_) => LayerKind::Gradiveq,
             Strategy::Dense | Strategy::Auto => LayerKind::Dense,
@@ -96,6 +104,15 @@ pub(super) fn config_density(c: &CodecConfig) -> Option<f64> {
     }
 }
 
+/// Whether a codec's units are index/value pairs, one value per index
+/// (its [`for_each_sent`](crate::codec::Codec::for_each_sent) visits them):
+/// RGC and quantized RGC. SBC also visits positions, but its Golomb-coded
+/// unit is far smaller than the sparse allreduce's 8 bytes a pair, so it
+/// stays in the fused allgatherv.
+pub(super) fn config_pairs(c: &CodecConfig) -> bool {
+    matches!(c, CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. })
+}
+
 /// One layer's part of the plan.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(super) struct LayerPlan {
@@ -106,6 +123,12 @@ pub(super) struct LayerPlan {
     pub(super) density: Option<f64>,
     /// Dense layers: offset in the fused dense buffer (0 otherwise).
     pub(super) dense_off: usize,
+    /// Sparse layers exchanged by the sparse allreduce (the `reduced`
+    /// group) rather than in the fused allgatherv message.
+    pub(super) reduced: bool,
+    /// Reduced layers: offset of the layer's first element in the
+    /// concatenated index space of the sparse allreduce (0 otherwise).
+    pub(super) reduce_off: usize,
 }
 
 /// Layers that are treated alike in a step, in registration order.
@@ -147,8 +170,13 @@ pub(super) struct StepPlan {
     pub(super) layers: Vec<LayerPlan>,
     /// Dense layers (the fused allreduce buffer).
     pub(super) dense: Group,
-    /// Sparse layers (the fused allgatherv message).
+    /// Sparse layers in the fused allgatherv message.
     pub(super) sparse: Group,
+    /// Sparse layers exchanged by one sparse allreduce over their
+    /// concatenated index space (`Config::sparse_exchange` is not
+    /// `Allgather` and their codec sends index/value pairs); `elems` is
+    /// that space's size.
+    pub(super) reduced: Group,
     /// GradiVeQ layers (their rings).
     pub(super) gradiveq: Group,
     /// Local layers (a delayed step without communication).
@@ -159,6 +187,9 @@ pub(super) struct StepPlan {
     pub(super) reduce: bool,
     /// Run the GradiVeQ layers' rings.
     pub(super) rings: bool,
+    /// Run the sparse allreduce of the `reduced` layers (after the status
+    /// agreement; at one rank it only copies this rank's pairs).
+    pub(super) sparse_reduce: bool,
     /// Compress / step the non-dense layers in parallel (rayon).
     pub(super) parallel_local: bool,
     /// Unpack the layers in parallel (rayon).
@@ -209,9 +240,11 @@ pub(super) fn plan_step_into(
     plan.stage_density = stage_density;
     plan.delayed = cfg.delay > 1;
     plan.layers.clear();
+    let reduce_pairs = cfg.sparse_exchange != SparseExchange::Allgather;
     for g in [
         &mut plan.dense,
         &mut plan.sparse,
+        &mut plan.reduced,
         &mut plan.gradiveq,
         &mut plan.local,
     ] {
@@ -239,12 +272,18 @@ pub(super) fn plan_step_into(
                 plan.dense.push(i, l.n);
             }
             Mode::Sparse => {
-                let own = match l.kind {
-                    LayerKind::Sparse { density } => density,
-                    LayerKind::Dense | LayerKind::Gradiveq => None,
+                let (own, pairs) = match l.kind {
+                    LayerKind::Sparse { density, pairs } => (density, pairs),
+                    LayerKind::Dense | LayerKind::Gradiveq => (None, false),
                 };
                 lp.density = stage_density.or(own);
-                plan.sparse.push(i, l.n);
+                if pairs && reduce_pairs {
+                    lp.reduced = true;
+                    lp.reduce_off = plan.reduced.elems;
+                    plan.reduced.push(i, l.n);
+                } else {
+                    plan.sparse.push(i, l.n);
+                }
             }
             Mode::Gradiveq => plan.gradiveq.push(i, l.n),
             Mode::Local => plan.local.push(i, l.n),
@@ -253,9 +292,14 @@ pub(super) fn plan_step_into(
     }
     plan.gather = !plan.sparse.ids.is_empty() && ranks > 1;
     plan.rings = !plan.gradiveq.ids.is_empty();
+    plan.sparse_reduce = !plan.reduced.ids.is_empty();
     // A step with GradiVeQ layers and no fused message carries its status
-    // in a one-word allreduce before the rings.
-    plan.reduce = plan.dense.elems > 0 || (plan.rings && !plan.gather);
+    // in a one-word allreduce before the rings. A step with reduced layers
+    // always runs the status allreduce: its second word says whether some
+    // rank's reduced layer was non-finite (the fused message cannot say:
+    // those layers are not in it), and it decides before the sparse
+    // allreduce whether the step failed.
+    plan.reduce = plan.dense.elems > 0 || (plan.rings && !plan.gather) || plan.sparse_reduce;
     // Parallel only across two or more layers: one layer gains nothing,
     // and idle rayon workers spinning next to MPI's polling cost more than
     // they bring on a few cores.
@@ -267,9 +311,10 @@ pub(super) fn plan_step_into(
         .as_ref()
         .is_none_or(|p| p.local_parallelism >= 1.0);
     let non_dense = plan.layers.len() - plan.dense.ids.len();
-    plan.parallel_local = pays && non_dense >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
-    plan.parallel_unpack =
-        pays && plan.sparse.ids.len() >= 2 && plan.sparse.elems >= cfg.parallel_min_elems;
+    let sparse_elems = plan.sparse.elems + plan.reduced.elems;
+    let sparse_layers = plan.sparse.ids.len() + plan.reduced.ids.len();
+    plan.parallel_local = pays && non_dense >= 2 && sparse_elems >= cfg.parallel_min_elems;
+    plan.parallel_unpack = pays && sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems;
 }
 
 #[cfg(test)]
@@ -306,7 +351,20 @@ mod tests {
     fn sparse(n: usize, density: Option<f64>) -> LayerPlanInput {
         LayerPlanInput {
             n,
-            kind: LayerKind::Sparse { density },
+            kind: LayerKind::Sparse {
+                density,
+                pairs: false,
+            },
+        }
+    }
+    /// A sparse layer whose codec sends index/value pairs (RGC).
+    fn pairs(n: usize, density: f64) -> LayerPlanInput {
+        LayerPlanInput {
+            n,
+            kind: LayerKind::Sparse {
+                density: Some(density),
+                pairs: true,
+            },
         }
     }
     fn dense(n: usize) -> LayerPlanInput {
@@ -503,9 +561,35 @@ mod tests {
         assert_eq!(
             LayerPlanInput::new(9, &rgc).kind,
             LayerKind::Sparse {
-                density: Some(0.02)
+                density: Some(0.02),
+                pairs: true
             }
         );
+        let quant = Strategy::Sparse {
+            codec: CodecConfig::RgcQuant { density: 0.02 },
+            density: None,
+        };
+        assert_eq!(
+            LayerPlanInput::new(9, &quant).kind,
+            LayerKind::Sparse {
+                density: Some(0.02),
+                pairs: true
+            }
+        );
+        for codec in ["fp16", "qsgd", "3lc", "fastsgd", "none", "int8"] {
+            let st = Strategy::Sparse {
+                codec: codec.parse().unwrap(),
+                density: None,
+            };
+            assert_eq!(
+                LayerPlanInput::new(9, &st).kind,
+                LayerKind::Sparse {
+                    density: None,
+                    pairs: false
+                },
+                "{codec}"
+            );
+        }
         let over = Strategy::Sparse {
             codec: CodecConfig::Rgc {
                 density: 0.02,
@@ -515,7 +599,10 @@ mod tests {
         };
         assert_eq!(
             LayerPlanInput::new(9, &over).kind,
-            LayerKind::Sparse { density: Some(0.5) }
+            LayerKind::Sparse {
+                density: Some(0.5),
+                pairs: true
+            }
         );
         let sbc = Strategy::Sparse {
             codec: CodecConfig::Sbc { p: 0.03 },
@@ -524,7 +611,8 @@ mod tests {
         assert_eq!(
             LayerPlanInput::new(9, &sbc).kind,
             LayerKind::Sparse {
-                density: Some(0.03)
+                density: Some(0.03),
+                pairs: false
             }
         );
         assert_eq!(
@@ -552,5 +640,75 @@ mod tests {
             plan_step_into(&mut p, step, &cfg, 3, &t);
             assert_eq!(p, plan_step(step, &cfg, 3, &t), "step {step}");
         }
+    }
+
+    /// `sparse_exchange = allreduce`: the index/value layers leave the
+    /// fused message for the `reduced` group (offsets in its concatenated
+    /// index space), the others stay; the status allreduce always runs
+    /// with reduced layers (at one rank too, and without dense layers);
+    /// warm-up and delayed local steps reduce nothing.
+    #[test]
+    fn allreduce_exchange_moves_pair_layers_to_the_reduced_group() {
+        let cfg = Config {
+            sparse_exchange: SparseExchange::Allreduce,
+            ..Config::default()
+        };
+        let t = [
+            dense(10),
+            pairs(1000, 0.01),
+            sparse(300, None),
+            pairs(0, 0.01),
+            pairs(77, 0.1),
+        ];
+        for ranks in [1, 2, 5] {
+            let p = plan_step(0, &cfg, ranks, &t);
+            use Mode::*;
+            assert_eq!(modes(&p), [Dense, Sparse, Sparse, Sparse, Sparse]);
+            assert_eq!(p.sparse.ids, [2]);
+            assert_eq!(p.sparse.elems, 300);
+            assert_eq!(p.reduced.ids, [1, 3, 4]);
+            assert_eq!(p.reduced.elems, 1077);
+            let r: Vec<_> = p.layers.iter().map(|l| (l.reduced, l.reduce_off)).collect();
+            assert_eq!(
+                r,
+                [
+                    (false, 0),
+                    (true, 0),
+                    (false, 0),
+                    (true, 1000),
+                    (true, 1000)
+                ]
+            );
+            assert_eq!(p.layers[4].density, Some(0.1));
+            assert!(p.sparse_reduce && p.reduce);
+            assert_eq!(p.gather, ranks > 1);
+        }
+        // Only reduced layers: the status allreduce still runs.
+        let p = plan_step(0, &cfg, 3, &[pairs(100, 0.1)]);
+        assert!(p.sparse_reduce && p.reduce && !p.gather && !p.rings);
+        assert_eq!(p.dense.elems, 0);
+        // The default exchange keeps every sparse layer in the message.
+        let p = plan_step(0, &Config::default(), 3, &t);
+        assert_eq!(p.sparse.ids, [1, 2, 3, 4]);
+        assert!(p.reduced.ids.is_empty() && !p.sparse_reduce);
+        assert!(p.layers.iter().all(|l| !l.reduced));
+        // Dense warm-up and delayed local steps: nothing to reduce.
+        let warm = Config {
+            warmup: Warmup::Dense { steps: 2 },
+            delay: 2,
+            ..cfg.clone()
+        };
+        for step in 0..3 {
+            let p = plan_step(step, &warm, 3, &t);
+            assert!(!p.sparse_reduce && p.reduced.ids.is_empty(), "step {step}");
+        }
+        assert!(plan_step(3, &warm, 3, &t).sparse_reduce);
+        // Parallel phases count the reduced layers as sparse ones.
+        let par = Config {
+            parallel_min_elems: 1000,
+            ..cfg
+        };
+        let p = plan_step(0, &par, 2, &[pairs(600, 0.1), pairs(600, 0.1)]);
+        assert!(p.parallel_local && p.parallel_unpack);
     }
 }

@@ -50,7 +50,7 @@ pub struct StepStats {
     pub overlapped: bool,
     /// Per layer.
     pub layers: Vec<LayerStats>,
-    /// Bytes of this rank's fused sparse message.
+    /// Bytes of this rank's fused sparse message (0 when no layer is in it).
     pub fused_bytes: usize,
     /// Bytes of the fused dense buffer.
     pub dense_bytes: usize,
@@ -62,6 +62,14 @@ pub struct StepStats {
     pub allgather_s: f64,
     /// Dense allreduce, seconds.
     pub allreduce_s: f64,
+    /// Sparse allreduce of the layers that `Config::sparse_exchange` takes
+    /// out of the fused allgatherv, seconds (0 without such layers).
+    pub sparse_reduce_s: f64,
+    /// Distinct indices of that sparse allreduce's result (the fill-in of
+    /// the summed selections, over the concatenated index space of those
+    /// layers; their elements in all are the space's size). A caller or a
+    /// cost model can estimate the next steps' fill-in from it.
+    pub sparse_reduce_nnz: usize,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
     /// Unpacking, seconds.
@@ -96,6 +104,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             pack_s: info.pack_s,
             allgather_s: job.allgather_s,
             allreduce_s: job.allreduce_s,
+            sparse_reduce_s: job.sparse_reduce_s,
+            sparse_reduce_nnz: job.sparse_reduce_nnz,
             gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,

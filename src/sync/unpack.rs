@@ -1,6 +1,7 @@
 //! The last part of a step: every rank's fused sparse message parsed and
 //! decoded into the average (RedSync §4's decompression; SBC and the other
-//! codecs through their `decode`), the dense average and GradiVeQ's ring
+//! codecs through their `decode`), the sparse allreduce's result sliced
+//! into its layers, the dense average and GradiVeQ's ring
 //! output with momentum applied (`dense_update`), the delayed steps'
 //! correction, and the NaN/Inf policy. What each layer reads is fixed by
 //! the step's plan ([`plan`](super::plan)).
@@ -105,6 +106,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let gathered = &job.gathered;
         let entries = &self.entries;
         let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
+        let reduced_pos = |i: usize| plan.reduced.ids.binary_search(&(i as u32)).ok();
+        let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
         let dense = &job.dense;
         let gvq = &job.gvq;
         let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Option<Error>> {
@@ -116,6 +119,26 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     l.non_finite.then(|| Error::NonFinite {
                         rank: Some(rank),
                         layer: l.name.clone(),
+                    })
+                }
+                Mode::Sparse if lp.reduced => {
+                    // The sparse allreduce's slice: every rank's pairs,
+                    // already scaled by 1/p (job.rs), as `unpack_layer`
+                    // would have added them; a non-finite layer as its
+                    // `NonFinite` entries would have it.
+                    let j = reduced_pos(i).expect("reduced layer is in the reduced group");
+                    o.copy_from_slice(&reduced[lp.reduce_off..lp.reduce_off + l.n]);
+                    if params.2 {
+                        crate::dense::sub_from(o, &l.prev);
+                    }
+                    bad_rank[j].map(|r| {
+                        if policy == NonFinitePolicy::Propagate {
+                            o.fill(f32::NAN);
+                        }
+                        Error::NonFinite {
+                            rank: Some(r),
+                            layer: l.name.clone(),
+                        }
                     })
                 }
                 Mode::Sparse => {

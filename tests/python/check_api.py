@@ -174,6 +174,24 @@ for step in range(3):
     ok(all(np.array_equal(x, y) for x, y in zip(a, b)), "start/wait == sync")
     ok(any(not np.array_equal(x, y) for x, y in zip(b, b_in)), "wait wrote the results")
 
+# sparse_exchange="allreduce" (issue #15): the RGC layer by one sparse
+# allreduce gives bit for bit what the fused allgatherv gives (integer
+# gradients), and the stats report its distinct indices.
+s3 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="allreduce")
+s4 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="allgather")
+sh = table(s3)
+table(s4)
+for step in range(3):
+    a, b = grads(sh, step), grads(sh, step)
+    st3, st4 = s3.sync(a), s4.sync(b)
+    ok(all(np.array_equal(x, y) for x, y in zip(a, b)), f"sparse_exchange allreduce == allgather, step {step}")
+    ok(st3["sparse_reduce_nnz"] > 0 and st4["sparse_reduce_nnz"] == 0, f"sparse_reduce_nnz {st3['sparse_reduce_nnz']}")
+    ok(st3["fused_bytes"] == 0 and st4["fused_bytes"] > 0, "the RGC layer left the fused message")
+s3.close()
+s4.close()
+e = expect_error(lambda: gradsync.GradSync(comm, sparse_exchange="hierarchical"), None, "hierarchical refused")
+ok("not available" in str(e), f"hierarchical refused: {e}")
+
 # Snapshots: save after 2 steps, run 2 more; a fresh engine that loads the
 # snapshot reproduces those 2 steps bit for bit.
 with tempfile.TemporaryDirectory() as d:
