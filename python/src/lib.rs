@@ -789,6 +789,10 @@ fn predict(
         select_method: select_method.to_string(),
         gradiveq_ratio,
         strategies: strategies.unwrap_or_default().join(","),
+        ranks_per_node: None,
+        inter_alpha: None,
+        inter_bandwidth: None,
+        fill: None,
     };
     let rec = m
         .profile()

@@ -122,8 +122,12 @@ pub enum SparseExchange {
     /// regions). The result is bitwise the allgather path's (each pair is
     /// scaled by `1/p` before the exact sum, which adds in rank order).
     Allreduce,
-    /// As `Allreduce`, node-aware (the hierarchical sparse allreduce).
-    /// Not available yet: [`Config`]'s check rejects it.
+    /// As `Allreduce`, node-aware
+    /// ([`crate::sparse::hierarchical_sparse_allreduce`]: the units merged
+    /// per node, exchanged among the nodes' leaders, broadcast inside each
+    /// node). Needs the ranks' nodes (an MPI communicator: ranks that share
+    /// memory). Sums node by node, so equal to `Allreduce` up to the order
+    /// of the additions (exactly for integers).
     Hierarchical,
 }
 
@@ -263,13 +267,6 @@ impl Config {
                     "density warm-up needs steps_per_stage ≥ 1 and densities in (0, 1]".into(),
                 ));
             }
-        }
-        if cfg.sparse_exchange == SparseExchange::Hierarchical {
-            return Err(Error::InvalidArgument(
-                "sparse_exchange \"hierarchical\" (the node-aware sparse allreduce) is not \
-                 available in this build yet; use \"allgather\" or \"allreduce\""
-                    .into(),
-            ));
         }
         cfg.codec.build()?;
         Ok(())

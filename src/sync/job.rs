@@ -46,8 +46,8 @@ use crate::dense::{
     allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
 use crate::sparse::{
-    failure_text, fused_allgather, sparse_allreduce, write_failed, write_fused, EntryKind,
-    SparseAllreduceOptions,
+    failure_text, fused_allgather, hierarchical_sparse_allreduce, sparse_allreduce, write_failed,
+    write_fused, EntryKind, SparseAllreduceOptions,
 };
 use crate::{Error, Result};
 use std::sync::mpsc;
@@ -57,6 +57,9 @@ use std::time::Instant;
 /// thread and back.
 #[derive(Default)]
 pub(super) struct Job {
+    /// Every rank's node (the hierarchical sparse exchange), set when the
+    /// engine is created.
+    pub(super) nodes: Vec<usize>,
     pub(super) fused: Vec<u8>,
     pub(super) gathered: Gathered,
     pub(super) dense: Vec<f32>,
@@ -204,7 +207,7 @@ impl Job {
             self.sp_out.resize(self.sp_n, 0.0);
             self.sparse_reduce_nnz = reduce_sparse(
                 comm,
-                self.exchange,
+                (self.exchange, &self.nodes),
                 self.sp_n,
                 &self.sp_idx,
                 &self.sp_val,
@@ -320,7 +323,7 @@ impl Job {
 /// the result. At one rank: this rank's pairs, without communication.
 fn reduce_sparse<C: Transport>(
     comm: &C,
-    exchange: SparseExchange,
+    (exchange, nodes): (SparseExchange, &[usize]),
     n: usize,
     idx: &[u32],
     vals: &[f32],
@@ -346,14 +349,8 @@ fn reduce_sparse<C: Transport>(
             Ok(report.region_nnz.iter().sum())
         }
         SparseExchange::Hierarchical => {
-            // WIRE: hierarchical_sparse_allreduce
-            // (`comm.node_ids()` for `nodes`, the same `opts`; return the
-            // report's distinct indices of the result). Config::check
-            // rejects Hierarchical until then, so no step gets here.
-            Err(Error::Unsupported(
-                "sparse_exchange \"hierarchical\": hierarchical_sparse_allreduce is not built yet"
-                    .into(),
-            ))
+            let report = hierarchical_sparse_allreduce(comm, n, nodes, idx, vals, out, opts)?;
+            Ok(report.result_nnz)
         }
         SparseExchange::Allgather => Err(Error::InvalidArgument(
             "sparse_exchange \"allgather\" reduces no layer".into(),

@@ -258,6 +258,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         s.agree(valid.map(|()| table_hash), || {
             "the engine options (Config) differ".to_string()
         })?;
+        if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
+            // Every rank has the same options here, so every rank asks
+            // (collective on MPI) and gets the same answer.
+            let comm = s.comm.as_ref().expect("transport held at creation");
+            let nodes = comm.node_ids().ok_or_else(|| {
+                Error::Unsupported(
+                    "sparse_exchange \"hierarchical\" needs the ranks' nodes \
+                     (an MPI communicator); this transport has none"
+                        .into(),
+                )
+            })?;
+            s.job.as_mut().expect("job buffers present").nodes = nodes;
+        }
         Ok(s)
     }
 

@@ -3,8 +3,9 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, barrier_span, exchange_time, exchange_time_with, layers_probe, pairs, local, net_cap, net_sizes, pingpong,
-    sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe, NET_PROBE_S,
+    allgather_time, barrier_span, exchange_time, exchange_time_with, layers_probe, local, net_cap,
+    net_sizes, pairs, pingpong, sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe,
+    NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -72,10 +73,7 @@ pub(super) fn run(
     // On several nodes (issue #15) the exchanges pair ranks inside their
     // node, and one more set of probes times rank 0 with a rank of
     // another node, alone on the link: the profile's two levels.
-    let pairs = pairs(
-        &if p > 1 { comm.node_ids() } else { vec![0] },
-        comm.rank(),
-    );
+    let pairs = pairs(&if p > 1 { comm.node_ids() } else { vec![0] }, comm.rank());
     if pairs.multi && comm.rank() == 0 {
         log::info!(
             "calibrate: the job spans several nodes (up to {} ranks per node): \
@@ -266,7 +264,11 @@ pub(super) fn run(
     log::debug!("calibrate: {nrounds} rounds");
     let (mut pp_rows, mut ex_rows, mut ag_rows) = (Vec::new(), Vec::new(), Vec::new());
     for (i, &b) in net_sizes[..net].iter().enumerate() {
-        let (pp, ex, ag) = (remote_med[i], remote_med[net + i], remote_med[2 * net + inter + i]);
+        let (pp, ex, ag) = (
+            remote_med[i],
+            remote_med[net + i],
+            remote_med[2 * net + inter + i],
+        );
         log::debug!(
             "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
         );

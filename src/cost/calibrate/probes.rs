@@ -162,7 +162,13 @@ pub(super) fn exchange_time(
     round: usize,
 ) -> Result<f64> {
     let peer = comm.rank() ^ 1;
-    exchange_time_with(comm, (peer < comm.size()).then_some(peer), send, recv, round)
+    exchange_time_with(
+        comm,
+        (peer < comm.size()).then_some(peer),
+        send,
+        recv,
+        round,
+    )
 }
 
 /// The same with this rank's partner given (`None`: this rank only takes
