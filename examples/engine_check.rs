@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! mpirun -np 4 target/release/examples/engine_check codecs
-//! mpirun -np 5 target/release/examples/engine_check exchange
+//! mpirun -np 5 target/release/examples/engine_check exchange [allreduce|hierarchical]
 //! mpirun -np 3 target/release/examples/engine_check mismatch
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 6
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 3 --save /tmp/snap
@@ -147,7 +147,7 @@ fn codecs<C: Communicator>(world: &C) {
     }
 }
 
-fn exchange<C: Communicator>(world: &C) {
+fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
     let (rank, p) = (world.rank() as usize, world.size() as usize);
     let sp = |c: &str| Strategy::Sparse {
         codec: c.parse().unwrap_or_else(|e| fail(format!("{c}: {e}"))),
@@ -165,7 +165,7 @@ fn exchange<C: Communicator>(world: &C) {
     ];
     let cfg = Config {
         momentum: 0.9,
-        sparse_exchange: SparseExchange::Allreduce,
+        sparse_exchange: ex,
         ..Config::default()
     };
     let gather_cfg = Config {
@@ -232,10 +232,14 @@ fn exchange<C: Communicator>(world: &C) {
         }
         let mut want_nnz = 0usize;
         for (i, &(lname, len, _, reduced)) in table.iter().enumerate() {
-            if g[i]
-                .iter()
-                .zip(&ga[i])
-                .any(|(x, y)| x.to_bits() != y.to_bits())
+            // The sparse allreduce adds in rank order, as the allgather's
+            // unpacking does: bitwise the same. The node-aware one adds
+            // node by node (checked against MPI_Allreduce below only).
+            if ex == SparseExchange::Allreduce
+                && g[i]
+                    .iter()
+                    .zip(&ga[i])
+                    .any(|(x, y)| x.to_bits() != y.to_bits())
             {
                 fail(format!(
                     "step {step} layer {lname}: differs from the allgather engine"
@@ -409,7 +413,14 @@ fn main() {
     };
     match args.first().map(String::as_str) {
         Some("codecs") => codecs(&world),
-        Some("exchange") => exchange(&world),
+        Some("exchange") => exchange(
+            &world,
+            match args.get(1).map(String::as_str) {
+                None | Some("allreduce") => SparseExchange::Allreduce,
+                Some("hierarchical") => SparseExchange::Hierarchical,
+                Some(x) => fail(format!("exchange {x:?}: allreduce or hierarchical")),
+            },
+        ),
         Some("mismatch") => mismatch(&world),
         Some("run") => run(
             &world,

@@ -177,6 +177,24 @@ else
   say "sparse allreduces on the cluster: skipped, no $HSPARSE or $FSPARSE (cargo build --release --examples)"
 fi
 
+# 6b. The engine with sparse_exchange = hierarchical across hosts: every
+# step against MPI_Allreduce of the decoded units (5 OK lines, rank 0).
+ENGINE="$(dirname "$BIN")/examples/engine_check"
+if [ -x "$ENGINE" ]; then
+  for hr in "2 2" "3 2" "4 1"; do
+    read -r h r <<<"$hr"
+    np=$((h * r))
+    run "engine exchange ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$ENGINE" exchange hierarchical
+    log="$WORK/engine exchange ${h}x$r.log"
+    [ "$run_rc" = 0 ] || fail "engine_check exchange hierarchical on $h x $r exited $run_rc" "$log"
+    oks=$(grep -c "^OK exchange .* ranks=$np$" "$log" || true)
+    [ "$oks" = 5 ] || fail "engine_check exchange hierarchical on $h x $r: $oks OK lines, not 5" "$log"
+  done
+  say "engine with the node-aware sparse exchange = MPI_Allreduce on 2 x 2, 3 x 2, 4 x 1"
+else
+  say "engine exchange on the cluster: skipped, no $ENGINE (cargo build --release --examples)"
+fi
+
 # 7. A failing command's status.
 run "exit 7" --hosts 2 --ranks-per-host 1 --link 1gbit -- sh -c 'exit 7'
 [ "$run_rc" = 7 ] || fail "a command exiting 7 made hpc/cluster.sh exit $run_rc" "$WORK/exit 7.log"

@@ -201,9 +201,21 @@ fn engine_sparse_sync_equals_mpi_allreduce_of_decoded_units() {
 /// with the sparse allreduce's distinct indices and a NaN on one rank.
 #[test]
 fn engine_sparse_allreduce_exchange_equals_mpi_allreduce_of_decoded_units() {
+    exchange_check("allreduce");
+}
+
+/// The same with `sparse_exchange = hierarchical` (the node-aware sparse
+/// allreduce; one node here, several in `hpc/cluster_test.sh`), against
+/// `MPI_Allreduce` of the decoded units.
+#[test]
+fn engine_hierarchical_exchange_equals_mpi_allreduce_of_decoded_units() {
+    exchange_check("hierarchical");
+}
+
+fn exchange_check(which: &str) {
     let ex = engine_check();
     for np in [1, 2, 3, 5, 8] {
-        let (ok, out, err) = mpirun(np, &ex, &["exchange"], Duration::from_secs(300));
+        let (ok, out, err) = mpirun(np, &ex, &["exchange", which], Duration::from_secs(300));
         assert!(ok, "np={np}: {err}\n{out}");
         let lines: Vec<&str> = out
             .lines()

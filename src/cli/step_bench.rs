@@ -114,6 +114,8 @@ struct Inputs {
     profile: Option<Profile>,
     density: f64,
     allowed: Vec<StrategyId>,
+    /// Ranks per node of this job (the two-level model), if several nodes.
+    ranks_per_node: Option<usize>,
 }
 
 fn inputs(a: &BenchArgs) -> Result<Inputs> {
@@ -158,6 +160,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         profile,
         density: a.density.unwrap_or(0.001),
         allowed,
+        ranks_per_node: None,
     })
 }
 
@@ -187,7 +190,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         return Ok((v, None, Vec::new()));
     };
     let allowed = if inp.allowed.is_empty() {
-        cost::engine_candidates(cfg.allreduce, cfg.auto_quant)
+        cost::engine_candidates(cfg.allreduce, cfg.sparse_exchange, cfg.auto_quant)
     } else {
         inp.allowed.clone()
     };
@@ -196,7 +199,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         density: inp.density,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
-        ranks_per_node: None,
+        ranks_per_node: inp.ranks_per_node,
         fill: None,
         allowed: allowed.clone(),
     };
@@ -251,7 +254,7 @@ fn uniform(
                 density: inp.density,
                 select_method: "trimmed".into(),
                 gradiveq_ratio: 8.0,
-                ranks_per_node: None,
+                ranks_per_node: inp.ranks_per_node,
                 fill: None,
                 allowed: Vec::new(),
             };
@@ -305,6 +308,8 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         m.push(("--compare", a.compare.to_string()));
         m
     })?;
+    // The job's placement for the two-level model (collective on every rank).
+    inp.ranks_per_node = crate::comm::ranks_per_node(&comm.node_ids());
     let (rank, p) = (comm.rank(), comm.size());
     if a.calibrate {
         // The library's calibration, from inside this job (collective).

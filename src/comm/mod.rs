@@ -151,3 +151,14 @@ pub(crate) fn check_peer(size: usize, peer: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// Ranks per node of a node map (`nodes[r]` = rank `r`'s node) for the
+/// cost model's two levels: the largest node's count when the ranks span
+/// several nodes, `None` on one node.
+pub fn ranks_per_node(nodes: &[usize]) -> Option<usize> {
+    let mut counts = std::collections::HashMap::new();
+    for &n in nodes {
+        *counts.entry(n).or_insert(0usize) += 1;
+    }
+    (counts.len() > 1).then(|| counts.values().copied().max().unwrap_or(1))
+}

@@ -12,7 +12,7 @@
 use super::{Prediction, STRATEGIES};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::dense::AllreduceAlgo;
-use crate::sync::Strategy;
+use crate::sync::{SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -174,14 +174,26 @@ impl std::fmt::Display for StrategyId {
 
 /// What the engine's `Strategy::Auto` chooses among: the dense allreduce
 /// the engine is configured with (its fused dense group runs one
-/// algorithm), RGC, and quantized RGC when `quant`.
-pub fn engine_candidates(allreduce: AllreduceAlgo, quant: bool) -> Vec<StrategyId> {
+/// algorithm), RGC exchanged by its configured sparse collective
+/// (`sparse_exchange`: the fused allgatherv, the sparse allreduce or the
+/// node-aware one), and quantized RGC when `quant` with the allgatherv.
+pub fn engine_candidates(
+    allreduce: AllreduceAlgo,
+    exchange: SparseExchange,
+    quant: bool,
+) -> Vec<StrategyId> {
     let dense = match allreduce {
         AllreduceAlgo::Ring => StrategyId::DenseRing,
+        AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
         _ => StrategyId::DenseRabenseifner,
     };
-    let mut v = vec![dense, StrategyId::SparseAllgather];
-    if quant {
+    let sparse = match exchange {
+        SparseExchange::Allgather => StrategyId::SparseAllgather,
+        SparseExchange::Allreduce => StrategyId::SparseAllreduce,
+        SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+    };
+    let mut v = vec![dense, sparse];
+    if quant && exchange == SparseExchange::Allgather {
         v.push(StrategyId::SparseAllgatherQuant);
     }
     v
@@ -244,6 +256,41 @@ mod tests {
                 "{id}"
             );
         }
+    }
+
+    #[test]
+    fn engine_candidates_follow_the_engine_collectives() {
+        use StrategyId::*;
+        let c = |a, e, q| engine_candidates(a, e, q);
+        assert_eq!(
+            c(AllreduceAlgo::Rabenseifner, SparseExchange::Allgather, true),
+            vec![DenseRabenseifner, SparseAllgather, SparseAllgatherQuant]
+        );
+        assert_eq!(
+            c(
+                AllreduceAlgo::Hierarchical,
+                SparseExchange::Hierarchical,
+                true
+            ),
+            vec![DenseHierarchical, SparseHierarchical]
+        );
+        assert_eq!(
+            c(AllreduceAlgo::Ring, SparseExchange::Allreduce, false),
+            vec![DenseRing, SparseAllreduce]
+        );
+        // Every candidate is an engine strategy; the sparse ones are RGC.
+        for id in [SparseAllreduce, SparseHierarchical] {
+            assert!(matches!(
+                id.engine_strategy(0.01, RgcMethod::Trimmed),
+                Some(Strategy::Sparse {
+                    codec: CodecConfig::Rgc { .. },
+                    ..
+                })
+            ));
+            assert_eq!(id.sparse_group(), Some(id));
+        }
+        assert_eq!(Fp16.sparse_group(), Some(SparseAllgather));
+        assert!(DenseHierarchical.is_dense() && DenseHierarchical.sparse_group().is_none());
     }
 
     #[test]

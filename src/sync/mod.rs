@@ -187,6 +187,9 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     rank_entries: Vec<Entry>,
     last: StepStats,
     warned_no_thread: bool,
+    /// Every rank's node, when the configuration needs them (the
+    /// node-aware collectives, a two-level profile for `Auto`).
+    nodes: Option<Vec<usize>>,
 }
 
 /// What `start` tells `wait` about the step.
@@ -254,13 +257,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             rank_entries: Vec::new(),
             last: StepStats::default(),
             warned_no_thread: false,
+            nodes: None,
         };
         s.agree(valid.map(|()| table_hash), || {
             "the engine options (Config) differ".to_string()
         })?;
+        // Every rank has the same options here, so every rank asks for the
+        // nodes (collective on MPI) or none does, and all get the same answer.
+        let two_level = s
+            .cfg
+            .profile
+            .as_ref()
+            .is_some_and(|p| p.inter_node.is_some());
+        if two_level || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical {
+            let comm = s.comm.as_ref().expect("transport held at creation");
+            s.nodes = comm.node_ids();
+        }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
-            // Every rank has the same options here, so every rank asks
-            // (collective on MPI) and gets the same answer.
             let comm = s.comm.as_ref().expect("transport held at creation");
             let nodes = comm.node_ids().ok_or_else(|| {
                 Error::Unsupported(
@@ -269,7 +282,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         .into(),
                 )
             })?;
-            s.job.as_mut().expect("job buffers present").nodes = nodes;
+            s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
+            s.nodes = Some(nodes);
         }
         Ok(s)
     }

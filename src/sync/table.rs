@@ -99,14 +99,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 p: self.size,
                 density: d,
                 gradiveq_ratio: 8.0,
-                ranks_per_node: None,
+                ranks_per_node: self.ranks_per_node(),
                 fill: None,
             },
             &method_name,
         )?;
         // The one decision table (crate::cost::choose) over what the
         // engine runs for this configuration.
-        let allowed = crate::cost::engine_candidates(self.cfg.allreduce, self.cfg.auto_quant);
+        let allowed = crate::cost::engine_candidates(
+            self.cfg.allreduce,
+            self.cfg.sparse_exchange,
+            self.cfg.auto_quant,
+        );
         let best = choose(&preds, &allowed)
             .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
         let strategy = best
@@ -389,6 +393,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let (method, method_name) = self.auto_method()?;
         let dense = match self.cfg.allreduce {
             crate::dense::AllreduceAlgo::Ring => StrategyId::DenseRing,
+            crate::dense::AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
             _ => StrategyId::DenseRabenseifner,
         };
         let table: Vec<StepLayer> = self
@@ -400,7 +405,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 kind: match &l.strategy {
                     Strategy::Auto => LayerKind::Auto,
                     s => {
-                        let (id, density) = fixed_id(s, dense, d);
+                        let (id, density) = fixed_id(s, dense, self.cfg.sparse_exchange, d);
                         LayerKind::Fixed(id, density)
                     }
                 },
@@ -411,9 +416,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             density: d,
             select_method: method_name,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
+            ranks_per_node: self.ranks_per_node(),
             fill: None,
-            allowed: cost::engine_candidates(self.cfg.allreduce, self.cfg.auto_quant),
+            allowed: cost::engine_candidates(
+                self.cfg.allreduce,
+                self.cfg.sparse_exchange,
+                self.cfg.auto_quant,
+            ),
         };
         let plan = cost::plan_step(prof, &q, &table)?;
         let mut layers = Vec::new();
@@ -443,6 +452,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .unwrap_or("trimmed")
             .to_string();
         Ok((method, name))
+    }
+
+    /// Ranks per node for the step model: the largest node's count when the
+    /// job spans several nodes (block placement assumed), else `None`.
+    fn ranks_per_node(&self) -> Option<usize> {
+        crate::comm::ranks_per_node(self.nodes.as_ref()?)
     }
 
     /// Give the `Auto` layers their planned strategies (cannot fail).
@@ -522,6 +537,7 @@ fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> 
 fn fixed_id(
     s: &Strategy,
     dense: crate::cost::StrategyId,
+    exchange: super::SparseExchange,
     auto_density: f64,
 ) -> (crate::cost::StrategyId, f64) {
     use crate::cost::StrategyId;
@@ -533,6 +549,16 @@ fn fixed_id(
                 .or_else(|| super::plan::config_density(codec))
                 .unwrap_or(auto_density);
             let id = match codec {
+                // RGC layers go by the configured sparse collective (the
+                // quantized ones too, priced as RGC there).
+                CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. }
+                    if exchange != super::SparseExchange::Allgather =>
+                {
+                    match exchange {
+                        super::SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+                        _ => StrategyId::SparseAllreduce,
+                    }
+                }
                 CodecConfig::Rgc { .. } => StrategyId::SparseAllgather,
                 CodecConfig::RgcQuant { .. } => StrategyId::SparseAllgatherQuant,
                 // `none` sends 4n bytes: RGC at density ½ sends as many.

@@ -1049,11 +1049,15 @@ fn auto_predict_and_plan_make_the_same_choice() {
                 .collect::<Vec<_>>()
         });
         let m = model_args(
-            crate::cost::engine_candidates(crate::dense::AllreduceAlgo::Rabenseifner, quant)
-                .iter()
-                .map(|id| id.name())
-                .collect::<Vec<_>>()
-                .join(","),
+            crate::cost::engine_candidates(
+                crate::dense::AllreduceAlgo::Rabenseifner,
+                SparseExchange::Allgather,
+                quant,
+            )
+            .iter()
+            .map(|id| id.name())
+            .collect::<Vec<_>>()
+            .join(","),
         );
         let mut kinds = std::collections::BTreeSet::new();
         for (i, &n) in [64usize, 9408, 32768, 1 << 20, 1 << 24].iter().enumerate() {

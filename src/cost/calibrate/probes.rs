@@ -232,7 +232,7 @@ pub(super) fn pairs(nodes: &[usize], rank: usize) -> Pairs {
     }
     Pairs {
         multi: other.is_some(),
-        ranks_per_node: counts.values().copied().max().unwrap_or(1),
+        ranks_per_node: crate::comm::ranks_per_node(nodes).unwrap_or(nodes.len()),
         any_intra: counts.values().any(|&c| c >= 2),
         intra,
         inter,
