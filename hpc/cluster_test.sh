@@ -195,6 +195,26 @@ else
   say "engine exchange on the cluster: skipped, no $ENGINE (cargo build --release --examples)"
 fi
 
+# 6c. calibrate on a job spanning hosts measures both levels: shared
+# memory inside a host, the 1 Gbit/s link (two-way and one-way) between.
+run "calibrate 2x2" --hosts 2 --ranks-per-host 2 --link 1gbit -- "$BIN" calibrate \
+  --out "$WORK/prof2x2.json" --quiet --reps 3 --min-seconds 1 --max-bytes 1M --densities 0.01
+[ "$run_rc" = 0 ] || fail "calibrate on 2 x 2 exited $run_rc" "$WORK/calibrate 2x2.log"
+levels=$(python3 - "$WORK/prof2x2.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+e = p.get("inter_node")
+assert e, "no inter_node level"
+assert e["oneway_curve"], "no one-way curve"
+ow = e["oneway_curve"][-1]["per_byte"]
+# 1 Gbit/s one way is 8 ns/B; shared memory is well under 1 ns/B.
+assert 5e-9 < ow < 12e-9, f"one-way {ow} s/B is not 1 Gbit/s"
+assert p["beta"] < 1e-9 < e["beta"], (p["beta"], e["beta"])
+print(f"inside {p['beta'] * 1e9:.2f} ns/B, between {e['beta'] * 1e9:.2f} ns/B two-way, {ow * 1e9:.2f} ns/B one-way")
+PY
+) || fail "calibrate on 2 x 2: the profile's levels are wrong" "$WORK/prof2x2.json"
+say "calibrate on 2 x 2 measures both levels: $levels"
+
 # 7. A failing command's status.
 run "exit 7" --hosts 2 --ranks-per-host 1 --link 1gbit -- sh -c 'exit 7'
 [ "$run_rc" = 7 ] || fail "a command exiting 7 made hpc/cluster.sh exit $run_rc" "$WORK/exit 7.log"

@@ -22,13 +22,20 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     };
-    for (n, p) in [(1usize, 1usize), (1000, 4), (1 << 24, 64)] {
+    for (n, p, l) in [
+        (1usize, 1usize, None),
+        (1000, 4, Some(2)),
+        (1 << 24, 64, Some(8)),
+        (1 << 20, 6, Some(4)),
+    ] {
         for method in ["trimmed", "threshold", "quant", "exact"] {
             let q = Query {
                 n,
                 p,
                 density: 0.01,
                 gradiveq_ratio: 8.0,
+                ranks_per_node: l,
+                fill: None,
             };
             if let Ok(preds) = predict(&prof, &q, method) {
                 let _ = choose(&preds, &[]);
@@ -36,10 +43,17 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    let base = Query {
+        n: 1,
+        p: 8,
+        density: 0.001,
+        gradiveq_ratio: 8.0,
+        ranks_per_node: Some(2),
+        fill: None,
+    };
     let _ = crossover(
         &prof,
-        8,
-        0.001,
+        &base,
         "trimmed",
         "sparse-allgather",
         "dense-rabenseifner",

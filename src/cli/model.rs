@@ -81,6 +81,7 @@ impl ModelArgs {
                 alpha: p.alpha,
                 beta: p.beta,
                 beta_curve: p.beta_curve.clone(),
+                oneway_curve: Vec::new(),
             });
             if let Some(a) = self.inter_alpha {
                 if !(a.is_finite() && a >= 0.0) {
@@ -98,6 +99,7 @@ impl ModelArgs {
                 }
                 e.beta = 1.0 / bw;
                 e.beta_curve.clear();
+                e.oneway_curve.clear();
             }
             p.inter_node = Some(e);
         }

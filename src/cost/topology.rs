@@ -20,7 +20,7 @@
 //! | algorithm | partners at step `i` | source |
 //! |---|---|---|
 //! | Rabenseifner, recursive-doubling allgather | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
-//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`) | Thakur et al. §4.3 |
+//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`]) | Thakur et al. §4.3 |
 //! | sparse allreduce (split and reduce) | round `s`: `r → r + s` | Ok-Topk; [`crate::sparse::allreduce`] |
 //!
 //! and the node-aware algorithms are costed by their phases:
@@ -72,6 +72,14 @@ pub struct NetLevel {
     /// β by message size (as [`Profile::beta_curve`]); empty: `beta`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub beta_curve: Vec<CurvePoint>,
+    /// β of one-way traffic by message size (ping-pong across the link,
+    /// `(T_oneway(m) − α)/m`): what a ring step costs, whose messages go
+    /// one way on each connection. Open MPI's TCP transport moves a large
+    /// two-way exchange at half the rate of one-way traffic, so the
+    /// exchange's β over-charges the ring 2× (measured, docs/benchmarks.md).
+    /// Empty: the exchange's β.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub oneway_curve: Vec<CurvePoint>,
 }
 
 impl NetLevel {
@@ -107,6 +115,17 @@ impl<'a> Net<'a> {
     /// that knows the link between them.
     pub fn two_level(&self) -> bool {
         self.l < self.p && self.prof.inter_node.is_some()
+    }
+
+    /// A step of one-way traffic (each connection carries one direction:
+    /// the ring), `c` ranks of a node crossing.
+    pub fn step_oneway(&self, m: f64, c: usize) -> f64 {
+        match &self.prof.inter_node {
+            Some(e) if c > 0 && self.l < self.p && !e.oneway_curve.is_empty() => {
+                e.alpha + c as f64 * m * super::curve_at(&e.oneway_curve, e.beta, m)
+            }
+            _ => self.step(m, c),
+        }
     }
 
     /// Nodes.
@@ -244,7 +263,7 @@ pub(crate) fn ring(net: &Net, bytes: f64) -> f64 {
     }
     let seg = bytes / p as f64;
     let c = usize::from(net.nodes() > 1);
-    2.0 * (p as f64 - 1.0) * net.step(seg, c)
+    2.0 * (p as f64 - 1.0) * net.step_oneway(seg, c)
         + (p as f64 - 1.0) * seg * net.prof.gamma_reduce_at(seg)
 }
 

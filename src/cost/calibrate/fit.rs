@@ -4,8 +4,8 @@
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
     allgather_time, barrier_span, exchange_time, exchange_time_with, layers_probe, local, net_cap,
-    net_sizes, pairs, pingpong, sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe,
-    NET_PROBE_S,
+    net_sizes, pairs, pingpong, pingpong_with, sizes_up_to, sparse_step_probe, step_probe,
+    synthetic, Probe, NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -105,6 +105,11 @@ pub(super) fn run(
         probes.push(Box::new(move |r| {
             exchange_time_with(comm, peer, &mut send, &mut recv, r)
         }));
+    }
+    for &b in &net_sizes[..inter] {
+        let mut buf = vec![0u8; b];
+        let peer = pairs.inter;
+        probes.push(Box::new(move |_| pingpong_with(comm, peer, &mut buf)));
     }
     for &b in &net_sizes[..net] {
         let (mut send, mut g) = (vec![0u8; b], Gathered::default());
@@ -267,7 +272,7 @@ pub(super) fn run(
         let (pp, ex, ag) = (
             remote_med[i],
             remote_med[net + i],
-            remote_med[2 * net + inter + i],
+            remote_med[2 * net + 2 * inter + i],
         );
         log::debug!(
             "calibrate: {b} B ping-pong {pp:.3e} s, exchange {ex:.3e} s, allgather {ag:.3e} s"
@@ -291,6 +296,7 @@ pub(super) fn run(
             alpha,
             beta,
             beta_curve: curve,
+            oneway_curve: Vec::new(),
         }
     };
     let inter_node = pairs.multi.then(|| {
@@ -300,7 +306,18 @@ pub(super) fn run(
             .map(|(i, &b)| (1.0, b as f64, remote_med[inter_at + i]))
             .collect();
         log::debug!("calibrate: between nodes {rows:?}");
-        level(&rows)
+        let mut e = level(&rows);
+        // One-way: the ping-pong across the link, half its round trip.
+        e.oneway_curve = net_sizes[..inter]
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b >= 4096)
+            .map(|(i, &b)| cost::CurvePoint {
+                bytes: b as f64,
+                per_byte: ((remote_med[inter_at + inter + i] - e.alpha) / b as f64).max(0.0),
+            })
+            .collect();
+        e
     });
     // Every node holds one rank: nothing was measured inside a node, and
     // the one level is the link.

@@ -152,6 +152,26 @@ pub(super) fn pingpong(comm: &MpiComm, buf: &mut [u8]) -> Result<f64> {
     Ok((mpi::time() - t0) / 2.0)
 }
 
+/// One-way time of a message between this rank and `peer` (ping-pong / 2;
+/// the lower rank starts); `None`: this rank only takes part in the
+/// barrier.
+pub(super) fn pingpong_with(comm: &MpiComm, peer: Option<usize>, buf: &mut [u8]) -> Result<f64> {
+    let rank = comm.rank();
+    comm.barrier()?;
+    let t0 = mpi::time();
+    let Some(peer) = peer else {
+        return Ok(0.0);
+    };
+    if rank < peer {
+        comm.send(buf, peer, tags::CALIBRATE_PINGPONG)?;
+        comm.recv(buf, peer, tags::CALIBRATE_PINGPONG)?;
+    } else {
+        comm.recv(buf, peer, tags::CALIBRATE_PINGPONG)?;
+        comm.send(buf, peer, tags::CALIBRATE_PINGPONG)?;
+    }
+    Ok((mpi::time() - t0) / 2.0)
+}
+
 /// Time of a pairwise exchange (`sendrecv` of the buffer each way between
 /// ranks `2i` and `2i+1`): one step of Rabenseifner's or recursive
 /// doubling's schedule, `α + bytes·β` in the model.

@@ -7,6 +7,7 @@ fn prof(inter: Option<(f64, f64)>) -> Profile {
         alpha,
         beta: 1.0 / bw,
         beta_curve: Vec::new(),
+        oneway_curve: Vec::new(),
     });
     p
 }
@@ -79,6 +80,31 @@ fn shared_links_charge_every_rank_that_crosses() {
     let ag = allgather(&n, m);
     let want = (1e-6 + m * bi) + (1e-6 + 2.0 * m * bi) + (2e-5 + 4.0 * 4.0 * m * be);
     assert!(rel(ag, want) < 1e-12, "{ag} vs {want}");
+}
+
+#[test]
+fn the_ring_pays_the_one_way_rate_across_nodes() {
+    let mut pr = prof(Some((2e-5, 1.25e8)));
+    let n = net(&pr, 4, 2);
+    let bytes = 64.0 * 1024.0 * 1024.0;
+    let two_way = ring(&n, bytes);
+    pr.inter_node.as_mut().expect("inter").oneway_curve = vec![CurvePoint {
+        bytes: 1.0,
+        per_byte: 0.5 / 1.25e8,
+    }];
+    let n = net(&pr, 4, 2);
+    let one_way = ring(&n, bytes);
+    let seg = bytes / 4.0;
+    let want = 6.0 * (2e-5 + seg * 0.5 / 1.25e8) + 3.0 * seg * pr.gamma_reduce;
+    assert!(rel(one_way, want) < 1e-12, "{one_way} vs {want}");
+    assert!(one_way < 0.6 * two_way);
+    // Rabenseifner's exchanges still pay the two-way β.
+    let mut two = pr.clone();
+    two.inter_node.as_mut().expect("inter").oneway_curve.clear();
+    assert_eq!(
+        rabenseifner(&n, bytes),
+        rabenseifner(&net(&two, 4, 2), bytes)
+    );
 }
 
 #[test]
