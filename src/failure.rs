@@ -114,6 +114,64 @@ pub fn agree<C: Transport, T>(comm: &C, local: Result<T>) -> Result<T> {
     )
 }
 
+/// The argument check a collective makes before it communicates, in ONE
+/// small max-allreduce: a rank-local argument error on any rank
+/// ([`agree`]'s [`Error::RankFailed`] on every rank), a length `n` that
+/// differs ([`Error::SizeMismatch`]) and up to two fingerprints of
+/// arguments that must agree (node maps, options: the first that differs
+/// is [`Error::ArgumentMismatch`] with its message). Every rank returns the
+/// same outcome, so none is left waiting in the collective.
+pub(crate) fn agree_args<C: Transport>(
+    comm: &C,
+    tag: Tag,
+    local: Result<()>,
+    n: usize,
+    prints: &[(u64, &dyn Fn() -> String)],
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    assert!(prints.len() <= 2, "agree_args: at most two fingerprints");
+    let mut v = [0u64; 7];
+    v[0] = if local.is_err() { (p - rank) as u64 } else { 0 };
+    v[1] = n as u64;
+    v[2] = !(n as u64);
+    for (i, (h, _)) in prints.iter().enumerate() {
+        v[3 + 2 * i] = *h;
+        v[4 + 2 * i] = !*h;
+    }
+    // Unused slots hold 0 and !0 on every rank, so they always agree.
+    for i in prints.len()..2 {
+        v[4 + 2 * i] = !0;
+    }
+    small_allreduce_max(comm, &mut v, tag)?;
+    if v[0] != 0 {
+        agree(comm, local)?;
+        return Err(Error::Transport(
+            "a rank flagged a failure that the agreement did not see".into(),
+        ));
+    }
+    let (max, min) = (v[1], !v[2]);
+    if min != max {
+        return Err(Error::SizeMismatch {
+            local: n as u64,
+            min,
+            max,
+        });
+    }
+    for (i, (h, msg)) in prints.iter().enumerate() {
+        if v[3 + 2 * i] != *h || !v[4 + 2 * i] != *h {
+            return Err(Error::ArgumentMismatch(msg()));
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a of a node map (ids as u64 LE), for [`agree_args`].
+pub(crate) fn map_hash(nodes: &[usize]) -> u64 {
+    nodes
+        .iter()
+        .fold(FNV_OFFSET, |h, &x| fnv(h, &(x as u64).to_le_bytes()))
+}
+
 /// [`Error::RankFailed`] from every rank's error text (empty = no failure):
 /// the lowest failing rank, its message, the count of the others. `None`
 /// when no rank failed.

@@ -209,26 +209,11 @@ fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
 
 /// Rabenseifner's allreduce of `bytes` on `p` ranks of `net`, step by step.
 pub(crate) fn rabenseifner(net: &Net, bytes: f64) -> f64 {
-    let p = net.p;
-    if p <= 1 || bytes <= 0.0 {
+    if net.p <= 1 || bytes <= 0.0 {
         return 0.0;
     }
-    let cross = crossings(Sched::Doubling, p, net.l);
-    let (steps, fold) = cross.split_at(cross.len() - 1);
-    let prof = net.prof;
-    let mut t = 0.0;
-    let mut m = bytes;
-    for &c in steps {
-        m /= 2.0;
-        t += 2.0 * net.step(m, c) + m * prof.gamma_reduce_at(m);
-    }
-    if !p.is_power_of_two() {
-        let c = fold[0];
-        t += 2.0 * net.step(bytes / 2.0, c)
-            + net.step(bytes, c)
-            + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);
-    }
-    t
+    let cross = crossings(Sched::Doubling, net.p, net.l);
+    halving(net, bytes, net.p, &cross)
 }
 
 /// Rabenseifner among `h` nodes, every step crossing `c` ranks of each node
@@ -237,17 +222,23 @@ fn rabenseifner_nodes(net: &Net, bytes: f64, h: usize, c: usize) -> f64 {
     if h <= 1 || bytes <= 0.0 {
         return 0.0;
     }
-    let f = crate::dense::Fold::new(h);
+    let steps = crate::dense::Fold::new(h).p2.trailing_zeros() as usize;
+    halving(net, bytes, h, &vec![c; steps + 1])
+}
+
+/// Recursive halving and doubling of `bytes` over `q` participants whose
+/// step `i` crosses `cross[i]` ranks of a node (the last entry: the fold's).
+fn halving(net: &Net, bytes: f64, q: usize, cross: &[usize]) -> f64 {
+    let (steps, fold) = cross.split_at(cross.len() - 1);
     let prof = net.prof;
     let mut t = 0.0;
     let mut m = bytes;
-    let mut q = 1;
-    while q < f.p2 {
+    for &c in steps {
         m /= 2.0;
         t += 2.0 * net.step(m, c) + m * prof.gamma_reduce_at(m);
-        q *= 2;
     }
-    if f.r > 0 {
+    if !q.is_power_of_two() {
+        let c = fold[0];
         t += 2.0 * net.step(bytes / 2.0, c)
             + net.step(bytes, c)
             + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);

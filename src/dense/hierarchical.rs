@@ -21,8 +21,8 @@
 
 use super::ring::segment;
 use super::{
-    add_into, rabenseifner_allreduce_with, scale, small_allreduce_max, split_ref_mut,
-    AllreduceOptions, Real, ReduceOp, Workspace, TAG_RING as TAG, TAG_VALIDATE,
+    add_into, rabenseifner_allreduce_with, scale, split_ref_mut, AllreduceOptions, Real, ReduceOp,
+    Workspace, TAG_RING as TAG, TAG_VALIDATE,
 };
 use crate::comm::{Group, Transport};
 use crate::{Error, Result};
@@ -71,36 +71,18 @@ pub fn hierarchical_allreduce_with<C: Transport, T: Real>(
         // One small collective agrees on the length, the map's validity
         // and the map itself: ranks holding different maps would enter
         // different groups and wait for each other forever.
-        let h = nodes.iter().fold(crate::failure::FNV_OFFSET, |h, &x| {
-            crate::failure::fnv(h, &(x as u64).to_le_bytes())
-        });
-        let mut v = [
-            if local.is_err() { (p - rank) as u64 } else { 0 },
-            n as u64,
-            !(n as u64),
-            h,
-            !h,
-        ];
-        small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
-        if v[0] != 0 {
-            crate::failure::agree(comm, local)?;
-            return Err(Error::Transport(
-                "a rank flagged a failure that the agreement did not see".into(),
-            ));
-        }
-        let (max, min) = (v[1], !v[2]);
-        if min != max {
-            return Err(Error::SizeMismatch {
-                local: n as u64,
-                min,
-                max,
-            });
-        }
-        if v[3] != h || !v[4] != h {
-            return Err(Error::ArgumentMismatch(format!(
-                "the node maps of the hierarchical allreduce differ across ranks (this rank's: {nodes:?})"
-            )));
-        }
+        let h = crate::failure::map_hash(nodes);
+        crate::failure::agree_args(
+            comm,
+            TAG_VALIDATE,
+            local,
+            n,
+            &[(h, &|| {
+                format!(
+                    "the node maps of the hierarchical allreduce differ across ranks (this rank's: {nodes:?})"
+                )
+            })],
+        )?;
     } else {
         // Without validation the caller guarantees agreement (as for every
         // algorithm's length); a wrong map is still refused before sending.

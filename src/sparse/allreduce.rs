@@ -60,7 +60,8 @@
 //! they are: NaN and Inf are summed like any other value.
 
 use crate::comm::{tags, Tag, Transport};
-use crate::dense::{allgatherv_with, small_allreduce_max, AllgathervAlgo, Gathered};
+use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
+use crate::failure::agree_args;
 use crate::{Error, Result};
 
 const TAG: Tag = tags::SPARSE_ALLREDUCE;
@@ -163,34 +164,18 @@ pub fn sparse_allreduce<C: Transport>(
     // 1. Agreement on failures, n and the options that shape the exchange.
     let local = check_local(rank, p, n, indices, values, out.len(), opts);
     let fp = fingerprint(opts);
-    let mut v = [
-        if local.is_err() { (p - rank) as u64 } else { 0 },
-        n as u64,
-        !(n as u64),
-        fp,
-        !fp,
-    ];
-    small_allreduce_max(comm, &mut v, TAG)?;
-    if v[0] != 0 {
-        crate::failure::agree(comm, local)?;
-        return Err(Error::Transport(
-            "a rank flagged a failure that the agreement did not see".into(),
-        ));
-    }
-    let (max, min) = (v[1], !v[2]);
-    if min != max {
-        return Err(Error::SizeMismatch {
-            local: n as u64,
-            min,
-            max,
-        });
-    }
-    if v[3] != fp || !v[4] != fp {
-        return Err(Error::ArgumentMismatch(format!(
-            "sparse allreduce balance/reselect options differ across ranks (this rank: {:?}, reselect {:?})",
-            opts.balance, opts.reselect
-        )));
-    }
+    agree_args(
+        comm,
+        TAG,
+        local,
+        n,
+        &[(fp, &|| {
+            format!(
+                "sparse allreduce balance/reselect options differ across ranks (this rank: {:?}, reselect {:?})",
+                opts.balance, opts.reselect
+            )
+        })],
+    )?;
 
     // Local pairs sorted by index, duplicates summed in input order.
     let pairs = sorted_pairs(indices, values);

@@ -66,8 +66,8 @@
 
 use super::allreduce::{check_pairs, merge_sorted, sorted_pairs, SparseAllreduceOptions};
 use crate::comm::{tags, Group, Tag, Transport};
-use crate::dense::{allgatherv_with, small_allreduce_max, AllgathervAlgo, Gathered};
-use crate::failure::{fnv, FNV_OFFSET};
+use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
+use crate::failure::{agree_args, map_hash};
 use crate::{Error, Result};
 use std::collections::HashMap;
 
@@ -134,48 +134,30 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
     let (rank, p) = (comm.rank(), comm.size());
     // 1. Agreement on failures, n, the node map and the allgatherv.
     let local = check_local(rank, p, n, nodes, indices, values, out.len(), opts);
-    let map = nodes
-        .iter()
-        .fold(FNV_OFFSET, |h, &x| fnv(h, &(x as u64).to_le_bytes()));
+    let map = map_hash(nodes);
     let algo = match opts.gather {
         AllgathervAlgo::RecursiveDoubling => 1u64,
         AllgathervAlgo::Mpi => 2,
     };
-    let mut v = [
-        if local.is_err() { (p - rank) as u64 } else { 0 },
-        n as u64,
-        !(n as u64),
-        map,
-        !map,
-        algo,
-        !algo,
-    ];
-    small_allreduce_max(comm, &mut v, TAG)?;
-    if v[0] != 0 {
-        crate::failure::agree(comm, local)?;
-        return Err(Error::Transport(
-            "a rank flagged a failure that the agreement did not see".into(),
-        ));
-    }
-    let (max, min) = (v[1], !v[2]);
-    if min != max {
-        return Err(Error::SizeMismatch {
-            local: n as u64,
-            min,
-            max,
-        });
-    }
-    if v[3] != map || !v[4] != map {
-        return Err(Error::ArgumentMismatch(format!(
-            "the node maps of the hierarchical sparse allreduce differ across ranks (this rank's: {nodes:?})"
-        )));
-    }
-    if v[5] != algo || !v[6] != algo {
-        return Err(Error::ArgumentMismatch(format!(
-            "the allgatherv of the hierarchical sparse allreduce differs across ranks (this rank: {})",
-            opts.gather.name()
-        )));
-    }
+    agree_args(
+        comm,
+        TAG,
+        local,
+        n,
+        &[
+            (map, &|| {
+                format!(
+                    "the node maps of the hierarchical sparse allreduce differ across ranks (this rank's: {nodes:?})"
+                )
+            }),
+            (algo, &|| {
+                format!(
+                    "the allgatherv of the hierarchical sparse allreduce differs across ranks (this rank: {})",
+                    opts.gather.name()
+                )
+            }),
+        ],
+    )?;
 
     let layout = Layout::new(nodes, rank);
     let node = Group::new(comm, layout.local.clone())?;
