@@ -131,3 +131,67 @@ fn bench_sparse_allreduce_hierarchical_checks_pass() {
         assert_eq!(hier, 3, "{out}");
     }
 }
+
+#[test]
+fn bench_sparse_allreduce_reports_the_models_prediction() {
+    let dir = std::env::temp_dir().join(format!("gs-sa-pred-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let prof = dir.join("prof.json");
+    std::fs::write(
+        &prof,
+        r#"{"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9, "gamma_clear": 1e-10}"#,
+    )
+    .expect("profile");
+    let args = |p: &str| {
+        [
+            "bench",
+            "--op",
+            "sparse-allreduce",
+            "--hierarchical",
+            "--json",
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--bytes",
+            "4M",
+            "--density",
+            "0.01",
+            "--profile",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([p.to_string()])
+        .collect::<Vec<String>>()
+    };
+    let exe = std::path::Path::new(common::gradsync());
+    let a = args(prof.to_str().expect("utf-8"));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (ok, out, err) = mpirun(3, exe, &a, Duration::from_secs(120));
+    assert!(ok, "{err}\n{out}");
+    let recs: Vec<serde_json::Value> = out
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    assert_eq!(recs.len(), 3, "{out}");
+    // One node of 3 ranks: every collective's prediction includes at least
+    // clearing the 4 MiB output (4 MiB x 1e-10 s/B = 0.42 ms) and is finite.
+    for r in &recs {
+        let t = r["predicted_s"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no prediction: {r}"));
+        assert!(t > 4.0 * 1048576.0 * 1e-10 && t < 1.0, "{r}");
+    }
+    // A profile that cannot be read is an error naming the flag, on every rank.
+    let bad = dir.join("missing.json");
+    let a = args(bad.to_str().expect("utf-8"));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (ok, out, err) = mpirun(2, exe, &a, Duration::from_secs(120));
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("--profile") && err.contains("missing.json"),
+        "{err}\n{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -359,6 +359,14 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
         assert!(x >= 0.0 && x.is_finite(), "{k} = {x}");
     }
     assert!(v["beta"].as_f64().unwrap_or(0.0) > 0.0, "beta measured");
+    // Clearing a dense output (the sparse allreduces' own cost).
+    assert!(
+        v["gamma_clear"]
+            .as_f64()
+            .is_some_and(|x| x > 0.0 && x < 1e-6),
+        "gamma_clear = {}",
+        v["gamma_clear"]
+    );
     // The β curve: one point per exchange size from 4 KiB to --max-bytes.
     let c = v["beta_curve"].as_array().expect("beta_curve");
     let sizes: Vec<f64> = c.iter().filter_map(|x| x["bytes"].as_f64()).collect();

@@ -70,6 +70,9 @@ pub struct BenchArgs {
     pub layers: String,
     /// `--op step`: a calibrated profile; the plan (`cost::plan_step`)
     /// chooses every layer's strategy and predicts the step.
+    /// `--op sparse-allreduce`: each collective's predicted time
+    /// (`cost::sparse_collective`, this job's ranks per node), reported
+    /// beside the measured one as `predicted_s`.
     #[arg(long)]
     pub profile: Option<std::path::PathBuf>,
     /// `--op step`: strategies the plan chooses among (comma list of
@@ -148,6 +151,10 @@ pub struct BenchRecord {
     pub check: String,
     /// Ring chunk (elements), 0 = unpipelined.
     pub chunk_elems: usize,
+    /// The cost model's prediction of `median_s` (`--op sparse-allreduce
+    /// --profile`), seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_s: Option<f64>,
 }
 
 /// Integer-valued input, so that every summation order gives the same bits.
@@ -390,6 +397,14 @@ pub(super) fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) 
             r.busbw_gbs,
             r.check
         );
+        if let Some(t) = r.predicted_s {
+            println!(
+                "{:<10} predicted {:.1} us ({:+.0} % of the measured median)",
+                "",
+                t * 1e6,
+                (t / r.median_s - 1.0) * 100.0
+            );
+        }
     }
     Ok(())
 }
@@ -466,6 +481,7 @@ fn bench_allreduce(
                 } else {
                     0
                 },
+                predicted_s: None,
             };
             emit(comm, a, &rec, out.is_empty())?;
             out.push(rec);
@@ -529,6 +545,7 @@ fn bench_allgatherv(
                 busbw_gbs: (p as f64 - 1.0) * bytes as f64 / med / 1e9,
                 check: checks[k].into(),
                 chunk_elems: 0,
+                predicted_s: None,
             };
             emit(comm, a, &rec, out.is_empty())?;
             out.push(rec);

@@ -11,11 +11,12 @@
 //! `--check` compares every result bitwise with `MPI_Allreduce`.
 
 use super::bench::{
-    any_rank, check_common, common_must_match, emit, parse_sizes, time_interleaved, timed,
-    BenchArgs, BenchRecord,
+    any_rank, check_common, common_must_match, emit, flag_error, parse_sizes, time_interleaved,
+    timed, BenchArgs, BenchRecord,
 };
 use crate::comm::{MpiComm, Transport};
 use crate::cost::calibrate::median;
+use crate::cost::{self, Profile, StrategyId};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use crate::failure::agree_inputs;
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
@@ -29,12 +30,36 @@ const ALGOS: [&str; 3] = [
     "hierarchical-sparse-allreduce",
 ];
 
-fn inputs(a: &BenchArgs) -> Result<(Vec<usize>, f64)> {
+type Inputs = (Vec<usize>, f64, Option<Profile>);
+
+fn inputs(a: &BenchArgs) -> Result<Inputs> {
     check_common(a)?;
+    let profile = match &a.profile {
+        Some(p) => Some(Profile::load(p).map_err(|e| flag_error("--profile", e))?),
+        None => None,
+    };
     Ok((
         parse_sizes("--bytes", &a.bytes, 4)?,
         a.density.unwrap_or(0.001),
+        profile,
     ))
+}
+
+/// The model's time of `algo` (one of [`ALGOS`]) for `k` pairs of `n`.
+fn predicted(
+    prof: &Profile,
+    algo: &str,
+    n: usize,
+    k: usize,
+    p: usize,
+    l: Option<usize>,
+) -> Result<f64> {
+    let id = match algo {
+        "sparse-allreduce" => StrategyId::SparseAllreduce,
+        "fused-allgatherv" => StrategyId::SparseAllgather,
+        _ => StrategyId::SparseHierarchical,
+    };
+    cost::sparse_collective(prof, id, n, k, p, l, None)
 }
 
 /// Fused-allgatherv path: gather `[k u32 | idx | val]` units, scatter-add.
@@ -59,21 +84,28 @@ fn fused(comm: &MpiComm, unit: &[u8], g: &mut Gathered, out: &mut [f32]) -> Resu
 }
 
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let (sizes, density) = agree_inputs(comm, inputs(a), |(sizes, density)| {
+    let (sizes, density, profile) = agree_inputs(comm, inputs(a), |(sizes, density, prof)| {
         let mut m = common_must_match(a);
         m.push(("--bytes", format!("{sizes:?}")));
         m.push(("--density", density.to_string()));
         m.push(("--hierarchical", a.hierarchical.to_string()));
+        m.push((
+            "--profile",
+            prof.as_ref().map_or_else(String::new, |p| {
+                serde_json::to_string(p).unwrap_or_default()
+            }),
+        ));
         m
     })?;
     let (rank, p) = (comm.rank(), comm.size());
     let opts = SparseAllreduceOptions::default();
     // MPI's node map (collective the first time: every rank asks, or none).
-    let nodes = if a.hierarchical {
+    let nodes = if a.hierarchical || profile.is_some() {
         comm.node_ids()
     } else {
         Vec::new()
     };
+    let per_node = crate::comm::ranks_per_node(&nodes);
     let algos = &ALGOS[..if a.hierarchical { 3 } else { 2 }];
     let mut failed = false;
     let mut first = true;
@@ -166,6 +198,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 },
                 check: checks[j].into(),
                 chunk_elems: 0,
+                predicted_s: match &profile {
+                    Some(prof) => Some(predicted(prof, name, n, k, p, per_node)?),
+                    None => None,
+                },
             };
             emit(comm, a, &rec, first)?;
             first = false;

@@ -73,8 +73,8 @@ pub use calibrate::{
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use step::{
-    plan_step, predict_step, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
-    StepQuery,
+    plan_step, predict_step, sparse_collective, GroupKind, GroupPlan, LayerKind, LayerPlan,
+    StepLayer, StepPlan, StepQuery,
 };
 pub use topology::NetLevel;
 
@@ -294,6 +294,14 @@ pub struct Profile {
     /// Seconds per byte of sparse unit scatter-added.
     #[serde(default)]
     pub gamma_unpack: f64,
+    /// Seconds per byte of clearing a dense output (`fill(0.0)` of a layer
+    /// of several MiB, every rank at once): what the sparse allreduces pay
+    /// to overwrite their `n`-element result before summing into it
+    /// ([`topology`]). The engine's fused-allgather path clears its layers
+    /// in the local phase, inside the selection fits. Zero in profiles from
+    /// before it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gamma_clear: f64,
     /// β by message size (pairwise exchange steps; see the module docs);
     /// empty: the constant `beta`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -363,6 +371,10 @@ fn is_one(x: &f64) -> bool {
     *x == 1.0
 }
 
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
 fn profile_version() -> u32 {
     PROFILE_VERSION
 }
@@ -386,6 +398,7 @@ impl Profile {
             beta: 1.0 / bandwidth,
             gamma_reduce,
             gamma_unpack,
+            gamma_clear: 0.0,
             beta_curve: Vec::new(),
             gamma_reduce_curve: Vec::new(),
             dense_local_curve: Vec::new(),
@@ -423,6 +436,7 @@ impl Profile {
             ("beta", self.beta),
             ("gamma_reduce", self.gamma_reduce),
             ("gamma_unpack", self.gamma_unpack),
+            ("gamma_clear", self.gamma_clear),
             ("inter_node.alpha", inter.map_or(0.0, |e| e.alpha)),
             ("inter_node.beta", inter.map_or(0.0, |e| e.beta)),
         ] {

@@ -372,6 +372,54 @@ fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
     }
 }
 
+/// One sparse collective alone, as `gradsync bench --op sparse-allreduce`
+/// runs it: each of `p` ranks (`ranks_per_node` per node) contributes `k`
+/// distinct pairs of an `n`-element layer and ends with their dense sum.
+/// `id` is the collective: [`StrategyId::SparseAllgather`] (the fused
+/// allgatherv of every rank's `[k | indices | values]`, then clearing the
+/// output and scatter-adding the `p` units, which the engine does in its
+/// layers' local phase), [`StrategyId::SparseAllreduce`] or
+/// [`StrategyId::SparseHierarchical`] (their own clearing and summing
+/// included). `fill`: the measured fill ratio, as [`StepQuery::fill`].
+pub fn sparse_collective(
+    prof: &Profile,
+    id: StrategyId,
+    n: usize,
+    k: usize,
+    p: usize,
+    ranks_per_node: Option<usize>,
+    fill: Option<f64>,
+) -> Result<f64> {
+    use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
+    if !matches!(id, SparseAllgather | SparseAllreduce | SparseHierarchical) {
+        return Err(Error::InvalidArgument(format!(
+            "{id} is not a sparse collective (sparse-allgather, sparse-allreduce, sparse-hierarchical)"
+        )));
+    }
+    if p == 0 || k > n {
+        return Err(Error::InvalidArgument(format!(
+            "a sparse collective of {k} pairs of {n} elements on {p} ranks"
+        )));
+    }
+    let net = Net {
+        prof,
+        p,
+        l: ranks_per_node.unwrap_or(p).max(1),
+        fill,
+    };
+    let s = Sizes {
+        dense: 0.0,
+        sparse: 8.0 * k as f64,
+        sparse_n: n as f64,
+    };
+    let comm = sparse_group(&net, id, s);
+    Ok(if id == StrategyId::SparseAllgather && p > 1 {
+        comm + p as f64 * (s.sparse + 4.0) * prof.gamma_unpack + topology::clear(prof, n as f64)
+    } else {
+        comm
+    })
+}
+
 /// Its α terms.
 fn sparse_alpha(net: &Net, algo: StrategyId) -> f64 {
     if algo == StrategyId::SparseAllgather && !net.two_level() {

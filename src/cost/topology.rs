@@ -43,6 +43,13 @@
 //!   over the `H` nodes (one rank per node crosses), and each leader
 //!   broadcasts the `H` units inside its node (binomial tree).
 //!
+//! Both sparse allreduces also pay their local work: summing the received
+//! pairs and results at γ_unpack per byte, and clearing their `n`-element
+//! dense result, `4n·γ_clear` ([`Profile::gamma_clear`]; at density 0.001
+//! on the emulated cluster that is a third of the node-aware path's time,
+//! docs/benchmarks.md). The fused allgather's clearing is its layers', in
+//! their selection fits.
+//!
 //! **Fill-in.** The sum of `j` ranks' selections of `k` of `n` indices has
 //! `F(j)` distinct indices: `n·(1 − (1 − k/n)^j)` when the selections are
 //! independent (the most a sparse allreduce can carry, and what random
@@ -355,7 +362,12 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
         .sum();
     let region = reduced_bytes(fill(n, k, p, rho) / pf, n / pf);
     let gather = allgather(net, region);
-    agree + rounds + gather + (8.0 * k + pf * region) * prof.gamma_unpack
+    agree + rounds + gather + (8.0 * k + pf * region) * prof.gamma_unpack + clear(prof, n)
+}
+
+/// Clearing the `n`-element dense result a sparse allreduce overwrites.
+pub(crate) fn clear(prof: &Profile, n: f64) -> f64 {
+    4.0 * n * prof.gamma_clear
 }
 
 /// The node-aware sparse allreduce of a group of `n` elements, `k` pairs
@@ -373,7 +385,12 @@ pub(crate) fn sparse_hierarchical(net: &Net, n: f64, k: f64, rho: Option<f64>) -
     let gather_in = (l as f64 - 1.0) * net.step(8.0 * k, 0);
     let leaders = allgather_nodes(net, unit, h);
     let bcast = ceil_lg(l) * net.step(h as f64 * unit, 0);
-    agree + gather_in + leaders + bcast + (l as f64 * 8.0 * k + h as f64 * unit) * prof.gamma_unpack
+    agree
+        + gather_in
+        + leaders
+        + bcast
+        + (l as f64 * 8.0 * k + h as f64 * unit) * prof.gamma_unpack
+        + clear(prof, n)
 }
 
 #[cfg(test)]

@@ -24,6 +24,9 @@ const LOCAL_MAX_BYTES: usize = 16 << 20;
 /// Tables of this many of the largest local layers also measure the dense
 /// path's local cost (the `dense_local_curve` beyond one layer).
 const DENSE_TABLES: [usize; 2] = [2, 4];
+/// Smallest layer (elements) whose clearing is timed for γ_clear: 4 MiB,
+/// past the last-level cache.
+const CLEAR_MIN: usize = 1 << 20;
 
 /// Measures and fits (the options are valid and agreed on).
 pub(super) fn run(
@@ -182,6 +185,27 @@ pub(super) fn run(
         unit_bytes.push(unit.len() as f64);
         let mut y = vec![0f32; n];
         local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
+    }
+    // 3b. γ_clear: clearing a dense output of several MiB (what the sparse
+    // allreduces pay before summing into it), every rank at once, per byte;
+    // the largest layer sizes only (past the last-level cache, as the
+    // layers the sparse collectives are for).
+    let clear_at = local_probes.len();
+    let clear_ns: Vec<usize> = {
+        let big: Vec<usize> = lns.iter().copied().filter(|&n| n >= CLEAR_MIN).collect();
+        if big.is_empty() {
+            lns.last().copied().into_iter().collect()
+        } else {
+            big
+        }
+    };
+    for &n in &clear_ns {
+        let mut y = vec![1f32; n];
+        local_probes.push(local(comm, move || {
+            y.fill(0.0);
+            std::hint::black_box(&mut y);
+            Ok(())
+        }));
     }
     // 4. Local cost of a sparse step per selection method and density.
     let select_at = local_probes.len();
@@ -380,6 +404,13 @@ pub(super) fn run(
         .map(|(i, &u)| (0.0, u, local_med[i]))
         .collect();
     let gamma_unpack = cost::fit_relative_l2(&rows).1;
+    let rows: Vec<(f64, f64, f64)> = clear_ns
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0.0, (4 * n) as f64, local_med[clear_at + i]))
+        .collect();
+    log::debug!("calibrate: clear: {rows:?}");
+    let gamma_clear = cost::fit_relative_l2(&rows).1;
     let mut select = BTreeMap::new();
     for (c, (name, d)) in select_names.iter().enumerate() {
         let pts: Vec<(f64, f64)> = lns
@@ -443,6 +474,7 @@ pub(super) fn run(
         beta,
         gamma_reduce,
         gamma_unpack,
+        gamma_clear,
         beta_curve,
         gamma_reduce_curve,
         select,

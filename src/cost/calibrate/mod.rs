@@ -37,12 +37,13 @@
 //!    compared with measurements taken in the same machine states.
 //! 2. **Local costs**, on every rank at once (after a barrier, so ranks
 //!    contend for memory bandwidth as in a real step): RGC unit
-//!    scatter-adds (γ_unpack), one sparse engine step per selection method
+//!    scatter-adds (γ_unpack), clearing dense outputs of 4 MiB and more
+//!    (γ_clear), one sparse engine step per selection method
 //!    and density (the `select` fits), encode and decode of every codec.
 //!
 //! Then the fits: `alpha` and `beta` by relative least squares over the
 //! exchanges, the β curve `(T(m) − α)/m` from 4 KiB up, γ_reduce from the
-//! allreduces minus their α-β part under that curve, γ_unpack, and the
+//! allreduces minus their α-β part under that curve, γ_unpack, γ_clear, and the
 //! linear fits `a + b·n` of the local costs.
 
 mod check;

@@ -1,5 +1,5 @@
 use super::*;
-use crate::cost::{dense_rabenseifner, dense_ring, Profile};
+use crate::cost::{dense_rabenseifner, dense_ring, Profile, StrategyId};
 
 fn prof(inter: Option<(f64, f64)>) -> Profile {
     let mut p = Profile::from_network(1e-6, 5e9, 2e-10, 1e-9).expect("profile");
@@ -153,4 +153,84 @@ fn node_aware_sparse_beats_the_flat_allgather_across_nodes() {
     let one = net(&pr, 8, 8);
     assert!(!one.two_level());
     assert!(sparse_hierarchical(&one, elems, k, None) < hier);
+}
+
+#[test]
+fn the_sparse_collectives_pay_for_clearing_their_output() {
+    let mut p = prof(Some((3e-5, 1.25e8)));
+    let (n, k) = (1usize << 24, 16_777usize);
+    let base: Vec<f64> = [
+        StrategyId::SparseAllgather,
+        StrategyId::SparseAllreduce,
+        StrategyId::SparseHierarchical,
+    ]
+    .iter()
+    .map(|&id| crate::cost::sparse_collective(&p, id, n, k, 4, Some(2), None).expect("sparse"))
+    .collect();
+    p.gamma_clear = 1e-10;
+    let clear = 4.0 * n as f64 * 1e-10;
+    for (i, id) in [
+        StrategyId::SparseAllgather,
+        StrategyId::SparseAllreduce,
+        StrategyId::SparseHierarchical,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let t = crate::cost::sparse_collective(&p, id, n, k, 4, Some(2), None).expect("sparse");
+        assert!(
+            rel(t - base[i], clear) < 1e-9,
+            "{id}: {t} vs {} + {clear}",
+            base[i]
+        );
+    }
+    // The collective functions themselves (what the step model charges a
+    // reduced sparse group) include it; the fused allgather's is the
+    // layers' (their selection fits).
+    let nt = net(&p, 4, 2);
+    let with = sparse_hierarchical(&nt, n as f64, k as f64, None);
+    p.gamma_clear = 0.0;
+    let nt = net(&p, 4, 2);
+    assert!(
+        rel(
+            with - sparse_hierarchical(&nt, n as f64, k as f64, None),
+            clear
+        ) < 1e-9
+    );
+    // Not a sparse collective, or more pairs than elements: errors.
+    let e = crate::cost::sparse_collective(&p, StrategyId::DenseRing, n, k, 4, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("dense-ring") && e.contains("not a sparse collective"),
+        "{e}"
+    );
+    assert!(
+        crate::cost::sparse_collective(&p, StrategyId::SparseAllreduce, 4, 5, 4, None, None)
+            .is_err()
+    );
+    // One rank: nothing to exchange.
+    assert_eq!(
+        crate::cost::sparse_collective(&p, StrategyId::SparseAllgather, n, k, 1, None, None)
+            .expect("p = 1"),
+        0.0
+    );
+}
+
+#[test]
+fn gamma_clear_is_optional_and_validated() {
+    let old: Profile = serde_json::from_str(r#"{"version": 2, "alpha": 1e-6, "beta": 1e-9}"#)
+        .expect("old profile");
+    assert_eq!(old.gamma_clear, 0.0);
+    assert!(!serde_json::to_string(&old)
+        .expect("json")
+        .contains("gamma_clear"));
+    let mut p = old.clone();
+    p.gamma_clear = 2e-11;
+    let back: Profile =
+        serde_json::from_str(&serde_json::to_string(&p).expect("json")).expect("parse");
+    assert_eq!(back.gamma_clear, 2e-11);
+    p.gamma_clear = -1.0;
+    let e = p.validate().unwrap_err().to_string();
+    assert!(e.contains("gamma_clear"), "{e}");
 }
