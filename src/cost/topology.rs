@@ -168,12 +168,20 @@ thread_local! {
     static SCHEDULES: RefCell<Cache> = RefCell::new(HashMap::new());
 }
 
+/// Entries the crossing-count cache keeps before it starts over (a sweep
+/// of `scale` over 8..4096 ranks needs a few dozen).
+const CACHE_MAX: usize = 512;
+
 /// The largest number of ranks of one node whose partner is on another
-/// node, per step of `sched` for `p` ranks, `l` per node (cached).
+/// node, per step of `sched` for `p` ranks, `l` per node (cached; at most
+/// [`CACHE_MAX`] placements).
 fn crossings(sched: Sched, p: usize, l: usize) -> Rc<Vec<usize>> {
     SCHEDULES.with(|c| {
-        c.borrow_mut()
-            .entry((sched, p, l))
+        let mut c = c.borrow_mut();
+        if c.len() >= CACHE_MAX && !c.contains_key(&(sched, p, l)) {
+            c.clear();
+        }
+        c.entry((sched, p, l))
             .or_insert_with(|| Rc::new(compute(sched, p, l)))
             .clone()
     })

@@ -234,3 +234,14 @@ fn gamma_clear_is_optional_and_validated() {
     let e = p.validate().unwrap_err().to_string();
     assert!(e.contains("gamma_clear"), "{e}");
 }
+
+#[test]
+fn the_crossing_cache_stays_bounded_and_right() {
+    for p in 2..(CACHE_MAX + 100) {
+        let c = crossings(Sched::Pairwise, p, 1);
+        assert_eq!(c.len(), p - 1);
+    }
+    assert!(SCHEDULES.with(|c| c.borrow().len()) <= CACHE_MAX);
+    // Still the schedule after starting over.
+    assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
+}
