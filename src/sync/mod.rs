@@ -121,6 +121,7 @@
 //! this file holds the engine, its constructors and the step script.
 
 mod config;
+mod exchange;
 mod job;
 mod layer;
 mod options;
@@ -188,8 +189,16 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     last: StepStats,
     warned_no_thread: bool,
     /// Every rank's node, when the configuration needs them (the
-    /// node-aware collectives, a two-level profile for `Auto`).
+    /// node-aware collectives, a two-level profile for `Auto`,
+    /// `sparse_exchange = "auto"`).
     nodes: Option<Vec<usize>>,
+    /// The fill ratio of the sparse allreduces, estimated from the
+    /// previous reducing steps (`exchange.rs`).
+    fill_estimate: Option<f64>,
+    /// The last exchange `sparse_exchange = "auto"` chose (to log changes).
+    auto_exchange: Option<SparseExchange>,
+    /// This step's reduced group's nominal load (`exchange.rs`).
+    step_load: exchange::Load,
 }
 
 /// What `start` tells `wait` about the step.
@@ -258,6 +267,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             last: StepStats::default(),
             warned_no_thread: false,
             nodes: None,
+            fill_estimate: None,
+            auto_exchange: None,
+            step_load: exchange::Load::default(),
         };
         s.agree(valid.map(|()| table_hash), || {
             "the engine options (Config) differ".to_string()
@@ -272,6 +284,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if two_level || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical {
             let comm = s.comm.as_ref().expect("transport held at creation");
             s.nodes = comm.node_ids();
+        }
+        if s.cfg.sparse_exchange == SparseExchange::Auto {
+            // The node-aware exchange is a candidate only where the nodes
+            // are known; without them `auto` never picks it.
+            let comm = s.comm.as_ref().expect("transport held at creation");
+            if let Some(nodes) = comm.node_ids() {
+                s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
+                s.nodes = Some(nodes);
+            }
         }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
             let comm = s.comm.as_ref().expect("transport held at creation");
@@ -388,6 +409,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let step = self.step;
         // 1. Plan: every per-step decision, alike on every rank (plan.rs).
         plan_step_into(&mut self.plan, step, &self.cfg, self.size, &self.table);
+        // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
+        self.resolve_exchange();
         for l in &mut self.layers {
             l.begin_step();
         }
@@ -451,6 +474,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let result = job.result.take().unwrap_or(Ok(()));
         // 5. Unpack (unpack.rs).
         let r = self.unpack(&mut job, out, result);
+        self.update_fill(job.sparse_reduce_nnz);
         self.record_stats(&info, &job, wait_s);
         self.job = Some(job);
         // The round happened (every rank sees the same gathered bytes, so
@@ -459,8 +483,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         let s = &self.last;
         log::debug!(
-            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse allreduce {:.3e}s ({} nnz) unpack {:.3e}s wait {:.3e}s",
-            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_reduce_s, s.sparse_reduce_nnz, s.unpack_s, s.wait_s
+            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
+            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
         );
         for l in &s.layers {
             log::trace!("gradsync: step {} {l:?}", s.step);
