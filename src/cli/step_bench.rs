@@ -11,6 +11,10 @@
 //! layer is the plan's: with `--profile`, `plan_step` over `--strategies`
 //! (default: what `Strategy::Auto` chooses among); without a profile, the
 //! engine's default (dense below its compression threshold, else RGC).
+//! `--sparse-exchange` sets the engine's exchange of the RGC layers' pairs
+//! (`Config::sparse_exchange`; `auto` needs a profile, which the engine
+//! then prices every step with); the record says which exchange each
+//! timed step took.
 
 use super::bench::{
     check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,

@@ -46,6 +46,12 @@
 //! plan` and `gradsync bench --op step` get their per-layer choice; the
 //! per-layer [`super::predict`] (one layer alone, paying every α) remains
 //! what `predict` prints.
+//!
+//! [`choose_sparse_exchange`] is the engine's per-step choice of the sparse
+//! group's collective under `sparse_exchange = "auto"` (the RGC layers'
+//! pairs in the fused allgatherv, the sparse allreduce or the node-aware
+//! one), priced by the same group costs as the plan, with the fill ratio
+//! the engine measured in its previous steps.
 
 use super::topology::{self, Net};
 use super::{
@@ -727,8 +733,8 @@ pub struct ExchangeChoice {
 /// The fastest exchange of a step's index/value pairs: the fused
 /// allgatherv (its collective plus decoding the `p` received units, as
 /// [`plan_step`] charges a `sparse-allgather` layer), the sparse allreduce
-/// ([`topology::sparse_allreduce`]) or, when the job spans several nodes,
-/// the node-aware one ([`topology::sparse_hierarchical`]): the same group
+/// (`topology::sparse_allreduce`) or, when the job spans several nodes,
+/// the node-aware one (`topology::sparse_hierarchical`): the same group
 /// costs [`plan_step`] uses for the sparse group, so a plan and this
 /// choice agree. The pair layers are priced alone: the fused allgatherv's
 /// α is charged to them even where other codecs' units keep it running.

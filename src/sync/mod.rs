@@ -20,7 +20,11 @@
 //!   through ONE O(k) sparse allreduce
 //!   ([`crate::sparse::sparse_allreduce`]) after the step's status
 //!   agreement, with bitwise the same result (`job.rs` says how failures
-//!   and NaN/Inf reach every rank on that path).
+//!   and NaN/Inf reach every rank on that path); `Hierarchical` runs the
+//!   node-aware one, and [`SparseExchange::Auto`] lets the cost model
+//!   choose among the three every step
+//!   ([`crate::cost::choose_sparse_exchange`], priced with a fill ratio
+//!   estimated from the previous reducing steps; `exchange.rs`).
 //! * `Dense` layers are fused into one buffer and averaged with Rabenseifner's
 //!   allreduce (Horovod-style tensor fusion); momentum (plain or Nesterov) is
 //!   applied to the average, so every rank keeps the same momentum.
@@ -84,7 +88,8 @@
 //!
 //! 1. **plan** — every per-step decision, a pure function of (step, options,
 //!    number of ranks, layer table), alike on every rank and tested without
-//!    a transport;
+//!    a transport; with `sparse_exchange = "auto"` then the step's exchange,
+//!    from the cost model and inputs alike on every rank (`exchange.rs`);
 //! 2. **local math** — this rank's inputs validated, clipping, Algorithm 4
 //!    on sparse layers, the dense layers' fused buffer, the local step of a
 //!    delayed step (no communication);
@@ -109,6 +114,8 @@
 //! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
+//! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the agreed profile, the node map and the fill estimate |
+//! | the fill estimate (moving average of `sparse_reduce_nnz/(p·k)` after reducing steps) | `exchange.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
@@ -117,6 +124,7 @@
 //! Files: `config.rs` (options), `plan.rs` (the step planner), `layer.rs`
 //! (layer state and Algorithm 4), `job.rs` (progress job and thread),
 //! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
+//! `exchange.rs` (the per-step exchange of `auto`, the fill estimate),
 //! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings);
 //! this file holds the engine, its constructors and the step script.
 
@@ -287,11 +295,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         if s.cfg.sparse_exchange == SparseExchange::Auto {
             // The node-aware exchange is a candidate only where the nodes
-            // are known; without them `auto` never picks it.
-            let comm = s.comm.as_ref().expect("transport held at creation");
-            if let Some(nodes) = comm.node_ids() {
+            // are known; without them `auto` never picks it. (Whether they
+            // were asked for above is decided by the agreed options, and a
+            // transport answers alike on every rank.)
+            if s.nodes.is_none() {
+                let comm = s.comm.as_ref().expect("transport held at creation");
+                s.nodes = comm.node_ids();
+            }
+            if let Some(nodes) = &s.nodes {
                 s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
-                s.nodes = Some(nodes);
             }
         }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
