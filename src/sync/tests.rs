@@ -1754,3 +1754,141 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
         "{res:?}"
     );
 }
+
+/// The in-process transport with a node map, ranks in blocks of `per`
+/// (what `MpiComm::node_ids` reports on a multi-node job).
+struct Noded {
+    inner: LocalComm,
+    per: usize,
+}
+
+impl crate::comm::Transport for Noded {
+    type Request = <LocalComm as crate::comm::Transport>::Request;
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send<T: crate::comm::Elem>(
+        &self,
+        buf: &[T],
+        dest: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.send(buf, dest, tag)
+    }
+    fn recv<T: crate::comm::Elem>(
+        &self,
+        buf: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.recv(buf, src, tag)
+    }
+    fn sendrecv<T: crate::comm::Elem>(
+        &self,
+        send: &[T],
+        dest: usize,
+        recv: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.sendrecv(send, dest, recv, src, tag)
+    }
+    unsafe fn isend<T: crate::comm::Elem>(
+        &self,
+        buf: &[T],
+        dest: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<Self::Request> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.isend(buf, dest, tag) }
+    }
+    unsafe fn irecv<T: crate::comm::Elem>(
+        &self,
+        buf: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<Self::Request> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.irecv(buf, src, tag) }
+    }
+    fn barrier(&self) -> Result<()> {
+        self.inner.barrier()
+    }
+    fn abort(&self, code: i32, msg: &str) -> ! {
+        self.inner.abort(code, msg)
+    }
+    fn node_ids(&self) -> Option<Vec<usize>> {
+        Some((0..self.size()).map(|r| r / self.per).collect())
+    }
+}
+
+/// Issue #15: with the ranks' nodes known and a two-level profile whose
+/// link between nodes is slow, `auto` runs the node-aware sparse
+/// allreduce (2 nodes of 2 ranks): the same results as the allgather
+/// engine (exactly, for integer gradients: the node-by-node sum is exact),
+/// the stats name it and measure the fill; on one node it never does.
+#[test]
+fn auto_exchange_goes_node_aware_across_slow_nodes() {
+    let mut prof = crate::cost::Profile::from_network(3e-6, 2.5e9, 0.0, 0.0).expect("profile");
+    prof.inter_node = Some(crate::cost::NetLevel {
+        alpha: 3e-5,
+        beta: 1.0 / 1.25e8,
+        beta_curve: Vec::new(),
+        oneway_curve: Vec::new(),
+    });
+    let table = vec![
+        ("bias", 10, Strategy::Dense),
+        ("a", 20_000, Strategy::rgc(0.2)),
+        ("b", 5000, Strategy::rgc(0.2)),
+    ];
+    let run = |exchange: SparseExchange, per: usize| {
+        let cfg = Config {
+            sparse_exchange: exchange,
+            profile: Some(prof.clone()),
+            ..cfg()
+        };
+        let table = table.clone();
+        LocalComm::run(4, move |c| {
+            let rank = c.rank();
+            let mut s =
+                GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
+            for (n, len, st) in &table {
+                s.register_with(n, &[*len], st.clone()).expect("register");
+            }
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                let mut g: Vec<Vec<f32>> = table
+                    .iter()
+                    .enumerate()
+                    .map(|(l, (name, n, _))| exchange_grad(true, rank, step, l, name, *n))
+                    .collect();
+                let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+                let st = s.sync(&mut v).expect("sync").clone();
+                out.push((g, st));
+            }
+            out
+        })
+    };
+    let gather = run(SparseExchange::Allgather, 2);
+    let nodes = run(SparseExchange::Auto, 2);
+    let one = run(SparseExchange::Auto, 4);
+    for r in 0..4 {
+        for t in 0..3 {
+            let at = format!("rank {r} step {t}");
+            let (g, _) = &gather[r][t];
+            let (a, st) = &nodes[r][t];
+            assert_eq!(g, a, "{at}: results");
+            assert_eq!(st.sparse_exchange, "hierarchical", "{at}");
+            assert!(
+                st.sparse_reduce_nnz > 0 && st.fill_estimate.is_some(),
+                "{at}"
+            );
+            let (o, st1) = &one[r][t];
+            assert_eq!(g, o, "{at}: one node");
+            assert_ne!(st1.sparse_exchange, "hierarchical", "{at}: one node");
+        }
+    }
+}
