@@ -1892,3 +1892,48 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
         }
     }
 }
+
+/// Issue #15: `Strategy::Auto` layers under `sparse_exchange = auto` are
+/// planned among the dense group, the allgatherv and the sparse allreduce
+/// (never the node-aware one without nodes), run, and report their
+/// exchange every step.
+#[test]
+fn auto_layers_with_auto_exchange_plan_and_run() {
+    let prof = crate::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0).expect("profile");
+    let res = LocalComm::run(4, |c| {
+        let rank = c.rank();
+        let cfg = Config {
+            sparse_exchange: SparseExchange::Auto,
+            profile: Some(prof.clone()),
+            auto_density: 0.5,
+            ..cfg()
+        };
+        let mut s = GradSync::with_transport(c, cfg).expect("engine");
+        s.register("w", &[4000]).expect("register");
+        s.register("b", &[8]).expect("register");
+        let mut seen = Vec::new();
+        for step in 0..3 {
+            let mut w = grad(rank, step, 0, 4000);
+            let mut b = grad(rank, step, 1, 8);
+            let st = s.sync(&mut [&mut w[..], &mut b[..]]).expect("sync");
+            seen.push(st.sparse_exchange.clone());
+        }
+        let plan = s.auto_plan().expect("planned").clone();
+        (seen, plan.choices().map(|(_, id)| id).collect::<Vec<_>>())
+    });
+    for (seen, choices) in &res {
+        assert_eq!(
+            (seen, choices),
+            (&res[0].0, &res[0].1),
+            "alike on every rank"
+        );
+        assert!(
+            !choices.contains(&crate::cost::StrategyId::SparseHierarchical),
+            "{choices:?}"
+        );
+        assert!(
+            seen.iter().all(|e| e == "allgather" || e == "allreduce"),
+            "{seen:?}"
+        );
+    }
+}
