@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! mpirun -np 4 target/release/examples/engine_check codecs
-//! mpirun -np 5 target/release/examples/engine_check exchange [allreduce|hierarchical]
+//! mpirun -np 5 target/release/examples/engine_check exchange [allreduce|hierarchical|auto]
 //! mpirun -np 3 target/release/examples/engine_check mismatch
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 6
 //! mpirun -np 3 target/release/examples/engine_check run --from 0 --to 3 --save /tmp/snap
@@ -24,8 +24,13 @@
 //!   must be the size of the union of every rank's selected indices
 //!   (counted by `MPI_Allreduce`). Step 3 puts a NaN into one layer on the
 //!   last rank: both engines must fail alike on every rank, naming it.
-//!   Prints `OK exchange step <t> ...` per checked step (4) and
-//!   `OK exchange nonfinite ...`.
+//!   Prints `OK exchange step <t> <exchange> ...` per checked step (4) and
+//!   `OK exchange nonfinite ...`. With `hierarchical` the node-aware
+//!   sparse allreduce (checked against `MPI_Allreduce` only: it adds node
+//!   by node); with `auto` the cost model's choice every step, from a
+//!   latency-free profile and one more layer at density 0.5, under which
+//!   the sparse allreduce pays off at 8 ranks (the step's `sparse_exchange` says which ran: the allgatherv
+//!   must report no sparse-allreduce indices, the others the union).
 //! * `mismatch`: the last rank registers a different shape; every rank must
 //!   get the table-mismatch error. Prints `MISMATCH <error>`.
 //! * `run`: steps `from..to` with momentum, Nesterov, weight decay, a density
@@ -154,7 +159,7 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
         density: None,
     };
     // (name, elements, strategy, reduced by the sparse allreduce?)
-    let table = [
+    let mut table = vec![
         ("bias", 17usize, Strategy::Dense, false),
         ("rgc", 5000, sp("rgc:density=0.01"), true),
         ("quant", 3000, sp("rgc-quant:density=0.01"), true),
@@ -163,9 +168,21 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
         ("zero-on-even-ranks", 500, sp("rgc:density=0.02"), true),
         ("empty", 0, sp("rgc:density=0.01"), true),
     ];
+    // `auto` prices each step with a profile: no latency, 1 GB/s, so that
+    // only the bytes decide; with a layer at density 0.5, whose sum is
+    // nearly dense, the sparse allreduce wins at 8 ranks (and 4), the
+    // allgatherv at 1, 2, 3 and 5.
+    if ex == SparseExchange::Auto {
+        table.push(("wide", 4000, sp("rgc:density=0.5"), true));
+    }
+    let profile = (ex == SparseExchange::Auto).then(|| {
+        gradsync::cost::Profile::from_network(1e-12, 1e9, 0.0, 0.0)
+            .unwrap_or_else(|e| fail(format!("{e}")))
+    });
     let cfg = Config {
         momentum: 0.9,
         sparse_exchange: ex,
+        profile,
         ..Config::default()
     };
     let gather_cfg = Config {
@@ -235,7 +252,7 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
             // The sparse allreduce adds in rank order, as the allgather's
             // unpacking does: bitwise the same. The node-aware one adds
             // node by node (checked against MPI_Allreduce below only).
-            if ex == SparseExchange::Allreduce
+            if stats.sparse_exchange != "hierarchical"
                 && g[i]
                     .iter()
                     .zip(&ga[i])
@@ -281,7 +298,15 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
                 want_nnz += any.iter().filter(|&&x| x != 0).count();
             }
         }
-        if stats.sparse_reduce_nnz != want_nnz || want_nnz == 0 {
+        if stats.sparse_exchange == "allgather" {
+            if ex != SparseExchange::Auto || stats.sparse_reduce_nnz != 0 {
+                fail(format!(
+                    "step {step}: exchange allgather under {} with {} sparse-allreduce indices",
+                    ex.name(),
+                    stats.sparse_reduce_nnz
+                ));
+            }
+        } else if stats.sparse_reduce_nnz != want_nnz || want_nnz == 0 {
             fail(format!(
                 "step {step}: sparse_reduce_nnz {} but every rank selected {want_nnz} distinct indices",
                 stats.sparse_reduce_nnz
@@ -289,7 +314,12 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
         }
         if rank == 0 {
             println!(
-                "OK exchange step {step} nnz={want_nnz} s={:.1e} ranks={p}",
+                "OK exchange step {step} {} nnz={} fill={} s={:.1e} ranks={p}",
+                stats.sparse_exchange,
+                stats.sparse_reduce_nnz,
+                stats
+                    .fill_estimate
+                    .map_or_else(|| "-".to_string(), |f| format!("{f:.3}")),
                 stats.sparse_reduce_s
             );
         }
@@ -418,7 +448,10 @@ fn main() {
             match args.get(1).map(String::as_str) {
                 None | Some("allreduce") => SparseExchange::Allreduce,
                 Some("hierarchical") => SparseExchange::Hierarchical,
-                Some(x) => fail(format!("exchange {x:?}: allreduce or hierarchical")),
+                Some("auto") => SparseExchange::Auto,
+                Some(x) => fail(format!(
+                    "exchange {x:?}: allreduce, hierarchical or auto"
+                )),
             },
         ),
         Some("mismatch") => mismatch(&world),

@@ -177,20 +177,24 @@ else
   say "sparse allreduces on the cluster: skipped, no $HSPARSE or $FSPARSE (cargo build --release --examples)"
 fi
 
-# 6b. The engine with sparse_exchange = hierarchical across hosts: every
-# step against MPI_Allreduce of the decoded units (5 OK lines, rank 0).
+# 6b. The engine with sparse_exchange = hierarchical across hosts, and
+# = auto (the cost model's choice each step, the node-aware exchange
+# among its candidates there): every step against MPI_Allreduce of the
+# decoded units (5 OK lines, rank 0).
 ENGINE="$(dirname "$BIN")/examples/engine_check"
 if [ -x "$ENGINE" ]; then
-  for hr in "2 2" "3 2" "4 1"; do
-    read -r h r <<<"$hr"
-    np=$((h * r))
-    run "engine exchange ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$ENGINE" exchange hierarchical
-    log="$WORK/engine exchange ${h}x$r.log"
-    [ "$run_rc" = 0 ] || fail "engine_check exchange hierarchical on $h x $r exited $run_rc" "$log"
-    oks=$(grep -c "^OK exchange .* ranks=$np$" "$log" || true)
-    [ "$oks" = 5 ] || fail "engine_check exchange hierarchical on $h x $r: $oks OK lines, not 5" "$log"
+  for ex in hierarchical auto; do
+    for hr in "2 2" "3 2" "4 1"; do
+      read -r h r <<<"$hr"
+      np=$((h * r))
+      run "engine exchange $ex ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$ENGINE" exchange "$ex"
+      log="$WORK/engine exchange $ex ${h}x$r.log"
+      [ "$run_rc" = 0 ] || fail "engine_check exchange $ex on $h x $r exited $run_rc" "$log"
+      oks=$(grep -c "^OK exchange .* ranks=$np$" "$log" || true)
+      [ "$oks" = 5 ] || fail "engine_check exchange $ex on $h x $r: $oks OK lines, not 5" "$log"
+    done
   done
-  say "engine with the node-aware sparse exchange = MPI_Allreduce on 2 x 2, 3 x 2, 4 x 1"
+  say "engine with the node-aware and the auto sparse exchange = MPI_Allreduce on 2 x 2, 3 x 2, 4 x 1"
 else
   say "engine exchange on the cluster: skipped, no $ENGINE (cargo build --release --examples)"
 fi

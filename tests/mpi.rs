@@ -212,8 +212,40 @@ fn engine_hierarchical_exchange_equals_mpi_allreduce_of_decoded_units() {
     exchange_check("hierarchical");
 }
 
-fn exchange_check(which: &str) {
+/// The same with `sparse_exchange = auto`: the cost model's choice every
+/// step (one node: allgatherv or sparse allreduce), each step checked
+/// against `MPI_Allreduce` and, as both are bitwise the same, the
+/// allgather engine; at 8 ranks the latency-free profile makes it reduce,
+/// at 1 and 2 it keeps the allgatherv.
+#[test]
+fn engine_auto_exchange_equals_mpi_allreduce_of_decoded_units() {
+    let outs = exchange_check("auto");
+    for (np, out) in outs {
+        let steps: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("OK exchange step"))
+            .collect();
+        let reduced = steps.iter().filter(|l| l.contains(" allreduce ")).count();
+        assert!(
+            steps
+                .iter()
+                .all(|l| l.contains(" allreduce ") || l.contains(" allgather nnz=0 ")),
+            "np={np}:\n{out}"
+        );
+        if np == 8 {
+            assert!(reduced > 0, "np=8 never reduced:\n{out}");
+        }
+        if np <= 2 {
+            assert_eq!(reduced, 0, "np={np}:\n{out}");
+        }
+    }
+}
+
+/// Runs `engine_check exchange <which>` at 1, 2, 3, 5 and 8 ranks, checks
+/// its lines, and returns every run's output.
+fn exchange_check(which: &str) -> Vec<(usize, String)> {
     let ex = engine_check();
+    let mut outs = Vec::new();
     for np in [1, 2, 3, 5, 8] {
         let (ok, out, err) = mpirun(np, &ex, &["exchange", which], Duration::from_secs(300));
         assert!(ok, "np={np}: {err}\n{out}");
@@ -236,7 +268,9 @@ fn exchange_check(which: &str) {
             lines.iter().all(|l| l.ends_with(&format!("ranks={np}"))),
             "np={np}:\n{out}"
         );
+        outs.push((np, out));
     }
+    outs
 }
 
 #[test]

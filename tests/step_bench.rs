@@ -258,3 +258,110 @@ fn step_calibrates_in_the_same_job() {
     );
     let _ = std::fs::remove_file(&out_prof);
 }
+
+/// Issue #15: `--sparse-exchange` gives the engine its exchange of the RGC
+/// layers' pairs; the record says which was asked for and which ran in
+/// each timed step; `auto` needs a profile; an unknown value names the
+/// flag on every rank.
+#[test]
+fn step_sparse_exchange_is_passed_to_the_engine_and_reported() {
+    let layers = temp("ex-layers.json", LAYERS);
+    let prof = temp(
+        "ex-profile.json",
+        r#"{"alpha": 2e-6, "beta": 1e-9, "select": {"trimmed": {"a": 2e-5, "b": 1e-9}}}"#,
+    );
+    let (l, pr) = (layers.to_str().unwrap(), prof.to_str().unwrap());
+    let base = [
+        "bench",
+        "--op",
+        "step",
+        "--layers",
+        l,
+        "--profile",
+        pr,
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+    ];
+    for (np, ex) in [
+        (2, "allreduce"),
+        (3, "allreduce"),
+        (2, "allgather"),
+        (2, "auto"),
+        (3, "auto"),
+    ] {
+        let mut a = base.to_vec();
+        a.extend(["--sparse-exchange", ex]);
+        let (ok, out, err) = run(np, &a);
+        assert!(ok, "np={np} {ex}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
+        assert_eq!(v["sparse_exchange"], ex, "{out}");
+        assert_eq!(
+            c_group(v["choices"].as_array().unwrap(), "fc"),
+            "sparse",
+            "{out}"
+        );
+        let ran = v["exchanges"].as_object().expect("exchanges");
+        assert_eq!(
+            ran.values().map(|x| x.as_u64().unwrap()).sum::<u64>(),
+            3,
+            "every timed step: {out}"
+        );
+        match ex {
+            "auto" => assert!(
+                ran.keys().all(|k| k == "allgather" || k == "allreduce"),
+                "one node: never hierarchical: {out}"
+            ),
+            _ => assert_eq!(ran.keys().collect::<Vec<_>>(), [ex], "{out}"),
+        }
+        // A reducing exchange measures the fill; the allgatherv does not.
+        assert_eq!(
+            v["fill_estimate"].is_number(),
+            ran.contains_key("allreduce"),
+            "{out}"
+        );
+        let sparse = v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["kind"] == "sparse")
+            .expect("sparse group")
+            .clone();
+        let want = if ex == "auto" {
+            "sparse-auto".to_string()
+        } else {
+            format!("sparse-{ex}")
+        };
+        assert_eq!(sparse["algorithm"], want.as_str(), "{out}");
+    }
+    // The text output names the exchange too.
+    let mut a = base[..base.len() - 1].to_vec();
+    a.extend(["--sparse-exchange", "allreduce"]);
+    let (ok, out, err) = run(2, &a);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("sparse exchange allreduce (steps {\"allreduce\": 3}"),
+        "{out}"
+    );
+    // Bad values, and auto without a profile: the flag named, every rank fails.
+    for (args, wants) in [
+        (
+            vec!["--profile", pr, "--sparse-exchange", "tree"],
+            vec!["--sparse-exchange \"tree\"", "auto"],
+        ),
+        (
+            vec!["--sparse-exchange", "auto"],
+            vec!["--sparse-exchange auto", "--profile or --calibrate"],
+        ),
+    ] {
+        let mut a = vec!["bench", "--op", "step", "--iters", "1", "--layers", l];
+        a.extend(args);
+        let (ok, _, err) = run(2, &a);
+        assert!(!ok, "{a:?} accepted");
+        for w in wants {
+            assert!(err.contains(w), "{w:?} not in {err}");
+        }
+    }
+}

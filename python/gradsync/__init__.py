@@ -106,7 +106,9 @@ class GradSync:
         ``allgather`` (``"recdbl"``, ``"mpi"``), ``sparse_exchange``
         (``"allgather"``, or ``"allreduce"``: the RGC and quantized RGC
         layers by one O(k) sparse allreduce instead of the fused
-        allgatherv, same results), ``overlap``, ``auto_density``,
+        allgatherv, same results; ``"hierarchical"``: the node-aware
+        sparse allreduce; ``"auto"``: the cost model's choice among them
+        every step, needs ``profile``), ``overlap``, ``auto_density``,
         ``auto_quant``. Unknown names raise ``ValueError``.
     """
 

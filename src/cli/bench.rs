@@ -84,6 +84,13 @@ pub struct BenchArgs {
     /// that profile; with `--profile`, write the profile there.
     #[arg(long)]
     pub calibrate: bool,
+    /// `--op step`: how the engine exchanges the RGC layers' index/value
+    /// pairs (`Config::sparse_exchange`): allgather (the fused
+    /// allgatherv), allreduce (one sparse allreduce), hierarchical (the
+    /// node-aware one) or auto (the cost model's choice every step; needs
+    /// --profile or --calibrate).
+    #[arg(long, default_value = "allgather")]
+    pub sparse_exchange: String,
     /// `--op step`: also measure the same table dense-only (every layer
     /// in the fused allreduce) and all-sparse (every layer RGC), in the
     /// same interleaved rounds: one record per configuration.

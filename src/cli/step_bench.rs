@@ -11,6 +11,10 @@
 //! layer is the plan's: with `--profile`, `plan_step` over `--strategies`
 //! (default: what `Strategy::Auto` chooses among); without a profile, the
 //! engine's default (dense below its compression threshold, else RGC).
+//! `--sparse-exchange` sets the engine's exchange of the RGC layers' pairs
+//! (`Config::sparse_exchange`; `auto` needs a profile, which the engine
+//! then prices every step with); the record says which exchange each
+//! timed step took.
 
 use super::bench::{
     check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
@@ -22,7 +26,7 @@ use crate::cost::calibrate::median;
 use crate::cost::{self, GroupKind, Profile, StepQuery, StrategyId};
 use crate::dense::AllreduceAlgo;
 use crate::failure::agree_inputs;
-use crate::sync::{Config, GradSync, Strategy};
+use crate::sync::{Config, GradSync, SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -105,6 +109,15 @@ pub struct StepRecord {
     pub choices: Vec<StepLayerRecord>,
     /// Layers per strategy.
     pub choice_counts: std::collections::BTreeMap<String, usize>,
+    /// `--sparse-exchange`: how the engine was told to exchange the RGC
+    /// layers' pairs (`allgather`, `allreduce`, `hierarchical`, `auto`).
+    pub sparse_exchange: String,
+    /// Timed steps per exchange the pairs actually took
+    /// (`StepStats::sparse_exchange`, rank 0; `allgather` also for steps
+    /// without such layers).
+    pub exchanges: std::collections::BTreeMap<String, usize>,
+    /// The fill estimate after the last step (`StepStats::fill_estimate`).
+    pub fill_estimate: Option<f64>,
 }
 
 /// The rank-local inputs.
@@ -116,6 +129,8 @@ struct Inputs {
     allowed: Vec<StrategyId>,
     /// Ranks per node of this job (the two-level model), if several nodes.
     ranks_per_node: Option<usize>,
+    /// `--sparse-exchange`.
+    exchange: SparseExchange,
 }
 
 fn inputs(a: &BenchArgs) -> Result<Inputs> {
@@ -149,6 +164,15 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             "--strategies: the engine cannot run {id} from a plan"
         )));
     }
+    let exchange: SparseExchange = a
+        .sparse_exchange
+        .parse()
+        .map_err(|e| flag_error(format!("--sparse-exchange {:?}", a.sparse_exchange), e))?;
+    if exchange == SparseExchange::Auto && profile.is_none() && !a.calibrate {
+        return Err(Error::InvalidArgument(
+            "--sparse-exchange auto needs --profile or --calibrate (the cost model chooses)".into(),
+        ));
+    }
     if profile.is_none() && !a.calibrate && !a.strategies.is_empty() {
         return Err(Error::InvalidArgument(
             "--strategies needs --profile or --calibrate (the plan chooses among them)".into(),
@@ -161,6 +185,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         density: a.density.unwrap_or(0.001),
         allowed,
         ranks_per_node: None,
+        exchange,
     })
 }
 
@@ -190,7 +215,12 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         return Ok((v, None, Vec::new()));
     };
     let allowed = if inp.allowed.is_empty() {
-        cost::engine_candidates(cfg.allreduce, cfg.sparse_exchange, cfg.auto_quant)
+        let mut v = cost::engine_candidates(cfg.allreduce, cfg.sparse_exchange, cfg.auto_quant);
+        if cfg.sparse_exchange == SparseExchange::Auto && inp.ranks_per_node.is_none() {
+            // One node: `auto` never runs the node-aware exchange.
+            v.retain(|&id| id != StrategyId::SparseHierarchical);
+        }
+        v
     } else {
         inp.allowed.clone()
     };
@@ -237,6 +267,9 @@ struct Measured {
     plan: Option<cost::StepPlan>,
     parts: [Vec<f64>; 3],
     bytes: (usize, usize),
+    /// Per step, the exchange the pairs took.
+    exchanges: Vec<String>,
+    fill: Option<f64>,
 }
 
 /// Every layer with one strategy, and the step model's prediction of it.
@@ -306,6 +339,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         m.push(("--density", inp.density.to_string()));
         m.push(("--calibrate", a.calibrate.to_string()));
         m.push(("--compare", a.compare.to_string()));
+        m.push(("--sparse-exchange", inp.exchange.name().to_string()));
         m
     })?;
     // The job's placement for the two-level model (collective on every rank).
@@ -325,7 +359,15 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         }
         inp.profile = Some(prof);
     }
-    let mut cfg = Config::default();
+    let mut cfg = Config {
+        sparse_exchange: inp.exchange,
+        profile: match inp.exchange {
+            // `auto` prices every step with the profile.
+            SparseExchange::Auto => inp.profile.clone(),
+            _ => None,
+        },
+        ..Config::default()
+    };
     if inp.allowed.contains(&StrategyId::DenseRing)
         && !inp.allowed.contains(&StrategyId::DenseRabenseifner)
     {
@@ -341,12 +383,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     if a.compare {
         let (s, pl) = uniform(&inp, p, Strategy::Dense, dense_id)?;
         configs.push(("dense", s, pl));
-        let (s, pl) = uniform(
-            &inp,
-            p,
-            Strategy::rgc(inp.density),
-            StrategyId::SparseAllgather,
-        )?;
+        let sparse_id = match inp.exchange {
+            SparseExchange::Allreduce => StrategyId::SparseAllreduce,
+            SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+            _ => StrategyId::SparseAllgather,
+        };
+        let (s, pl) = uniform(&inp, p, Strategy::rgc(inp.density), sparse_id)?;
         configs.push(("sparse", s, pl));
     }
     let mut runs: Vec<Measured> = configs
@@ -359,6 +401,8 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 plan,
                 parts: Default::default(),
                 bytes: (0, 0),
+                exchanges: Vec::new(),
+                fill: None,
             })
         })
         .collect::<Result<_>>()?;
@@ -395,7 +439,11 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             Ok(())
         })?;
         let st = st.expect("sync ran");
-        r.parts[0].push(st.allgather_s);
+        // The sparse group: the fused allgatherv and the pairs' sparse
+        // allreduce, whichever ran.
+        r.parts[0].push(st.allgather_s + st.sparse_reduce_s);
+        r.exchanges.push(st.sparse_exchange.clone());
+        r.fill = st.fill_estimate;
         r.parts[1].push(st.allreduce_s);
         r.parts[2].push(st.select_s + st.pack_s + st.unpack_s);
         r.bytes = (st.fused_bytes, st.dense_bytes);
@@ -463,7 +511,12 @@ fn record(
                         AllreduceAlgo::Ring => "dense-ring",
                         _ => "dense-rabenseifner",
                     },
-                    _ => "sparse-allgather",
+                    _ => match inp.exchange {
+                        SparseExchange::Allgather => "sparse-allgather",
+                        SparseExchange::Allreduce => "sparse-allreduce",
+                        SparseExchange::Hierarchical => "sparse-hierarchical",
+                        SparseExchange::Auto => "sparse-auto",
+                    },
                 }
                 .into(),
                 layers: 1,
@@ -487,6 +540,10 @@ fn record(
             .map(|x| x.comm_s);
     }
     let predicted_s = plan.as_ref().map(|pl| pl.seconds);
+    let mut exchanges = std::collections::BTreeMap::new();
+    for e in r.exchanges.iter().skip(a.warmup) {
+        *exchanges.entry(e.clone()).or_insert(0usize) += 1;
+    }
     Ok(StepRecord {
         op: "step".into(),
         config: r.name.into(),
@@ -508,6 +565,9 @@ fn record(
         local_s: med[2],
         choices,
         choice_counts: counts,
+        sparse_exchange: inp.exchange.name().into(),
+        exchanges,
+        fill_estimate: r.fill,
     })
 }
 
@@ -517,7 +577,7 @@ fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} step of {} ({} layers, {} elements) on {} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; local {:.3} ms; choices {:?}",
+        "{} step of {} ({} layers, {} elements) on {} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; local {:.3} ms; choices {:?}; sparse exchange {} (steps {:?}, fill estimate {})",
         rec.config,
         rec.layers_file,
         rec.layers,
@@ -531,7 +591,11 @@ fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
         rec.speedup_vs_dense,
         rec.wire_bytes_per_rank,
         rec.local_s * 1e3,
-        rec.choice_counts
+        rec.choice_counts,
+        rec.sparse_exchange,
+        rec.exchanges,
+        rec.fill_estimate
+            .map_or_else(|| "-".into(), |f| format!("{f:.3}"))
     );
     for g in &rec.groups {
         println!(

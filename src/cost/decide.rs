@@ -176,7 +176,10 @@ impl std::fmt::Display for StrategyId {
 /// the engine is configured with (its fused dense group runs one
 /// algorithm), RGC exchanged by its configured sparse collective
 /// (`sparse_exchange`: the fused allgatherv, the sparse allreduce or the
-/// node-aware one), and quantized RGC when `quant` with the allgatherv.
+/// node-aware one; with `auto`, which picks one of them every step
+/// ([`super::choose_sparse_exchange`]), all three, the caller dropping
+/// `sparse-hierarchical` where the job has one node), and quantized RGC
+/// when `quant` with the allgatherv (or `auto`).
 pub fn engine_candidates(
     allreduce: AllreduceAlgo,
     exchange: SparseExchange,
@@ -187,13 +190,19 @@ pub fn engine_candidates(
         AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
         _ => StrategyId::DenseRabenseifner,
     };
-    let sparse = match exchange {
-        SparseExchange::Allgather => StrategyId::SparseAllgather,
-        SparseExchange::Allreduce => StrategyId::SparseAllreduce,
-        SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+    let sparse: &[StrategyId] = match exchange {
+        SparseExchange::Allgather => &[StrategyId::SparseAllgather],
+        SparseExchange::Allreduce => &[StrategyId::SparseAllreduce],
+        SparseExchange::Hierarchical => &[StrategyId::SparseHierarchical],
+        SparseExchange::Auto => &[
+            StrategyId::SparseAllgather,
+            StrategyId::SparseAllreduce,
+            StrategyId::SparseHierarchical,
+        ],
     };
-    let mut v = vec![dense, sparse];
-    if quant && exchange == SparseExchange::Allgather {
+    let mut v = vec![dense];
+    v.extend_from_slice(sparse);
+    if quant && matches!(exchange, SparseExchange::Allgather | SparseExchange::Auto) {
         v.push(StrategyId::SparseAllgatherQuant);
     }
     v
@@ -277,6 +286,16 @@ mod tests {
         assert_eq!(
             c(AllreduceAlgo::Ring, SparseExchange::Allreduce, false),
             vec![DenseRing, SparseAllreduce]
+        );
+        assert_eq!(
+            c(AllreduceAlgo::Rabenseifner, SparseExchange::Auto, true),
+            vec![
+                DenseRabenseifner,
+                SparseAllgather,
+                SparseAllreduce,
+                SparseHierarchical,
+                SparseAllgatherQuant
+            ]
         );
         // Every candidate is an engine strategy; the sparse ones are RGC.
         for id in [SparseAllreduce, SparseHierarchical] {

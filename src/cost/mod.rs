@@ -73,8 +73,8 @@ pub use calibrate::{
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use step::{
-    plan_step, predict_step, sparse_collective, GroupKind, GroupPlan, LayerKind, LayerPlan,
-    StepLayer, StepPlan, StepQuery,
+    choose_sparse_exchange, plan_step, predict_step, sparse_collective, ExchangeChoice,
+    ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan, StepQuery,
 };
 pub use topology::NetLevel;
 

@@ -46,6 +46,12 @@
 //! plan` and `gradsync bench --op step` get their per-layer choice; the
 //! per-layer [`super::predict`] (one layer alone, paying every α) remains
 //! what `predict` prints.
+//!
+//! [`choose_sparse_exchange`] is the engine's per-step choice of the sparse
+//! group's collective under `sparse_exchange = "auto"` (the RGC layers'
+//! pairs in the fused allgatherv, the sparse allreduce or the node-aware
+//! one), priced by the same group costs as the plan, with the fill ratio
+//! the engine measured in its previous steps.
 
 use super::topology::{self, Net};
 use super::{
@@ -732,6 +738,120 @@ pub fn predict_step(
         )));
     }
     Ok(describe(prof, q, layers, &assign))
+}
+
+/// The inputs of the engine's per-step choice of how the index/value
+/// layers' pairs are exchanged (`sparse_exchange = "auto"`): every one of
+/// them must be the same on every rank (the engine derives them from the
+/// agreed options, the layer table, the step and results every rank
+/// received alike), so that every rank runs the same collective.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExchangeQuery {
+    /// Elements of those layers' concatenated index space.
+    pub n: usize,
+    /// Nominal pairs per rank: the sum over those layers of RGC's
+    /// `max(1, ⌈density·n⌉)` at this step's density (not a rank's own
+    /// count, which its selection may trim).
+    pub k: f64,
+    /// Bytes those layers add to the fused allgatherv message per rank
+    /// (their nominal units and table-of-contents entries).
+    pub message_bytes: f64,
+    /// Ranks.
+    pub p: usize,
+    /// Ranks per node when the job spans several nodes (block
+    /// placement); `None`: one node, or nodes unknown. Only with several
+    /// nodes is the node-aware sparse allreduce a candidate.
+    pub ranks_per_node: Option<usize>,
+    /// Fill ratio `ρ = F/(p·k)` measured by earlier steps; `None`:
+    /// independent selections ([`super::topology`]).
+    pub fill: Option<f64>,
+}
+
+/// The choice of [`choose_sparse_exchange`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeChoice {
+    /// `sparse-allgather` (the fused allgatherv), `sparse-allreduce` or
+    /// `sparse-hierarchical`.
+    pub id: StrategyId,
+    /// Predicted seconds of every candidate, in that order (the
+    /// hierarchical one only with several nodes).
+    pub predictions: Vec<(StrategyId, f64)>,
+}
+
+/// The fastest exchange of a step's index/value pairs: the fused
+/// allgatherv (its collective plus decoding the `p` received units, as
+/// [`plan_step`] charges a `sparse-allgather` layer), the sparse allreduce
+/// (`topology::sparse_allreduce`) or, when the job spans several nodes,
+/// the node-aware one (`topology::sparse_hierarchical`): the same group
+/// costs [`plan_step`] uses for the sparse group, so a plan and this
+/// choice agree. The pair layers are priced alone: the fused allgatherv's
+/// α is charged to them even where other codecs' units keep it running.
+/// Ties (one rank) and a group without pairs (empty layers) go to the
+/// allgatherv.
+pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
+    if q.p == 0 {
+        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
+    }
+    if !(q.k >= 0.0 && q.k.is_finite() && q.message_bytes >= 0.0 && q.message_bytes.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "pairs {} and message bytes {} must be finite and not negative",
+            q.k, q.message_bytes
+        )));
+    }
+    let sq = StepQuery {
+        p: q.p,
+        density: 1.0,
+        select_method: String::new(),
+        gradiveq_ratio: 1.0,
+        allowed: Vec::new(),
+        ranks_per_node: q.ranks_per_node,
+        fill: q.fill,
+    };
+    check(&sq)?;
+    let net = Net::of(prof, &sq);
+    let n = q.n as f64;
+    let pairs = Sizes {
+        sparse: 8.0 * q.k,
+        sparse_n: n,
+        ..Sizes::default()
+    };
+    let gather = Sizes {
+        sparse: q.message_bytes,
+        sparse_n: n,
+        ..Sizes::default()
+    };
+    let unpack = if q.p > 1 {
+        q.p as f64 * q.message_bytes * prof.gamma_unpack
+    } else {
+        0.0
+    };
+    let mut predictions = vec![
+        (
+            StrategyId::SparseAllgather,
+            sparse_group(&net, StrategyId::SparseAllgather, gather) + unpack,
+        ),
+        (
+            StrategyId::SparseAllreduce,
+            sparse_group(&net, StrategyId::SparseAllreduce, pairs),
+        ),
+    ];
+    if q.ranks_per_node.is_some_and(|l| l < q.p) {
+        predictions.push((
+            StrategyId::SparseHierarchical,
+            sparse_group(&net, StrategyId::SparseHierarchical, pairs),
+        ));
+    }
+    let mut best = predictions[0];
+    for &c in &predictions[1..] {
+        // No pairs (empty layers): nothing to reduce.
+        if c.1 < best.1 && q.k > 0.0 {
+            best = c;
+        }
+    }
+    Ok(ExchangeChoice {
+        id: best.0,
+        predictions,
+    })
 }
 
 /// Elements of the whole table (every layer's gradient is read each step,

@@ -129,6 +129,17 @@ pub enum SparseExchange {
     /// memory). Sums node by node, so equal to `Allreduce` up to the order
     /// of the additions (exactly for integers).
     Hierarchical,
+    /// The cost model's choice, every step, among the three above
+    /// ([`crate::cost::choose_sparse_exchange`] with
+    /// [`Config::profile`], which `Auto` needs): the index/value layers'
+    /// element count, their nominal pairs per rank (each layer's
+    /// `⌈density·n⌉` at this step's density, the same on every rank), the
+    /// ranks, the ranks per node and the fill ratio measured by the
+    /// previous reducing steps. `Hierarchical` only when the job spans
+    /// several nodes (the ranks' nodes are asked for at creation; a
+    /// transport without nodes never gets it). The choice is logged when
+    /// it changes and reported in [`StepStats::sparse_exchange`](super::StepStats::sparse_exchange).
+    Auto,
 }
 
 impl std::str::FromStr for SparseExchange {
@@ -138,8 +149,9 @@ impl std::str::FromStr for SparseExchange {
             "allgather" => Ok(Self::Allgather),
             "allreduce" => Ok(Self::Allreduce),
             "hierarchical" => Ok(Self::Hierarchical),
+            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical)"
+                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical, auto)"
             ))),
         }
     }
@@ -152,6 +164,7 @@ impl SparseExchange {
             Self::Allgather => "allgather",
             Self::Allreduce => "allreduce",
             Self::Hierarchical => "hierarchical",
+            Self::Auto => "auto",
         }
     }
     /// The default (serde skips it, so that the options' JSON, and with it
@@ -204,8 +217,9 @@ pub struct Config {
     /// Let `Auto` choose quantized RGC too.
     pub auto_quant: bool,
     /// How the sparse layers of index/value codecs (RGC, quantized RGC)
-    /// are exchanged: in the fused allgatherv (default) or by one sparse
-    /// allreduce ([`SparseExchange`]).
+    /// are exchanged: in the fused allgatherv (default), by one sparse
+    /// allreduce (flat or node-aware), or as the cost model chooses each
+    /// step (`auto`, needs `profile`) ([`SparseExchange`]).
     #[serde(skip_serializing_if = "SparseExchange::is_default")]
     pub sparse_exchange: SparseExchange,
 }
@@ -267,6 +281,11 @@ impl Config {
                     "density warm-up needs steps_per_stage ≥ 1 and densities in (0, 1]".into(),
                 ));
             }
+        }
+        if cfg.sparse_exchange == SparseExchange::Auto && cfg.profile.is_none() {
+            return Err(Error::InvalidArgument(
+                "sparse_exchange \"auto\" needs Config::profile (gradsync calibrate)".into(),
+            ));
         }
         cfg.codec.build()?;
         Ok(())

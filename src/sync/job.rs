@@ -352,9 +352,10 @@ fn reduce_sparse<C: Transport>(
             let report = hierarchical_sparse_allreduce(comm, n, nodes, idx, vals, out, opts)?;
             Ok(report.result_nnz)
         }
-        SparseExchange::Allgather => Err(Error::InvalidArgument(
-            "sparse_exchange \"allgather\" reduces no layer".into(),
-        )),
+        SparseExchange::Allgather | SparseExchange::Auto => Err(Error::InvalidArgument(format!(
+            "sparse_exchange {:?} reduces no layer (auto is resolved before the step)",
+            exchange.name()
+        ))),
     }
 }
 
@@ -506,7 +507,7 @@ impl Job {
         self.sp_bad_rank.clear();
         self.sp_bad_rank.resize(plan.reduced.ids.len(), None);
         self.do_sparse = plan.sparse_reduce;
-        self.exchange = cfg.sparse_exchange;
+        self.exchange = plan.exchange;
         self.sparse_reduce_s = 0.0;
         self.sparse_reduce_nnz = 0;
         self.dense_len = dense_len;

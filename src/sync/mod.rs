@@ -20,7 +20,11 @@
 //!   through ONE O(k) sparse allreduce
 //!   ([`crate::sparse::sparse_allreduce`]) after the step's status
 //!   agreement, with bitwise the same result (`job.rs` says how failures
-//!   and NaN/Inf reach every rank on that path).
+//!   and NaN/Inf reach every rank on that path); `Hierarchical` runs the
+//!   node-aware one, and [`SparseExchange::Auto`] lets the cost model
+//!   choose among the three every step
+//!   ([`crate::cost::choose_sparse_exchange`], priced with a fill ratio
+//!   estimated from the previous reducing steps; `exchange.rs`).
 //! * `Dense` layers are fused into one buffer and averaged with Rabenseifner's
 //!   allreduce (Horovod-style tensor fusion); momentum (plain or Nesterov) is
 //!   applied to the average, so every rank keeps the same momentum.
@@ -84,7 +88,8 @@
 //!
 //! 1. **plan** — every per-step decision, a pure function of (step, options,
 //!    number of ranks, layer table), alike on every rank and tested without
-//!    a transport;
+//!    a transport; with `sparse_exchange = "auto"` then the step's exchange,
+//!    from the cost model and inputs alike on every rank (`exchange.rs`);
 //! 2. **local math** — this rank's inputs validated, clipping, Algorithm 4
 //!    on sparse layers, the dense layers' fused buffer, the local step of a
 //!    delayed step (no communication);
@@ -109,6 +114,8 @@
 //! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
+//! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the agreed profile, the node map and the fill estimate |
+//! | the fill estimate (moving average of `sparse_reduce_nnz/(p·k)` after reducing steps) | `exchange.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
@@ -117,10 +124,12 @@
 //! Files: `config.rs` (options), `plan.rs` (the step planner), `layer.rs`
 //! (layer state and Algorithm 4), `job.rs` (progress job and thread),
 //! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
+//! `exchange.rs` (the per-step exchange of `auto`, the fill estimate),
 //! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings);
 //! this file holds the engine, its constructors and the step script.
 
 mod config;
+mod exchange;
 mod job;
 mod layer;
 mod options;
@@ -188,8 +197,16 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     last: StepStats,
     warned_no_thread: bool,
     /// Every rank's node, when the configuration needs them (the
-    /// node-aware collectives, a two-level profile for `Auto`).
+    /// node-aware collectives, a two-level profile for `Auto`,
+    /// `sparse_exchange = "auto"`).
     nodes: Option<Vec<usize>>,
+    /// The fill ratio of the sparse allreduces, estimated from the
+    /// previous reducing steps (`exchange.rs`).
+    fill_estimate: Option<f64>,
+    /// The last exchange `sparse_exchange = "auto"` chose (to log changes).
+    auto_exchange: Option<SparseExchange>,
+    /// This step's reduced group's nominal load (`exchange.rs`).
+    step_load: exchange::Load,
 }
 
 /// What `start` tells `wait` about the step.
@@ -258,6 +275,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             last: StepStats::default(),
             warned_no_thread: false,
             nodes: None,
+            fill_estimate: None,
+            auto_exchange: None,
+            step_load: exchange::Load::default(),
         };
         s.agree(valid.map(|()| table_hash), || {
             "the engine options (Config) differ".to_string()
@@ -272,6 +292,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if two_level || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical {
             let comm = s.comm.as_ref().expect("transport held at creation");
             s.nodes = comm.node_ids();
+        }
+        if s.cfg.sparse_exchange == SparseExchange::Auto {
+            // The node-aware exchange is a candidate only where the nodes
+            // are known; without them `auto` never picks it. (Whether they
+            // were asked for above is decided by the agreed options, and a
+            // transport answers alike on every rank.)
+            if s.nodes.is_none() {
+                let comm = s.comm.as_ref().expect("transport held at creation");
+                s.nodes = comm.node_ids();
+            }
+            if let Some(nodes) = &s.nodes {
+                s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
+            }
         }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
             let comm = s.comm.as_ref().expect("transport held at creation");
@@ -388,6 +421,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let step = self.step;
         // 1. Plan: every per-step decision, alike on every rank (plan.rs).
         plan_step_into(&mut self.plan, step, &self.cfg, self.size, &self.table);
+        // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
+        self.resolve_exchange();
         for l in &mut self.layers {
             l.begin_step();
         }
@@ -451,6 +486,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let result = job.result.take().unwrap_or(Ok(()));
         // 5. Unpack (unpack.rs).
         let r = self.unpack(&mut job, out, result);
+        self.update_fill(job.sparse_reduce_nnz);
         self.record_stats(&info, &job, wait_s);
         self.job = Some(job);
         // The round happened (every rank sees the same gathered bytes, so
@@ -459,8 +495,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         let s = &self.last;
         log::debug!(
-            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse allreduce {:.3e}s ({} nnz) unpack {:.3e}s wait {:.3e}s",
-            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_reduce_s, s.sparse_reduce_nnz, s.unpack_s, s.wait_s
+            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
+            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
         );
         for l in &s.layers {
             log::trace!("gradsync: step {} {l:?}", s.step);

@@ -23,7 +23,12 @@
 //!   sparse allreduce instead (`Config::sparse_exchange` other than
 //!   `Allgather`, for codecs whose units are index/value pairs: RGC and
 //!   quantized RGC) with their offsets in its concatenated index space,
-//!   the GradiVeQ layers' rings, the local layers;
+//!   the GradiVeQ layers' rings, the local layers. With
+//!   `sparse_exchange = "auto"` those layers are planned as reduced and
+//!   the engine's per-step choice ([`set_exchange`], from the cost model
+//!   and inputs alike on every rank) keeps them there, with the sparse
+//!   allreduce or the node-aware one, or moves them back into the fused
+//!   message (then the plan is the `allgather` one);
 //! * which collectives run (allgatherv when some layer is in the fused
 //!   message and there is more than one rank; the allreduce for the dense
 //!   buffer, or as a status exchange before GradiVeQ's rings when nothing
@@ -190,6 +195,10 @@ pub(super) struct StepPlan {
     /// Run the sparse allreduce of the `reduced` layers (after the status
     /// agreement; at one rank it only copies this rank's pairs).
     pub(super) sparse_reduce: bool,
+    /// How the `reduced` layers are exchanged this step: the configured
+    /// exchange, `Auto` until the engine resolves it
+    /// ([`set_exchange`]), `Allgather` when no layer is reduced.
+    pub(super) exchange: SparseExchange,
     /// Compress / step the non-dense layers in parallel (rayon).
     pub(super) parallel_local: bool,
     /// Unpack the layers in parallel (rayon).
@@ -293,13 +302,59 @@ pub(super) fn plan_step_into(
     plan.gather = !plan.sparse.ids.is_empty() && ranks > 1;
     plan.rings = !plan.gradiveq.ids.is_empty();
     plan.sparse_reduce = !plan.reduced.ids.is_empty();
+    plan.exchange = if plan.sparse_reduce {
+        cfg.sparse_exchange
+    } else {
+        SparseExchange::Allgather
+    };
     // A step with GradiVeQ layers and no fused message carries its status
     // in a one-word allreduce before the rings. A step with reduced layers
     // always runs the status allreduce: its second word says whether some
     // rank's reduced layer was non-finite (the fused message cannot say:
     // those layers are not in it), and it decides before the sparse
     // allreduce whether the step failed.
+    set_reduce(plan);
+    plan_parallel(plan, cfg);
+}
+
+/// Whether the step runs the dense allreduce: for the dense buffer, or
+/// as the status exchange (module docs).
+fn set_reduce(plan: &mut StepPlan) {
     plan.reduce = plan.dense.elems > 0 || (plan.rings && !plan.gather) || plan.sparse_reduce;
+}
+
+/// The exchange of the `reduced` group this step (`sparse_exchange =
+/// "auto"`: the engine's per-step choice, the same on every rank).
+/// `Allgather` moves the group's layers back into the fused allgatherv
+/// message, giving the plan of `sparse_exchange = "allgather"`; the
+/// sparse allreduces keep the group. Nothing to do without reduced
+/// layers.
+pub(super) fn set_exchange(plan: &mut StepPlan, exchange: SparseExchange, ranks: usize) {
+    if !plan.sparse_reduce {
+        plan.exchange = SparseExchange::Allgather;
+        return;
+    }
+    plan.exchange = exchange;
+    if exchange != SparseExchange::Allgather {
+        return;
+    }
+    for &id in &plan.reduced.ids {
+        let lp = &mut plan.layers[id as usize];
+        lp.reduced = false;
+        lp.reduce_off = 0;
+    }
+    // Both groups are in registration order; so is their union.
+    plan.sparse.ids.extend_from_slice(&plan.reduced.ids);
+    plan.sparse.ids.sort_unstable();
+    plan.sparse.elems += plan.reduced.elems;
+    plan.reduced.clear();
+    plan.sparse_reduce = false;
+    plan.gather = ranks > 1;
+    set_reduce(plan);
+}
+
+/// Whether the local math and the unpacking run in parallel.
+fn plan_parallel(plan: &mut StepPlan, cfg: &Config) {
     // Parallel only across two or more layers: one layer gains nothing,
     // and idle rayon workers spinning next to MPI's polling cost more than
     // they bring on a few cores.
@@ -640,6 +695,68 @@ mod tests {
             plan_step_into(&mut p, step, &cfg, 3, &t);
             assert_eq!(p, plan_step(step, &cfg, 3, &t), "step {step}");
         }
+    }
+
+    /// `sparse_exchange = auto`: the pair layers are planned as reduced;
+    /// resolving the step's exchange gives exactly the plan of the
+    /// configured exchange (allgather: back in the fused message, in
+    /// registration order), for every step of warm-ups and delays.
+    #[test]
+    fn auto_exchange_resolves_to_the_plan_of_the_chosen_exchange() {
+        let t = [
+            dense(10),
+            pairs(1000, 0.01),
+            sparse(300, None),
+            pairs(0, 0.01),
+            pairs(77, 0.1),
+            gvq(40),
+        ];
+        let base = Config {
+            delay: 2,
+            warmup: Warmup::Dense { steps: 2 },
+            ..Config::default()
+        };
+        let auto = Config {
+            sparse_exchange: SparseExchange::Auto,
+            ..base.clone()
+        };
+        for ranks in [1, 2, 3] {
+            for step in 0..6 {
+                let planned = plan_step(step, &auto, ranks, &t);
+                assert_eq!(
+                    planned.exchange,
+                    if planned.sparse_reduce {
+                        SparseExchange::Auto
+                    } else {
+                        SparseExchange::Allgather
+                    }
+                );
+                for ex in [
+                    SparseExchange::Allgather,
+                    SparseExchange::Allreduce,
+                    SparseExchange::Hierarchical,
+                ] {
+                    let mut p = planned.clone();
+                    set_exchange(&mut p, ex, ranks);
+                    let cfg = Config {
+                        sparse_exchange: ex,
+                        ..base.clone()
+                    };
+                    assert_eq!(
+                        p,
+                        plan_step(step, &cfg, ranks, &t),
+                        "{ex:?} step {step} ranks {ranks}"
+                    );
+                }
+            }
+        }
+        // Some step reduces (and moving back matters).
+        let p = plan_step(3, &auto, 3, &t);
+        assert_eq!(p.reduced.ids, [1, 3, 4]);
+        let mut q = p.clone();
+        set_exchange(&mut q, SparseExchange::Allgather, 3);
+        assert_eq!(q.sparse.ids, [1, 2, 3, 4]);
+        assert!(q.gather && !q.sparse_reduce && q.reduce);
     }
 
     /// `sparse_exchange = allreduce`: the index/value layers leave the

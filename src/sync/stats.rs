@@ -70,6 +70,16 @@ pub struct StepStats {
     /// layers; their elements in all are the space's size). A caller or a
     /// cost model can estimate the next steps' fill-in from it.
     pub sparse_reduce_nnz: usize,
+    /// How this step's RGC / quantized-RGC pairs were exchanged:
+    /// `allgather` (in the fused allgatherv, or no such layer this step),
+    /// `allreduce` or `hierarchical`; with `sparse_exchange = "auto"` the
+    /// cost model's choice for this step.
+    pub sparse_exchange: String,
+    /// The fill ratio `ρ = nnz/(p·k)` of the sparse allreduces estimated
+    /// from the reducing steps up to this one (an exponential moving
+    /// average, `GradSync::fill_estimate`), what the next step's `auto`
+    /// choice prices with; `None` before any such step.
+    pub fill_estimate: Option<f64>,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
     /// Unpacking, seconds.
@@ -85,6 +95,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // Reuse the previous step's per-layer records (no allocation once
         // the names have been copied).
         let mut layer_stats = std::mem::take(&mut self.last.layers);
+        let mut exchange = std::mem::take(&mut self.last.sparse_exchange);
+        exchange.clear();
+        exchange.push_str(self.plan.exchange.name());
         layer_stats.resize_with(self.layers.len(), LayerStats::default);
         for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
             d.clone_from(&l.stats);
@@ -106,6 +119,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             allreduce_s: job.allreduce_s,
             sparse_reduce_s: job.sparse_reduce_s,
             sparse_reduce_nnz: job.sparse_reduce_nnz,
+            sparse_exchange: exchange,
+            fill_estimate: self.fill_estimate,
             gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,

@@ -100,17 +100,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 density: d,
                 gradiveq_ratio: 8.0,
                 ranks_per_node: self.ranks_per_node(),
-                fill: None,
+                fill: self.fill_estimate,
             },
             &method_name,
         )?;
         // The one decision table (crate::cost::choose) over what the
         // engine runs for this configuration.
-        let allowed = crate::cost::engine_candidates(
-            self.cfg.allreduce,
-            self.cfg.sparse_exchange,
-            self.cfg.auto_quant,
-        );
+        let allowed = self.auto_candidates();
         let best = choose(&preds, &allowed)
             .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
         let strategy = best
@@ -417,12 +413,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             select_method: method_name,
             gradiveq_ratio: 8.0,
             ranks_per_node: self.ranks_per_node(),
-            fill: None,
-            allowed: cost::engine_candidates(
-                self.cfg.allreduce,
-                self.cfg.sparse_exchange,
-                self.cfg.auto_quant,
-            ),
+            fill: self.fill_estimate,
+            allowed: self.auto_candidates(),
         };
         let plan = cost::plan_step(prof, &q, &table)?;
         let mut layers = Vec::new();
@@ -454,9 +446,27 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok((method, name))
     }
 
+    /// What `Auto` layers choose among ([`crate::cost::engine_candidates`]
+    /// for this configuration), without the node-aware sparse allreduce
+    /// when the job has one node (or its nodes are unknown), which
+    /// `sparse_exchange = "auto"` then never runs.
+    fn auto_candidates(&self) -> Vec<crate::cost::StrategyId> {
+        let mut v = crate::cost::engine_candidates(
+            self.cfg.allreduce,
+            self.cfg.sparse_exchange,
+            self.cfg.auto_quant,
+        );
+        if self.cfg.sparse_exchange == super::SparseExchange::Auto
+            && self.ranks_per_node().is_none()
+        {
+            v.retain(|&id| id != crate::cost::StrategyId::SparseHierarchical);
+        }
+        v
+    }
+
     /// Ranks per node for the step model: the largest node's count when the
     /// job spans several nodes (block placement assumed), else `None`.
-    fn ranks_per_node(&self) -> Option<usize> {
+    pub(super) fn ranks_per_node(&self) -> Option<usize> {
         crate::comm::ranks_per_node(self.nodes.as_ref()?)
     }
 
@@ -551,8 +561,13 @@ fn fixed_id(
             let id = match codec {
                 // RGC layers go by the configured sparse collective (the
                 // quantized ones too, priced as RGC there).
+                // With `auto` the exchange is chosen every step: priced
+                // as the fused allgatherv's.
                 CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. }
-                    if exchange != super::SparseExchange::Allgather =>
+                    if matches!(
+                        exchange,
+                        super::SparseExchange::Allreduce | super::SparseExchange::Hierarchical
+                    ) =>
                 {
                     match exchange {
                         super::SparseExchange::Hierarchical => StrategyId::SparseHierarchical,

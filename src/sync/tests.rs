@@ -99,7 +99,7 @@ fn sparse_sync_equals_sum_of_decoded_units_for_every_codec() {
         "fp16",
         "none",
     ] {
-        for p in [1, 2, 3, 5] {
+        for p in [1, 2, 3, 4, 5] {
             check_codec(codec, p, false);
         }
     }
@@ -1250,7 +1250,17 @@ fn run_exchange(
     int: bool,
     steps: u64,
 ) -> Vec<(Vec<ExchangeStep>, Vec<Vec<u32>>)> {
-    let table = exchange_table();
+    run_exchange_table(p, cfg, int, steps, &exchange_table())
+}
+
+/// [`run_exchange`] of another table.
+fn run_exchange_table(
+    p: usize,
+    cfg: &Config,
+    int: bool,
+    steps: u64,
+    table: &[(&'static str, usize, Strategy)],
+) -> Vec<(Vec<ExchangeStep>, Vec<Vec<u32>>)> {
     LocalComm::run(p, |c| {
         let rank = c.rank();
         let mut s = GradSync::with_transport(c, cfg.clone()).expect("engine");
@@ -1330,7 +1340,7 @@ fn allreduce_exchange_equals_the_allgather_bitwise() {
     ];
     let table = exchange_table();
     for (ci, base) in configs.iter().enumerate() {
-        for p in [1, 2, 3, 5] {
+        for p in [1, 2, 3, 4, 5] {
             // Integers as the issue asks; uniform floats too (the pairs are
             // scaled before the sum, which adds in rank order: equal bits).
             for int in [true, false] {
@@ -1564,6 +1574,119 @@ fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
     }
 }
 
+/// Issue #15: `sparse_exchange = auto` chooses the exchange every step by
+/// the cost model: bitwise the allgather engine's outputs and residuals
+/// whatever it picks (the in-process transport has no nodes, so never the
+/// node-aware one); the allgatherv at 1 to 3 ranks, the sparse allreduce
+/// from 4 ranks on (a layer at density 0.5 whose sum is nearly dense); the
+/// stats name the exchange of every step and carry the fill estimate
+/// (the moving average of `nnz/(p·k)`, `k` the nominal pairs) from the
+/// first reducing step on.
+#[test]
+fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
+    let sp = |c: &str| Strategy::Sparse {
+        codec: c.parse().expect("codec"),
+        density: None,
+    };
+    let table = vec![
+        ("bias", 10, Strategy::Dense),
+        ("a", 2500, Strategy::rgc(0.5)),
+        ("q", 500, sp("rgc-quant:density=0.2")),
+        ("h", 300, sp("fp16")),
+        ("e", 0, Strategy::rgc(0.3)),
+    ];
+    // Nominal pairs per rank: 1250 + 100 + 0.
+    let k = 1350.0;
+    let prof = crate::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0).expect("profile");
+    let base = Config {
+        momentum: 0.5,
+        profile: Some(prof),
+        ..cfg()
+    };
+    let auto = Config {
+        sparse_exchange: SparseExchange::Auto,
+        ..base.clone()
+    };
+    let steps = 4;
+    for p in [1, 2, 3, 4, 5] {
+        for int in [true, false] {
+            let gather = run_exchange_table(p, &base, int, steps, &table);
+            let chosen = run_exchange_table(p, &auto, int, steps, &table);
+            for r in 0..p {
+                let ((ga, gres), (ca, cres)) = (&gather[r], &chosen[r]);
+                let mut fill: Option<f64> = None;
+                for t in 0..steps as usize {
+                    let at = format!("p={p} int={int} rank {r} step {t}");
+                    assert_eq!(ga[t].0, ca[t].0, "{at}: outputs");
+                    let (gs, cs) = (&ga[t].2, &ca[t].2);
+                    assert_eq!(gs.sparse_exchange, "allgather", "{at}");
+                    assert_eq!(gs.fill_estimate, None, "{at}");
+                    // The first step prices independent selections; later
+                    // ones the measured fill (random data: about the same).
+                    let want = if p >= 4 { "allreduce" } else { "allgather" };
+                    assert_eq!(cs.sparse_exchange, want, "{at}");
+                    let red = cs.sparse_exchange == "allreduce";
+                    let reduced: Vec<bool> = ca[t].1.iter().map(|u| u.0).collect();
+                    assert_eq!(
+                        reduced,
+                        [false, red, red, false, red],
+                        "{at}: reduced layers"
+                    );
+                    if red {
+                        assert!(cs.sparse_reduce_nnz > 0, "{at}");
+                        assert!(cs.fused_bytes < gs.fused_bytes, "{at}");
+                        let pf = p as f64;
+                        let rho = (cs.sparse_reduce_nnz as f64 / (pf * k)).clamp(1.0 / pf, 1.0);
+                        fill = Some(fill.map_or(rho, |f| 0.5 * f + 0.5 * rho));
+                    } else {
+                        assert_eq!((cs.sparse_reduce_nnz, cs.fused_bytes), (0, gs.fused_bytes));
+                    }
+                    assert_eq!(cs.fill_estimate, fill, "{at}");
+                    // Every rank made the same choice and estimate.
+                    let r0 = &chosen[0].0[t].2;
+                    assert_eq!(
+                        (&r0.sparse_exchange, r0.fill_estimate),
+                        (&cs.sparse_exchange, cs.fill_estimate),
+                        "{at}"
+                    );
+                }
+                assert_eq!(gres, cres, "p={p} int={int} rank {r}: residuals");
+            }
+        }
+    }
+}
+
+/// Issue #15: `auto` needs a profile: without one, the same error on
+/// every rank at creation; with one, the in-process transport (no nodes)
+/// is accepted (auto then never picks the node-aware exchange).
+#[test]
+fn auto_exchange_needs_a_profile_on_every_rank() {
+    let res = LocalComm::run(3, |c| {
+        let cfg = Config {
+            sparse_exchange: SparseExchange::Auto,
+            ..cfg()
+        };
+        GradSync::with_transport(c, cfg)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    });
+    for e in &res {
+        assert!(e.contains("\"auto\"") && e.contains("profile"), "{e}");
+    }
+    let ok = LocalComm::run(2, |c| {
+        let cfg = Config {
+            sparse_exchange: SparseExchange::Auto,
+            profile: Some(crate::cost::Profile::from_network(1e-6, 1e9, 0.0, 0.0).unwrap()),
+            ..cfg()
+        };
+        GradSync::with_transport(c, cfg).map(|s| s.fill_estimate())
+    });
+    for r in ok {
+        assert_eq!(r.expect("created"), None);
+    }
+}
+
 /// Issue #15: the option as JSON and text; `hierarchical` is refused on
 /// every rank until the node-aware sparse allreduce is built in.
 #[test]
@@ -1572,6 +1695,7 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
         ("allgather", SparseExchange::Allgather),
         ("allreduce", SparseExchange::Allreduce),
         ("hierarchical", SparseExchange::Hierarchical),
+        ("auto", SparseExchange::Auto),
     ] {
         assert_eq!(name.parse::<SparseExchange>().unwrap(), want);
         assert_eq!(want.name(), name);
@@ -1581,7 +1705,8 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
         let back: Config = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
     }
-    assert!("ring".parse::<SparseExchange>().is_err());
+    let e = "ring".parse::<SparseExchange>().unwrap_err().to_string();
+    assert!(e.contains("auto"), "the error lists every exchange: {e}");
     let e = Config::from_options_json(r#"{"sparse_exchange": "tree"}"#)
         .unwrap_err()
         .to_string();
@@ -1628,4 +1753,187 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
             .all(|r| r.as_ref().is_err_and(|e| e.contains("differ"))),
         "{res:?}"
     );
+}
+
+/// The in-process transport with a node map, ranks in blocks of `per`
+/// (what `MpiComm::node_ids` reports on a multi-node job).
+struct Noded {
+    inner: LocalComm,
+    per: usize,
+}
+
+impl crate::comm::Transport for Noded {
+    type Request = <LocalComm as crate::comm::Transport>::Request;
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send<T: crate::comm::Elem>(
+        &self,
+        buf: &[T],
+        dest: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.send(buf, dest, tag)
+    }
+    fn recv<T: crate::comm::Elem>(
+        &self,
+        buf: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.recv(buf, src, tag)
+    }
+    fn sendrecv<T: crate::comm::Elem>(
+        &self,
+        send: &[T],
+        dest: usize,
+        recv: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<()> {
+        self.inner.sendrecv(send, dest, recv, src, tag)
+    }
+    unsafe fn isend<T: crate::comm::Elem>(
+        &self,
+        buf: &[T],
+        dest: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<Self::Request> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.isend(buf, dest, tag) }
+    }
+    unsafe fn irecv<T: crate::comm::Elem>(
+        &self,
+        buf: &mut [T],
+        src: usize,
+        tag: crate::comm::Tag,
+    ) -> Result<Self::Request> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.irecv(buf, src, tag) }
+    }
+    fn barrier(&self) -> Result<()> {
+        self.inner.barrier()
+    }
+    fn abort(&self, code: i32, msg: &str) -> ! {
+        self.inner.abort(code, msg)
+    }
+    fn node_ids(&self) -> Option<Vec<usize>> {
+        Some((0..self.size()).map(|r| r / self.per).collect())
+    }
+}
+
+/// Issue #15: with the ranks' nodes known and a two-level profile whose
+/// link between nodes is slow, `auto` runs the node-aware sparse
+/// allreduce (2 nodes of 2 ranks): the same results as the allgather
+/// engine (exactly, for integer gradients: the node-by-node sum is exact),
+/// the stats name it and measure the fill; on one node it never does.
+#[test]
+fn auto_exchange_goes_node_aware_across_slow_nodes() {
+    let mut prof = crate::cost::Profile::from_network(3e-6, 2.5e9, 0.0, 0.0).expect("profile");
+    prof.inter_node = Some(crate::cost::NetLevel {
+        alpha: 3e-5,
+        beta: 1.0 / 1.25e8,
+        beta_curve: Vec::new(),
+        oneway_curve: Vec::new(),
+    });
+    let table = vec![
+        ("bias", 10, Strategy::Dense),
+        ("a", 20_000, Strategy::rgc(0.2)),
+        ("b", 5000, Strategy::rgc(0.2)),
+    ];
+    let run = |exchange: SparseExchange, per: usize| {
+        let cfg = Config {
+            sparse_exchange: exchange,
+            profile: Some(prof.clone()),
+            ..cfg()
+        };
+        let table = table.clone();
+        LocalComm::run(4, move |c| {
+            let rank = c.rank();
+            let mut s =
+                GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
+            for (n, len, st) in &table {
+                s.register_with(n, &[*len], st.clone()).expect("register");
+            }
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                let mut g: Vec<Vec<f32>> = table
+                    .iter()
+                    .enumerate()
+                    .map(|(l, (name, n, _))| exchange_grad(true, rank, step, l, name, *n))
+                    .collect();
+                let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+                let st = s.sync(&mut v).expect("sync").clone();
+                out.push((g, st));
+            }
+            out
+        })
+    };
+    let gather = run(SparseExchange::Allgather, 2);
+    let nodes = run(SparseExchange::Auto, 2);
+    let one = run(SparseExchange::Auto, 4);
+    for r in 0..4 {
+        for t in 0..3 {
+            let at = format!("rank {r} step {t}");
+            let (g, _) = &gather[r][t];
+            let (a, st) = &nodes[r][t];
+            assert_eq!(g, a, "{at}: results");
+            assert_eq!(st.sparse_exchange, "hierarchical", "{at}");
+            assert!(
+                st.sparse_reduce_nnz > 0 && st.fill_estimate.is_some(),
+                "{at}"
+            );
+            let (o, st1) = &one[r][t];
+            assert_eq!(g, o, "{at}: one node");
+            assert_ne!(st1.sparse_exchange, "hierarchical", "{at}: one node");
+        }
+    }
+}
+
+/// Issue #15: `Strategy::Auto` layers under `sparse_exchange = auto` are
+/// planned among the dense group, the allgatherv and the sparse allreduce
+/// (never the node-aware one without nodes), run, and report their
+/// exchange every step.
+#[test]
+fn auto_layers_with_auto_exchange_plan_and_run() {
+    let prof = crate::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0).expect("profile");
+    let res = LocalComm::run(4, |c| {
+        let rank = c.rank();
+        let cfg = Config {
+            sparse_exchange: SparseExchange::Auto,
+            profile: Some(prof.clone()),
+            auto_density: 0.5,
+            ..cfg()
+        };
+        let mut s = GradSync::with_transport(c, cfg).expect("engine");
+        s.register("w", &[4000]).expect("register");
+        s.register("b", &[8]).expect("register");
+        let mut seen = Vec::new();
+        for step in 0..3 {
+            let mut w = grad(rank, step, 0, 4000);
+            let mut b = grad(rank, step, 1, 8);
+            let st = s.sync(&mut [&mut w[..], &mut b[..]]).expect("sync");
+            seen.push(st.sparse_exchange.clone());
+        }
+        let plan = s.auto_plan().expect("planned").clone();
+        (seen, plan.choices().map(|(_, id)| id).collect::<Vec<_>>())
+    });
+    for (seen, choices) in &res {
+        assert_eq!(
+            (seen, choices),
+            (&res[0].0, &res[0].1),
+            "alike on every rank"
+        );
+        assert!(
+            !choices.contains(&crate::cost::StrategyId::SparseHierarchical),
+            "{choices:?}"
+        );
+        assert!(
+            seen.iter().all(|e| e == "allgather" || e == "allreduce"),
+            "{seen:?}"
+        );
+    }
 }

@@ -1,0 +1,171 @@
+//! The exchange of the index/value layers' pairs, step by step
+//! (`Config::sparse_exchange = "auto"`), and the fill estimate the cost
+//! model prices the sparse allreduces with.
+//!
+//! **The choice.** After planning (the pair layers planned as reduced),
+//! [`crate::cost::choose_sparse_exchange`] picks the fused allgatherv, the
+//! sparse allreduce or (when the job spans several nodes) the node-aware
+//! one from inputs that are the same on every rank: the agreed profile,
+//! the reduced group's elements, its *nominal* pairs per rank (each
+//! layer's RGC `k = max(1, ⌈d·n⌉)` at this step's density, never a rank's
+//! own trimmed count), the message bytes those layers would add to the
+//! fused allgatherv (their codecs' nominal sizes), the ranks, the ranks
+//! per node (from the node map fetched at creation) and the fill
+//! estimate below. Every rank thus runs the same collective. The plan is
+//! then resolved ([`super::plan::set_exchange`]); a change of choice is
+//! logged (info) with the predictions.
+//!
+//! **The fill estimate.** After a step whose pairs went through a
+//! reducing exchange (any `sparse_exchange`, `Allreduce` and
+//! `Hierarchical` too), the measured fill ratio is
+//! `ρ = sparse_reduce_nnz / (p·k)`, `k` that step's nominal pairs per
+//! rank, clamped to `[1/p, 1]` (all ranks' selections the same .. all
+//! disjoint); `sparse_reduce_nnz` is the result's distinct indices, the
+//! same on every rank. The estimate is an exponential moving average,
+//! `ρ̂ ← ρ` at the first measurement, then `ρ̂ ← (ρ̂ + ρ)/2`: it follows a
+//! drift within a few steps and does not flip the choice on one outlier.
+//! A step that reduced nothing (a failure before the sparse allreduce,
+//! every pair non-finite) measures nothing. Before any measurement the
+//! estimate is `None`: the cost model assumes independent selections.
+//! `Strategy::Auto`'s plan (made once, when the table is complete) uses
+//! the estimate when there is one. Snapshots do not hold it: a restored
+//! run starts from `None` again (the allgatherv and the flat sparse
+//! allreduce give bitwise the same result; only a switch to or from the
+//! node-aware one changes the order of the additions).
+
+use super::plan::set_exchange;
+use super::{GradSync, SparseExchange};
+use crate::comm::Transport;
+use crate::cost::{ExchangeChoice, ExchangeQuery, StrategyId};
+use crate::sparse::TOC_ENTRY_LEN;
+
+/// Weight of a new measurement in the fill estimate.
+const FILL_WEIGHT: f64 = 0.5;
+
+/// The reduced group's load in a step: elements, nominal pairs per rank,
+/// bytes it would add to the fused allgatherv message.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Load {
+    pub(super) n: usize,
+    pub(super) k: f64,
+    pub(super) message_bytes: f64,
+}
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// The plan's reduced group's load, from the plan and the layer
+    /// table only (the same on every rank).
+    pub(super) fn reduced_load(&self) -> Load {
+        let mut load = Load::default();
+        for &id in &self.plan.reduced.ids {
+            let i = id as usize;
+            let n = self.table[i].n;
+            let d = self.plan.layers[i].density.unwrap_or(self.cfg.auto_density);
+            let k = crate::codec::rgc_k(d, n) as f64;
+            let unit = self.layers[i]
+                .codec
+                .as_deref()
+                .and_then(|c| c.config().with_density(d.clamp(1e-12, 1.0)).wire_bytes(n))
+                .unwrap_or(12.0 + 8.0 * k);
+            load.n += n;
+            load.k += k;
+            load.message_bytes += unit + TOC_ENTRY_LEN as f64;
+        }
+        load
+    }
+
+    /// Resolve this step's exchange of the reduced group (`auto`: the cost
+    /// model's choice; otherwise the configured one) and remember its
+    /// nominal load for the fill measurement. Cannot fail: a model error
+    /// (the same on every rank) falls back to the allgatherv.
+    pub(super) fn resolve_exchange(&mut self) {
+        self.step_load = if self.plan.sparse_reduce {
+            self.reduced_load()
+        } else {
+            Load::default()
+        };
+        if self.plan.exchange != SparseExchange::Auto {
+            return;
+        }
+        let load = self.step_load;
+        let q = ExchangeQuery {
+            n: load.n,
+            k: load.k,
+            message_bytes: load.message_bytes,
+            p: self.size,
+            ranks_per_node: self.ranks_per_node(),
+            fill: self.fill_estimate,
+        };
+        let choice = match self.cfg.profile.as_ref() {
+            Some(prof) => crate::cost::choose_sparse_exchange(prof, &q),
+            None => Err(crate::Error::InvalidArgument(
+                "sparse_exchange \"auto\" needs Config::profile".into(),
+            )),
+        };
+        let ex = match &choice {
+            Ok(c) => exchange_of(c.id),
+            Err(e) => {
+                log::warn!(
+                    "gradsync: step {}: sparse exchange auto: {e}; using the allgatherv",
+                    self.step
+                );
+                SparseExchange::Allgather
+            }
+        };
+        if self.auto_exchange != Some(ex) {
+            if let Ok(c) = &choice {
+                log::info!(
+                    "gradsync: step {}: sparse exchange auto chose {} for {} elements, {} pairs per rank, fill {}: {}",
+                    self.step,
+                    ex.name(),
+                    load.n,
+                    load.k,
+                    self.fill_estimate
+                        .map_or_else(|| "independent".to_string(), |f| format!("{f:.3}")),
+                    describe(c)
+                );
+            }
+            self.auto_exchange = Some(ex);
+        }
+        set_exchange(&mut self.plan, ex, self.size);
+    }
+
+    /// Fold the step's measured fill in (module docs): `nnz` is the
+    /// reducing exchange's distinct result indices, the same on every rank.
+    pub(super) fn update_fill(&mut self, nnz: usize) {
+        let (k, plan) = (self.step_load.k, &self.plan);
+        if !plan.sparse_reduce || plan.exchange == SparseExchange::Allgather || nnz == 0 || k <= 0.0
+        {
+            return;
+        }
+        let p = self.size as f64;
+        let rho = (nnz as f64 / (p * k)).clamp(1.0 / p, 1.0);
+        self.fill_estimate = Some(match self.fill_estimate {
+            None => rho,
+            Some(old) => (1.0 - FILL_WEIGHT) * old + FILL_WEIGHT * rho,
+        });
+    }
+
+    /// The fill ratio estimated from the previous reducing steps (module
+    /// docs of `exchange.rs`), `None` before any.
+    pub fn fill_estimate(&self) -> Option<f64> {
+        self.fill_estimate
+    }
+}
+
+/// The engine's exchange for the cost model's id.
+fn exchange_of(id: StrategyId) -> SparseExchange {
+    match id {
+        StrategyId::SparseAllreduce => SparseExchange::Allreduce,
+        StrategyId::SparseHierarchical => SparseExchange::Hierarchical,
+        _ => SparseExchange::Allgather,
+    }
+}
+
+/// `name 1.2 us, ...` of the predictions.
+fn describe(c: &ExchangeChoice) -> String {
+    c.predictions
+        .iter()
+        .map(|(id, s)| format!("{id} {:.1} us", s * 1e6))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
