@@ -222,7 +222,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         }
         v
     } else {
-        inp.allowed.clone()
+        through_exchange(&inp.allowed, inp.exchange, inp.ranks_per_node)?
     };
     let q = StepQuery {
         p,
@@ -247,6 +247,50 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         })
         .collect::<Result<_>>()?;
     Ok((v, Some(plan), allowed))
+}
+
+/// `--strategies` as the engine runs them with `--sparse-exchange`: an
+/// RGC layer (`sparse-allgather`) goes through the configured exchange, so
+/// the plan prices it there (`sparse-allreduce`, `sparse-hierarchical`, or
+/// with `auto` whichever the model finds fastest, as the engine's choice
+/// does); naming a reducing collective the exchange does not run is an
+/// error.
+fn through_exchange(
+    allowed: &[StrategyId],
+    exchange: SparseExchange,
+    ranks_per_node: Option<usize>,
+) -> Result<Vec<StrategyId>> {
+    use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
+    let runs = |id: StrategyId| match exchange {
+        SparseExchange::Allgather => id != SparseAllreduce && id != SparseHierarchical,
+        SparseExchange::Allreduce => id != SparseHierarchical,
+        SparseExchange::Hierarchical => id != SparseAllreduce,
+        SparseExchange::Auto => id != SparseHierarchical || ranks_per_node.is_some(),
+    };
+    if let Some(id) = allowed.iter().find(|&&id| !runs(id)) {
+        return Err(Error::InvalidArgument(format!(
+            "--strategies {id} is not what --sparse-exchange {} runs (allgather: sparse-allgather; allreduce: sparse-allreduce; hierarchical: sparse-hierarchical, on several nodes; auto: any of them)",
+            exchange.name()
+        )));
+    }
+    let mut out = Vec::new();
+    for &id in allowed {
+        let mapped: &[StrategyId] = match (id, exchange) {
+            (SparseAllgather, SparseExchange::Allreduce) => &[SparseAllreduce],
+            (SparseAllgather, SparseExchange::Hierarchical) => &[SparseHierarchical],
+            (SparseAllgather, SparseExchange::Auto) if ranks_per_node.is_some() => {
+                &[SparseAllgather, SparseAllreduce, SparseHierarchical]
+            }
+            (SparseAllgather, SparseExchange::Auto) => &[SparseAllgather, SparseAllreduce],
+            _ => std::slice::from_ref(&id),
+        };
+        for &m in mapped {
+            if !out.contains(&m) {
+                out.push(m);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The scale of layer `i`'s gradients: log-uniform in `[1e-5, 1e-1]`,
@@ -361,11 +405,11 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     }
     let mut cfg = Config {
         sparse_exchange: inp.exchange,
-        profile: match inp.exchange {
-            // `auto` prices every step with the profile.
-            SparseExchange::Auto => inp.profile.clone(),
-            _ => None,
-        },
+        // The engine follows the profile the plan was made with: `auto`
+        // prices every step with it, and its measured local parallelism
+        // decides whether the local phase runs layer-parallel, as the
+        // step model assumes (`Profile::local_parallelism`).
+        profile: inp.profile.clone(),
         ..Config::default()
     };
     if inp.allowed.contains(&StrategyId::DenseRing)
@@ -611,4 +655,48 @@ fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use StrategyId::{DenseRabenseifner, SparseAllgather, SparseAllreduce, SparseHierarchical};
+
+    #[test]
+    fn strategies_are_priced_through_the_configured_exchange() {
+        let rgc = [DenseRabenseifner, SparseAllgather];
+        let x = |e: SparseExchange, l: Option<usize>| through_exchange(&rgc, e, l);
+        assert_eq!(x(SparseExchange::Allgather, None).unwrap(), rgc);
+        assert_eq!(
+            x(SparseExchange::Allreduce, None).unwrap(),
+            [DenseRabenseifner, SparseAllreduce]
+        );
+        assert_eq!(
+            x(SparseExchange::Hierarchical, Some(2)).unwrap(),
+            [DenseRabenseifner, SparseHierarchical]
+        );
+        assert_eq!(
+            x(SparseExchange::Auto, None).unwrap(),
+            [DenseRabenseifner, SparseAllgather, SparseAllreduce]
+        );
+        assert_eq!(
+            x(SparseExchange::Auto, Some(2)).unwrap(),
+            [
+                DenseRabenseifner,
+                SparseAllgather,
+                SparseAllreduce,
+                SparseHierarchical
+            ]
+        );
+        // A reducing collective the exchange does not run: an error naming both flags.
+        let e = through_exchange(&[SparseAllreduce], SparseExchange::Allgather, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--strategies sparse-allreduce")
+                && e.contains("--sparse-exchange allgather"),
+            "{e}"
+        );
+        assert!(through_exchange(&[SparseHierarchical], SparseExchange::Auto, None).is_err());
+    }
 }
