@@ -201,6 +201,25 @@ for step in range(2):
     ok(st5["sparse_reduce_nnz"] > 0, f"hierarchical sparse_reduce_nnz {st5['sparse_reduce_nnz']}")
 s5.close()
 s6.close()
+# sparse_exchange="auto": the cost model picks the exchange every step from
+# inputs alike on every rank; any choice sums what the allgatherv sums.
+prof = {"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9}
+s7 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="auto", profile=prof)
+s8 = gradsync.GradSync(comm, momentum=0.9)
+for s_ in (s7, s8):
+    s_.register("fc1.weight", (64, 100), strategy="rgc:density=0.01")
+    s_.register("fc1.bias", (64,), strategy="dense")
+sh = [(64, 100), (64,)]
+for step in range(3):
+    a, b = grads(sh, step), grads(sh, step)
+    st7, st8 = s7.sync(a), s8.sync(b)
+    ok(all(np.array_equal(x, y) for x, y in zip(a, b)), f"sparse_exchange auto == allgather, step {step}")
+    ok(st7["sparse_exchange"] in ("allgather", "allreduce"), f"auto took {st7['sparse_exchange']}")
+    ok("fill_estimate" in st7 and st8["sparse_exchange"] == "allgather", "stats name the exchange")
+s7.close()
+s8.close()
+e = expect_error(lambda: gradsync.GradSync(comm, sparse_exchange="auto"), None, "auto needs a profile")
+ok("profile" in str(e), "auto without a profile names it")
 
 # Snapshots: save after 2 steps, run 2 more; a fresh engine that loads the
 # snapshot reproduces those 2 steps bit for bit.
