@@ -36,8 +36,14 @@
 //! * `run`: steps `from..to` with momentum, Nesterov, weight decay, a density
 //!   warm-up and stateful codecs; prints one hash of every rank's outputs per
 //!   step, optionally saving or loading per-rank snapshots.
+//!
+//! `codecs --node-aware` and `run ... --node-aware` run the same checks with
+//! the node-aware paths of issue #15 (`allreduce = hierarchical`,
+//! `sparse_exchange = hierarchical`; MPI's node map), as `hpc/cluster_test.sh`
+//! does on its emulated hosts.
 
 use gradsync::codec::CodecConfig;
+use gradsync::dense::AllreduceAlgo;
 use gradsync::sync::{Config, GradSync, SparseExchange, Strategy, Warmup};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
@@ -51,6 +57,20 @@ fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
 fn fail(msg: String) -> ! {
     eprintln!("engine_check: {msg}");
     std::process::exit(1)
+}
+
+/// The engine's options of every check: the defaults, or with
+/// `--node-aware` the node-aware dense allreduce and sparse exchange.
+fn base_cfg() -> Config {
+    if std::env::args().any(|a| a == "--node-aware") {
+        Config {
+            allreduce: AllreduceAlgo::Hierarchical,
+            sparse_exchange: SparseExchange::Hierarchical,
+            ..Config::default()
+        }
+    } else {
+        Config::default()
+    }
 }
 
 fn codecs<C: Communicator>(world: &C) {
@@ -77,8 +97,7 @@ fn codecs<C: Communicator>(world: &C) {
     ];
     for name in list {
         let codec: CodecConfig = name.parse().unwrap_or_else(|e| fail(format!("{e}")));
-        let mut s =
-            GradSync::new(world, Config::default()).unwrap_or_else(|e| fail(format!("{e}")));
+        let mut s = GradSync::new(world, base_cfg()).unwrap_or_else(|e| fail(format!("{e}")));
         let ids: Vec<_> = table
             .iter()
             .map(|&(n, len, sparse)| {
@@ -348,7 +367,7 @@ fn run_cfg() -> Config {
             schedule: vec![0.25, 0.05],
             steps_per_stage: 1,
         },
-        ..Config::default()
+        ..base_cfg()
     }
 }
 
