@@ -40,7 +40,8 @@
 //! `codecs --node-aware` and `run ... --node-aware` run the same checks with
 //! the node-aware paths of issue #15 (`allreduce = hierarchical`,
 //! `sparse_exchange = hierarchical`; MPI's node map), as `hpc/cluster_test.sh`
-//! does on its emulated hosts.
+//! does on its emulated hosts; `--auto` with the cost model's per-step
+//! choice of both (`allreduce = "auto"`, `sparse_exchange = "auto"`).
 
 use gradsync::codec::CodecConfig;
 use gradsync::dense::AllreduceAlgo;
@@ -61,11 +62,24 @@ fn fail(msg: String) -> ! {
 
 /// The engine's options of every check: the defaults, or with
 /// `--node-aware` the node-aware dense allreduce and sparse exchange.
+/// `--auto` the cost model's per-step choices of both (a latency-free
+/// profile: the ring where Rabenseifner pays its fold, the reducing sparse
+/// exchanges where they move fewer bytes).
 fn base_cfg() -> Config {
     if std::env::args().any(|a| a == "--node-aware") {
         Config {
             allreduce: AllreduceAlgo::Hierarchical,
             sparse_exchange: SparseExchange::Hierarchical,
+            ..Config::default()
+        }
+    } else if std::env::args().any(|a| a == "--auto") {
+        Config {
+            allreduce: AllreduceAlgo::Auto,
+            sparse_exchange: SparseExchange::Auto,
+            profile: Some(
+                gradsync::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0)
+                    .unwrap_or_else(|e| fail(format!("{e}"))),
+            ),
             ..Config::default()
         }
     } else {

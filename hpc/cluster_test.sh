@@ -208,6 +208,11 @@ if [ -x "$ENGINE" ]; then
     [ "$run_rc" = 0 ] || fail "engine_check codecs --node-aware on $h x $r exited $run_rc" "$log"
     oks=$(grep -c "^OK .* ranks=$np$" "$log" || true)
     [ "$oks" = 9 ] || fail "engine_check codecs --node-aware on $h x $r: $oks OK lines, not 9" "$log"
+    run "engine codecs auto ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$ENGINE" codecs --auto
+    log="$WORK/engine codecs auto ${h}x$r.log"
+    [ "$run_rc" = 0 ] || fail "engine_check codecs --auto on $h x $r exited $run_rc" "$log"
+    oks=$(grep -c "^OK .* ranks=$np$" "$log" || true)
+    [ "$oks" = 9 ] || fail "engine_check codecs --auto on $h x $r: $oks OK lines, not 9" "$log"
     snap="$WORK/snap-${h}x$r"
     mkdir -p "$snap"
     run "engine run node-aware ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$ENGINE" run --from 0 --to 4 --node-aware
@@ -224,7 +229,7 @@ if [ -x "$ENGINE" ]; then
     [ "$(grep -E '^STEP [23] ' "$full")" = "$(grep -E '^STEP [23] ' "$WORK/engine run load ${h}x$r.log")" ] ||
       fail "engine_check run --node-aware on $h x $r: restored steps 2-3 differ from the uninterrupted run" "$full"
   done
-  say "engine checks (codecs, stateful run, snapshot restore) with the node-aware dense and sparse paths on 2 x 2, 3 x 2"
+  say "engine checks (codecs, stateful run, snapshot restore) with the node-aware dense and sparse paths, and codecs with both auto, on 2 x 2, 3 x 2"
 else
   say "engine exchange on the cluster: skipped, no $ENGINE (cargo build --release --examples)"
 fi

@@ -196,6 +196,23 @@ fn engine_sparse_sync_equals_mpi_allreduce_of_decoded_units() {
     }
 }
 
+/// Issue #15: the same checks with `allreduce = "auto"` and
+/// `sparse_exchange = "auto"` (the cost model's per-step choices: the ring
+/// at 3 and 5 ranks, the sparse allreduce where it moves fewer bytes).
+#[test]
+fn engine_with_auto_collectives_equals_mpi_allreduce_of_decoded_units() {
+    let ex = engine_check();
+    for np in [1, 2, 3, 5, 8] {
+        let (ok, out, err) = mpirun(np, &ex, &["codecs", "--auto"], Duration::from_secs(300));
+        assert!(ok, "np={np}: {err}\n{out}");
+        let oks = out
+            .lines()
+            .filter(|l| l.starts_with("OK ") && l.ends_with(&format!("ranks={np}")))
+            .count();
+        assert_eq!(oks, 9, "np={np}:\n{out}");
+    }
+}
+
 /// Issue #15: `sparse_exchange = allreduce` under mpirun, against
 /// `MPI_Allreduce` of the decoded units and the allgather engine (bitwise),
 /// with the sparse allreduce's distinct indices and a NaN on one rank.

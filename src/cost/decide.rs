@@ -174,7 +174,9 @@ impl std::fmt::Display for StrategyId {
 
 /// What the engine's `Strategy::Auto` chooses among: the dense allreduce
 /// the engine is configured with (its fused dense group runs one
-/// algorithm), RGC exchanged by its configured sparse collective
+/// algorithm; with `auto`, chosen every step
+/// ([`super::choose_dense_allreduce`]), all three, the caller dropping
+/// `dense-hierarchical` where the job has one node), RGC exchanged by its configured sparse collective
 /// (`sparse_exchange`: the fused allgatherv, the sparse allreduce or the
 /// node-aware one; with `auto`, which picks one of them every step
 /// ([`super::choose_sparse_exchange`]), all three, the caller dropping
@@ -185,10 +187,15 @@ pub fn engine_candidates(
     exchange: SparseExchange,
     quant: bool,
 ) -> Vec<StrategyId> {
-    let dense = match allreduce {
-        AllreduceAlgo::Ring => StrategyId::DenseRing,
-        AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
-        _ => StrategyId::DenseRabenseifner,
+    let dense: &[StrategyId] = match allreduce {
+        AllreduceAlgo::Ring => &[StrategyId::DenseRing],
+        AllreduceAlgo::Hierarchical => &[StrategyId::DenseHierarchical],
+        AllreduceAlgo::Auto => &[
+            StrategyId::DenseRabenseifner,
+            StrategyId::DenseRing,
+            StrategyId::DenseHierarchical,
+        ],
+        _ => &[StrategyId::DenseRabenseifner],
     };
     let sparse: &[StrategyId] = match exchange {
         SparseExchange::Allgather => &[StrategyId::SparseAllgather],
@@ -200,7 +207,7 @@ pub fn engine_candidates(
             StrategyId::SparseHierarchical,
         ],
     };
-    let mut v = vec![dense];
+    let mut v = dense.to_vec();
     v.extend_from_slice(sparse);
     if quant && matches!(exchange, SparseExchange::Allgather | SparseExchange::Auto) {
         v.push(StrategyId::SparseAllgatherQuant);
@@ -295,6 +302,15 @@ mod tests {
                 SparseAllreduce,
                 SparseHierarchical,
                 SparseAllgatherQuant
+            ]
+        );
+        assert_eq!(
+            c(AllreduceAlgo::Auto, SparseExchange::Allgather, false),
+            vec![
+                DenseRabenseifner,
+                DenseRing,
+                DenseHierarchical,
+                SparseAllgather
             ]
         );
         // Every candidate is an engine strategy; the sparse ones are RGC.

@@ -73,8 +73,9 @@ pub use calibrate::{
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use step::{
-    choose_sparse_exchange, plan_step, predict_step, sparse_collective, ExchangeChoice,
-    ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan, StepQuery,
+    choose_dense_allreduce, choose_sparse_exchange, plan_step, predict_step, sparse_collective,
+    ExchangeChoice, ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
+    StepQuery,
 };
 pub use topology::NetLevel;
 

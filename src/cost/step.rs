@@ -767,11 +767,13 @@ pub struct ExchangeQuery {
     pub fill: Option<f64>,
 }
 
-/// The choice of [`choose_sparse_exchange`].
+/// The choice of [`choose_sparse_exchange`] (or of
+/// [`choose_dense_allreduce`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExchangeChoice {
     /// `sparse-allgather` (the fused allgatherv), `sparse-allreduce` or
-    /// `sparse-hierarchical`.
+    /// `sparse-hierarchical` (`dense-rabenseifner`, `dense-ring` or
+    /// `dense-hierarchical`).
     pub id: StrategyId,
     /// Predicted seconds of every candidate, in that order (the
     /// hierarchical one only with several nodes).
@@ -845,6 +847,54 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
     for &c in &predictions[1..] {
         // No pairs (empty layers): nothing to reduce.
         if c.1 < best.1 && q.k > 0.0 {
+            best = c;
+        }
+    }
+    Ok(ExchangeChoice {
+        id: best.0,
+        predictions,
+    })
+}
+
+/// The fastest algorithm for the engine's fused dense allreduce of `bytes`
+/// per rank (`sync::Config::allreduce = "auto"`): Rabenseifner, the ring
+/// or, when the job spans several nodes (`ranks_per_node < p`), the
+/// hierarchical allreduce, priced as [`plan_step`] prices the dense group.
+/// Every input must be the same on every rank (the engine passes the
+/// step's dense elements, the communicator's size and its node map), so
+/// every rank runs the same algorithm. Ties (one rank, no bytes) go to
+/// Rabenseifner; the predictions are in that order.
+pub fn choose_dense_allreduce(
+    prof: &Profile,
+    bytes: f64,
+    p: usize,
+    ranks_per_node: Option<usize>,
+) -> Result<ExchangeChoice> {
+    if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "a dense allreduce of {bytes} bytes on {p} ranks"
+        )));
+    }
+    if let Some(l) = ranks_per_node.filter(|&l| l == 0) {
+        return Err(Error::InvalidArgument(format!("{l} ranks per node")));
+    }
+    let net = Net {
+        prof,
+        p,
+        l: ranks_per_node.unwrap_or(p).max(1),
+        fill: None,
+    };
+    let mut ids = vec![StrategyId::DenseRabenseifner, StrategyId::DenseRing];
+    if ranks_per_node.is_some_and(|l| l < p) {
+        ids.push(StrategyId::DenseHierarchical);
+    }
+    let predictions: Vec<(StrategyId, f64)> = ids
+        .iter()
+        .map(|&id| (id, dense_group(&net, id, bytes)))
+        .collect();
+    let mut best = predictions[0];
+    for &c in &predictions[1..] {
+        if c.1 < best.1 {
             best = c;
         }
     }

@@ -92,10 +92,11 @@ impl Default for AllreduceOptions {
 }
 
 /// Which allreduce algorithm to run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllreduceAlgo {
     /// [`rabenseifner_allreduce`].
+    #[default]
     Rabenseifner,
     /// [`ring_allreduce`].
     Ring,
@@ -104,6 +105,12 @@ pub enum AllreduceAlgo {
     /// [`hierarchical_allreduce`] over the transport's node map
     /// ([`Transport::node_ids`]; only on [`MpiComm`](crate::comm::MpiComm)).
     Hierarchical,
+    /// Not an algorithm: the engine's per-step choice among Rabenseifner,
+    /// the ring and (on several nodes) the hierarchical allreduce by the
+    /// cost model (`sync::Config::allreduce` with `Config::profile`;
+    /// [`crate::cost::choose_dense_allreduce`]). [`allreduce`] with it is
+    /// an error.
+    Auto,
 }
 
 impl std::str::FromStr for AllreduceAlgo {
@@ -114,8 +121,9 @@ impl std::str::FromStr for AllreduceAlgo {
             "ring" => Ok(Self::Ring),
             "mpi" => Ok(Self::Mpi),
             "hierarchical" => Ok(Self::Hierarchical),
+            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi, hierarchical)"
+                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi, hierarchical, auto)"
             ))),
         }
     }
@@ -129,6 +137,7 @@ impl AllreduceAlgo {
             Self::Ring => "ring",
             Self::Mpi => "mpi",
             Self::Hierarchical => "hierarchical",
+            Self::Auto => "auto",
         }
     }
 }
@@ -184,6 +193,10 @@ pub fn allreduce_with<C: Transport, T: Real>(
             })?;
             hierarchical_allreduce_with(comm, buf, &nodes, opts, ws)
         }
+        AllreduceAlgo::Auto => Err(Error::InvalidArgument(
+            "allreduce algorithm \"auto\" is the engine's per-step choice (sync::Config::allreduce with a profile); name rabenseifner, ring, mpi or hierarchical"
+                .into(),
+        )),
         AllreduceAlgo::Mpi => {
             if opts.validate {
                 validate_same_len(comm, buf.len())?;
@@ -324,6 +337,8 @@ pub fn allreduce_agreed<C: Transport>(
             AllreduceAlgo::Ring => 2,
             AllreduceAlgo::Mpi => 3,
             AllreduceAlgo::Hierarchical => 4,
+            // Agreed like the others, then the same error on every rank.
+            AllreduceAlgo::Auto => 5,
         };
         (a, if o == ReduceOp::Sum { 1 } else { 2 })
     };

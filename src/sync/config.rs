@@ -282,6 +282,11 @@ impl Config {
                 ));
             }
         }
+        if cfg.allreduce == AllreduceAlgo::Auto && cfg.profile.is_none() {
+            return Err(Error::InvalidArgument(
+                "allreduce \"auto\" needs Config::profile (gradsync calibrate)".into(),
+            ));
+        }
         if cfg.sparse_exchange == SparseExchange::Auto && cfg.profile.is_none() {
             return Err(Error::InvalidArgument(
                 "sparse_exchange \"auto\" needs Config::profile (gradsync calibrate)".into(),

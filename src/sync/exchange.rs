@@ -102,6 +102,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             )),
         };
         let ex = match &choice {
+            // The sparse allreduces address the pairs' concatenated index
+            // space with u32 indices: past it only the allgatherv runs.
+            _ if load.n > u32::MAX as usize => SparseExchange::Allgather,
             Ok(c) => exchange_of(c.id),
             Err(e) => {
                 log::warn!(
@@ -143,6 +146,54 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             None => rho,
             Some(old) => (1.0 - FILL_WEIGHT) * old + FILL_WEIGHT * rho,
         });
+    }
+
+    /// `allreduce = "auto"`: this step's dense algorithm, the cost model's
+    /// fastest for the step's dense group ([`crate::cost::choose_dense_allreduce`]
+    /// from its elements, the communicator's size and the node map: alike
+    /// on every rank, so every rank runs the same algorithm). Logged when
+    /// the choice changes. Nothing to do for a configured algorithm.
+    pub(super) fn resolve_allreduce(&mut self) {
+        use crate::dense::AllreduceAlgo;
+        if self.cfg.allreduce != AllreduceAlgo::Auto {
+            return;
+        }
+        let bytes = 4.0 * self.plan.dense.elems as f64;
+        let choice = match self.cfg.profile.as_ref() {
+            Some(prof) => {
+                crate::cost::choose_dense_allreduce(prof, bytes, self.size, self.ranks_per_node())
+            }
+            None => Err(crate::Error::InvalidArgument(
+                "allreduce \"auto\" needs Config::profile".into(),
+            )),
+        };
+        let algo = match &choice {
+            Ok(c) => match c.id {
+                StrategyId::DenseRing => AllreduceAlgo::Ring,
+                StrategyId::DenseHierarchical => AllreduceAlgo::Hierarchical,
+                _ => AllreduceAlgo::Rabenseifner,
+            },
+            Err(e) => {
+                log::warn!(
+                    "gradsync: step {}: allreduce auto: {e}; using Rabenseifner",
+                    self.step
+                );
+                AllreduceAlgo::Rabenseifner
+            }
+        };
+        if self.auto_allreduce != Some(algo) {
+            if let Ok(c) = &choice {
+                log::info!(
+                    "gradsync: step {}: allreduce auto chose {} for {} dense bytes: {}",
+                    self.step,
+                    algo.name(),
+                    bytes,
+                    describe(c)
+                );
+            }
+            self.auto_allreduce = Some(algo);
+        }
+        self.plan.allreduce = algo;
     }
 
     /// The fill ratio estimated from the previous reducing steps (module

@@ -386,7 +386,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         job.local_failed = local.as_ref().err().map(|e| e.to_string());
         job.step = None;
         job.result = None;
-        job.reduce_algo = Some(self.cfg.allreduce);
+        job.reduce_algo = Some(match self.cfg.allreduce {
+            // A one-word status: `auto` is for the dense group.
+            AllreduceAlgo::Auto => AllreduceAlgo::Rabenseifner,
+            a => a,
+        });
         let mut job = match &self.worker {
             Some(w) => {
                 if let Err(mpsc::SendError(_)) = w.jobs.send(job) {
@@ -534,7 +538,7 @@ impl Job {
         self.do_reduce = plan.reduce;
         self.gvq_s = 0.0;
         self.gather_algo = Some(cfg.allgather);
-        self.reduce_algo = Some(cfg.allreduce);
+        self.reduce_algo = Some(plan.allreduce);
         self.allgather_s = 0.0;
         self.allreduce_s = 0.0;
         self.result = None;

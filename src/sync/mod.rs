@@ -115,6 +115,7 @@
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
 //! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the agreed profile, the node map and the fill estimate |
+//! | `allreduce = "auto"`: this step's dense algorithm (Rabenseifner, ring, hierarchical with several nodes) | `exchange.rs`, by [`crate::cost::choose_dense_allreduce`] from the dense group's bytes, the agreed profile and the node map |
 //! | the fill estimate (moving average of `sparse_reduce_nnz/(p·k)` after reducing steps) | `exchange.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
@@ -205,6 +206,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     fill_estimate: Option<f64>,
     /// The last exchange `sparse_exchange = "auto"` chose (to log changes).
     auto_exchange: Option<SparseExchange>,
+    /// The last algorithm `allreduce = "auto"` chose (to log changes).
+    auto_allreduce: Option<crate::dense::AllreduceAlgo>,
     /// This step's reduced group's nominal load (`exchange.rs`).
     step_load: exchange::Load,
 }
@@ -277,6 +280,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             nodes: None,
             fill_estimate: None,
             auto_exchange: None,
+            auto_allreduce: None,
             step_load: exchange::Load::default(),
         };
         s.agree(valid.map(|()| table_hash), || {
@@ -293,7 +297,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let comm = s.comm.as_ref().expect("transport held at creation");
             s.nodes = comm.node_ids();
         }
-        if s.cfg.sparse_exchange == SparseExchange::Auto {
+        if s.cfg.sparse_exchange == SparseExchange::Auto
+            || s.cfg.allreduce == crate::dense::AllreduceAlgo::Auto
+        {
             // The node-aware exchange is a candidate only where the nodes
             // are known; without them `auto` never picks it. (Whether they
             // were asked for above is decided by the agreed options, and a
@@ -423,6 +429,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         plan_step_into(&mut self.plan, step, &self.cfg, self.size, &self.table);
         // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
         self.resolve_exchange();
+        // `allreduce = "auto"`: this step's dense algorithm (exchange.rs).
+        self.resolve_allreduce();
         for l in &mut self.layers {
             l.begin_step();
         }
@@ -486,7 +494,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let result = job.result.take().unwrap_or(Ok(()));
         // 5. Unpack (unpack.rs).
         let r = self.unpack(&mut job, out, result);
-        self.update_fill(job.sparse_reduce_nnz);
+        // Only a clean step measures the fill: a rank whose reduced layer
+        // was non-finite sent no pairs (every rank sees both alike: failures
+        // are collective, `sp_bad_rank` is gathered).
+        if r.is_ok() && job.sp_bad_rank.iter().all(Option::is_none) {
+            self.update_fill(job.sparse_reduce_nnz);
+        }
         self.record_stats(&info, &job, wait_s);
         self.job = Some(job);
         // The round happened (every rank sees the same gathered bytes, so
@@ -495,8 +508,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         let s = &self.last;
         log::debug!(
-            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
-            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
+            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {} {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
+            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
         );
         for l in &s.layers {
             log::trace!("gradsync: step {} {l:?}", s.step);

@@ -199,6 +199,10 @@ pub(super) struct StepPlan {
     /// exchange, `Auto` until the engine resolves it
     /// ([`set_exchange`]), `Allgather` when no layer is reduced.
     pub(super) exchange: SparseExchange,
+    /// The dense allreduce this step: the configured algorithm; with
+    /// `allreduce = "auto"` Rabenseifner until the engine resolves it by
+    /// the dense group's size ([`crate::cost::choose_dense_allreduce`]).
+    pub(super) allreduce: crate::dense::AllreduceAlgo,
     /// Compress / step the non-dense layers in parallel (rayon).
     pub(super) parallel_local: bool,
     /// Unpack the layers in parallel (rayon).
@@ -306,6 +310,10 @@ pub(super) fn plan_step_into(
         cfg.sparse_exchange
     } else {
         SparseExchange::Allgather
+    };
+    plan.allreduce = match cfg.allreduce {
+        crate::dense::AllreduceAlgo::Auto => crate::dense::AllreduceAlgo::Rabenseifner,
+        a => a,
     };
     // A step with GradiVeQ layers and no fused message carries its status
     // in a one-word allreduce before the rings. A step with reduced layers

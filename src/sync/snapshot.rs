@@ -280,6 +280,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Apply a validated restore (cannot fail).
     fn apply_snapshot(&mut self, r: Restored) {
         let Restored { snap, codecs, gvqs } = r;
+        // The fill estimate is not in the snapshot: a restored run starts
+        // from the independent-selection estimate, as a fresh engine does.
+        self.fill_estimate = None;
         for (((s, l), c), g) in snap
             .layers
             .into_iter()

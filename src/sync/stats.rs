@@ -80,6 +80,11 @@ pub struct StepStats {
     /// average, `GradSync::fill_estimate`), what the next step's `auto`
     /// choice prices with; `None` before any such step.
     pub fill_estimate: Option<f64>,
+    /// The algorithm of this step's dense allreduce (`rabenseifner`,
+    /// `ring`, `mpi`, `hierarchical`; with `allreduce = "auto"` the cost
+    /// model's choice for the step's dense group); empty when the step ran
+    /// no dense allreduce.
+    pub allreduce: String,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
     /// Unpacking, seconds.
@@ -98,6 +103,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut exchange = std::mem::take(&mut self.last.sparse_exchange);
         exchange.clear();
         exchange.push_str(self.plan.exchange.name());
+        let mut allreduce = std::mem::take(&mut self.last.allreduce);
+        allreduce.clear();
+        if self.plan.reduce && self.plan.communicates {
+            allreduce.push_str(self.plan.allreduce.name());
+        }
         layer_stats.resize_with(self.layers.len(), LayerStats::default);
         for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
             d.clone_from(&l.stats);
@@ -121,6 +131,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             sparse_reduce_nnz: job.sparse_reduce_nnz,
             sparse_exchange: exchange,
             fill_estimate: self.fill_estimate,
+            allreduce,
             gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,

@@ -390,6 +390,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let dense = match self.cfg.allreduce {
             crate::dense::AllreduceAlgo::Ring => StrategyId::DenseRing,
             crate::dense::AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
+            // `auto` chooses every step by the dense group's size: the
+            // layers fixed dense are priced with the choice for theirs.
+            crate::dense::AllreduceAlgo::Auto => {
+                let bytes: usize = self
+                    .layers
+                    .iter()
+                    .filter(|l| l.strategy == Strategy::Dense)
+                    .map(|l| 4 * l.n)
+                    .sum();
+                cost::choose_dense_allreduce(prof, bytes as f64, self.size, self.ranks_per_node())?
+                    .id
+            }
             _ => StrategyId::DenseRabenseifner,
         };
         let table: Vec<StepLayer> = self
@@ -447,19 +459,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// What `Auto` layers choose among ([`crate::cost::engine_candidates`]
-    /// for this configuration), without the node-aware sparse allreduce
-    /// when the job has one node (or its nodes are unknown), which
-    /// `sparse_exchange = "auto"` then never runs.
+    /// for this configuration), without the node-aware sparse and dense
+    /// allreduces when the job has one node (or its nodes are unknown),
+    /// which `sparse_exchange = "auto"` and `allreduce = "auto"` then never
+    /// run.
     fn auto_candidates(&self) -> Vec<crate::cost::StrategyId> {
         let mut v = crate::cost::engine_candidates(
             self.cfg.allreduce,
             self.cfg.sparse_exchange,
             self.cfg.auto_quant,
         );
-        if self.cfg.sparse_exchange == super::SparseExchange::Auto
-            && self.ranks_per_node().is_none()
-        {
-            v.retain(|&id| id != crate::cost::StrategyId::SparseHierarchical);
+        if self.ranks_per_node().is_none() {
+            // One node: neither `auto` runs a node-aware collective.
+            if self.cfg.sparse_exchange == super::SparseExchange::Auto {
+                v.retain(|&id| id != crate::cost::StrategyId::SparseHierarchical);
+            }
+            if self.cfg.allreduce == crate::dense::AllreduceAlgo::Auto {
+                v.retain(|&id| id != crate::cost::StrategyId::DenseHierarchical);
+            }
         }
         v
     }

@@ -1656,6 +1656,86 @@ fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
     }
 }
 
+/// Issue #15: `allreduce = "auto"` runs, every step, the dense algorithm
+/// the cost model finds fastest for the step's dense group (here the ring
+/// where Rabenseifner pays its fold, at 3 and 5 ranks, and Rabenseifner at
+/// powers of two), with results bitwise the configured Rabenseifner's on
+/// integer gradients; the stats name the algorithm; without a profile it
+/// is the same error on every rank.
+#[test]
+fn auto_allreduce_follows_the_model_and_sums_alike() {
+    let table = vec![
+        ("w", 4000, Strategy::Dense),
+        ("bias", 10, Strategy::Dense),
+        ("a", 2500, Strategy::rgc(0.1)),
+    ];
+    let prof = crate::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0).expect("profile");
+    let base = Config {
+        momentum: 0.5,
+        profile: Some(prof.clone()),
+        ..cfg()
+    };
+    let auto = Config {
+        allreduce: crate::dense::AllreduceAlgo::Auto,
+        ..base.clone()
+    };
+    for p in [1, 2, 3, 4, 5] {
+        let fixed = run_exchange_table(p, &base, true, 3, &table);
+        let chosen = run_exchange_table(p, &auto, true, 3, &table);
+        let want = match crate::cost::choose_dense_allreduce(&prof, 4.0 * 4010.0, p, None)
+            .expect("choice")
+            .id
+        {
+            crate::cost::StrategyId::DenseRing => "ring",
+            _ => "rabenseifner",
+        };
+        if p == 3 || p == 5 {
+            assert_eq!(want, "ring", "p={p}: the fold makes the ring cheaper");
+        }
+        for r in 0..p {
+            for t in 0..3 {
+                let at = format!("p={p} rank {r} step {t}");
+                assert_eq!(fixed[r].0[t].0, chosen[r].0[t].0, "{at}: outputs");
+                assert_eq!(fixed[r].0[t].2.allreduce, "rabenseifner", "{at}");
+                assert_eq!(chosen[r].0[t].2.allreduce, want, "{at}");
+            }
+        }
+    }
+    let res = LocalComm::run(2, |c| {
+        let cfg = Config {
+            allreduce: crate::dense::AllreduceAlgo::Auto,
+            ..cfg()
+        };
+        GradSync::with_transport(c, cfg)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    });
+    for e in &res {
+        assert!(
+            e.contains("allreduce \"auto\"") && e.contains("profile"),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        "auto".parse::<crate::dense::AllreduceAlgo>().unwrap(),
+        crate::dense::AllreduceAlgo::Auto
+    );
+    // The library's allreduce refuses it (every rank alike, no traffic).
+    let e = LocalComm::run(2, |c| {
+        let mut x = vec![1f32; 4];
+        crate::dense::allreduce(
+            &c,
+            &mut x,
+            crate::dense::AllreduceAlgo::Auto,
+            &crate::dense::AllreduceOptions::default(),
+        )
+        .unwrap_err()
+        .to_string()
+    });
+    assert!(e.iter().all(|e| e.contains("per-step choice")), "{e:?}");
+}
+
 /// Issue #15: `auto` needs a profile: without one, the same error on
 /// every rank at creation; with one, the in-process transport (no nodes)
 /// is accepted (auto then never picks the node-aware exchange).

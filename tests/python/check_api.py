@@ -201,10 +201,11 @@ for step in range(2):
     ok(st5["sparse_reduce_nnz"] > 0, f"hierarchical sparse_reduce_nnz {st5['sparse_reduce_nnz']}")
 s5.close()
 s6.close()
-# sparse_exchange="auto": the cost model picks the exchange every step from
-# inputs alike on every rank; any choice sums what the allgatherv sums.
+# sparse_exchange="auto" and allreduce="auto": the cost model picks the
+# exchange and the dense algorithm every step from inputs alike on every
+# rank; any choice sums what the allgatherv and Rabenseifner sum.
 prof = {"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9}
-s7 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="auto", profile=prof)
+s7 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="auto", allreduce="auto", profile=prof)
 s8 = gradsync.GradSync(comm, momentum=0.9)
 for s_ in (s7, s8):
     s_.register("fc1.weight", (64, 100), strategy="rgc:density=0.01")
@@ -216,6 +217,7 @@ for step in range(3):
     ok(all(np.array_equal(x, y) for x, y in zip(a, b)), f"sparse_exchange auto == allgather, step {step}")
     ok(st7["sparse_exchange"] in ("allgather", "allreduce"), f"auto took {st7['sparse_exchange']}")
     ok("fill_estimate" in st7 and st8["sparse_exchange"] == "allgather", "stats name the exchange")
+    ok(st7["allreduce"] in ("rabenseifner", "ring") and st8["allreduce"] == "rabenseifner", f"allreduce auto took {st7['allreduce']}")
 s7.close()
 s8.close()
 e = expect_error(lambda: gradsync.GradSync(comm, sparse_exchange="auto"), None, "auto needs a profile")

@@ -245,3 +245,47 @@ fn the_crossing_cache_stays_bounded_and_right() {
     // Still the schedule after starting over.
     assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
 }
+
+#[test]
+fn the_dense_choice_is_the_cheapest_dense_group() {
+    use crate::cost::choose_dense_allreduce;
+    // One node: Rabenseifner and the ring, priced as plan_step prices them.
+    let flat = prof(None);
+    for (p, bytes) in [(1usize, 4e6), (4, 4e6), (3, 4e6), (5, 64.0), (8, 0.0)] {
+        let c = choose_dense_allreduce(&flat, bytes, p, None).expect("choice");
+        assert_eq!(c.predictions.len(), 2, "p={p}");
+        let (r, g) = if p == 1 || bytes == 0.0 {
+            (0.0, 0.0)
+        } else {
+            (
+                dense_rabenseifner(&flat, bytes, p),
+                dense_ring(&flat, bytes, p),
+            )
+        };
+        assert!(rel(c.predictions[0].1, r) < 1e-12 || (r == 0.0 && c.predictions[0].1 == 0.0));
+        assert!(rel(c.predictions[1].1, g) < 1e-12 || (g == 0.0 && c.predictions[1].1 == 0.0));
+        let want = if g < r {
+            StrategyId::DenseRing
+        } else {
+            StrategyId::DenseRabenseifner
+        };
+        assert_eq!(c.id, want, "p={p} bytes={bytes}");
+    }
+    // Several nodes behind a slow link: the hierarchical one is a
+    // candidate, and with 8 ranks a node it beats the flat algorithms.
+    let two = prof(Some((3e-5, 1.25e8)));
+    let c = choose_dense_allreduce(&two, 64e6, 64, Some(8)).expect("choice");
+    assert_eq!(c.predictions.len(), 3);
+    assert_eq!(
+        c.id,
+        c.predictions
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("some")
+            .0
+    );
+    // Bad inputs are errors.
+    assert!(choose_dense_allreduce(&two, -1.0, 4, None).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, 4, Some(0)).is_err());
+}
