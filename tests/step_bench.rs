@@ -365,3 +365,44 @@ fn step_sparse_exchange_is_passed_to_the_engine_and_reported() {
         }
     }
 }
+
+/// The engine runs the dense algorithm `--strategies` names (the
+/// hierarchical one included), and with several named the model's choice
+/// each step (`allreduce = "auto"`); the record's dense group says which.
+#[test]
+fn step_dense_group_runs_the_named_algorithm() {
+    let layers = temp("layers-dense.json", LAYERS);
+    let prof = temp("profile-dense.json", r#"{"alpha": 2e-6, "beta": 1e-9}"#);
+    for (strategies, algo) in [
+        ("dense-hierarchical", "dense-hierarchical"),
+        ("dense-ring", "dense-ring"),
+        ("dense-rabenseifner,dense-ring", "dense-auto"),
+    ] {
+        let (ok, out, err) = run(
+            3,
+            &[
+                "bench",
+                "--op",
+                "step",
+                "--layers",
+                layers.to_str().unwrap(),
+                "--profile",
+                prof.to_str().unwrap(),
+                "--strategies",
+                strategies,
+                "--iters",
+                "2",
+                "--warmup",
+                "0",
+                "--json",
+            ],
+        );
+        assert!(ok, "{strategies}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
+        let g = &v["groups"][0];
+        assert_eq!(g["kind"], "dense", "{strategies}: {v}");
+        assert_eq!(g["algorithm"], algo, "{strategies}: {v}");
+        assert!(g["predicted_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
+        assert!(g["measured_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
+    }
+}

@@ -412,14 +412,25 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         profile: inp.profile.clone(),
         ..Config::default()
     };
-    if inp.allowed.contains(&StrategyId::DenseRing)
-        && !inp.allowed.contains(&StrategyId::DenseRabenseifner)
-    {
-        cfg.allreduce = AllreduceAlgo::Ring;
-    }
+    // The engine runs one dense algorithm a step: the one named, or with
+    // several named the model's choice each step (`allreduce = "auto"`),
+    // as the plan prices the dense group.
+    let dense_named: Vec<StrategyId> = inp
+        .allowed
+        .iter()
+        .copied()
+        .filter(|id| id.is_dense())
+        .collect();
+    cfg.allreduce = match dense_named.as_slice() {
+        [StrategyId::DenseRing] => AllreduceAlgo::Ring,
+        [StrategyId::DenseHierarchical] => AllreduceAlgo::Hierarchical,
+        [_, _, ..] if cfg.profile.is_some() => AllreduceAlgo::Auto,
+        _ => AllreduceAlgo::Rabenseifner,
+    };
     let algo = cfg.allreduce;
     let dense_id = match algo {
         AllreduceAlgo::Ring => StrategyId::DenseRing,
+        AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
         _ => StrategyId::DenseRabenseifner,
     };
     let (strategies, plan, allowed) = plan(&inp, p, &cfg)?;
@@ -530,7 +541,7 @@ fn record(
     let mut counts = std::collections::BTreeMap::new();
     let mut groups: Vec<StepGroupRecord> = Vec::new();
     for (i, (l, (_, id))) in inp.layers.iter().zip(&r.strategies).enumerate() {
-        let group = if matches!(id, StrategyId::DenseRabenseifner | StrategyId::DenseRing) {
+        let group = if id.is_dense() {
             GroupKind::Dense
         } else {
             GroupKind::Sparse
@@ -553,6 +564,8 @@ fn record(
                 algorithm: match group {
                     GroupKind::Dense => match algo {
                         AllreduceAlgo::Ring => "dense-ring",
+                        AllreduceAlgo::Hierarchical => "dense-hierarchical",
+                        AllreduceAlgo::Auto => "dense-auto",
                         _ => "dense-rabenseifner",
                     },
                     _ => match inp.exchange {
