@@ -406,3 +406,36 @@ fn step_dense_group_runs_the_named_algorithm() {
         assert!(g["measured_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
     }
 }
+
+/// A `--strategies` collective that `--sparse-exchange` does not run ends
+/// the job with an error naming both flags (every rank finds it from the
+/// agreed flags), not a hang.
+#[test]
+fn step_strategy_outside_the_exchange_fails_on_every_rank() {
+    let layers = temp("layers-mismatch.json", LAYERS);
+    let prof = temp("profile-mismatch.json", r#"{"alpha": 2e-6, "beta": 1e-9}"#);
+    let (ok, out, err) = run(
+        3,
+        &[
+            "bench",
+            "--op",
+            "step",
+            "--layers",
+            layers.to_str().unwrap(),
+            "--profile",
+            prof.to_str().unwrap(),
+            "--strategies",
+            "dense-rabenseifner,sparse-allreduce",
+            "--sparse-exchange",
+            "allgather",
+            "--iters",
+            "1",
+        ],
+    );
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("--strategies sparse-allreduce")
+            && err.contains("--sparse-exchange allgather"),
+        "{err}"
+    );
+}

@@ -215,12 +215,12 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         return Ok((v, None, Vec::new()));
     };
     let allowed = if inp.allowed.is_empty() {
-        let mut v = cost::engine_candidates(cfg.allreduce, cfg.sparse_exchange, cfg.auto_quant);
-        if cfg.sparse_exchange == SparseExchange::Auto && inp.ranks_per_node.is_none() {
-            // One node: `auto` never runs the node-aware exchange.
-            v.retain(|&id| id != StrategyId::SparseHierarchical);
-        }
-        v
+        cost::engine_candidates(
+            cfg.allreduce,
+            cfg.sparse_exchange,
+            cfg.auto_quant,
+            inp.ranks_per_node.is_some(),
+        )
     } else {
         through_exchange(&inp.allowed, inp.exchange, inp.ranks_per_node)?
     };

@@ -175,17 +175,19 @@ impl std::fmt::Display for StrategyId {
 /// What the engine's `Strategy::Auto` chooses among: the dense allreduce
 /// the engine is configured with (its fused dense group runs one
 /// algorithm; with `auto`, chosen every step
-/// ([`super::choose_dense_allreduce`]), all three, the caller dropping
-/// `dense-hierarchical` where the job has one node), RGC exchanged by its configured sparse collective
-/// (`sparse_exchange`: the fused allgatherv, the sparse allreduce or the
-/// node-aware one; with `auto`, which picks one of them every step
-/// ([`super::choose_sparse_exchange`]), all three, the caller dropping
-/// `sparse-hierarchical` where the job has one node), and quantized RGC
-/// when `quant` with the allgatherv (or `auto`).
+/// ([`super::choose_dense_allreduce`]), all three), RGC exchanged by its
+/// configured sparse collective (`sparse_exchange`: the fused allgatherv,
+/// the sparse allreduce or the node-aware one; with `auto`, which picks one
+/// of them every step ([`super::choose_sparse_exchange`]), all three), and
+/// quantized RGC when `quant` with the allgatherv (or `auto`). Without
+/// `several_nodes` (the job has one node, or its nodes are unknown) the
+/// `auto`s never run a node-aware collective, so neither is a candidate
+/// through them.
 pub fn engine_candidates(
     allreduce: AllreduceAlgo,
     exchange: SparseExchange,
     quant: bool,
+    several_nodes: bool,
 ) -> Vec<StrategyId> {
     let dense: &[StrategyId] = match allreduce {
         AllreduceAlgo::Ring => &[StrategyId::DenseRing],
@@ -211,6 +213,14 @@ pub fn engine_candidates(
     v.extend_from_slice(sparse);
     if quant && matches!(exchange, SparseExchange::Allgather | SparseExchange::Auto) {
         v.push(StrategyId::SparseAllgatherQuant);
+    }
+    if !several_nodes {
+        if allreduce == AllreduceAlgo::Auto {
+            v.retain(|&id| id != StrategyId::DenseHierarchical);
+        }
+        if exchange == SparseExchange::Auto {
+            v.retain(|&id| id != StrategyId::SparseHierarchical);
+        }
     }
     v
 }
@@ -277,7 +287,7 @@ mod tests {
     #[test]
     fn engine_candidates_follow_the_engine_collectives() {
         use StrategyId::*;
-        let c = |a, e, q| engine_candidates(a, e, q);
+        let c = |a, e, q| engine_candidates(a, e, q, true);
         assert_eq!(
             c(AllreduceAlgo::Rabenseifner, SparseExchange::Allgather, true),
             vec![DenseRabenseifner, SparseAllgather, SparseAllgatherQuant]
@@ -302,6 +312,16 @@ mod tests {
                 SparseAllreduce,
                 SparseHierarchical,
                 SparseAllgatherQuant
+            ]
+        );
+        // One node: the autos' node-aware collectives are not candidates.
+        assert_eq!(
+            engine_candidates(AllreduceAlgo::Auto, SparseExchange::Auto, false, false),
+            vec![
+                DenseRabenseifner,
+                DenseRing,
+                SparseAllgather,
+                SparseAllreduce
             ]
         );
         assert_eq!(

@@ -407,12 +407,7 @@ pub fn sparse_collective(
             "a sparse collective of {k} pairs of {n} elements on {p} ranks"
         )));
     }
-    let net = Net {
-        prof,
-        p,
-        l: ranks_per_node.unwrap_or(p).max(1),
-        fill,
-    };
+    let net = Net::new(prof, p, ranks_per_node, fill);
     let s = Sizes {
         dense: 0.0,
         sparse: 8.0 * k as f64,
@@ -843,17 +838,13 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
             sparse_group(&net, StrategyId::SparseHierarchical, pairs),
         ));
     }
-    let mut best = predictions[0];
-    for &c in &predictions[1..] {
-        // No pairs (empty layers): nothing to reduce.
-        if c.1 < best.1 && q.k > 0.0 {
-            best = c;
-        }
-    }
-    Ok(ExchangeChoice {
-        id: best.0,
-        predictions,
-    })
+    // No pairs (empty layers): nothing to reduce.
+    let id = if q.k > 0.0 {
+        cheapest(&predictions)
+    } else {
+        predictions[0].0
+    };
+    Ok(ExchangeChoice { id, predictions })
 }
 
 /// The fastest algorithm for the engine's fused dense allreduce of `bytes`
@@ -878,12 +869,7 @@ pub fn choose_dense_allreduce(
     if let Some(l) = ranks_per_node.filter(|&l| l == 0) {
         return Err(Error::InvalidArgument(format!("{l} ranks per node")));
     }
-    let net = Net {
-        prof,
-        p,
-        l: ranks_per_node.unwrap_or(p).max(1),
-        fill: None,
-    };
+    let net = Net::new(prof, p, ranks_per_node, None);
     let mut ids = vec![StrategyId::DenseRabenseifner, StrategyId::DenseRing];
     if ranks_per_node.is_some_and(|l| l < p) {
         ids.push(StrategyId::DenseHierarchical);
@@ -892,16 +878,21 @@ pub fn choose_dense_allreduce(
         .iter()
         .map(|&id| (id, dense_group(&net, id, bytes)))
         .collect();
+    Ok(ExchangeChoice {
+        id: cheapest(&predictions),
+        predictions,
+    })
+}
+
+/// The cheapest of `predictions` (not empty), the first on a tie.
+fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
     let mut best = predictions[0];
     for &c in &predictions[1..] {
         if c.1 < best.1 {
             best = c;
         }
     }
-    Ok(ExchangeChoice {
-        id: best.0,
-        predictions,
-    })
+    best.0
 }
 
 /// Elements of the whole table (every layer's gradient is read each step,

@@ -110,11 +110,21 @@ pub(crate) struct Net<'a> {
 impl<'a> Net<'a> {
     /// The placement of `q` (one node without `ranks_per_node`).
     pub fn of(prof: &'a Profile, q: &StepQuery) -> Self {
+        Self::new(prof, q.p, q.ranks_per_node, q.fill)
+    }
+
+    /// `p` ranks, `ranks_per_node` per node (one node without it).
+    pub fn new(
+        prof: &'a Profile,
+        p: usize,
+        ranks_per_node: Option<usize>,
+        fill: Option<f64>,
+    ) -> Self {
         Net {
             prof,
-            p: q.p,
-            l: q.ranks_per_node.unwrap_or(q.p).max(1),
-            fill: q.fill,
+            p,
+            l: ranks_per_node.unwrap_or(p).max(1),
+            fill,
         }
     }
 

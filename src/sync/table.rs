@@ -464,21 +464,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// which `sparse_exchange = "auto"` and `allreduce = "auto"` then never
     /// run.
     fn auto_candidates(&self) -> Vec<crate::cost::StrategyId> {
-        let mut v = crate::cost::engine_candidates(
+        crate::cost::engine_candidates(
             self.cfg.allreduce,
             self.cfg.sparse_exchange,
             self.cfg.auto_quant,
-        );
-        if self.ranks_per_node().is_none() {
-            // One node: neither `auto` runs a node-aware collective.
-            if self.cfg.sparse_exchange == super::SparseExchange::Auto {
-                v.retain(|&id| id != crate::cost::StrategyId::SparseHierarchical);
-            }
-            if self.cfg.allreduce == crate::dense::AllreduceAlgo::Auto {
-                v.retain(|&id| id != crate::cost::StrategyId::DenseHierarchical);
-            }
-        }
-        v
+            self.ranks_per_node().is_some(),
+        )
     }
 
     /// Ranks per node for the step model: the largest node's count when the

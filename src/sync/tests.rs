@@ -1053,6 +1053,7 @@ fn auto_predict_and_plan_make_the_same_choice() {
                 crate::dense::AllreduceAlgo::Rabenseifner,
                 SparseExchange::Allgather,
                 quant,
+                false,
             )
             .iter()
             .map(|id| id.name())
