@@ -179,6 +179,14 @@ fi
 echo "$me: $hosts hosts x $rph ranks per host ($prefix-0..$((hosts - 1)), 10.77.0.1-$hosts), each host's link $link both ways${delay:+, one-way delay $delay}, MTU $mtu; shared memory within a host, TCP between hosts${over:-}" >&2
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Open MPI's TCP BTL sends a large message as one put of up to 2 GiB
+# (btl_tcp_rdma_pipeline_frag_size); the control messages of the opposite
+# direction on the same connection queue behind it, so a two-way exchange
+# (MPI_Sendrecv, Rabenseifner's steps) sometimes runs one direction after
+# the other: 2 x 2 ranks, 32 MiB each way, took 560, 835 or 1100 ms by
+# chance, per job. Fragments of 128 KiB keep both directions moving (560 ms
+# in every job); raw TCP on these links runs both ways at once.
+export OMPI_MCA_btl_tcp_rdma_pipeline_frag_size="${OMPI_MCA_btl_tcp_rdma_pipeline_frag_size:-131072}"
 export GRADSYNC_CLUSTER_HOSTS="$hosts" GRADSYNC_CLUSTER_RANKS_PER_HOST="$rph"
 export GRADSYNC_CLUSTER_LINK="$link" GRADSYNC_CLUSTER_LINK_BPS="$link_bps"
 # mpirun runs on host 0 (its ranks are mpirun's children); the other hosts'

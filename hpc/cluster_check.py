@@ -12,9 +12,18 @@
    rate tc shapes, so TCP/IP headers cost about 4 %). With 3 hosts or more,
    hosts 1 and 2 send to host 0 at once: their sum, capped by host 0's
    incoming link, is also within --tolerance of the link rate.
-3. Within a host (rank 0 -> rank 1, when R >= 2): shared memory, at least
+3. Both ways at once: every rank of host 0 exchanges --bytes messages with
+   its counterpart on host 1 (MPI_Sendrecv, as a Rabenseifner step that
+   crosses the link); each direction of the link, summed over the pairs, at
+   least --two-way-min of the link rate. TCP over these shaped links moves
+   two-way traffic at 68-92 % of the link (raw sockets too: the ACKs queue
+   behind the data; least at 100mbit); Open MPI's TCP BTL with its default
+   2 GiB put fragments ran some of these exchanges one way at a time, at
+   about 50 %, by chance per job (so this check catches it in some jobs,
+   not all); hpc/cluster.sh sets btl_tcp_rdma_pipeline_frag_size.
+4. Within a host (rank 0 -> rank 1, when R >= 2): shared memory, at least
    --intra-factor times the link rate.
-4. With --delay-ms D: half the round trip of 1-byte messages between hosts is
+5. With --delay-ms D: half the round trip of 1-byte messages between hosts is
    D to D + --delay-slack-ms (hpc/cluster.sh delays each host's outgoing side).
 
 Ranks not in a measurement wait in a sleeping poll (they share the cores).
@@ -69,6 +78,29 @@ def one_way(comm, srcs, dst, nbytes, reps):
     return comm.bcast(rate, root=dst)
 
 
+def two_way(comm, pairs, nbytes, reps):
+    """Bytes/s each way across the link while every pair (a, b) exchanges
+    reps messages at once with MPI_Sendrecv (after a warm-up exchange);
+    from the common start to the last pair's end."""
+    rank = comm.Get_rank()
+    peer = next((b if rank == a else a for a, b in pairs if rank in (a, b)), None)
+    elapsed, wrong = 0.0, False
+    if peer is not None:
+        buf = np.full(nbytes, rank + 1, dtype=np.uint8)
+        got = np.empty(nbytes, dtype=np.uint8)
+        comm.Sendrecv(buf, peer, TAG, got, peer, TAG)
+    idle_barrier(comm)
+    if peer is not None:
+        t0 = MPI.Wtime()
+        for _ in range(reps):
+            comm.Sendrecv(buf, peer, TAG, got, peer, TAG)
+        elapsed = MPI.Wtime() - t0
+        wrong = bool((got != peer + 1).any())
+    slowest = comm.allreduce(elapsed, op=MPI.MAX)
+    # Wrong bytes arrived somewhere: rate 0, so the check fails.
+    return 0.0 if comm.allreduce(wrong, op=MPI.LOR) else len(pairs) * reps * nbytes / slowest
+
+
 def half_rtt(comm, a, b, reps=10):
     rank = comm.Get_rank()
     msg = np.zeros(1, dtype=np.uint8)
@@ -95,6 +127,8 @@ def main():
     ap.add_argument("--bytes", type=int, default=4 << 20, help="message size (default 4 MiB)")
     ap.add_argument("--seconds", type=float, default=1.0, help="target time of the inter-host measurement")
     ap.add_argument("--tolerance", type=float, default=0.10, help="allowed relative error of the inter-host rate")
+    ap.add_argument("--two-way-min", type=float, default=0.60,
+                    help="each direction's rate, both ways at once, at least this fraction of the link")
     ap.add_argument("--intra-factor", type=float, default=3.0, help="intra-host rate must be this many times the link's")
     ap.add_argument("--delay-ms", type=float, default=None, help="expected one-way delay (hpc/cluster.sh --delay)")
     ap.add_argument("--delay-slack-ms", type=float, default=2.0)
@@ -151,7 +185,20 @@ def main():
                 check(abs(err) <= args.tolerance,
                       f"{path} {srcs} -> {dst}: {rate / 1e6:.1f} MB/s vs link {link_Bps / 1e6:.1f} MB/s "
                       f"({err:+.1%}, tolerance {args.tolerance:.0%})")
-    # 3. Within a host.
+    # 3. Both ways at once: host 0's ranks with host 1's.
+    if hosts >= 2:
+        pairs = [(r, rph + r) for r in range(rph)]
+        n = max(4, round(args.seconds * link_Bps / (args.bytes * len(pairs))))
+        rate = two_way(comm, pairs, args.bytes, n)
+        if rank == 0:
+            err = rate / link_Bps - 1
+            print(json.dumps(dict(path="inter-host two-way", pairs=pairs, bytes=args.bytes, reps=n,
+                                  MBps_each_way=round(rate / 1e6, 2), link_MBps=round(link_Bps / 1e6, 2),
+                                  rel_err=round(err, 4))), flush=True)
+            check(rate >= args.two_way_min * link_Bps,
+                  f"inter-host two-way {pairs}: {rate / 1e6:.1f} MB/s vs link {link_Bps / 1e6:.1f} MB/s, "
+                  f"each way at once ({err:+.1%}, at least {args.two_way_min:.0%} of the link)")
+    # 4. Within a host.
     if rph >= 2:
         nbytes = 16 << 20
         rate = one_way(comm, [0], 1, nbytes, 8)
@@ -160,7 +207,7 @@ def main():
                                   MBps=round(rate / 1e6, 2), link_MBps=round(link_Bps / 1e6, 2))), flush=True)
             check(rate >= args.intra_factor * link_Bps,
                   f"intra-host {rate / 1e6:.1f} MB/s >= {args.intra_factor:g} x link {link_Bps / 1e6:.1f} MB/s")
-    # 4. Delay.
+    # 5. Delay.
     if args.delay_ms is not None and hosts >= 2:
         lat = half_rtt(comm, 0, rph)
         if rank == 0:

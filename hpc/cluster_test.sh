@@ -4,7 +4,9 @@
 #   1. hpc/cluster.sh names the flag on bad arguments (no root needed);
 #   2. 2 hosts x 2 ranks, 100mbit: hpc/cluster_check.py (hostnames, ppr
 #      mapping, MPI_COMM_TYPE_SHARED = the ranks of a host, the rate between
-#      hosts both ways within 10 % of the link, shared memory within a host);
+#      hosts within 10 % of the link one way in each direction, at least
+#      60 % of it each way with both ways at once (Open MPI's TCP fragments,
+#      hpc/cluster.sh), shared memory within a host);
 #   3. 3 hosts x 1 rank, 100mbit: the same, plus two hosts sending to one at
 #      once (the incoming side of a link is shaped too);
 #   4. 2 hosts x 1 rank, 1gbit, MTU 9000: the rate within 25 % (CPU-bound here);

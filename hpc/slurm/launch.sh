@@ -45,6 +45,13 @@ if [ "$_gradsync_tasks_here" -gt "$(nproc)" ]; then
   export OMPI_MCA_btl="${OMPI_MCA_btl:-self,tcp}" OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"
 fi
 
+# Open MPI over TCP (Ethernet clusters): a large message goes as one put of
+# up to 2 GiB, and the opposite direction's control messages wait behind
+# it, so two-way exchanges sometimes run one way at a time (hpc/cluster.sh
+# says what was measured). 128 KiB fragments keep both ways moving; other
+# transports ignore the setting.
+export OMPI_MCA_btl_tcp_rdma_pipeline_frag_size="${OMPI_MCA_btl_tcp_rdma_pipeline_frag_size:-131072}"
+
 _gradsync_note=""
 [ "$GRADSYNC_OVERSUBSCRIBED" = 0 ] \
   || _gradsync_note="; $_gradsync_tasks_here tasks on $(nproc) cores: oversubscribed, OMPI_MCA_btl=$OMPI_MCA_btl"

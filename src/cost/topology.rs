@@ -81,9 +81,10 @@ pub struct NetLevel {
     pub beta_curve: Vec<CurvePoint>,
     /// β of one-way traffic by message size (ping-pong across the link,
     /// `(T_oneway(m) − α)/m`): what a ring step costs, whose messages go
-    /// one way on each connection. Open MPI's TCP transport moves a large
-    /// two-way exchange at half the rate of one-way traffic, so the
-    /// exchange's β over-charges the ring 2× (measured, docs/benchmarks.md).
+    /// one way on each connection. Where a transport moves a large two-way
+    /// exchange slower than one-way traffic (Open MPI's TCP BTL with its
+    /// default 2 GiB put fragments ran some exchanges one way at a time,
+    /// docs/benchmarks.md), the exchange's β would over-charge the ring.
     /// Empty: the exchange's β.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub oneway_curve: Vec<CurvePoint>,
@@ -93,6 +94,19 @@ impl NetLevel {
     /// β at a message of `m` bytes.
     pub fn beta_at(&self, m: f64) -> f64 {
         super::curve_at(&self.beta_curve, self.beta, m)
+    }
+
+    /// How much slower a two-way exchange moves each byte than one-way
+    /// traffic, at the largest message both curves measured: `(bytes,
+    /// two-way β / one-way β)`. About 1 on a full-duplex link; about 2 where
+    /// the transport runs the two directions one after the other. `None`
+    /// without both curves.
+    pub fn two_way_slowdown(&self) -> Option<(f64, f64)> {
+        self.oneway_curve.iter().rev().find_map(|one| {
+            let two = self.beta_curve.iter().find(|c| c.bytes == one.bytes)?;
+            (one.per_byte > 0.0 && two.per_byte > 0.0)
+                .then(|| (one.bytes, two.per_byte / one.per_byte))
+        })
     }
 }
 

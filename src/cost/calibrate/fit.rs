@@ -341,6 +341,14 @@ pub(super) fn run(
                 per_byte: ((remote_med[inter_at + inter + i] - e.alpha) / b as f64).max(0.0),
             })
             .collect();
+        if let Some((bytes, x)) = e.two_way_slowdown().filter(|&(_, x)| x > 1.5) {
+            log::warn!(
+                "calibrate: between nodes a two-way exchange of {bytes} B moves each byte \
+                 {x:.1}x slower than one-way traffic: the transport runs the two directions \
+                 one after the other (with Open MPI over TCP, set \
+                 OMPI_MCA_btl_tcp_rdma_pipeline_frag_size=131072; docs/benchmarks.md)"
+            );
+        }
         e
     });
     // Every node holds one rank: nothing was measured inside a node, and

@@ -289,3 +289,27 @@ fn the_dense_choice_is_the_cheapest_dense_group() {
     assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
     assert!(choose_dense_allreduce(&two, 1.0, 4, Some(0)).is_err());
 }
+
+/// The calibration's warning: a two-way exchange measured 2x slower per
+/// byte than one-way traffic at the largest size both curves have.
+#[test]
+fn two_way_slowdown_compares_the_largest_common_size() {
+    let pt = |bytes: f64, per_byte: f64| CurvePoint { bytes, per_byte };
+    let mut e = NetLevel {
+        alpha: 1e-5,
+        beta: 8e-9,
+        beta_curve: vec![pt(4096.0, 5e-9), pt((1 << 24) as f64, 16e-9)],
+        oneway_curve: Vec::new(),
+    };
+    assert_eq!(e.two_way_slowdown(), None, "no one-way curve");
+    e.oneway_curve = vec![pt(4096.0, 2.5e-9), pt((1 << 24) as f64, 8e-9)];
+    let (bytes, x) = e.two_way_slowdown().expect("both curves");
+    assert_eq!(bytes, (1 << 24) as f64);
+    assert!(rel(x, 2.0) < 1e-12, "{x}");
+    // Full duplex: the two rates agree.
+    e.beta_curve[1].per_byte = 8.3e-9;
+    assert!(e.two_way_slowdown().unwrap().1 < 1.1);
+    // A one-way size the exchange did not measure is passed over.
+    e.oneway_curve.push(pt((1 << 25) as f64, 8e-9));
+    assert_eq!(e.two_way_slowdown().unwrap().0, (1 << 24) as f64);
+}
