@@ -341,7 +341,8 @@ pub(super) fn run(
                 per_byte: ((remote_med[inter_at + inter + i] - e.alpha) / b as f64).max(0.0),
             })
             .collect();
-        if let Some((bytes, x)) = e.two_way_slowdown().filter(|&(_, x)| x > 1.5) {
+        let slow = e.two_way_slowdown().filter(|&(_, x)| x > 1.5);
+        if let Some((bytes, x)) = slow.filter(|_| comm.rank() == 0) {
             log::warn!(
                 "calibrate: between nodes a two-way exchange of {bytes} B moves each byte \
                  {x:.1}x slower than one-way traffic: the transport runs the two directions \
