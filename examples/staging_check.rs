@@ -1,0 +1,116 @@
+//! The host-staged allreduce of a device buffer
+//! ([`gradsync::gpu::staged_allreduce`]) and the CUDA-aware detection
+//! ([`gradsync::gpu::cuda_aware`]) on real MPI ranks (`tests/gpu.rs`), on
+//! [`HostMemory`], the host-memory model of a device and its stream (no
+//! GPU needed). Runnable by hand:
+//!
+//! ```text
+//! mpirun -np 3 target/release/examples/staging_check
+//! ```
+//!
+//! Prints `AWARE <json>` (or `AWARE-ERR <error>`) on every rank; then, for
+//! several lengths and chunk sizes and the allreduce algorithms, the staged
+//! result must equal `MPI_Allreduce` of the whole buffer bit for bit
+//! (integer-valued inputs): `OK <case> ranks=<p>`. A length that differs
+//! on the last rank and a copy that fails on the last rank must be errors
+//! on every rank (`ERR <case> <error>`), and the next call must work
+//! (`AFTER ok`). Exits 2 with the first difference.
+
+use gradsync::comm::{MpiComm, Transport};
+use gradsync::dense::{AllreduceAlgo, ReduceOp};
+use gradsync::gpu::{cuda_aware, staged_allreduce, HostMemory, StagingOptions};
+
+fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + r * 104_729 + seed * 31) % 201) as f32 - 100.0)
+        .collect()
+}
+
+fn fail(msg: String) -> ! {
+    eprintln!("staging_check: {msg}");
+    std::process::exit(2)
+}
+
+fn main() {
+    let universe = mpi::initialize().expect("MPI");
+    let comm = MpiComm::duplicate_of(&universe.world()).expect("communicator");
+    let (rank, p) = (comm.rank(), comm.size());
+    match cuda_aware() {
+        Ok(a) => println!("AWARE {}", serde_json::to_string(&a).expect("json")),
+        Err(e) => println!("AWARE-ERR {e}"),
+    }
+    let cases = [
+        (0, 16),
+        (1, 16),
+        (p + 1, 1),
+        (1000, 7),
+        (1000, 1000),
+        (65_537, 4096),
+        (1_048_579, 1 << 18),
+    ];
+    for (seed, &(n, chunk)) in cases.iter().enumerate() {
+        for algo in [
+            AllreduceAlgo::Mpi,
+            AllreduceAlgo::Ring,
+            AllreduceAlgo::Rabenseifner,
+        ] {
+            let x = input(rank, n, seed);
+            let mut want = vec![0f32; n];
+            comm.native_allreduce_sum(&x, &mut want)
+                .expect("MPI_Allreduce on MpiComm")
+                .expect("MPI_Allreduce");
+            let mut dev = HostMemory::new(x);
+            let opts = StagingOptions {
+                chunk_elems: chunk,
+                algo,
+                op: ReduceOp::Sum,
+            };
+            let case = format!("n={n} chunk={chunk} {}", algo.name());
+            let rep = staged_allreduce(&comm, &mut dev, &opts)
+                .unwrap_or_else(|e| fail(format!("rank {rank}: {case}: {e}")));
+            if dev.hazards() != 0 {
+                fail(format!("rank {rank}: {case}: {} hazards", dev.hazards()));
+            }
+            if rep.chunks > 1 && dev.max_pending() < 2 {
+                fail(format!("rank {rank}: {case}: copies never overlapped"));
+            }
+            let got = dev.into_data();
+            if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                fail(format!(
+                    "rank {rank}: {case}: element {i}: {} vs MPI {}",
+                    got[i], want[i]
+                ));
+            }
+            println!("OK {case} chunks={} ranks={p}", rep.chunks);
+        }
+    }
+    let opts = StagingOptions {
+        chunk_elems: 100,
+        ..Default::default()
+    };
+    // One more element on the last rank: an error on every rank, no hang.
+    let mut dev = HostMemory::new(vec![1.0; 1000 + usize::from(rank == p - 1)]);
+    match staged_allreduce(&comm, &mut dev, &opts) {
+        Err(e) => println!("ERR size-mismatch {e}"),
+        Ok(_) if p == 1 => println!("ERR size-mismatch (one rank: nothing to differ)"),
+        Ok(_) => fail(format!(
+            "rank {rank}: a longer buffer on the last rank was accepted"
+        )),
+    }
+    // The last rank's fifth copy fails (in the middle of the pipeline).
+    let mut dev = HostMemory::new(vec![1.0; 1000]);
+    if rank == p - 1 {
+        dev = dev.fail_copy(4);
+    }
+    match staged_allreduce(&comm, &mut dev, &opts) {
+        Err(e) => println!("ERR copy-failed {e}"),
+        Ok(_) => fail(format!(
+            "rank {rank}: a failed copy on the last rank was accepted"
+        )),
+    }
+    let mut dev = HostMemory::new(vec![1.0; 1000]);
+    match staged_allreduce(&comm, &mut dev, &opts) {
+        Ok(_) if dev.data().iter().all(|&v| v == p as f32) => println!("AFTER ok"),
+        other => fail(format!("rank {rank}: the call after the errors: {other:?}")),
+    }
+}
