@@ -14,11 +14,14 @@
 //! (integer-valued inputs): `OK <case> ranks=<p>`. A length that differs
 //! on the last rank and a copy that fails on the last rank must be errors
 //! on every rank (`ERR <case> <error>`), and the next call must work
-//! (`AFTER ok`). Exits 2 with the first difference.
+//! (`AFTER ok`). The same for [`device_allreduce`] with this process's
+//! `cuda_aware()` decision (`OK-DEVICE route=<staged|direct> <case>`),
+//! plus ranks whose routes differ and a failed copy on the direct route.
+//! Exits 2 with the first difference.
 
 use gradsync::comm::{MpiComm, Transport};
 use gradsync::dense::{AllreduceAlgo, ReduceOp};
-use gradsync::gpu::{cuda_aware, staged_allreduce, HostMemory, StagingOptions};
+use gradsync::gpu::{cuda_aware, device_allreduce, staged_allreduce, HostMemory, StagingOptions};
 
 fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -84,10 +87,75 @@ fn main() {
             println!("OK {case} chunks={} ranks={p}", rep.chunks);
         }
     }
+    // The route `device_allreduce` takes for this process's decision:
+    // direct for MPI's sum where MPI is CUDA-aware (GRADSYNC_CUDA_AWARE=1
+    // here: the host model's "device" is host memory, which any MPI takes),
+    // staged otherwise; the result is MPI's either way.
+    let aware = cuda_aware().is_ok_and(|a| a.aware);
+    for (seed, &(n, chunk)) in [
+        (0, 16),
+        (1, 16),
+        (1000, 7),
+        (65_537, 4096),
+        (1_048_579, 1 << 18),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for algo in [AllreduceAlgo::Mpi, AllreduceAlgo::Ring] {
+            let x = input(rank, n, seed + 10);
+            let mut want = vec![0f32; n];
+            comm.native_allreduce_sum(&x, &mut want)
+                .expect("MPI_Allreduce on MpiComm")
+                .expect("MPI_Allreduce");
+            let mut dev = HostMemory::new(x);
+            let opts = StagingOptions {
+                chunk_elems: chunk,
+                algo,
+                op: ReduceOp::Sum,
+            };
+            let case = format!("n={n} chunk={chunk} {}", algo.name());
+            let rep = device_allreduce(&comm, &mut dev, &opts, aware)
+                .unwrap_or_else(|e| fail(format!("rank {rank}: device {case}: {e}")));
+            let got = dev.into_data();
+            if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                fail(format!(
+                    "rank {rank}: device {case}: element {i}: {} vs MPI {}",
+                    got[i], want[i]
+                ));
+            }
+            let route = serde_json::to_string(&rep.route).expect("json");
+            println!(
+                "OK-DEVICE route={} {case} chunks={} ranks={p}",
+                route.trim_matches('"'),
+                rep.chunks
+            );
+        }
+    }
     let opts = StagingOptions {
         chunk_elems: 100,
         ..Default::default()
     };
+    // Rank 0 decides "CUDA-aware", the others not: the routes differ, an
+    // error on every rank, not a hang.
+    let mut dev = HostMemory::new(vec![1.0; 1000]);
+    match device_allreduce(&comm, &mut dev, &opts, rank == 0) {
+        Err(e) => println!("ERR route-mismatch {e}"),
+        Ok(_) if p == 1 => println!("ERR route-mismatch (one rank: nothing to differ)"),
+        Ok(_) => fail(format!("rank {rank}: different routes were accepted")),
+    }
+    // The direct route's copy back of the second chunk fails on the last
+    // rank: an error on every rank naming it.
+    let mut dev = HostMemory::new(vec![1.0; 1000]);
+    if rank == p - 1 {
+        dev = dev.fail_copy(1);
+    }
+    match device_allreduce(&comm, &mut dev, &opts, true) {
+        Err(e) => println!("ERR direct-copy-failed {e}"),
+        Ok(_) => fail(format!(
+            "rank {rank}: a failed direct copy on the last rank was accepted"
+        )),
+    }
     // One more element on the last rank: an error on every rank, no hang.
     let mut dev = HostMemory::new(vec![1.0; 1000 + usize::from(rank == p - 1)]);
     match staged_allreduce(&comm, &mut dev, &opts) {

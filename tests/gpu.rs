@@ -66,6 +66,57 @@ fn staged_allreduce_equals_mpi_allreduce() {
             "{out}"
         );
         assert_eq!(lines(&out, "AFTER ok").len(), np, "{out}");
+        // Not CUDA-aware here (auto; the test below checks the query):
+        // device_allreduce stages every case.
+        assert_device_routes(&out, np, false);
+    }
+}
+
+/// `device_allreduce`'s cases: 5 (length, chunk) x (mpi, ring) per rank,
+/// all equal to MPI_Allreduce; mpi direct when `aware`, ring always
+/// staged; ranks whose routes differ and a failed direct copy are errors on
+/// every rank.
+fn assert_device_routes(out: &str, np: usize, aware: bool) {
+    let dev = lines(out, "OK-DEVICE ");
+    assert_eq!(dev.len(), 10 * np, "{out}");
+    let mpi_route = if aware {
+        "route=direct"
+    } else {
+        "route=staged"
+    };
+    for l in &dev {
+        let want = if l.contains(" mpi ") {
+            mpi_route
+        } else {
+            "route=staged"
+        };
+        assert!(l.starts_with(&format!("OK-DEVICE {want} ")), "{l}");
+    }
+    let mism = lines(out, "ERR route-mismatch ");
+    assert_eq!(mism.len(), np, "{out}");
+    if np > 1 {
+        assert!(mism.iter().all(|l| l.contains("options differ")), "{out}");
+    }
+    let failed = lines(out, "ERR direct-copy-failed ");
+    assert_eq!(failed.len(), np, "{out}");
+    assert!(
+        failed
+            .iter()
+            .all(|l| l.contains(&format!("rank {} failed", np - 1)) && l.contains("copy 1 failed")),
+        "{out}"
+    );
+}
+
+#[test]
+fn direct_route_equals_mpi_allreduce() {
+    // GRADSYNC_CUDA_AWARE=1 on the host model: the device addresses are
+    // host addresses, which this MPI takes, so the direct route's
+    // agreement, chunking, scratch and copy back are checked without a GPU.
+    for np in [1, 2, 3] {
+        let (ok, out, err) = staging_check(np, "1");
+        assert!(ok, "np={np}: {err}\n{out}");
+        assert_device_routes(&out, np, true);
+        assert_eq!(lines(&out, "AFTER ok").len(), np, "{out}");
     }
 }
 

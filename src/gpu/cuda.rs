@@ -77,6 +77,8 @@ pub struct CudaStaging {
     stream: Arc<CudaStream>,
     buf: CudaSlice<f32>,
     slots: Slots,
+    /// The direct route's device scratch chunk.
+    scratch: Option<CudaSlice<f32>>,
 }
 
 impl CudaStaging {
@@ -86,7 +88,12 @@ impl CudaStaging {
             stream: stream.clone(),
             v: Vec::new(),
         };
-        CudaStaging { stream, buf, slots }
+        CudaStaging {
+            stream,
+            buf,
+            slots,
+            scratch: None,
+        }
     }
 
     /// A copy of `data` on device `ordinal`, on a new stream.
@@ -235,5 +242,54 @@ impl DeviceCopies for CudaStaging {
         self.stream
             .synchronize()
             .map_err(device_err("cuStreamSynchronize"))
+    }
+
+    fn prepare_direct(&mut self, elems: usize) -> Result<()> {
+        if self.scratch.as_ref().is_some_and(|s| s.len() >= elems) {
+            return Ok(());
+        }
+        self.scratch = None;
+        let s = self
+            .stream
+            .alloc_zeros::<f32>(elems.max(1))
+            .map_err(device_err("device scratch allocation"))?;
+        self.scratch = Some(s);
+        Ok(())
+    }
+
+    fn direct_ptrs(&mut self, range: Range<usize>) -> Result<(*const f32, *mut f32)> {
+        let src = self.device_ptr(&range)?;
+        let scratch = self.scratch_ptr(range.len())?;
+        // MPI does not order itself after the stream: wait for it.
+        self.synchronize()?;
+        Ok((src as usize as *const f32, scratch as usize as *mut f32))
+    }
+
+    fn commit_direct(&mut self, range: Range<usize>) -> Result<()> {
+        let dst = self.device_ptr(&range)?;
+        let src = self.scratch_ptr(range.len())?;
+        // SAFETY: both ranges checked against their allocations; the copy
+        // completes before this returns.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst,
+                src,
+                range.len() * std::mem::size_of::<f32>(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(device_err("cuMemcpyDtoDAsync"))?;
+        self.synchronize()
+    }
+}
+
+impl CudaStaging {
+    fn scratch_ptr(&self, len: usize) -> Result<sys::CUdeviceptr> {
+        match &self.scratch {
+            Some(s) if s.len() >= len => Ok(s.device_ptr(&self.stream).0),
+            _ => Err(Error::InvalidArgument(format!(
+                "direct allreduce of {len} elements: the device scratch is smaller"
+            ))),
+        }
     }
 }

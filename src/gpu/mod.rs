@@ -10,6 +10,11 @@
 //!   not CUDA-aware. Written I/O-free ([`schedule`], [`DeviceCopies`]) and
 //!   tested under `mpirun` on [`HostMemory`], a host-memory model of a
 //!   stream.
+//! * [`device_allreduce`]: the same, or, where MPI is CUDA-aware and the
+//!   sum is MPI's own, the device addresses straight to MPI's blocking
+//!   `MPI_Allreduce` ([`Route`]); the ranks agree on the route first.
+//!   Tested under `mpirun` on [`HostMemory`] with `GRADSYNC_CUDA_AWARE=1`
+//!   (host addresses, which any MPI takes); never yet on a GPU.
 //! * [`probe`]: the GPU this process can use, or why none (`libcuda` not
 //!   found, no device, built without the feature), never a panic. With
 //!   the `cuda` feature the CUDA driver is loaded at run time (cudarc's
@@ -19,8 +24,8 @@
 //!
 //! Not here yet (issue #16): device buffers inside the engine
 //! ([`crate::sync::GradSync`]), the C ABI's and Python's device pointers,
-//! the direct path that hands device pointers to a CUDA-aware MPI, and
-//! the GPU kernels of the sparse path (RedSync §5: threshold binary
+//! device-side reduction for gradsync's own algorithms and the average on
+//! the direct route, and the GPU kernels of the sparse path (RedSync §5: threshold binary
 //! search, trimmed top-k, packing, scatter-add).
 
 mod aware;
@@ -32,8 +37,8 @@ pub use aware::{cuda_aware, query_mpi, CudaAware, Override, Query, ENV as CUDA_A
 #[cfg(feature = "cuda")]
 pub use cuda::CudaStaging;
 pub use staging::{
-    schedule, staged_allreduce, Action, DeviceCopies, HostMemory, StagingOptions, StagingReport,
-    DEFAULT_CHUNK_ELEMS, SLOTS,
+    device_allreduce, schedule, staged_allreduce, Action, DeviceCopies, HostMemory, Route,
+    StagingOptions, StagingReport, DEFAULT_CHUNK_ELEMS, SLOTS,
 };
 
 use serde::Serialize;

@@ -27,10 +27,11 @@
 //! collectives return it (the peers may be blocked: a caller that cannot
 //! return on every rank aborts the job, as the engine does).
 
-use crate::comm::{tags, Transport};
+use crate::comm::{tags, MpiComm, Transport};
 use crate::dense::{allreduce_with, AllreduceAlgo, AllreduceOptions, ReduceOp, Workspace};
 use crate::failure::{agree, agree_args, fnv, FNV_OFFSET};
 use crate::{Error, Result};
+use mpi::topology::Communicator;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -163,6 +164,18 @@ pub trait DeviceCopies {
     fn wait(&mut self, fence: Self::Fence) -> Result<()>;
     /// Block until every copy started has completed.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// The direct route ([`device_allreduce`]): make a scratch buffer of
+    /// at least `elems` elements available, in the memory the buffer is in
+    /// (kept across calls).
+    fn prepare_direct(&mut self, elems: usize) -> Result<()>;
+    /// The direct route: wait until all work on the buffer has completed
+    /// (the MPI library does not order itself after a stream), then return
+    /// the address of elements `range` and of the scratch, for MPI.
+    fn direct_ptrs(&mut self, range: Range<usize>) -> Result<(*const f32, *mut f32)>;
+    /// The direct route: copy the scratch's first `range.len()` elements
+    /// over elements `range`; completed on return.
+    fn commit_direct(&mut self, range: Range<usize>) -> Result<()>;
 }
 
 /// Options of [`staged_allreduce`]; must be the same on every rank.
@@ -186,15 +199,89 @@ impl Default for StagingOptions {
     }
 }
 
-/// What [`staged_allreduce`] did.
+/// How a device buffer's allreduce reaches MPI ([`Route::choose`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Route {
+    /// Through host staging slots ([`staged_allreduce`]).
+    #[default]
+    Staged,
+    /// Device addresses handed to a CUDA-aware MPI's blocking
+    /// `MPI_Allreduce` (Open MPI 4.x takes device buffers in blocking
+    /// collectives only), chunk by chunk through a device scratch chunk.
+    Direct,
+}
+
+impl Route {
+    /// Direct when MPI takes device pointers (`aware`, from
+    /// [`super::cuda_aware`]) and the options ask for MPI's own sum;
+    /// otherwise staged: gradsync's own algorithms reduce on the host, and
+    /// the average needs a scaling on the device (no device kernels yet).
+    pub fn choose(aware: bool, opts: &StagingOptions) -> Route {
+        if aware && opts.algo == AllreduceAlgo::Mpi && opts.op == ReduceOp::Sum {
+            Route::Direct
+        } else {
+            Route::Staged
+        }
+    }
+}
+
+/// What [`staged_allreduce`] or [`device_allreduce`] did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct StagingReport {
+    /// The route taken.
+    pub route: Route,
     /// Elements reduced.
     pub elems: usize,
     /// Chunks.
     pub chunks: usize,
     /// Elements per chunk (the last may be shorter).
     pub chunk_elems: usize,
+}
+
+/// Largest chunk: one MPI call's count is a C `int`.
+const MAX_CHUNK: usize = 1 << 30;
+
+/// The collective start of both routes: the rank-local checks and
+/// allocations, then one agreement on them, the length, the options and
+/// the route. Returns the chunk length.
+fn agree_start<C: Transport, D: DeviceCopies>(
+    comm: &C,
+    dev: &mut D,
+    opts: &StagingOptions,
+    route: Route,
+) -> Result<usize> {
+    let n = dev.len();
+    let chunk = opts.chunk_elems.min(n).max(1);
+    let local = if opts.chunk_elems == 0 || opts.chunk_elems > MAX_CHUNK {
+        Err(Error::InvalidArgument(format!(
+            "device allreduce: chunk_elems must be in 1..={MAX_CHUNK}, not {}",
+            opts.chunk_elems
+        )))
+    } else if opts.algo == AllreduceAlgo::Auto {
+        Err(Error::InvalidArgument(
+            "device allreduce: name an allreduce algorithm, not auto".into(),
+        ))
+    } else {
+        match route {
+            Route::Staged => dev.prepare(SLOTS, chunk),
+            Route::Direct => dev.prepare_direct(chunk),
+        }
+    };
+    let print = fnv(
+        fnv(FNV_OFFSET, &(opts.chunk_elems as u64).to_le_bytes()),
+        format!("{}/{:?}/{route:?}", opts.algo.name(), opts.op).as_bytes(),
+    );
+    let what = || {
+        format!(
+            "device allreduce options differ: this rank has chunk {} elements, {} {:?}, route {route:?}",
+            opts.chunk_elems,
+            opts.algo.name(),
+            opts.op
+        )
+    };
+    agree_args(comm, tags::GPU_STAGING, local, n, &[(print, &what)])?;
+    Ok(chunk)
 }
 
 /// Allreduce (sum or average) of a device buffer through host staging
@@ -215,33 +302,82 @@ pub fn staged_allreduce<C: Transport, D: DeviceCopies>(
     dev: &mut D,
     opts: &StagingOptions,
 ) -> Result<StagingReport> {
-    let n = dev.len();
-    let chunk = opts.chunk_elems.min(n).max(1);
-    let local = if opts.chunk_elems == 0 {
-        Err(Error::InvalidArgument(
-            "staged allreduce: chunk_elems must be positive".into(),
-        ))
-    } else if opts.algo == AllreduceAlgo::Auto {
-        Err(Error::InvalidArgument(
-            "staged allreduce: name an allreduce algorithm, not auto".into(),
-        ))
-    } else {
-        dev.prepare(SLOTS, chunk)
-    };
-    let print = fnv(
-        fnv(FNV_OFFSET, &(opts.chunk_elems as u64).to_le_bytes()),
-        format!("{}/{:?}", opts.algo.name(), opts.op).as_bytes(),
-    );
-    let what = || {
-        format!(
-            "staged allreduce options differ: this rank has chunk {} elements, {} {:?}",
-            opts.chunk_elems,
-            opts.algo.name(),
-            opts.op
-        )
-    };
-    agree_args(comm, tags::GPU_STAGING, local, n, &[(print, &what)])?;
+    let chunk = agree_start(comm, dev, opts, Route::Staged)?;
+    run_staged(comm, dev, opts, chunk)
+}
 
+/// The allreduce of a device buffer by the route [`Route::choose`] picks
+/// for `aware` (whether MPI takes device pointers: [`super::cuda_aware`]):
+/// [`staged_allreduce`], or, for a CUDA-aware MPI and `MPI_Allreduce`'s
+/// sum, the device addresses straight to MPI, one chunk at a time into a
+/// device scratch chunk copied back over the buffer (rsmpi has no
+/// `MPI_IN_PLACE`). Collective; the ranks' routes are agreed on with the
+/// length and options, so ranks that decided differently (different
+/// `GRADSYNC_CUDA_AWARE`) get [`Error::ArgumentMismatch`] on every rank.
+/// Errors as [`staged_allreduce`].
+pub fn device_allreduce<C: Communicator, D: DeviceCopies>(
+    comm: &MpiComm<C>,
+    dev: &mut D,
+    opts: &StagingOptions,
+    aware: bool,
+) -> Result<StagingReport> {
+    let route = Route::choose(aware, opts);
+    let chunk = agree_start(comm, dev, opts, route)?;
+    if route == Route::Staged {
+        return run_staged(comm, dev, opts, chunk);
+    }
+    let n = dev.len();
+    let mut failed: Option<Error> = None;
+    let (mut zeros, mut out) = (Vec::<f32>::new(), Vec::<f32>::new());
+    let mut report = StagingReport {
+        route,
+        elems: n,
+        chunks: 0,
+        chunk_elems: chunk,
+    };
+    for start in (0..n).step_by(chunk) {
+        let range = start..(start + chunk).min(n);
+        let len = range.len();
+        report.chunks += 1;
+        let ptrs = if failed.is_none() {
+            dev.direct_ptrs(range.clone())
+                .map_err(|e| failed = Some(e))
+                .ok()
+        } else {
+            None
+        };
+        match ptrs {
+            // SAFETY: the device's addresses of `range` and of its scratch
+            // (at least `chunk` elements, `prepare_direct`), with no copy
+            // pending on them (`direct_ptrs` waited), for a CUDA-aware MPI.
+            Some((send, recv)) => unsafe { comm.allreduce_sum_f32_raw(send, recv, len)? },
+            None => {
+                // A failed rank keeps its peers company with zeros.
+                zeros.clear();
+                zeros.resize(len, 0.0);
+                out.resize(len, 0.0);
+                // SAFETY: two distinct host buffers of `len` elements.
+                unsafe { comm.allreduce_sum_f32_raw(zeros.as_ptr(), out.as_mut_ptr(), len)? }
+            }
+        }
+        if failed.is_none() {
+            if let Err(e) = dev.commit_direct(range) {
+                failed = Some(e);
+            }
+        }
+    }
+    agree(comm, failed.map_or(Ok(()), Err))?;
+    Ok(report)
+}
+
+/// The staged pipeline after the agreement.
+fn run_staged<C: Transport, D: DeviceCopies>(
+    comm: &C,
+    dev: &mut D,
+    opts: &StagingOptions,
+    chunk: usize,
+) -> Result<StagingReport> {
+    let n = dev.len();
     let ropts = AllreduceOptions {
         op: opts.op,
         validate: false,
@@ -252,6 +388,7 @@ pub fn staged_allreduce<C: Transport, D: DeviceCopies>(
     let mut failed: Option<Error> = None;
     let mut zeros: Vec<f32> = Vec::new();
     let mut report = StagingReport {
+        route: Route::Staged,
         elems: n,
         chunks: 0,
         chunk_elems: chunk,
@@ -324,6 +461,7 @@ pub fn staged_allreduce<C: Transport, D: DeviceCopies>(
 pub struct HostMemory {
     data: Vec<f32>,
     slots: Vec<Vec<f32>>,
+    scratch: Vec<f32>,
     queue: VecDeque<(u64, Copy)>,
     issued: u64,
     fail_copy: Option<u64>,
@@ -335,6 +473,7 @@ pub struct HostMemory {
 enum Copy {
     ToHost(Range<usize>, usize),
     ToDevice(usize, Range<usize>),
+    FromScratch(Range<usize>),
 }
 
 impl HostMemory {
@@ -402,6 +541,10 @@ impl HostMemory {
                     let len = r.len();
                     self.data[r].copy_from_slice(&self.slots[s][..len]);
                 }
+                Copy::FromScratch(r) => {
+                    let len = r.len();
+                    self.data[r].copy_from_slice(&self.scratch[..len]);
+                }
             }
         }
         Ok(())
@@ -449,6 +592,7 @@ impl DeviceCopies for HostMemory {
     fn slot(&mut self, slot: usize) -> Result<&mut [f32]> {
         if self.queue.iter().any(|(_, c)| match c {
             Copy::ToHost(_, s) | Copy::ToDevice(s, _) => *s == slot,
+            Copy::FromScratch(_) => false,
         }) {
             self.hazards += 1;
         }
@@ -475,6 +619,37 @@ impl DeviceCopies for HostMemory {
 
     fn synchronize(&mut self) -> Result<()> {
         self.run_until(u64::MAX)
+    }
+
+    fn prepare_direct(&mut self, elems: usize) -> Result<()> {
+        if self.scratch.len() < elems {
+            self.scratch.resize(elems, f32::NAN);
+        }
+        Ok(())
+    }
+
+    fn direct_ptrs(&mut self, range: Range<usize>) -> Result<(*const f32, *mut f32)> {
+        self.run_until(u64::MAX)?;
+        if range.end > self.data.len() || range.len() > self.scratch.len() {
+            return Err(Error::InvalidArgument(format!(
+                "direct allreduce of {range:?}: the buffer has {} elements, the scratch {}",
+                self.data.len(),
+                self.scratch.len()
+            )));
+        }
+        Ok((self.data[range].as_ptr(), self.scratch.as_mut_ptr()))
+    }
+
+    fn commit_direct(&mut self, range: Range<usize>) -> Result<()> {
+        if range.end > self.data.len() || range.len() > self.scratch.len() {
+            return Err(Error::InvalidArgument(format!(
+                "direct commit of {range:?}: the buffer has {} elements, the scratch {}",
+                self.data.len(),
+                self.scratch.len()
+            )));
+        }
+        let id = self.push(Copy::FromScratch(range));
+        self.run_until(id)
     }
 }
 
@@ -544,6 +719,23 @@ mod tests {
         }
         assert_eq!(covered, n);
         assert_eq!(acts.len(), 1 + 4 * k);
+    }
+
+    #[test]
+    fn route_is_direct_only_for_mpi_sum_on_a_cuda_aware_mpi() {
+        let o = |algo, op| StagingOptions {
+            chunk_elems: 8,
+            algo,
+            op,
+        };
+        let (mpi, ring) = (AllreduceAlgo::Mpi, AllreduceAlgo::Ring);
+        assert_eq!(Route::choose(true, &o(mpi, ReduceOp::Sum)), Route::Direct);
+        assert_eq!(Route::choose(false, &o(mpi, ReduceOp::Sum)), Route::Staged);
+        assert_eq!(Route::choose(true, &o(ring, ReduceOp::Sum)), Route::Staged);
+        assert_eq!(
+            Route::choose(true, &o(mpi, ReduceOp::Average)),
+            Route::Staged
+        );
     }
 
     #[test]
