@@ -121,26 +121,31 @@ impl std::fmt::Display for CudaAware {
 /// Whether MPI takes device pointers in this process: `GRADSYNC_CUDA_AWARE`
 /// if it says `0` or `1`, else the MPI library's `MPIX_Query_cuda_support()`
 /// (MPI must be initialized: the answer may depend on what MPI loaded at
-/// `MPI_Init`). Decided once per process and logged once at `info`; an
-/// invalid variable is an error every call. Rank-local: ranks with
-/// different environments can decide differently, so a collective caller
-/// agrees on the decision before relying on it ([`crate::failure`]).
+/// `MPI_Init`). Decided by the first successful call and logged then at
+/// `info`; later calls return that decision (a later change of the
+/// variable is not seen). A bad variable, or `auto` before `MPI_Init`, is
+/// an error and decides nothing. Rank-local: ranks with different
+/// environments can decide differently, so a collective caller agrees on
+/// the decision before relying on it ([`crate::failure`];
+/// [`super::device_allreduce`] does).
 pub fn cuda_aware() -> Result<CudaAware> {
-    static DECIDED: OnceLock<std::result::Result<CudaAware, String>> = OnceLock::new();
-    DECIDED
-        .get_or_init(|| {
-            let ov = Override::from_env().map_err(|e| e.to_string())?;
-            if ov == Override::Auto {
-                crate::comm::mpi_ready().map_err(|e| {
-                    format!("{ENV}=auto asks the MPI library, which is not usable: {e}")
-                })?;
-            }
-            let d = CudaAware::decide(ov, query_mpi);
-            log::info!("{d}");
-            Ok(d)
-        })
-        .clone()
-        .map_err(Error::InvalidArgument)
+    static DECIDED: OnceLock<CudaAware> = OnceLock::new();
+    if let Some(d) = DECIDED.get() {
+        return Ok(*d);
+    }
+    let ov = Override::from_env()?;
+    if ov == Override::Auto {
+        crate::comm::mpi_ready().map_err(|e| {
+            Error::InvalidArgument(format!(
+                "{ENV}=auto asks the MPI library, which is not usable: {e}"
+            ))
+        })?;
+    }
+    Ok(*DECIDED.get_or_init(|| {
+        let d = CudaAware::decide(ov, query_mpi);
+        log::info!("{d}");
+        d
+    }))
 }
 
 /// Call the MPI library's `MPIX_Query_cuda_support()`, found with `dlsym`.
