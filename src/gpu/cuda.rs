@@ -129,6 +129,12 @@ impl CudaStaging {
     }
 
     fn device_ptr(&self, range: &Range<usize>) -> Result<sys::CUdeviceptr> {
+        // The raw driver calls below run in the calling thread's current
+        // context: make it the stream's.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(device_err("cuCtxSetCurrent"))?;
         if range.end > self.buf.len() {
             return Err(Error::InvalidArgument(format!(
                 "staging copy of {range:?}: the device buffer has {} elements",
