@@ -164,14 +164,25 @@ pub fn query_mpi() -> Query {
 /// The address of `name` in the global scope or in the MPI library.
 #[cfg(unix)]
 fn lookup(name: &std::ffi::CStr) -> Option<*mut std::ffi::c_void> {
-    // SAFETY: dlsym/dladdr/dlopen with valid NUL-terminated names; the
+    // SAFETY: dlsym with a valid NUL-terminated name.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if p.is_null() {
+        lookup_in_mpi_library(name)
+    } else {
+        Some(p)
+    }
+}
+
+/// The address of `name` in the shared library that holds
+/// `MPI_Comm_rank`, found with `dladdr`: for an MPI library loaded with
+/// `RTLD_LOCAL` (a Python extension's dependency), which `RTLD_DEFAULT`
+/// does not search.
+#[cfg(unix)]
+fn lookup_in_mpi_library(name: &std::ffi::CStr) -> Option<*mut std::ffi::c_void> {
+    // SAFETY: dladdr/dlopen/dlsym with valid NUL-terminated names; the
     // handle from dlopen(RTLD_NOLOAD) only adds a reference to a library
     // already loaded and is closed again.
     unsafe {
-        let p = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr());
-        if !p.is_null() {
-            return Some(p);
-        }
         let mut info: libc::Dl_info = std::mem::zeroed();
         let anchor = mpi::ffi::MPI_Comm_rank as *const std::ffi::c_void;
         if libc::dladdr(anchor, &mut info) == 0 || info.dli_fname.is_null() {
@@ -209,6 +220,20 @@ mod tests {
                 e.contains("GRADSYNC_CUDA_AWARE") && e.contains(&format!("{bad:?}")),
                 "{e}"
             );
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn symbols_are_found_globally_and_in_the_mpi_library() {
+        // Every MPI has MPI_Comm_size: both lookups find the same one.
+        let g = lookup(c"MPI_Comm_size").expect("MPI_Comm_size in the global scope");
+        let l = lookup_in_mpi_library(c"MPI_Comm_size").expect("MPI_Comm_size in libmpi");
+        assert_eq!(g, l);
+        assert!(lookup(c"MPIX_no_such_function_gradsync").is_none());
+        // The extension, where the library has it: the same address both ways.
+        if let Some(g) = lookup(c"MPIX_Query_cuda_support") {
+            assert_eq!(lookup_in_mpi_library(c"MPIX_Query_cuda_support"), Some(g));
         }
     }
 
