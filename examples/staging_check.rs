@@ -132,6 +132,7 @@ fn main() {
             );
         }
     }
+    gpu_cases(&comm, aware);
     let opts = StagingOptions {
         chunk_elems: 100,
         ..Default::default()
@@ -181,4 +182,64 @@ fn main() {
         Ok(_) if dev.data().iter().all(|&v| v == p as f32) => println!("AFTER ok"),
         other => fail(format!("rank {rank}: the call after the errors: {other:?}")),
     }
+}
+
+/// The same on real device buffers ([`gradsync::gpu::CudaStaging`]), when
+/// every rank has a GPU (the ranks agree first, so none waits alone):
+/// `GPU-OK route=<r> <case> ranks=<p>`, or `GPU-SKIPPED <reason>` on every
+/// rank.
+#[cfg(feature = "cuda")]
+fn gpu_cases(comm: &MpiComm, aware: bool) {
+    use gradsync::gpu::{probe, CudaStaging};
+    let (rank, p) = (comm.rank(), comm.size());
+    let found = probe().map_err(gradsync::Error::Device);
+    let devices = match gradsync::failure::agree(comm, found) {
+        Ok(d) => d.devices,
+        Err(e) => {
+            println!("GPU-SKIPPED {e}");
+            return;
+        }
+    };
+    for (seed, &(n, chunk)) in [(1000, 7), (1_048_579, 1 << 18)].iter().enumerate() {
+        // Staged by MPI's allreduce and by the ring, and MPI's sum by the
+        // route this process's decision picks (direct on a CUDA-aware MPI).
+        for (algo, aware) in [
+            (AllreduceAlgo::Mpi, false),
+            (AllreduceAlgo::Ring, false),
+            (AllreduceAlgo::Mpi, aware),
+        ] {
+            let x = input(rank, n, seed + 20);
+            let mut want = vec![0f32; n];
+            comm.native_allreduce_sum(&x, &mut want)
+                .expect("MPI_Allreduce on MpiComm")
+                .expect("MPI_Allreduce");
+            let dev = CudaStaging::from_host(rank % devices, &x);
+            let mut dev = gradsync::failure::agree(comm, dev)
+                .unwrap_or_else(|e| fail(format!("rank {rank}: device buffer: {e}")));
+            let opts = StagingOptions {
+                chunk_elems: chunk,
+                algo,
+                op: ReduceOp::Sum,
+            };
+            let case = format!("n={n} chunk={chunk} {}", algo.name());
+            let rep = device_allreduce(comm, &mut dev, &opts, aware)
+                .unwrap_or_else(|e| fail(format!("rank {rank}: GPU {case}: {e}")));
+            let got = dev
+                .to_host()
+                .unwrap_or_else(|e| fail(format!("rank {rank}: GPU {case}: copy back: {e}")));
+            if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                fail(format!(
+                    "rank {rank}: GPU {case}: element {i}: {} vs MPI {}",
+                    got[i], want[i]
+                ));
+            }
+            let route = serde_json::to_string(&rep.route).expect("json");
+            println!("GPU-OK route={} {case} ranks={p}", route.trim_matches('"'));
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_cases(_comm: &MpiComm, _aware: bool) {
+    println!("GPU-SKIPPED built without the cuda feature");
 }

@@ -197,6 +197,26 @@ fn gpu_probe() {
     assert!(d.devices >= 1 && d.compute_capability.0 >= 1, "{d:?}");
 }
 
+#[test]
+fn gpu_device_allreduce_under_mpirun() {
+    // examples/staging_check on real device buffers where every rank has
+    // a GPU: staged (MPI, ring) and by this MPI's route, equal to
+    // MPI_Allreduce of the host copies; GPU-SKIPPED <reason> otherwise.
+    let np = 2;
+    let (ok, out, err) = staging_check(np, "auto");
+    assert!(ok, "{err}\n{out}");
+    let skipped = lines(&out, "GPU-SKIPPED ");
+    if let Some(l) = skipped.first() {
+        assert_eq!(skipped.len(), np, "{out}");
+        println!(
+            "gpu_device_allreduce_under_mpirun: skipped: {}",
+            &l["GPU-SKIPPED ".len()..]
+        );
+        return;
+    }
+    assert_eq!(lines(&out, "GPU-OK ").len(), 6 * np, "{out}");
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_staged_allreduce_equals_host_model() {
