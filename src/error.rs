@@ -100,6 +100,10 @@ pub enum Error {
         /// The failing rank's error.
         message: String,
     },
+    /// The GPU cannot be used or failed: no CUDA driver library, no
+    /// device, a driver error in an allocation or a copy ([`crate::gpu`]).
+    #[error("GPU: {0}")]
+    Device(String),
     /// A snapshot file is unreadable, from another version, or from another
     /// layer table or rank.
     #[error("snapshot: {0}")]

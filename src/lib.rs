@@ -16,6 +16,9 @@
 //! * [`sync`]: the engine a training loop calls every step ([`sync::GradSync`]).
 //! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
 //!   all-reduce (Algorithm 1), with the training schedule.
+//! * [`gpu`]: device buffers (issue #16): whether MPI is CUDA-aware, the
+//!   host-staged allreduce of a device buffer, the GPU probe (feature
+//!   `cuda`).
 //! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
 //!   drives the engine's `Auto` strategy, and the calibration that measures
 //!   a cluster's profile from inside a job ([`cost::calibrate`]).
@@ -44,6 +47,7 @@ pub mod cost;
 pub mod dense;
 mod error;
 pub mod failure;
+pub mod gpu;
 pub mod gradiveq;
 pub mod select;
 pub mod sparse;

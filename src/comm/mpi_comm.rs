@@ -266,6 +266,39 @@ fn check_count<T: Elem>(
     Ok(())
 }
 
+impl<C: Communicator> MpiComm<C> {
+    /// `MPI_Allreduce` (sum) of `n ≤ 2^30` `f32` from `send` into `recv`
+    /// (distinct buffers), which may be device addresses when the MPI
+    /// library is CUDA-aware ([`crate::gpu`]'s direct route). `n` must be
+    /// the same on every rank (callers agree on it first).
+    ///
+    /// # Safety
+    /// `send` and `recv` must be valid for `n` elements for the MPI library
+    /// (host memory, or device memory with a CUDA-aware MPI), not
+    /// overlapping, and not used otherwise during the call.
+    pub(crate) unsafe fn allreduce_sum_f32_raw(
+        &self,
+        send: *const f32,
+        recv: *mut f32,
+        n: usize,
+    ) -> Result<()> {
+        if n > MAX_COUNT {
+            return Err(Error::InvalidArgument(format!(
+                "allreduce of {n} elements exceeds the {MAX_COUNT}-element limit of one MPI call"
+            )));
+        }
+        let rc = ffi::MPI_Allreduce(
+            buf_ptr(send as *const u8, n),
+            buf_ptr(recv as *const u8, n) as *mut c_void,
+            n as c_int,
+            dtype::<f32>(),
+            ffi::RSMPI_SUM,
+            self.raw,
+        );
+        check(rc, "MPI_Allreduce")
+    }
+}
+
 /// Pointer for an MPI buffer argument. An empty slice's dangling pointer can
 /// equal Open MPI's `MPI_IN_PLACE` (`(void*)1` for `u8`), which collectives
 /// would misread; empty buffers get a pointer to a real static byte instead.

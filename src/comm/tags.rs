@@ -30,13 +30,16 @@ pub const SPARSE_HIERARCHICAL: Tag = 18;
 pub const TABLE: Tag = 21;
 /// The failure model's agreement ([`crate::failure::agree`]).
 pub const AGREE: Tag = 23;
+/// The host-staged allreduce of a device buffer
+/// ([`crate::gpu::staged_allreduce`]): its agreement on length and options.
+pub const GPU_STAGING: Tag = 24;
 /// `gradsync calibrate`'s ping-pong latency probe.
 pub const CALIBRATE_PINGPONG: Tag = 77;
 /// `gradsync calibrate`'s pairwise exchange probe.
 pub const CALIBRATE_EXCHANGE: Tag = 78;
 
 /// Every tag above, for the distinctness test.
-pub const ALL: [Tag; 13] = [
+pub const ALL: [Tag; 14] = [
     BARRIER,
     VALIDATE,
     RABENSEIFNER,
@@ -48,6 +51,7 @@ pub const ALL: [Tag; 13] = [
     SPARSE_HIERARCHICAL,
     TABLE,
     AGREE,
+    GPU_STAGING,
     CALIBRATE_PINGPONG,
     CALIBRATE_EXCHANGE,
 ];

@@ -30,6 +30,17 @@ pub static MPI_JOBS: Mutex<()> = Mutex::new(());
 /// oversubscribed jobs use the TCP BTL over loopback; they test correctness
 /// only.
 pub fn mpirun(np: usize, prog: &Path, args: &[&str], limit: Duration) -> (bool, String, String) {
+    mpirun_env(np, prog, args, &[], limit)
+}
+
+/// [`mpirun`] with `env` set for mpirun and so for every (local) rank.
+pub fn mpirun_env(
+    np: usize,
+    prog: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (bool, String, String) {
     let _one_job = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut cmd = Command::new("mpirun");
@@ -47,6 +58,7 @@ pub fn mpirun(np: usize, prog: &Path, args: &[&str], limit: Duration) -> (bool, 
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut child = cmd
