@@ -29,6 +29,29 @@ fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
+/// One case: this rank's input on the host model, `MPI_Allreduce`'s sum
+/// of it (the expected result), the options and the case's name.
+fn setup(
+    comm: &MpiComm,
+    n: usize,
+    seed: usize,
+    chunk: usize,
+    algo: AllreduceAlgo,
+) -> (HostMemory, Vec<f32>, StagingOptions, String) {
+    let x = input(comm.rank(), n, seed);
+    let mut want = vec![0f32; n];
+    comm.native_allreduce_sum(&x, &mut want)
+        .expect("MPI_Allreduce on MpiComm")
+        .expect("MPI_Allreduce");
+    let opts = StagingOptions {
+        chunk_elems: chunk,
+        algo,
+        op: ReduceOp::Sum,
+    };
+    let case = format!("n={n} chunk={chunk} {}", algo.name());
+    (HostMemory::new(x), want, opts, case)
+}
+
 fn fail(msg: String) -> ! {
     eprintln!("staging_check: {msg}");
     std::process::exit(2)
@@ -57,18 +80,7 @@ fn main() {
             AllreduceAlgo::Ring,
             AllreduceAlgo::Rabenseifner,
         ] {
-            let x = input(rank, n, seed);
-            let mut want = vec![0f32; n];
-            comm.native_allreduce_sum(&x, &mut want)
-                .expect("MPI_Allreduce on MpiComm")
-                .expect("MPI_Allreduce");
-            let mut dev = HostMemory::new(x);
-            let opts = StagingOptions {
-                chunk_elems: chunk,
-                algo,
-                op: ReduceOp::Sum,
-            };
-            let case = format!("n={n} chunk={chunk} {}", algo.name());
+            let (mut dev, want, opts, case) = setup(&comm, n, seed, chunk, algo);
             let rep = staged_allreduce(&comm, &mut dev, &opts)
                 .unwrap_or_else(|e| fail(format!("rank {rank}: {case}: {e}")));
             if dev.hazards() != 0 {
@@ -103,18 +115,7 @@ fn main() {
     .enumerate()
     {
         for algo in [AllreduceAlgo::Mpi, AllreduceAlgo::Ring] {
-            let x = input(rank, n, seed + 10);
-            let mut want = vec![0f32; n];
-            comm.native_allreduce_sum(&x, &mut want)
-                .expect("MPI_Allreduce on MpiComm")
-                .expect("MPI_Allreduce");
-            let mut dev = HostMemory::new(x);
-            let opts = StagingOptions {
-                chunk_elems: chunk,
-                algo,
-                op: ReduceOp::Sum,
-            };
-            let case = format!("n={n} chunk={chunk} {}", algo.name());
+            let (mut dev, want, opts, case) = setup(&comm, n, seed + 10, chunk, algo);
             let rep = device_allreduce(&comm, &mut dev, &opts, aware)
                 .unwrap_or_else(|e| fail(format!("rank {rank}: device {case}: {e}")));
             let got = dev.into_data();
