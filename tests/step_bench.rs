@@ -27,6 +27,21 @@ fn run(np: usize, args: &[&str]) -> (bool, String, String) {
     mpirun(np, Path::new(gradsync()), args, Duration::from_secs(120))
 }
 
+/// `gradsync bench --op step --layers L --profile P` and `extra`, on `np` ranks.
+fn run_step(np: usize, layers: &Path, prof: &Path, extra: &[&str]) -> (bool, String, String) {
+    let mut a = vec![
+        "bench",
+        "--op",
+        "step",
+        "--layers",
+        layers.to_str().unwrap(),
+        "--profile",
+        prof.to_str().unwrap(),
+    ];
+    a.extend_from_slice(extra);
+    run(np, &a)
+}
+
 #[test]
 fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
     let layers = temp("layers.json", LAYERS);
@@ -37,22 +52,11 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         r#"{"alpha": 2e-6, "beta": 1e-9, "select": {"trimmed": {"a": 2e-5, "b": 1e-9}}}"#,
     );
     for np in [1usize, 2, 3] {
-        let (ok, out, err) = run(
+        let (ok, out, err) = run_step(
             np,
-            &[
-                "bench",
-                "--op",
-                "step",
-                "--layers",
-                layers.to_str().unwrap(),
-                "--profile",
-                prof.to_str().unwrap(),
-                "--iters",
-                "3",
-                "--warmup",
-                "1",
-                "--json",
-            ],
+            &layers,
+            &prof,
+            &["--iters", "3", "--warmup", "1", "--json"],
         );
         assert!(ok, "np={np}: {err}");
         let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
@@ -110,23 +114,11 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
     }
     // --compare: the same table dense-only and all-sparse in the same
     // rounds, one record each, with their own predictions.
-    let (ok, out, err) = run(
+    let (ok, out, err) = run_step(
         2,
-        &[
-            "bench",
-            "--op",
-            "step",
-            "--layers",
-            layers.to_str().unwrap(),
-            "--profile",
-            prof.to_str().unwrap(),
-            "--iters",
-            "2",
-            "--warmup",
-            "0",
-            "--compare",
-            "--json",
-        ],
+        &layers,
+        &prof,
+        &["--iters", "2", "--warmup", "0", "--compare", "--json"],
     );
     assert!(ok, "{err}");
     let recs: Vec<serde_json::Value> = out
@@ -378,16 +370,11 @@ fn step_dense_group_runs_the_named_algorithm() {
         ("dense-ring", "dense-ring"),
         ("dense-rabenseifner,dense-ring", "dense-auto"),
     ] {
-        let (ok, out, err) = run(
+        let (ok, out, err) = run_step(
             3,
+            &layers,
+            &prof,
             &[
-                "bench",
-                "--op",
-                "step",
-                "--layers",
-                layers.to_str().unwrap(),
-                "--profile",
-                prof.to_str().unwrap(),
                 "--strategies",
                 strategies,
                 "--iters",
@@ -414,16 +401,11 @@ fn step_dense_group_runs_the_named_algorithm() {
 fn step_strategy_outside_the_exchange_fails_on_every_rank() {
     let layers = temp("layers-mismatch.json", LAYERS);
     let prof = temp("profile-mismatch.json", r#"{"alpha": 2e-6, "beta": 1e-9}"#);
-    let (ok, out, err) = run(
+    let (ok, out, err) = run_step(
         3,
+        &layers,
+        &prof,
         &[
-            "bench",
-            "--op",
-            "step",
-            "--layers",
-            layers.to_str().unwrap(),
-            "--profile",
-            prof.to_str().unwrap(),
             "--strategies",
             "dense-rabenseifner,sparse-allreduce",
             "--sparse-exchange",
