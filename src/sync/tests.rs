@@ -11,6 +11,17 @@ fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
 }
 
+/// The error `GradSync::with_transport` gives every one of `p` ranks
+/// created with `cfg` (which must fail).
+fn creation_errors(p: usize, cfg: Config) -> Vec<String> {
+    LocalComm::run(p, |c| {
+        GradSync::with_transport(c, cfg.clone())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    })
+}
+
 fn cfg() -> Config {
     Config {
         overlap: false,
@@ -1702,16 +1713,13 @@ fn auto_allreduce_follows_the_model_and_sums_alike() {
             }
         }
     }
-    let res = LocalComm::run(2, |c| {
-        let cfg = Config {
+    let res = creation_errors(
+        2,
+        Config {
             allreduce: crate::dense::AllreduceAlgo::Auto,
             ..cfg()
-        };
-        GradSync::with_transport(c, cfg)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
-    });
+        },
+    );
     for e in &res {
         assert!(
             e.contains("allreduce \"auto\"") && e.contains("profile"),
@@ -1742,16 +1750,13 @@ fn auto_allreduce_follows_the_model_and_sums_alike() {
 /// is accepted (auto then never picks the node-aware exchange).
 #[test]
 fn auto_exchange_needs_a_profile_on_every_rank() {
-    let res = LocalComm::run(3, |c| {
-        let cfg = Config {
+    let res = creation_errors(
+        3,
+        Config {
             sparse_exchange: SparseExchange::Auto,
             ..cfg()
-        };
-        GradSync::with_transport(c, cfg)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
-    });
+        },
+    );
     for e in &res {
         assert!(e.contains("\"auto\"") && e.contains("profile"), "{e}");
     }
@@ -1798,16 +1803,13 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
     assert!(!json.contains("sparse_exchange"), "{json}");
     // Hierarchical needs the ranks' nodes, which the in-process transport
     // does not have: the same error on every rank, at creation.
-    let res = LocalComm::run(2, |c| {
-        let cfg = Config {
+    let res = creation_errors(
+        2,
+        Config {
             sparse_exchange: SparseExchange::Hierarchical,
             ..cfg()
-        };
-        GradSync::with_transport(c, cfg)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
-    });
+        },
+    );
     for e in &res {
         assert!(
             e.contains("\"hierarchical\"") && e.contains("needs the ranks' nodes"),
