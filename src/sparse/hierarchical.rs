@@ -159,6 +159,9 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
         ],
     )?;
 
+    // Phase times for `RUST_LOG=gradsync::sparse=trace` (docs/benchmarks.md).
+    let t0 = std::time::Instant::now();
+    let mut phases = [0f64; 4];
     let layout = Layout::new(nodes, rank);
     let node = Group::new(comm, layout.local.clone())?;
     let pairs = sorted_pairs(indices, values);
@@ -166,6 +169,7 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
     let mine = if node.rank() == 0 {
         let merged = reduce_node(&node, n, pairs)?;
         let unit = encode_unit(&merged, n, opts.delta);
+        phases[0] = t0.elapsed().as_secs_f64();
         Some(exchange_units(comm, &layout.leaders, unit, opts.gather)?)
     } else {
         send_pairs(&node, &pairs)?;
@@ -173,7 +177,9 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
     };
     // 4. The node's broadcast, then the sum of the node units.
     let (counts, data) = broadcast(&node, layout.leaders.len(), n, mine)?;
+    phases[1] = t0.elapsed().as_secs_f64();
     out.fill(0.0);
+    phases[2] = t0.elapsed().as_secs_f64();
     let mut seen = vec![0u64; n.div_ceil(64)];
     let mut report = HierarchicalSparseReport::default();
     let mut at = 0usize;
@@ -186,6 +192,11 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
         report.dense.push(dense);
     }
     report.result_nnz = seen.iter().map(|w| w.count_ones() as usize).sum();
+    phases[3] = t0.elapsed().as_secs_f64();
+    log::trace!(
+        "hierarchical sparse allreduce: rank {rank}, seconds since the call: merged and encoded {:.4} (leaders), units received {:.4}, output cleared {:.4}, units added {:.4}",
+        phases[0], phases[1], phases[2], phases[3]
+    );
     Ok(report)
 }
 
