@@ -96,6 +96,10 @@ def two_way(comm, pairs, nbytes, reps):
             comm.Sendrecv(buf, peer, TAG, got, peer, TAG)
         elapsed = MPI.Wtime() - t0
         wrong = bool((got != peer + 1).any())
+    # Ranks outside the pairs must not spin in the allreduce while the pairs
+    # exchange: with more ranks than cores they would take the pairs' cores
+    # (a 3 x 1 job on 2 cores measured half the rate that way).
+    idle_barrier(comm)
     slowest = comm.allreduce(elapsed, op=MPI.MAX)
     # Wrong bytes arrived somewhere: rate 0, so the check fails.
     return 0.0 if comm.allreduce(wrong, op=MPI.LOR) else len(pairs) * reps * nbytes / slowest
