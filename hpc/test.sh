@@ -32,7 +32,7 @@ echo "test.sh: the library builds without the cli feature and its crates"
 # unit tests and tests/gpu.rs (the staged allreduce under mpirun; its GPU
 # tests print "skipped: <reason>" where no GPU is usable, shown here).
 cargo test --release --features cuda --lib
-cargo build --release --features cuda --example staging_check
+cargo build --release --features cuda --example staging_check --example device_engine_check
 cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1
 hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh, issue #15); skipped with the reason where namespaces cannot be made
 # The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs

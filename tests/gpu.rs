@@ -31,6 +31,58 @@ fn lines<'a>(out: &'a str, prefix: &str) -> Vec<&'a str> {
     out.lines().filter(|l| l.starts_with(prefix)).collect()
 }
 
+fn device_engine_check(np: usize, args: &[&str]) -> (bool, String, String) {
+    let ex = example("device_engine_check");
+    assert!(
+        ex.exists(),
+        "{} not built (cargo test builds it; with --test gpu, build it first: cargo build --release --example device_engine_check)",
+        ex.display()
+    );
+    mpirun_env(np, &ex, args, &[], LIMIT)
+}
+
+/// The engine on device buffers (host staging, `GradSync::sync_device`)
+/// equals the host engine bit for bit under mpirun (dense, RGC, quantized
+/// RGC, an empty layer, momentum), and a copy in that fails on the last
+/// rank fails that step on every rank, after which the steps go on.
+#[test]
+fn device_engine_equals_host_engine() {
+    for np in [1, 2, 3, 5] {
+        let (ok, out, err) = device_engine_check(np, &[]);
+        assert!(ok, "np={np}: {err}\n{out}");
+        assert_eq!(
+            lines(&out, &format!("OK steps=4 ranks={np}")).len(),
+            np,
+            "{out}"
+        );
+        let errs = lines(&out, "ERR ");
+        assert_eq!(errs.len(), np, "{out}");
+        let who = format!("rank {} failed in step 4", np - 1);
+        assert!(
+            errs.iter()
+                .all(|l| l.contains(&who) && l.contains("injected")),
+            "{out}"
+        );
+        assert_eq!(lines(&out, "AFTER ok").len(), np, "{out}");
+    }
+}
+
+/// A copy back to the device that fails after the step's collectives ends
+/// the whole job (MPI_Abort) with a message naming the rank, the step and
+/// the layer; no rank goes on.
+#[test]
+fn device_engine_failed_copy_back_aborts_the_job() {
+    let (ok, out, err) = device_engine_check(3, &["--fail-copy-back"]);
+    assert!(!ok, "the job went on:\n{out}\n{err}");
+    assert!(
+        err.contains(
+            "rank 2 of 3: copying step 4's result of layer 0 (\"dense\") back to the device failed"
+        ) && err.contains("MPI_Abort"),
+        "{err}"
+    );
+    assert!(!err.contains("went on"), "{err}");
+}
+
 #[test]
 fn staged_allreduce_equals_mpi_allreduce() {
     for np in [1, 2, 3, 5] {

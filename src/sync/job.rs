@@ -462,8 +462,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
-impl<C: Transport + Send + 'static> Drop for GradSync<C> {
-    fn drop(&mut self) {
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Stop the progress thread (after its round, if one is in flight) and
+    /// take the transport back from it.
+    fn stop_worker(&mut self) {
         if let Some(w) = self.worker.take() {
             if self.in_flight {
                 // Let the round finish: its buffers are in use by MPI.
@@ -471,9 +473,29 @@ impl<C: Transport + Send + 'static> Drop for GradSync<C> {
             }
             drop(w.jobs);
             if let Ok(comm) = w.thread.join() {
-                drop(comm);
+                self.comm = Some(comm);
             }
         }
+    }
+
+    /// End the whole job from this rank ([`Transport::abort`], `MPI_Abort`
+    /// over MPI) with `msg`: for a failure the other ranks can no longer
+    /// be told of in the same step.
+    pub(super) fn abort_job(&mut self, msg: &str) -> ! {
+        self.stop_worker();
+        match &self.comm {
+            Some(comm) => comm.abort(1, msg),
+            None => {
+                eprintln!("gradsync: {msg}; the transport is lost, exiting");
+                std::process::exit(1)
+            }
+        }
+    }
+}
+
+impl<C: Transport + Send + 'static> Drop for GradSync<C> {
+    fn drop(&mut self) {
+        self.stop_worker();
     }
 }
 

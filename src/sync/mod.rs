@@ -130,6 +130,7 @@
 //! this file holds the engine, its constructors and the step script.
 
 mod config;
+mod device;
 mod exchange;
 mod job;
 mod layer;
