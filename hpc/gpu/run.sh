@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a GPU machine lent through the `device` tool, with .gpu/ from
+# hpc/gpu/bundle.sh carried:  run(command="hpc/gpu/run.sh", carry=[".gpu"])
+# Unpacks the carried Open MPI under /opt/gs-mpi, puts the examples where the
+# test expects them, and runs the `gpu` integration test one test at a time.
+# Logs go to $OUT (or .gpu/out without the tool).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-.gpu/out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run.log") 2>&1
+root=/opt/gs-mpi
+mkdir -p "$root"
+for f in .gpu/deb/*.deb; do dpkg -x "$f" "$root"; done
+# dpkg -x runs no maintainer scripts: no alternatives, so name mpirun here.
+ln -sf orterun "$root/usr/bin/mpirun"
+ln -sf orterun "$root/usr/bin/mpiexec"
+lib="$root/usr/lib/x86_64-linux-gnu"
+export PATH="$root/usr/bin:$PATH"
+export LD_LIBRARY_PATH="$lib/openmpi/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export OPAL_PREFIX="$root/usr"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+exe_dir=$(cat .gpu/exe_dir)
+mkdir -p "$exe_dir/examples"
+cp .gpu/bin/staging_check .gpu/bin/device_engine_check "$exe_dir/examples/"
+: > "$exe_dir/gradsync"  # the test finds the examples beside this path
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "run.sh: no nvidia-smi"
+mpirun --version | head -1
+ompi_info --parsable --all 2>/dev/null | grep "mpi_built_with_cuda_support:value" || true
+ldd "$exe_dir/examples/staging_check" | grep -E "libmpi|not found"
+RUST_LOG=${RUST_LOG:-gradsync=info} .gpu/bin/gpu --test-threads=1 --nocapture
+echo "run.sh: gpu tests exit $?"
