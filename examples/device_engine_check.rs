@@ -13,6 +13,9 @@
 //! (`OK steps=4 ranks=<p>`). Then a copy to the host that fails on the
 //! last rank must fail that step on every rank (`ERR <error>`) and the next
 //! step must equal the host engine's after the same failure (`AFTER ok`).
+//! Built with `--features cuda` and where every rank has a GPU, the same
+//! steps on real device buffers (`GPU-OK steps=3 ranks=<p>`; otherwise
+//! `GPU-SKIPPED <reason>`).
 //! With `--fail-copy-back`, the last rank's copy back to the device fails
 //! after a step: the job must end (`MPI_Abort`) with a message naming the
 //! rank and the step. Exits 2 with the first difference.
@@ -142,4 +145,54 @@ fn main() {
         ));
     }
     println!("AFTER ok");
+    gpu_cases(&world, rank, p);
+}
+
+/// The same on real device buffers ([`gradsync::gpu::CudaStaging`]) when
+/// every rank has a GPU (the ranks agree first, so none waits alone):
+/// `GPU-OK steps=3 ranks=<p>`, or `GPU-SKIPPED <reason>` on every rank.
+#[cfg(feature = "cuda")]
+fn gpu_cases(world: &mpi::topology::SimpleCommunicator, rank: usize, p: usize) {
+    use gradsync::failure::agree;
+    use gradsync::gpu::{probe, CudaStaging};
+    let comm = MpiComm::duplicate_of(world).expect("communicator");
+    let devices = match agree(&comm, probe().map_err(Error::Device)) {
+        Ok(d) => d.devices,
+        Err(e) => {
+            println!("GPU-SKIPPED {e}");
+            return;
+        }
+    };
+    let (mut host, mut dev) = (engine(world), engine(world));
+    for t in 0..3 {
+        let want = host_step(&mut host, grads(rank, t));
+        let bufs: gradsync::Result<Vec<CudaStaging>> = grads(rank, t)
+            .iter()
+            .map(|g| CudaStaging::from_host(rank % devices, g))
+            .collect();
+        let mut bufs = agree(&comm, bufs)
+            .unwrap_or_else(|e| fail(format!("rank {rank}: device buffers: {e}")));
+        dev.sync_device(&mut bufs)
+            .unwrap_or_else(|e| fail(format!("rank {rank}: GPU step {t}: {e}")));
+        let got: Vec<Vec<u32>> = bufs
+            .iter()
+            .map(|b| {
+                let v = b
+                    .to_host()
+                    .unwrap_or_else(|e| fail(format!("rank {rank}: GPU step {t}: copy back: {e}")));
+                v.iter().map(|f| f.to_bits()).collect()
+            })
+            .collect();
+        if got != want {
+            fail(format!(
+                "rank {rank}: GPU step {t}: device step differs from the host step"
+            ));
+        }
+    }
+    println!("GPU-OK steps=3 ranks={p}");
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_cases(_world: &mpi::topology::SimpleCommunicator, _rank: usize, _p: usize) {
+    println!("GPU-SKIPPED built without the cuda feature");
 }

@@ -67,6 +67,30 @@ fn device_engine_equals_host_engine() {
     }
 }
 
+/// The engine on real device buffers (`CudaStaging`) equals the host
+/// engine bit for bit for 3 steps, 2 ranks sharing the GPU; skipped with
+/// the reason where a rank has no usable GPU.
+#[test]
+fn gpu_device_engine_under_mpirun() {
+    let np = 2;
+    let (ok, out, err) = device_engine_check(np, &[]);
+    assert!(ok, "{err}\n{out}");
+    let skipped = lines(&out, "GPU-SKIPPED ");
+    if let Some(l) = skipped.first() {
+        assert_eq!(skipped.len(), np, "{out}");
+        println!(
+            "gpu_device_engine_under_mpirun: skipped: {}",
+            &l["GPU-SKIPPED ".len()..]
+        );
+        return;
+    }
+    assert_eq!(
+        lines(&out, &format!("GPU-OK steps=3 ranks={np}")).len(),
+        np,
+        "{out}"
+    );
+}
+
 /// A copy back to the device that fails after the step's collectives ends
 /// the whole job (MPI_Abort) with a message naming the rank, the step and
 /// the layer; no rank goes on.
