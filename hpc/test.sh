@@ -34,6 +34,15 @@ echo "test.sh: the library builds without the cli feature and its crates"
 cargo test --release --features cuda --lib
 cargo build --release --features cuda --example staging_check --example device_engine_check
 cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1
+# The C ABI built with the cuda feature: gs_sync_device(GS_MEMORY_CUDA) on
+# one rank fails that step on every rank ("libcuda not found" here) and
+# examples/c/failure.c's other checks hold as without it; then the default
+# library is rebuilt.
+cargo build --release -p gradsync-capi --features cuda
+mpicc -I include examples/c/failure.c -L target/release -lgradsync \
+  -Wl,-rpath,"$PWD/target/release" -o target/release/failure_cuda
+hpc/mpirun.sh -np 3 target/release/failure_cuda | grep -E "^(sync_device step 8 |c failure)"
+cargo build --release -p gradsync-capi
 hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh, issue #15); skipped with the reason where namespaces cannot be made
 # The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs
 # slurm-wlm and munge); skipped with the reason where Slurm cannot start here.

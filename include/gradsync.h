@@ -67,6 +67,20 @@ typedef enum gs_op {
 } gs_op;
 
 /**
+ * Where gs_sync_device's gradient arrays live.
+ */
+typedef enum gs_memory {
+  /**
+   * Host memory: gs_sync_device is gs_sync.
+   */
+  GS_MEMORY_HOST = 0,
+  /**
+   * CUDA device memory (a library built with the cargo feature `cuda`).
+   */
+  GS_MEMORY_CUDA = 1,
+} gs_memory;
+
+/**
  * Return codes of the `int`-returning functions.
  */
 typedef enum gs_status {
@@ -239,6 +253,35 @@ int gs_register(struct gs_engine *e,
  * pointers, each NULL or to the layer's element count of writable floats.
  */
 int gs_sync(struct gs_engine *e, float *const *grads, size_t nlayers);
+
+/**
+ * gs_sync with the gradient arrays in `memory` (a gs_memory value).
+ * `GS_MEMORY_HOST`: exactly gs_sync (`stream` unused). `GS_MEMORY_CUDA`:
+ * each `grads[i]` is a CUDA device pointer to the layer's element count of
+ * floats, replaced in place on the device; `stream` is the
+ * `cudaStream_t`/`CUstream` the gradients were last written on (NULL: the
+ * legacy default stream): gradsync's copies are ordered after the work
+ * queued there so far, and the results are in device memory when the
+ * call returns. The step runs the host engine on pinned staging copies
+ * (residuals and momentum on the host). Collective.
+ *
+ * A bad `memory` value, `GS_MEMORY_CUDA` in a library built without the
+ * cargo feature `cuda`, no usable CUDA driver, a pointer that is not
+ * device memory or a copy to the host that fails, on one rank, fail this
+ * step on every rank with `GS_ERR_RANK_FAILED`, as gs_sync's bad
+ * arguments do. A copy back to the device that fails after the step's
+ * collectives ends the job (MPI_Abort) with a message naming the layer.
+ *
+ * # Safety
+ * As gs_sync, the arrays in `memory`; with `GS_MEMORY_CUDA`, `stream` is
+ * NULL or a live stream of the pointers' context, and the arrays are not
+ * written by other work during the call.
+ */
+int gs_sync_device(struct gs_engine *e,
+                   float *const *grads,
+                   size_t nlayers,
+                   enum gs_memory memory,
+                   void *stream);
 
 /**
  * Start a step: compress this step's gradients and start communicating

@@ -24,6 +24,10 @@ pub mod abi {
     #[repr(transparent)]
     #[derive(Clone, Copy, Debug)]
     pub struct gs_op(pub c_int);
+    /// cbindgen:ignore
+    #[repr(transparent)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct gs_memory(pub c_int);
 }
 
 /// The raw enum integers as Rust values, or what is wrong.

@@ -263,6 +263,96 @@ pub unsafe extern "C" fn gs_sync(
     })
 }
 
+/// gs_sync with the gradient arrays in `memory` (a gs_memory value).
+/// `GS_MEMORY_HOST`: exactly gs_sync (`stream` unused). `GS_MEMORY_CUDA`:
+/// each `grads[i]` is a CUDA device pointer to the layer's element count of
+/// floats, replaced in place on the device; `stream` is the
+/// `cudaStream_t`/`CUstream` the gradients were last written on (NULL: the
+/// legacy default stream): gradsync's copies are ordered after the work
+/// queued there so far, and the results are in device memory when the
+/// call returns. The step runs the host engine on pinned staging copies
+/// (residuals and momentum on the host). Collective.
+///
+/// A bad `memory` value, `GS_MEMORY_CUDA` in a library built without the
+/// cargo feature `cuda`, no usable CUDA driver, a pointer that is not
+/// device memory or a copy to the host that fails, on one rank, fail this
+/// step on every rank with `GS_ERR_RANK_FAILED`, as gs_sync's bad
+/// arguments do. A copy back to the device that fails after the step's
+/// collectives ends the job (MPI_Abort) with a message naming the layer.
+///
+/// # Safety
+/// As gs_sync, the arrays in `memory`; with `GS_MEMORY_CUDA`, `stream` is
+/// NULL or a live stream of the pointers' context, and the arrays are not
+/// written by other work during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gs_sync_device(
+    e: *mut gs_engine,
+    grads: *const *mut f32,
+    nlayers: usize,
+    memory: crate::allreduce::abi::gs_memory,
+    stream: *mut std::ffi::c_void,
+) -> c_int {
+    const WHAT: &str = "gs_sync_device";
+    with_engine(e, WHAT, |eng| match memory.0 {
+        x if x == crate::gs_memory::GS_MEMORY_HOST as c_int => {
+            match mut_slices(eng, WHAT, grads, nlayers) {
+                Ok(mut g) => eng.sync.sync(&mut g).map(|_| ()),
+                Err(why) => Err(eng.sync.fail_step(invalid(why))),
+            }
+        }
+        x if x == crate::gs_memory::GS_MEMORY_CUDA as c_int => {
+            sync_cuda(eng, grads, nlayers, stream)
+        }
+        x => Err(eng
+            .sync
+            .fail_step(invalid(format!("{WHAT}: memory {x} is not a gs_memory")))),
+    })
+}
+
+#[cfg(feature = "cuda")]
+unsafe fn sync_cuda(
+    eng: &mut gs_engine,
+    grads: *const *mut f32,
+    nlayers: usize,
+    stream: *mut std::ffi::c_void,
+) -> Result<(), Error> {
+    use gradsync_engine::gpu::BorrowedCuda;
+    let bufs = slices(
+        eng,
+        "gs_sync_device",
+        grads,
+        nlayers,
+        |p| p.is_null(),
+        |p| p.is_aligned(),
+    )
+    .map_err(invalid)
+    .and_then(|s| {
+        s.into_iter()
+            .enumerate()
+            .map(|(i, (p, n))| {
+                BorrowedCuda::new(p as u64, n, stream)
+                    .map_err(|e| invalid(format!("gs_sync_device: grads[{i}]: {e}")))
+            })
+            .collect::<Result<Vec<_>, Error>>()
+    });
+    match bufs {
+        Ok(mut b) => eng.sync.sync_device(&mut b).map(|_| ()),
+        Err(e) => Err(eng.sync.fail_step(e)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+unsafe fn sync_cuda(
+    eng: &mut gs_engine,
+    _grads: *const *mut f32,
+    _nlayers: usize,
+    _stream: *mut std::ffi::c_void,
+) -> Result<(), Error> {
+    Err(eng.sync.fail_step(invalid(
+        "gs_sync_device: GS_MEMORY_CUDA, but this libgradsync was built without CUDA support (cargo feature cuda)",
+    )))
+}
+
 /// [`slices`] of writable arrays, as slices.
 ///
 /// # Safety

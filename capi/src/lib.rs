@@ -75,6 +75,16 @@ pub enum gs_dtype {
     GS_FLOAT64 = 1,
 }
 
+/// Where gs_sync_device's gradient arrays live.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum gs_memory {
+    /// Host memory: gs_sync_device is gs_sync.
+    GS_MEMORY_HOST = 0,
+    /// CUDA device memory (a library built with the cargo feature `cuda`).
+    GS_MEMORY_CUDA = 1,
+}
+
 /// Allreduce algorithm of gs_allreduce.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

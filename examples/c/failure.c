@@ -123,6 +123,29 @@ int main(int argc, char **argv) {
     report("step 6", gs_sync(e, grads, NL), GS_OK, NULL);
     if (!bias_ok(6)) fprintf(stderr, "rank %d: step 6: wrong bias\n", rank), failures++;
   }
+  /* gs_sync_device: host memory is gs_sync; CUDA memory on one rank (host
+   * pointers here: no GPU, or a library without CUDA) and an out-of-range
+   * memory value on one rank fail the step on every rank; then it works. */
+  for (int step = 7; step < 11; step++) {
+    float *grads[NL] = {wg, bg};
+    fill(step);
+    gs_memory mem = GS_MEMORY_HOST;
+    if (rank == bad && step == 8) mem = GS_MEMORY_CUDA;
+    if (rank == bad && step == 9) mem = (gs_memory)7;
+    rc = gs_sync_device(e, grads, NL, mem, NULL);
+    snprintf(check, sizeof check, "sync_device step %d", step);
+    if (step == 8 || step == 9) {
+      snprintf(needle, sizeof needle, "rank %d failed in step", bad);
+      report(check, rc, GS_ERR_RANK_FAILED, needle);
+      const char *cause = step == 9 ? "memory 7 is not a gs_memory" : "gs_sync_device";
+      if (!strstr(gs_last_error(), cause))
+        fprintf(stderr, "rank %d: sync_device step %d: cause missing\n", rank, step), failures++;
+    } else {
+      report(check, rc, GS_OK, NULL);
+      if (!bias_ok(step))
+        fprintf(stderr, "rank %d: sync_device step %d: wrong bias\n", rank, step), failures++;
+    }
+  }
   gs_engine_destroy(e);
 
   /* Bad options on one rank: creation fails on every rank. */

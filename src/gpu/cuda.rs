@@ -1,5 +1,6 @@
-//! The CUDA side of [`super`] (feature `cuda`): the probe and
-//! [`CudaStaging`], through cudarc with the driver loaded at run time.
+//! The CUDA side of [`super`] (feature `cuda`): the probe,
+//! [`CudaStaging`] and [`BorrowedCuda`] (a caller's device pointer, from
+//! C or DLPack), through cudarc with the driver loaded at run time.
 //!
 //! A missing `libcuda` makes cudarc panic at the first driver call, so
 //! every entry point here checks [`driver_present`] first and returns an
@@ -297,5 +298,138 @@ impl CudaStaging {
                 "direct allreduce of {len} elements: the device scratch is smaller"
             ))),
         }
+    }
+}
+
+impl CudaStaging {
+    /// Wait for the stream, free the staging memory and give up the
+    /// device buffer without freeing it (it is the caller's).
+    fn release_borrowed(self) {
+        if let Err(e) = self.stream.synchronize() {
+            log::error!("BorrowedCuda: stream synchronize before releasing the buffer: {e}");
+        }
+        let CudaStaging {
+            buf,
+            slots,
+            scratch,
+            ..
+        } = self;
+        drop(scratch);
+        drop(slots);
+        // A zero-length buffer is cudarc's null slice: nothing to keep.
+        let _ = buf.leak();
+    }
+}
+
+/// [`DeviceCopies`] over a caller's CUDA device memory (a raw device
+/// pointer from the C ABI, or a DLPack tensor's data): [`CudaStaging`] on
+/// gradsync's own stream of the pointer's device, ordered after
+/// `producer`, the stream the caller's last writes ran on (an event
+/// recorded there, waited for by gradsync's stream). The memory stays the
+/// caller's: dropping this waits for gradsync's copies and never frees it.
+pub struct BorrowedCuda {
+    inner: Option<CudaStaging>,
+}
+
+impl BorrowedCuda {
+    /// Borrow `len` `f32`s at device address `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is a CUDA device allocation (or inside one) holding at least
+    /// `len` `f32`s, valid and not written by other work until this is
+    /// dropped; `producer` is null (the legacy default stream) or a live
+    /// stream of the pointer's context.
+    pub unsafe fn new(ptr: u64, len: usize, producer: *mut std::ffi::c_void) -> Result<Self> {
+        need_driver()?;
+        if len > 0 && ptr == 0 {
+            return Err(Error::InvalidArgument("a null device pointer".into()));
+        }
+        let mut ordinal: i32 = -1;
+        if len > 0 {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            )
+            .result()
+            .map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "{ptr:#x} is not CUDA device memory (cuPointerGetAttribute: {e})"
+                ))
+            })?;
+        }
+        let ctx = CudaContext::new(ordinal.max(0) as usize).map_err(device_err("CUDA context"))?;
+        let stream = ctx.new_stream().map_err(device_err("CUDA stream"))?;
+        ctx.bind_to_thread()
+            .map_err(device_err("cuCtxSetCurrent"))?;
+        // gradsync's stream waits for the producer's work so far.
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(device_err("cuEventCreate"))?;
+        let ordered = result::event::record(ev, producer as sys::CUstream)
+            .and_then(|()| {
+                result::stream::wait_event(
+                    stream.cu_stream(),
+                    ev,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+            .map_err(device_err("ordering after the producer's stream"));
+        // Destroying an event with work still waiting on it is allowed.
+        let _ = result::event::destroy(ev);
+        ordered?;
+        let buf = if len == 0 {
+            stream.null().map_err(device_err("empty buffer"))?
+        } else {
+            stream.upgrade_device_ptr::<f32>(ptr, len)
+        };
+        Ok(BorrowedCuda {
+            inner: Some(CudaStaging::new(stream, buf)),
+        })
+    }
+
+    fn get(&mut self) -> &mut CudaStaging {
+        self.inner.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for BorrowedCuda {
+    fn drop(&mut self) {
+        if let Some(s) = self.inner.take() {
+            s.release_borrowed();
+        }
+    }
+}
+
+impl DeviceCopies for BorrowedCuda {
+    type Fence = CudaEvent;
+    fn len(&self) -> usize {
+        self.inner.as_ref().map_or(0, |s| s.len())
+    }
+    fn prepare(&mut self, slots: usize, elems: usize) -> Result<()> {
+        self.get().prepare(slots, elems)
+    }
+    fn slot(&mut self, slot: usize) -> Result<&mut [f32]> {
+        self.get().slot(slot)
+    }
+    fn start_to_host(&mut self, range: Range<usize>, slot: usize) -> Result<CudaEvent> {
+        self.get().start_to_host(range, slot)
+    }
+    fn start_to_device(&mut self, slot: usize, range: Range<usize>) -> Result<()> {
+        self.get().start_to_device(slot, range)
+    }
+    fn wait(&mut self, fence: CudaEvent) -> Result<()> {
+        self.get().wait(fence)
+    }
+    fn synchronize(&mut self) -> Result<()> {
+        self.get().synchronize()
+    }
+    fn prepare_direct(&mut self, elems: usize) -> Result<()> {
+        self.get().prepare_direct(elems)
+    }
+    fn direct_ptrs(&mut self, range: Range<usize>) -> Result<(*const f32, *mut f32)> {
+        self.get().direct_ptrs(range)
+    }
+    fn commit_direct(&mut self, range: Range<usize>) -> Result<()> {
+        self.get().commit_direct(range)
     }
 }

@@ -35,7 +35,7 @@ mod staging;
 
 pub use aware::{cuda_aware, query_mpi, CudaAware, Override, Query, ENV as CUDA_AWARE_ENV};
 #[cfg(feature = "cuda")]
-pub use cuda::CudaStaging;
+pub use cuda::{BorrowedCuda, CudaStaging};
 pub use staging::{
     device_allreduce, schedule, staged_allreduce, Action, DeviceCopies, HostMemory, Route,
     StagingOptions, StagingReport, DEFAULT_CHUNK_ELEMS, SLOTS,
