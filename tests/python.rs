@@ -88,6 +88,29 @@ fn python_api_under_mpirun() {
     }
 }
 
+/// GradSync.sync on DLPack tensors through the engine's own import (the
+/// path CUDA tensors take): equal to the numpy path bit for bit and in
+/// place; bad dtype, strides or overlap on one rank fail the step on every
+/// rank; a capsule claiming CUDA memory fails it on every rank without a
+/// GPU (or the cuda feature), and its deleter runs once.
+#[test]
+fn python_dlpack_under_mpirun() {
+    if !python_ready("python_dlpack_under_mpirun") {
+        return;
+    }
+    let script = repo().join("tests/python/check_dlpack.py");
+    for p in 1..=3 {
+        let (ok, out, err) = mpirun_py(p, &script, &[], 300);
+        assert!(ok, "p={p}\n{out}\n{err}");
+        for r in 0..p {
+            assert!(
+                out.contains(&format!("rank {r}: OK ")),
+                "p={p} rank {r}\n{out}\n{err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn python_engine_equals_rust_engine_bitwise() {
     if !python_ready("python_engine_equals_rust_engine_bitwise") {

@@ -161,7 +161,13 @@ class GradSync:
         registered layer, in registration order, of the registered shape (or
         flat): numpy arrays, or CPU tensors of another library (PyTorch,
         JAX, ...) that support DLPack, used in place through a zero-copy
-        view. Returns the step's stats: ``step``, ``fused_bytes``,
+        view. CUDA tensors (DLPack device type 2) need a gradsync built with
+        the cargo feature ``cuda`` (``maturin build --features cuda``): they
+        are imported through DLPack with ``stream=1`` (the producer's pending
+        work is ordered before gradsync's copies), staged through pinned host
+        memory, stepped by the host engine and written back in place on the
+        device; without the feature, or without a usable GPU, the step fails
+        on every rank naming the cause. Returns the step's stats: ``step``, ``fused_bytes``,
         ``dense_bytes``, timings in seconds, and ``layers``, one dict per
         layer (``name``, ``strategy``, ``codec``, ``density``,
         ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,

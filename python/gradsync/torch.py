@@ -22,9 +22,11 @@ PyTorch is imported when :class:`DistributedOptimizer` or
 :func:`broadcast_parameters` is used, which raise a clear ``ImportError``
 when it is missing.
 
-Only CPU ``float32`` gradients are supported for now: gradsync reads and
-writes them in place through numpy views that share the tensors' memory (no
-copy). CUDA tensors raise ``TypeError`` (GPU tensors are a later issue).
+Gradients are ``float32``. CPU gradients are read and written in place
+through numpy views that share the tensors' memory (no copy). CUDA gradients
+go to the engine as they are, through DLPack (a gradsync built with the cargo
+feature ``cuda``; otherwise the step fails on every rank naming the cause).
+:func:`broadcast_parameters` takes CPU tensors only.
 """
 
 from __future__ import annotations
@@ -51,19 +53,21 @@ def _import_torch() -> Any:
     return torch
 
 
-def _numpy_view(torch: Any, name: str, t: Any, what: str) -> np.ndarray:
-    """A flat numpy view sharing ``t``'s memory (CPU, float32, contiguous), or a clear error."""
+def _engine_view(torch: Any, name: str, t: Any, what: str) -> Any:
+    """What the engine takes for ``t`` (float32, contiguous): a flat numpy view
+    sharing a CPU tensor's memory, a CUDA tensor itself (the engine imports it
+    through DLPack; that needs a gradsync built with the cargo feature
+    ``cuda``), or a clear error."""
     if t.layout != torch.strided:
-        raise TypeError(f"{what} of {name!r} is a sparse tensor: gradsync needs dense CPU float32 tensors")
-    if t.device.type != "cpu":
-        raise TypeError(
-            f"{what} of {name!r} is on {t.device}: gradsync.torch supports CPU tensors only for now "
-            "(GPU tensors are a later issue); move the model to the CPU"
-        )
+        raise TypeError(f"{what} of {name!r} is a sparse tensor: gradsync needs dense float32 tensors")
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"{what} of {name!r} is on {t.device}: gradsync takes CPU and CUDA tensors")
     if t.dtype != torch.float32:
         raise ValueError(f"{what} of {name!r} is {t.dtype}: gradsync synchronizes torch.float32 only")
     if not t.is_contiguous():
         raise ValueError(f"{what} of {name!r} is not contiguous")
+    if t.device.type == "cuda":
+        return t
     arr = t.detach().numpy().reshape(-1)  # shares memory: a view, never a copy
     if t.numel() and arr.__array_interface__["data"][0] != t.data_ptr():
         raise RuntimeError(f"internal error: the numpy view of {what} of {name!r} does not share its memory")
@@ -256,7 +260,7 @@ class DistributedOptimizer:
         kept in ``last_stats``).
         """
         torch = _import_torch()
-        views: List[np.ndarray] = []
+        views: List[Any] = []
         error: Optional[BaseException] = None
         for name, p in self._params:
             if p.grad is None:
@@ -264,7 +268,7 @@ class DistributedOptimizer:
             elif p.grad.layout == torch.strided and not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()  # rare (a non-contiguous parameter); in place from here on
             try:
-                views.append(_numpy_view(torch, name, p.grad, "the gradient"))
+                views.append(_engine_view(torch, name, p.grad, "the gradient"))
             except (TypeError, ValueError, RuntimeError) as e:
                 error = e
                 break

@@ -22,6 +22,8 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::path::PathBuf;
+
+mod dlpack;
 use std::sync::{Arc, Mutex};
 
 pyo3::create_exception!(
@@ -480,6 +482,11 @@ impl PyGradSync {
         grads: &Bound<'_, PyAny>,
         weights: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        if let Some(first) = grads.try_iter().ok().and_then(|mut it| it.next()) {
+            if first.as_ref().is_ok_and(dlpack::is_dlpack) {
+                return self.sync_dlpack(py, grads, weights);
+            }
+        }
         let arrays = match self.check_list(grads, "gradient") {
             Ok(a) => a,
             Err(bad) => return Err(self.fail(py, bad)),
