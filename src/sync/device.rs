@@ -15,7 +15,7 @@
 //! the others in that step, and a failed device copy leaves a CUDA context
 //! unusable anyway, so the rank ends the job (`MPI_Abort`) naming the layer.
 
-use super::{GradSync, StepStats};
+use super::{DeviceStats, GradSync, StepStats};
 use crate::comm::Transport;
 use crate::gpu::DeviceCopies;
 use crate::{Error, Result};
@@ -45,9 +45,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub fn sync_device<D: DeviceCopies>(&mut self, layers: &mut [D]) -> Result<&StepStats> {
         // 1. Every layer's copy to the host started (one stream each), then
         //    waited for.
+        let t_in = std::time::Instant::now();
         if let Err(e) = stage_in(layers) {
             return Err(self.fail_step(e));
         }
+        let to_host_s = t_in.elapsed().as_secs_f64();
         // 2. The host engine on the staging slots.
         let mut grads: Vec<&mut [f32]> = Vec::with_capacity(layers.len());
         let mut bad = None;
@@ -75,6 +77,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.sync(&mut grads)?;
         drop(grads);
         // 3. The results back over the device buffers.
+        let t_out = std::time::Instant::now();
         if let Err((i, e)) = stage_out(layers) {
             let name = self
                 .layer(super::LayerId(i))
@@ -84,6 +87,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 self.step().saturating_sub(1)
             ));
         }
+        self.last.device = Some(DeviceStats {
+            route: "staged".into(),
+            cuda_aware: crate::gpu::cuda_aware().ok().map(|a| a.aware),
+            bytes: 4 * layers.iter().map(|d| d.len()).sum::<usize>(),
+            to_host_s,
+            to_device_s: t_out.elapsed().as_secs_f64(),
+        });
         Ok(self.last_stats())
     }
 }

@@ -143,7 +143,7 @@ mod unpack;
 
 pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup};
 pub use snapshot::SNAPSHOT_VERSION;
-pub use stats::{LayerStats, StepStats};
+pub use stats::{DeviceStats, LayerStats, StepStats};
 pub use table::LayerId;
 
 use crate::comm::{MpiComm, Transport};

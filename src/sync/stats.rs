@@ -91,6 +91,29 @@ pub struct StepStats {
     pub unpack_s: f64,
     /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
     pub wait_s: f64,
+    /// A step on device buffers ([`GradSync::sync_device`]): how the
+    /// gradients moved; `None` (and left out of the JSON) for host steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceStats>,
+}
+
+/// How a device step ([`GradSync::sync_device`]) moved its gradients.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceStats {
+    /// `staged`: copied to pinned host memory, stepped by the host engine,
+    /// copied back.
+    pub route: String,
+    /// Whether MPI takes device pointers in this process
+    /// ([`crate::gpu::cuda_aware`], also logged once); `None` when that
+    /// cannot be told (a bad `GRADSYNC_CUDA_AWARE`, MPI not initialized).
+    pub cuda_aware: Option<bool>,
+    /// Bytes copied each way.
+    pub bytes: usize,
+    /// The copies to the host, from the first started to the last done,
+    /// seconds.
+    pub to_host_s: f64,
+    /// The copies back to the device, seconds.
+    pub to_device_s: f64,
 }
 
 impl<C: Transport + Send + 'static> GradSync<C> {
@@ -135,6 +158,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
+            device: None,
         };
     }
 }

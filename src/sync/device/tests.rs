@@ -65,7 +65,7 @@ fn host_run(p: usize, failed_first: bool) -> Vec<Vec<Vec<Vec<u32>>>> {
             .map(|t| {
                 let mut g = grads(r, t);
                 let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
-                e.sync(&mut v).expect("host step");
+                assert!(e.sync(&mut v).expect("host step").device.is_none());
                 g.iter()
                     .map(|x| x.iter().map(|f| f.to_bits()).collect())
                     .collect()
@@ -87,8 +87,11 @@ fn device_step_equals_host_step() {
                 .map(|t| {
                     let mut dev: Vec<HostMemory> =
                         grads(r, t).into_iter().map(HostMemory::new).collect();
-                    e.sync_device(&mut dev).expect("device step");
+                    let st = e.sync_device(&mut dev).expect("device step").clone();
                     assert!(dev.iter().all(|d| d.hazards() == 0));
+                    let ds = st.device.expect("device stats");
+                    assert_eq!((ds.route.as_str(), ds.bytes), ("staged", 4 * 8300));
+                    assert!(ds.to_host_s >= 0.0 && ds.to_device_s >= 0.0);
                     dev.iter()
                         .map(|d| d.data().iter().map(|f| f.to_bits()).collect())
                         .collect::<Vec<Vec<u32>>>()
