@@ -418,6 +418,20 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
         "gamma_clear = {}",
         v["gamma_clear"]
     );
+    // γ_unpack by output size: the local fit at the largest local layer
+    // (--max-bytes), then the just-cleared 32 and 128 MiB outputs, which
+    // miss the caches (their per-byte cost is not asserted: timing).
+    let u = v["gamma_unpack_curve"]
+        .as_array()
+        .expect("gamma_unpack_curve");
+    let at: Vec<f64> = u.iter().filter_map(|x| x["bytes"].as_f64()).collect();
+    assert_eq!(at, [262144.0, 33554432.0, 134217728.0], "{u:?}");
+    assert_eq!(u[0]["per_byte"], v["gamma_unpack"], "{u:?}");
+    assert!(
+        u.iter()
+            .all(|x| x["per_byte"].as_f64().is_some_and(|b| b > 0.0 && b < 1e-6)),
+        "{u:?}"
+    );
     // The β curve: one point per exchange size from 4 KiB to --max-bytes.
     let c = v["beta_curve"].as_array().expect("beta_curve");
     let sizes: Vec<f64> = c.iter().filter_map(|x| x["bytes"].as_f64()).collect();

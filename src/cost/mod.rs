@@ -112,7 +112,8 @@ impl LinearFit {
     }
 }
 
-/// One point of a per-message-size curve (β or γ_reduce).
+/// One point of a per-size curve (β, γ_reduce, γ_unpack, the dense local
+/// cost).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CurvePoint {
@@ -311,6 +312,17 @@ pub struct Profile {
     /// `gamma_reduce`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gamma_reduce_curve: Vec<CurvePoint>,
+    /// γ_unpack by the size of the dense output the pairs are added into
+    /// (`bytes` = 4·n): the sparse allreduces clear an output of the whole
+    /// group (ResNet-50's 97.5 MiB) and then add the received pairs into
+    /// it, each pair a cache line fetched from memory, at about twice the
+    /// cost per byte of [`Self::gamma_unpack`], which `calibrate` fits on
+    /// outputs of at most 16 MiB reused between calls. The first point is
+    /// that fit at the largest of those outputs; the next ones are added
+    /// into a just-cleared output ([`Self::gamma_unpack_at`]). Empty in
+    /// profiles from before it (then the constant everywhere).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gamma_unpack_curve: Vec<CurvePoint>,
     /// Local cost of a sparse step per selection method (`trimmed`,
     /// `threshold`, `sampled`, `exact`, and `quant` for quantized RGC);
     /// `method@density` keys hold fits calibrated at one density.
@@ -402,6 +414,7 @@ impl Profile {
             gamma_clear: 0.0,
             beta_curve: Vec::new(),
             gamma_reduce_curve: Vec::new(),
+            gamma_unpack_curve: Vec::new(),
             dense_local_curve: Vec::new(),
             select: BTreeMap::new(),
             codecs: BTreeMap::new(),
@@ -469,6 +482,7 @@ impl Profile {
         for (name, curve) in [
             ("beta_curve", &self.beta_curve),
             ("gamma_reduce_curve", &self.gamma_reduce_curve),
+            ("gamma_unpack_curve", &self.gamma_unpack_curve),
             ("dense_local_curve", &self.dense_local_curve),
             (
                 "inter_node.beta_curve",
@@ -533,6 +547,27 @@ impl Profile {
     /// γ_reduce at a reduced message of `m` bytes.
     pub fn gamma_reduce_at(&self, m: f64) -> f64 {
         curve_at(&self.gamma_reduce_curve, self.gamma_reduce, m)
+    }
+
+    /// γ_unpack (seconds per byte of pairs) for pairs added into a dense
+    /// output of `out_bytes`: the [`Self::gamma_unpack_curve`], log-linear
+    /// between its points, its first point's value below it and its last
+    /// one's above; [`Self::gamma_unpack`] without a curve.
+    ///
+    /// ```
+    /// use gradsync::cost::{CurvePoint, Profile};
+    /// let mut p = Profile::from_network(1e-5, 1e9, 0.0, 1e-9).unwrap();
+    /// assert_eq!(p.gamma_unpack_at(1e9), 1e-9);
+    /// p.gamma_unpack_curve = vec![
+    ///     CurvePoint { bytes: 16.0 * 1048576.0, per_byte: 1e-9 },
+    ///     CurvePoint { bytes: 64.0 * 1048576.0, per_byte: 2e-9 },
+    /// ];
+    /// assert_eq!(p.gamma_unpack_at(4096.0), 1e-9);
+    /// assert!((p.gamma_unpack_at(32.0 * 1048576.0) - 1.5e-9).abs() < 1e-15);
+    /// assert_eq!(p.gamma_unpack_at(1e9), 2e-9);
+    /// ```
+    pub fn gamma_unpack_at(&self, out_bytes: f64) -> f64 {
+        curve_at(&self.gamma_unpack_curve, self.gamma_unpack, out_bytes)
     }
 
     /// The selection fit of `method` at `density`: the fit calibrated at

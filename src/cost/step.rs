@@ -217,7 +217,7 @@ fn option(
 ) -> Option_ {
     let (p, nf) = (q.p as f64, n as f64);
     let toc = TOC_ENTRY_LEN as f64;
-    let unpack = |m: f64| p * m * prof.gamma_unpack;
+    let unpack = |m: f64| p * m * prof.gamma_unpack_at(4.0 * nf);
     let o = |group, bytes, local| Option_ {
         id,
         group,
@@ -415,7 +415,8 @@ pub fn sparse_collective(
     };
     let comm = sparse_group(&net, id, s);
     Ok(if id == StrategyId::SparseAllgather && p > 1 {
-        comm + p as f64 * (s.sparse + 4.0) * prof.gamma_unpack + topology::clear(prof, n as f64)
+        comm + p as f64 * (s.sparse + 4.0) * prof.gamma_unpack_at(4.0 * n as f64)
+            + topology::clear(prof, n as f64)
     } else {
         comm
     })
@@ -818,7 +819,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         ..Sizes::default()
     };
     let unpack = if q.p > 1 {
-        q.p as f64 * q.message_bytes * prof.gamma_unpack
+        q.p as f64 * q.message_bytes * prof.gamma_unpack_at(4.0 * n)
     } else {
         0.0
     };

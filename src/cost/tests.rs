@@ -343,6 +343,12 @@ fn curves_are_validated_and_version_1_profiles_load() {
     pr.beta_curve = Vec::new();
     pr.gamma_reduce_curve = curve(&[(1.0, f64::INFINITY)]);
     assert!(pr.validate().is_err());
+    pr.gamma_reduce_curve = Vec::new();
+    pr.gamma_unpack_curve = curve(&[(1.0, f64::NAN)]);
+    let e = pr.validate().unwrap_err().to_string();
+    assert!(e.contains("gamma_unpack_curve[0]"), "{e}");
+    pr.gamma_unpack_curve = curve(&[(64.0, 1e-9), (64.0, 2e-9)]);
+    assert!(pr.validate().is_err());
     let v1: Profile =
         serde_json::from_str(r#"{"version":1,"alpha":1e-6,"beta":1e-9}"#).expect("v1");
     v1.validate().expect("v1 valid");
@@ -352,6 +358,7 @@ fn curves_are_validated_and_version_1_profiles_load() {
     assert!(v9.validate().is_err());
     let mut pr = prof();
     pr.beta_curve = curve(&[(4096.0, 2e-10), (65536.0, 1e-10)]);
+    pr.gamma_unpack_curve = curve(&[(16e6, 1e-9), (128e6, 2e-9)]);
     let back: Profile =
         serde_json::from_str(&serde_json::to_string(&pr).expect("json")).expect("parse");
     assert_eq!(back, pr);

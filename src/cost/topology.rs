@@ -44,7 +44,9 @@
 //!   broadcasts the `H` units inside its node (binomial tree).
 //!
 //! Both sparse allreduces also pay their local work: summing the received
-//! pairs and results at γ_unpack per byte, and clearing their `n`-element
+//! pairs and results at γ_unpack per byte (at the output's size,
+//! [`Profile::gamma_unpack_at`]: an output of a whole group is far larger
+//! than the caches), and clearing their `n`-element
 //! dense result, `4n·γ_clear` ([`Profile::gamma_clear`]; at density 0.001
 //! on the emulated cluster that is a third of the node-aware path's time,
 //! docs/benchmarks.md). The fused allgather's clearing is its layers', in
@@ -394,7 +396,11 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
         .sum();
     let region = reduced_bytes(fill(n, k, p, rho) / pf, n / pf);
     let gather = allgather(net, region);
-    agree + rounds + gather + (8.0 * k + pf * region) * prof.gamma_unpack + clear(prof, n)
+    agree
+        + rounds
+        + gather
+        + (8.0 * k + pf * region) * prof.gamma_unpack_at(4.0 * n)
+        + clear(prof, n)
 }
 
 /// Clearing the `n`-element dense result a sparse allreduce overwrites.
@@ -421,7 +427,7 @@ pub(crate) fn sparse_hierarchical(net: &Net, n: f64, k: f64, rho: Option<f64>) -
         + gather_in
         + leaders
         + bcast
-        + (l as f64 * 8.0 * k + h as f64 * unit) * prof.gamma_unpack
+        + (l as f64 * 8.0 * k + h as f64 * unit) * prof.gamma_unpack_at(4.0 * n)
         + clear(prof, n)
 }
 

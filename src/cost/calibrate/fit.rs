@@ -3,9 +3,9 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, barrier_span, exchange_time, exchange_time_with, layers_probe, local, net_cap,
-    net_sizes, pairs, pingpong, pingpong_with, sizes_up_to, sparse_step_probe, step_probe,
-    synthetic, Probe, NET_PROBE_S,
+    allgather_time, barrier_span, cold_add_probe, exchange_time, exchange_time_with, layers_probe,
+    local, net_cap, net_sizes, pairs, pingpong, pingpong_with, sizes_up_to, sparse_step_probe,
+    step_probe, synthetic, Probe, NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -27,6 +27,11 @@ const DENSE_TABLES: [usize; 2] = [2, 4];
 /// Smallest layer (elements) whose clearing is timed for γ_clear: 4 MiB,
 /// past the last-level cache.
 const CLEAR_MIN: usize = 1 << 20;
+/// Outputs (elements) of the `gamma_unpack_curve` probes beyond the local
+/// fits: 32 and 128 MiB, around ResNet-50's 97.5 MiB as one sparse group
+/// (whatever `--max-bytes` says: the sparse allreduces' outputs are whole
+/// groups, not messages; 160 MiB a rank).
+const UNPACK_COLD_NS: [usize; 2] = [8 << 20, 32 << 20];
 
 /// Measures and fits (the options are valid and agreed on).
 pub(super) fn run(
@@ -206,6 +211,15 @@ pub(super) fn run(
             std::hint::black_box(&mut y);
             Ok(())
         }));
+    }
+    // 3c. γ_unpack on outputs far past the caches, just cleared: what the
+    // sparse allreduces pay to sum the received pairs into a whole group.
+    let cold_at = local_probes.len();
+    let mut cold_bytes = Vec::new();
+    for (i, &n) in UNPACK_COLD_NS.iter().enumerate() {
+        let (probe, bytes) = cold_add_probe(comm, n, 7 + i as u64);
+        local_probes.push(probe);
+        cold_bytes.push(bytes);
     }
     // 4. Local cost of a sparse step per selection method and density.
     let select_at = local_probes.len();
@@ -418,6 +432,23 @@ pub(super) fn run(
         .enumerate()
         .map(|(i, &n)| (0.0, (4 * n) as f64, local_med[clear_at + i]))
         .collect();
+    let mut gamma_unpack_curve = Vec::new();
+    if let Some(&last) = lns.last() {
+        gamma_unpack_curve.push(cost::CurvePoint {
+            bytes: (4 * last) as f64,
+            per_byte: gamma_unpack,
+        });
+        for (i, &n) in UNPACK_COLD_NS.iter().enumerate() {
+            let t = local_med[cold_at + i];
+            if n > last && t > 0.0 && t.is_finite() {
+                gamma_unpack_curve.push(cost::CurvePoint {
+                    bytes: (4 * n) as f64,
+                    per_byte: t / cold_bytes[i],
+                });
+            }
+        }
+    }
+    log::debug!("calibrate: unpack curve: {gamma_unpack_curve:?}");
     log::debug!("calibrate: clear: {rows:?}");
     let gamma_clear = cost::fit_relative_l2(&rows).1;
     let mut select = BTreeMap::new();
@@ -486,6 +517,7 @@ pub(super) fn run(
         gamma_clear,
         beta_curve,
         gamma_reduce_curve,
+        gamma_unpack_curve,
         select,
         codecs: codec_fits,
         dense_local,

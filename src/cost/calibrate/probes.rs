@@ -361,6 +361,36 @@ fn engine_probe(
     ))
 }
 
+/// The sparse allreduces' local sum on an output of `n` elements: one node
+/// unit of `n/100` distinct sorted pairs (random indices) added into the
+/// output just cleared (untimed), as [`crate::sparse::hierarchical`] adds
+/// the node units after clearing its result, with its bitset of the
+/// result's indices. Returns the probe and the unit's bytes.
+pub(super) fn cold_add_probe(comm: &MpiComm, n: usize, seed: u64) -> (Probe<'_>, f64) {
+    let k = (n / 100).max(1);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut idx: Vec<u32> = rand::seq::index::sample(&mut rng, n, k)
+        .into_iter()
+        .map(|i| i as u32)
+        .collect();
+    idx.sort_unstable();
+    let pairs: Vec<(u32, f32)> = idx.iter().map(|&i| (i, (i % 64) as f32 - 32.0)).collect();
+    let unit = crate::sparse::hierarchical::encode_unit(&pairs, n, 1.0);
+    let bytes = unit.len() as f64;
+    let probe = local_prep(
+        comm,
+        vec![1f32; n],
+        |out| out.fill(0.0),
+        move |out| {
+            let mut seen = vec![0u64; n.div_ceil(64)];
+            crate::sparse::hierarchical::add_unit(&unit, 0, n, out, &mut seen)?;
+            std::hint::black_box(&seen);
+            Ok(())
+        },
+    );
+    (probe, bytes)
+}
+
 /// The layer sizes of the local fits, elements: 16K (64 KiB) up to
 /// `max_bytes`, by factors of 2.
 pub(super) fn sizes_up_to(max_bytes: usize) -> Vec<usize> {

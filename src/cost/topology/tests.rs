@@ -313,3 +313,49 @@ fn two_way_slowdown_compares_the_largest_common_size() {
     e.oneway_curve.push(pt((1 << 25) as f64, 8e-9));
     assert_eq!(e.two_way_slowdown().unwrap().0, (1 << 24) as f64);
 }
+
+#[test]
+fn the_sparse_collectives_add_pairs_at_their_outputs_gamma_unpack() {
+    use crate::cost::CurvePoint;
+    let mut p = prof(Some((3e-5, 1.25e8)));
+    let g = p.gamma_unpack;
+    assert!(g > 0.0);
+    let ids = [
+        StrategyId::SparseAllgather,
+        StrategyId::SparseAllreduce,
+        StrategyId::SparseHierarchical,
+    ];
+    // (elements, pairs): an output inside the curve's first point, and
+    // one of 128 MiB past its last.
+    let cases = [(1usize << 16, 655usize), (1 << 25, 335_544)];
+    let at = |p: &Profile| -> Vec<f64> {
+        cases
+            .iter()
+            .flat_map(|&(n, k)| {
+                ids.iter().map(move |&id| {
+                    crate::cost::sparse_collective(p, id, n, k, 4, Some(2), None).expect("sparse")
+                })
+            })
+            .collect()
+    };
+    let flat = at(&p);
+    p.gamma_unpack_curve = vec![
+        CurvePoint {
+            bytes: 1048576.0,
+            per_byte: g,
+        },
+        CurvePoint {
+            bytes: 64.0 * 1048576.0,
+            per_byte: 3.0 * g,
+        },
+    ];
+    let curved = at(&p);
+    // Small outputs: unchanged; large ones: dearer, the fused allgather by
+    // exactly its p units at 2·γ more per byte.
+    assert_eq!(flat[..3], curved[..3]);
+    for i in 3..6 {
+        assert!(curved[i] > flat[i], "{}: {} vs {}", ids[i - 3], curved[i], flat[i]);
+    }
+    let units = 4.0 * (8.0 * 335_544.0 + 4.0);
+    assert!(rel(curved[3] - flat[3], units * 2.0 * g) < 1e-9);
+}
