@@ -570,3 +570,50 @@ fn scale_sweeps_ranks_and_names_bad_flags() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A profile's `gamma_unpack_curve` prices the adds into large outputs;
+/// `--gamma-unpack` replaces the constant and the curve alike.
+#[test]
+fn gamma_unpack_curve_prices_large_outputs_and_the_flag_replaces_it() {
+    let flat = r#"{"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9}"#;
+    let curved = r#"{"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9,
+        "gamma_unpack_curve": [{"bytes": 16777216, "per_byte": 1e-9},
+                               {"bytes": 134217728, "per_byte": 3e-9}]}"#;
+    let f = temp_file("unpack", "flat.json", flat);
+    let c = temp_file("unpack", "curved.json", curved);
+    let seconds = |prof: &std::path::Path, bytes: &str, extra: &[&str]| -> f64 {
+        let mut args = vec![
+            "predict",
+            "--bytes",
+            bytes,
+            "--ranks",
+            "4",
+            "--density",
+            "0.01",
+            "--strategies",
+            "sparse-allreduce",
+            "--json",
+            "--profile",
+            prof.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = gradsync(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        v["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .find(|s| s["name"] == "sparse-allreduce")
+            .and_then(|s| s["seconds"].as_f64())
+            .expect("sparse-allreduce")
+    };
+    // A 1 MiB output: below the curve, the constant.
+    assert_eq!(seconds(&f, "1M", &[]), seconds(&c, "1M", &[]));
+    // 128 MiB: three times the constant per byte added.
+    assert!(seconds(&c, "128M", &[]) > seconds(&f, "128M", &[]));
+    assert_eq!(
+        seconds(&c, "128M", &["--gamma-unpack", "1e-9"]),
+        seconds(&f, "128M", &[])
+    );
+}

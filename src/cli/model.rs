@@ -22,7 +22,9 @@ pub struct ModelArgs {
     /// γ_reduce, seconds per byte reduced (without --profile).
     #[arg(long)]
     pub gamma_reduce: Option<f64>,
-    /// γ_unpack, seconds per byte of sparse unit scatter-added (without --profile).
+    /// γ_unpack, seconds per byte of sparse unit scatter-added (without
+    /// --profile; with one, it replaces the profile's constant and its
+    /// curve by output size).
     #[arg(long)]
     pub gamma_unpack: Option<f64>,
     /// Selection cost, seconds per element (overrides the profile's fit).
@@ -74,7 +76,10 @@ impl ModelArgs {
             p.gamma_reduce = g;
         }
         if let Some(g) = self.gamma_unpack {
+            // The constant everywhere: a profile's curve by output size
+            // would still price the large outputs.
             p.gamma_unpack = g;
+            p.gamma_unpack_curve.clear();
         }
         if self.inter_alpha.is_some() || self.inter_bandwidth.is_some() {
             let mut e = p.inter_node.clone().unwrap_or(cost::NetLevel {

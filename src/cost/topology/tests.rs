@@ -354,7 +354,13 @@ fn the_sparse_collectives_add_pairs_at_their_outputs_gamma_unpack() {
     // exactly its p units at 2·γ more per byte.
     assert_eq!(flat[..3], curved[..3]);
     for i in 3..6 {
-        assert!(curved[i] > flat[i], "{}: {} vs {}", ids[i - 3], curved[i], flat[i]);
+        assert!(
+            curved[i] > flat[i],
+            "{}: {} vs {}",
+            ids[i - 3],
+            curved[i],
+            flat[i]
+        );
     }
     let units = 4.0 * (8.0 * 335_544.0 + 4.0);
     assert!(rel(curved[3] - flat[3], units * 2.0 * g) < 1e-9);
