@@ -315,8 +315,9 @@ pub struct Profile {
     /// γ_unpack by the size of the dense output the pairs are added into
     /// (`bytes` = 4·n): the sparse allreduces clear an output of the whole
     /// group (ResNet-50's 97.5 MiB) and then add the received pairs into
-    /// it, each pair a cache line fetched from memory, at about twice the
-    /// cost per byte of [`Self::gamma_unpack`], which `calibrate` fits on
+    /// it, each pair a cache line fetched from memory, at 2.5–3 times the
+    /// cost per byte of [`Self::gamma_unpack`] (measured on the emulated
+    /// cluster, docs/benchmarks.md), which `calibrate` fits on
     /// outputs of at most 16 MiB reused between calls. The first point is
     /// that fit at the largest of those outputs; the next ones are added
     /// into a just-cleared output ([`Self::gamma_unpack_at`]). Empty in
