@@ -13,13 +13,14 @@
 //! * `bad-reps`: that rank passes `reps = 1` (invalid there only).
 //! * `other-densities`: that rank passes different (valid) densities.
 //!
-//! Each rank prints `RANK <r> OK <hash> <ranks>` (a hash of the profile's
-//! JSON) and rank 0 then `PROFILE <json>`, or each rank prints
-//! `RANK <r> ERR <collective> <error>`. Exits 0 when it could print them
+//! Each rank's line, `RANK <r> OK <hash> <ranks>` (a hash of the profile's
+//! JSON) or `RANK <r> ERR <collective> <error>`, is gathered to rank 0,
+//! which prints them all, then `PROFILE <json>`. Exits 0 when it could print them
 //! (the test compares the lines across ranks).
 
 use gradsync::comm::{MpiComm, Transport};
 use gradsync::cost::{calibrate, CalibrateOptions};
+use gradsync::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use std::hash::{Hash, Hasher};
 
 fn main() {
@@ -43,21 +44,39 @@ fn main() {
             _ => {}
         }
     }
-    match calibrate(&comm, &opts) {
+    let (line, profile) = match calibrate(&comm, &opts) {
         Ok(profile) => {
             profile.validate().expect("a calibrated profile validates");
             let json = serde_json::to_string(&profile).expect("JSON");
             let mut h = std::collections::hash_map::DefaultHasher::new();
             json.hash(&mut h);
-            println!("RANK {rank} OK {:016x} {}", h.finish(), profile.meta.ranks);
-            if rank == 0 {
-                println!("PROFILE {json}");
-            }
+            let line = format!("RANK {rank} OK {:016x} {}", h.finish(), profile.meta.ranks);
+            (line, Some(json))
         }
         Err(e) => {
             // One line; a collective error reached every rank alike.
             let msg = e.to_string().replace('\n', " ");
-            println!("RANK {rank} ERR {} {msg}", e.is_collective());
+            (format!("RANK {rank} ERR {} {msg}", e.is_collective()), None)
         }
+    };
+    // Rank 0 prints every rank's line: lines printed by several ranks at
+    // once can interleave in mpirun's output (rank 0's 5 KB profile line
+    // was split by rank 1's once).
+    let mut all = Gathered::default();
+    allgatherv_with(&comm, line.as_bytes(), AllgathervAlgo::Mpi, &mut all)
+        .expect("gathering the ranks' lines");
+    if rank == 0 {
+        let mut out = String::new();
+        for r in 0..all.len() {
+            out.push_str(&String::from_utf8_lossy(all.message(r)));
+            out.push('\n');
+        }
+        if let Some(json) = profile {
+            out.push_str(&format!("PROFILE {json}\n"));
+        }
+        use std::io::Write;
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(out.as_bytes()).expect("stdout");
+        stdout.flush().expect("stdout");
     }
 }
