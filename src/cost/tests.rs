@@ -602,6 +602,7 @@ mod exchange {
             p,
             ranks_per_node: None,
             fill: None,
+            layers: Vec::new(),
         }
     }
 
@@ -764,6 +765,44 @@ mod exchange {
     }
 
     #[test]
+    fn the_allgathers_adds_are_priced_at_each_layers_size() {
+        // Adds into outputs past 16 MB cost 3x the warm rate.
+        let mut pr = prof();
+        pr.gamma_unpack_curve = curve(&[(16e6, 1e-9), (32e6, 3e-9)]);
+        let (p, k) = (8, 25_000.0);
+        let group = q(25_000_000, k, p);
+        // The same pairs in 5 layers of 5M elements (20 MB outputs) and in
+        // 25 of 1M (4 MB: warm).
+        let split = |layers: usize| ExchangeQuery {
+            layers: vec![(25_000_000 / layers, group.message_bytes / layers as f64); layers],
+            ..group.clone()
+        };
+        let at = |qq: &ExchangeQuery| {
+            pred(
+                &choose_sparse_exchange(&pr, qq).unwrap(),
+                StrategyId::SparseAllgather,
+            )
+        };
+        let comm = at(&group) - p as f64 * group.message_bytes * pr.gamma_unpack_at(1e8);
+        for (layers, out_bytes) in [(5, 2e7), (25, 4e6)] {
+            let want = comm + p as f64 * group.message_bytes * pr.gamma_unpack_at(out_bytes);
+            assert!(rel(at(&split(layers)), want) < 1e-12, "{layers} layers");
+        }
+        assert!(at(&split(25)) < at(&split(5)) && at(&split(5)) < at(&group));
+        // One layer listed is the group itself; the allreduces are unchanged.
+        let one = split(1);
+        assert!(rel(at(&one), at(&group)) < 1e-12);
+        let (a, b) = (
+            choose_sparse_exchange(&pr, &group).unwrap(),
+            choose_sparse_exchange(&pr, &split(25)).unwrap(),
+        );
+        assert_eq!(
+            pred(&a, StrategyId::SparseAllreduce),
+            pred(&b, StrategyId::SparseAllreduce)
+        );
+    }
+
+    #[test]
     fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         let pr = two_level();
         let qq = ExchangeQuery {
@@ -852,4 +891,35 @@ mod exchange {
             assert!(choose_sparse_exchange(&pr, &bad).is_err(), "{bad:?}");
         }
     }
+}
+
+#[test]
+fn near_ties_go_to_the_first_candidate_and_real_gaps_to_the_cheapest() {
+    use super::step::cheapest;
+    use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
+    // ResNet-50's exchange at 2 x 2, density 0.001 (us): a tie.
+    let tie = [
+        (SparseAllgather, 8022.0),
+        (SparseAllreduce, 12548.2),
+        (SparseHierarchical, 7964.3),
+    ];
+    assert_eq!(cheapest(&tie), SparseAllgather);
+    // Just outside 2 %: the cheaper one.
+    let gap = [(SparseAllgather, 0.1021), (SparseHierarchical, 0.1)];
+    assert_eq!(cheapest(&gap), SparseHierarchical);
+    // Just inside it.
+    let inside = [(SparseAllgather, 0.1019), (SparseHierarchical, 0.1)];
+    assert_eq!(cheapest(&inside), SparseAllgather);
+    // The first of several near the minimum, not the minimum.
+    let several = [
+        (SparseAllgather, 0.2),
+        (SparseAllreduce, 0.1005),
+        (SparseHierarchical, 0.1),
+    ];
+    assert_eq!(cheapest(&several), SparseAllreduce);
+    // All zero (one rank): the first.
+    assert_eq!(
+        cheapest(&[(SparseAllgather, 0.0), (SparseAllreduce, 0.0)]),
+        SparseAllgather
+    );
 }

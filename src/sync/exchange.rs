@@ -44,11 +44,14 @@ const FILL_WEIGHT: f64 = 0.5;
 
 /// The reduced group's load in a step: elements, nominal pairs per rank,
 /// bytes it would add to the fused allgatherv message.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(super) struct Load {
     pub(super) n: usize,
     pub(super) k: f64,
     pub(super) message_bytes: f64,
+    /// Each layer's elements and message bytes
+    /// ([`crate::cost::ExchangeQuery::layers`]).
+    pub(super) layers: Vec<(usize, f64)>,
 }
 
 impl<C: Transport + Send + 'static> GradSync<C> {
@@ -69,6 +72,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             load.n += n;
             load.k += k;
             load.message_bytes += unit + TOC_ENTRY_LEN as f64;
+            load.layers.push((n, unit + TOC_ENTRY_LEN as f64));
         }
         load
     }
@@ -86,7 +90,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if self.plan.exchange != SparseExchange::Auto {
             return;
         }
-        let load = self.step_load;
+        let load = &self.step_load;
         let q = ExchangeQuery {
             n: load.n,
             k: load.k,
@@ -94,6 +98,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             p: self.size,
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
+            layers: load.layers.clone(),
         };
         let choice = match self.cfg.profile.as_ref() {
             Some(prof) => crate::cost::choose_sparse_exchange(prof, &q),

@@ -114,7 +114,7 @@
 //! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
-//! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the agreed profile, the node map and the fill estimate |
+//! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the layers' sizes, the agreed profile, the node map and the fill estimate |
 //! | `allreduce = "auto"`: this step's dense algorithm (Rabenseifner, ring, hierarchical with several nodes) | `exchange.rs`, by [`crate::cost::choose_dense_allreduce`] from the dense group's bytes, the agreed profile and the node map |
 //! | the fill estimate (moving average of `sparse_reduce_nnz/(p·k)` after reducing steps) | `exchange.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
