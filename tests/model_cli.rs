@@ -617,3 +617,46 @@ fn gamma_unpack_curve_prices_large_outputs_and_the_flag_replaces_it() {
         seconds(&f, "128M", &[])
     );
 }
+
+/// `--gamma-reduce` replaces a profile's γ_reduce curve too: before, the
+/// curve still priced every message it covered and the flag changed
+/// nothing there.
+#[test]
+fn gamma_reduce_flag_replaces_the_profiles_curve() {
+    let flat = r#"{"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_reduce": 1e-10}"#;
+    let curved = r#"{"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_reduce": 1e-10,
+        "gamma_reduce_curve": [{"bytes": 4096, "per_byte": 5e-9},
+                               {"bytes": 134217728, "per_byte": 5e-9}]}"#;
+    let f = temp_file("reduce", "flat.json", flat);
+    let c = temp_file("reduce", "curved.json", curved);
+    let seconds = |prof: &std::path::Path, extra: &[&str]| -> f64 {
+        let mut args = vec![
+            "predict",
+            "--bytes",
+            "64M",
+            "--ranks",
+            "4",
+            "--strategies",
+            "dense-rabenseifner",
+            "--json",
+            "--profile",
+            prof.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = gradsync(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        v["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .find(|s| s["name"] == "dense-rabenseifner")
+            .and_then(|s| s["seconds"].as_f64())
+            .expect("dense-rabenseifner")
+    };
+    // The curve's 5 ns/B against the constant's 0.1: 64 MiB reduced in
+    // part costs far more.
+    assert!(seconds(&c, &[]) > seconds(&f, &[]) * 1.5);
+    assert_eq!(seconds(&c, &["--gamma-reduce", "1e-10"]), seconds(&f, &[]));
+    assert!(seconds(&f, &["--gamma-reduce", "5e-9"]) > seconds(&f, &[]) * 1.5);
+}

@@ -19,7 +19,8 @@ pub struct ModelArgs {
     /// Bandwidth 1/β, bytes per second (without --profile).
     #[arg(long, requires = "alpha")]
     pub bandwidth: Option<f64>,
-    /// γ_reduce, seconds per byte reduced (without --profile).
+    /// γ_reduce, seconds per byte reduced (without --profile; with one,
+    /// it replaces the profile's constant and its curve by message size).
     #[arg(long)]
     pub gamma_reduce: Option<f64>,
     /// γ_unpack, seconds per byte of sparse unit scatter-added (without
@@ -73,7 +74,10 @@ impl ModelArgs {
             }
         };
         if let Some(g) = self.gamma_reduce {
+            // The constant everywhere, as --gamma-unpack: the profile's
+            // curve would otherwise still price every message it covers.
             p.gamma_reduce = g;
+            p.gamma_reduce_curve.clear();
         }
         if let Some(g) = self.gamma_unpack {
             // The constant everywhere: a profile's curve by output size
