@@ -111,6 +111,35 @@ fn python_dlpack_under_mpirun() {
     }
 }
 
+/// PyTorch CUDA tensors through `GradSync.sync` equal the host engine bit
+/// for bit (tests/python/check_cuda.py, run on a GPU by hpc/gpu/run.sh).
+/// Without torch, a GPU or the cuda feature every rank skips and rank 0
+/// prints the reason: checked here, so the skip is never silent.
+#[test]
+fn python_cuda_tensors_under_mpirun_or_a_printed_skip() {
+    if !python_ready("python_cuda_tensors_under_mpirun_or_a_printed_skip") {
+        return;
+    }
+    let script = repo().join("tests/python/check_cuda.py");
+    let p = 2;
+    let (ok, out, err) = mpirun_py(p, &script, &[], 300);
+    assert!(ok, "{out}\n{err}");
+    let skips: Vec<&str> = out.lines().filter(|l| l.starts_with("SKIPPED: ")).collect();
+    if skips.is_empty() {
+        for r in 0..p {
+            assert!(
+                out.contains(&format!("rank {r}: OK ")),
+                "rank {r}\n{out}\n{err}"
+            );
+        }
+    } else {
+        assert_eq!(skips.len(), 1, "rank 0 alone prints the skip\n{out}");
+        assert!(skips[0].len() > "SKIPPED: ".len() + 5, "a reason\n{out}");
+        assert!(!out.contains(": OK "), "skipped, yet checks ran\n{out}");
+        eprintln!("python_cuda: {}", skips[0]);
+    }
+}
+
 #[test]
 fn python_engine_equals_rust_engine_bitwise() {
     if !python_ready("python_engine_equals_rust_engine_bitwise") {

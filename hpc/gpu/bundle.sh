@@ -8,7 +8,8 @@
 #   .gpu/bin/      the `gpu` integration test and the examples it runs, built
 #                  with --features cuda, stripped;
 #   .gpu/exe_dir   the directory the test expects the examples in (a path
-#                  compiled into it; run.sh recreates it there).
+#                  compiled into it; run.sh recreates it there);
+#   .gpu/wheel/    the Python package built with the cuda feature.
 # Then, with the `device` tool:
 #   run(command="hpc/gpu/run.sh", carry=[".gpu"])
 # Debian's Open MPI is not CUDA-aware (mpi_built_with_cuda_support: false),
@@ -45,4 +46,12 @@ for ex in staging_check device_engine_check; do
   strip -o ".gpu/bin/$ex" "target/release/examples/$ex"
 done
 realpath target/release > .gpu/exe_dir
+
+# 3. The Python package with the cuda feature (abi3: any CPython >= 3.9, so
+#    the image's 3.12 takes it), for tests/python/check_cuda.py there.
+maturin=${GRADSYNC_VENV:-.venv}/bin/maturin
+[ -x "$maturin" ] || { echo "bundle.sh: no $maturin: run hpc/setup.sh first" >&2; exit 1; }
+# --auditwheel skip: libmpi stays the machine's own (never bundled), the one
+# mpi4py uses.
+"$maturin" build --quiet --release --features cuda --strip --auditwheel skip -m python/Cargo.toml -o .gpu/wheel
 du -sh .gpu
