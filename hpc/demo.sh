@@ -37,7 +37,9 @@ NETWORK="${NETWORK:-auto}"
 
 echo "demo: building gradsync (release) and its Python package"
 cargo build --release --quiet
-"$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
+# maturin's build backend runs the `maturin` command from PATH (pip puts
+# nothing there without build isolation): the environment's own.
+PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
 "$PY" -c "import matplotlib" >/dev/null 2>&1 || "$VENV/bin/pip" install -q matplotlib
 
 # The network: the emulated 1 Gbit/s link needs network namespaces (root or

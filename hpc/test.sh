@@ -14,7 +14,9 @@ hpc/setup.sh
 # (tests/python.rs runs it under mpirun; GRADSYNC_REQUIRE_PYTHON=1 makes a
 # missing package a failure, not a skip).
 VENV="${GRADSYNC_VENV:-$PWD/.venv}"
-"$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
+# maturin's build backend runs the `maturin` command from PATH (pip puts
+# nothing there without build isolation): the environment's own.
+PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
 export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1
 # The engine's tests (unit, property, mpirun, Python, C examples), then the
 # C ABI crate's own (the header drift check).
