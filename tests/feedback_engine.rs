@@ -4,12 +4,14 @@
 //! dense layer of 1.5M elements keeps sending; a starving layer is flagged
 //! (`LayerStats::starved_steps`, `bench --check` reports `starved`).
 
+mod common;
+
 use gradsync::codec::{CodecConfig, STARVED_STEPS};
 use gradsync::comm::{LocalComm, Transport};
 use gradsync::sync::{Config, GradSync, Strategy};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 fn normal(r: &mut SmallRng) -> f32 {
     let (u, v): (f64, f64) = (r.gen::<f64>().max(1e-300), r.gen());
@@ -202,32 +204,12 @@ fn fastsgd_on_a_large_dense_layer_sends_and_starvation_is_flagged() {
 
 /// Run the `gradsync` binary under `hpc/mpirun.sh` with a time limit.
 fn mpirun(np: usize, args: &[&str], limit: Duration) -> (bool, String, String) {
+    let _one_job = common::MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
     let root = env!("CARGO_MANIFEST_DIR");
-    let mut child = Command::new(format!("{root}/hpc/mpirun.sh"))
-        .args(["-np", &np.to_string(), env!("CARGO_BIN_EXE_gradsync")])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("hpc/mpirun.sh");
-    let start = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "mpirun {args:?} did not finish in {limit:?}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().expect("output");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut cmd = Command::new(format!("{root}/hpc/mpirun.sh"));
+    cmd.args(["-np", &np.to_string(), env!("CARGO_BIN_EXE_gradsync")])
+        .args(args);
+    common::run_limited(cmd, limit, &format!("mpirun {args:?}"))
 }
 
 fn check_field(stdout: &str) -> Vec<String> {

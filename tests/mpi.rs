@@ -594,3 +594,22 @@ fn gradiveq_on_real_cnn_gradients() {
     assert_eq!(b["check"], "ok", "{line}");
     std::fs::remove_file(&npy).ok();
 }
+
+/// The mpirun helper reads the job's output while it runs: 2 ranks writing
+/// 200 KB each to stdout and to stderr (more than a pipe holds) finish and
+/// every byte comes back. Before, the helper read only after the exit, so
+/// such a job blocked in its writes until the time limit, as a "hang".
+#[test]
+fn the_mpirun_helper_drains_more_output_than_a_pipe_holds() {
+    let script =
+        "head -c 200000 /dev/zero | tr '\\000' x; head -c 200000 /dev/zero | tr '\\000' y >&2";
+    let (ok, out, err) = common::mpirun(
+        2,
+        std::path::Path::new("/bin/sh"),
+        &["-c", script],
+        std::time::Duration::from_secs(60),
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.matches('x').count(), 400_000);
+    assert_eq!(err.matches('y').count(), 400_000);
+}

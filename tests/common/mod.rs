@@ -2,6 +2,7 @@
 //! job at a time under `mpirun` with a time limit.
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -58,34 +59,67 @@ pub fn mpirun_env(
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .expect("mpirun not found: run hpc/setup.sh to install Open MPI");
+        .envs(env.iter().copied());
+    let what = format!("mpirun -np {np} {} {args:?}", prog.display());
+    run_limited(cmd, limit, &what)
+}
+
+/// Run `cmd` (an mpirun job) with a time limit; returns (exit ok, stdout,
+/// stderr). Past the limit it kills the command and panics with `what`
+/// and its stderr.
+pub fn run_limited(mut cmd: Command, limit: Duration, what: &str) -> (bool, String, String) {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap_or_else(|e| {
+        panic!("{what}: cannot start ({e}): run hpc/setup.sh to install Open MPI")
+    });
+    // Drain both pipes while the job runs: a job that writes more than a
+    // pipe holds (64 KiB; a RUST_LOG run's stderr) would otherwise block
+    // in its writes and look like a hang at the time limit.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            let _ = tx.send(buf);
+        });
+        rx
+    };
+    let out_rx = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err_rx = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    // What a pipe held; a rank that outlived a killed mpirun may keep it
+    // open, so wait a bounded time for the end.
+    let text = |rx: std::sync::mpsc::Receiver<Vec<u8>>| {
+        let b = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
+        String::from_utf8_lossy(&b).into_owned()
+    };
     let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            break;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
         }
         if start.elapsed() > limit {
             let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
+            let _ = child.wait();
             panic!(
-                "mpirun -np {np} {} {args:?} did not finish in {limit:?} (hang?)\n{}",
-                prog.display(),
-                String::from_utf8_lossy(&out.stderr)
+                "{what} did not finish in {limit:?} (hang?)\n{}",
+                text(err_rx)
             );
         }
         std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    };
+    (status.success(), text(out_rx), text(err_rx))
 }
 
 /// A minimal version-1.0 .npy writer: `descr` (e.g. `<f4`), shape, raw data.
