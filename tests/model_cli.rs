@@ -571,6 +571,36 @@ fn scale_sweeps_ranks_and_names_bad_flags() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `gradsync predict --json` at 4 ranks: the seconds it predicts for
+/// `strategy` on `bytes` at density 0.01 with `prof`, plus `extra` flags.
+fn predicted(prof: &std::path::Path, bytes: &str, strategy: &str, extra: &[&str]) -> f64 {
+    let mut args = vec![
+        "predict",
+        "--bytes",
+        bytes,
+        "--ranks",
+        "4",
+        "--density",
+        "0.01",
+        "--strategies",
+        strategy,
+        "--json",
+        "--profile",
+        prof.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = gradsync(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    v["strategies"]
+        .as_array()
+        .expect("strategies")
+        .iter()
+        .find(|s| s["name"] == strategy)
+        .and_then(|s| s["seconds"].as_f64())
+        .expect(strategy)
+}
+
 /// A profile's `gamma_unpack_curve` prices the adds into large outputs;
 /// `--gamma-unpack` replaces the constant and the curve alike.
 #[test]
@@ -581,32 +611,8 @@ fn gamma_unpack_curve_prices_large_outputs_and_the_flag_replaces_it() {
                                {"bytes": 134217728, "per_byte": 3e-9}]}"#;
     let f = temp_file("unpack", "flat.json", flat);
     let c = temp_file("unpack", "curved.json", curved);
-    let seconds = |prof: &std::path::Path, bytes: &str, extra: &[&str]| -> f64 {
-        let mut args = vec![
-            "predict",
-            "--bytes",
-            bytes,
-            "--ranks",
-            "4",
-            "--density",
-            "0.01",
-            "--strategies",
-            "sparse-allreduce",
-            "--json",
-            "--profile",
-            prof.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        let (ok, out, err) = gradsync(&args);
-        assert!(ok, "{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-        v["strategies"]
-            .as_array()
-            .expect("strategies")
-            .iter()
-            .find(|s| s["name"] == "sparse-allreduce")
-            .and_then(|s| s["seconds"].as_f64())
-            .expect("sparse-allreduce")
+    let seconds = |prof: &std::path::Path, bytes: &str, extra: &[&str]| {
+        predicted(prof, bytes, "sparse-allreduce", extra)
     };
     // A 1 MiB output: below the curve, the constant.
     assert_eq!(seconds(&f, "1M", &[]), seconds(&c, "1M", &[]));
@@ -629,30 +635,8 @@ fn gamma_reduce_flag_replaces_the_profiles_curve() {
                                {"bytes": 134217728, "per_byte": 5e-9}]}"#;
     let f = temp_file("reduce", "flat.json", flat);
     let c = temp_file("reduce", "curved.json", curved);
-    let seconds = |prof: &std::path::Path, extra: &[&str]| -> f64 {
-        let mut args = vec![
-            "predict",
-            "--bytes",
-            "64M",
-            "--ranks",
-            "4",
-            "--strategies",
-            "dense-rabenseifner",
-            "--json",
-            "--profile",
-            prof.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        let (ok, out, err) = gradsync(&args);
-        assert!(ok, "{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-        v["strategies"]
-            .as_array()
-            .expect("strategies")
-            .iter()
-            .find(|s| s["name"] == "dense-rabenseifner")
-            .and_then(|s| s["seconds"].as_f64())
-            .expect("dense-rabenseifner")
+    let seconds = |prof: &std::path::Path, extra: &[&str]| {
+        predicted(prof, "64M", "dense-rabenseifner", extra)
     };
     // The curve's 5 ns/B against the constant's 0.1: 64 MiB reduced in
     // part costs far more.
