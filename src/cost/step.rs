@@ -788,11 +788,14 @@ pub struct ExchangeChoice {
 /// [`plan_step`] charges a `sparse-allgather` layer), the sparse allreduce
 /// (`topology::sparse_allreduce`) or, when the job spans several nodes,
 /// the node-aware one (`topology::sparse_hierarchical`): the same group
-/// costs [`plan_step`] uses for the sparse group, so a plan and this
-/// choice agree. The pair layers are priced alone: the fused allgatherv's
-/// α is charged to them even where other codecs' units keep it running.
-/// Near-ties ([`NEAR_TIE`], one rank) and a group without pairs (empty
-/// layers) go to the allgatherv.
+/// costs [`plan_step`] uses for the sparse group (the allgatherv's adds
+/// per layer, on the engine's threads when there are several layers, as
+/// [`plan_step`] charges them). The pair layers are priced alone: the fused
+/// allgatherv's α is charged to them even where other codecs' units keep
+/// it running. The choice is the first candidate within [`NEAR_TIE`] of
+/// the cheapest, where [`plan_step`] takes the cheapest: within that 2 %
+/// the two may name different exchanges. Near-ties (one rank) and a group
+/// without pairs (empty layers) go to the allgatherv.
 pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
@@ -825,15 +828,34 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         sparse_n: n,
         ..Sizes::default()
     };
+    if let Some((i, &(ln, bytes))) = q
+        .layers
+        .iter()
+        .enumerate()
+        .find(|(_, (ln, b))| !(b.is_finite() && *b >= 0.0) || *ln > q.n)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "layer {i} of the exchange: {bytes} message bytes for {ln} elements (of {})",
+            q.n
+        )));
+    }
     let unpack = if q.p == 1 {
         0.0
     } else if q.layers.is_empty() {
         q.p as f64 * q.message_bytes * prof.gamma_unpack_at(4.0 * n)
     } else {
-        q.layers
+        // The layers' adds run on the engine's threads side by side, as
+        // `effective_local` charges them in a plan.
+        let adds: f64 = q
+            .layers
             .iter()
             .map(|&(ln, bytes)| q.p as f64 * bytes * prof.gamma_unpack_at(4.0 * ln as f64))
-            .sum()
+            .sum();
+        if q.layers.len() >= 2 {
+            adds / prof.local_parallelism.max(1.0)
+        } else {
+            adds
+        }
     };
     let mut predictions = vec![
         (
@@ -915,9 +937,10 @@ pub(super) fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
         .iter()
         .map(|c| c.1)
         .fold(f64::INFINITY, f64::min);
+    let within = best + NEAR_TIE * best.abs();
     predictions
         .iter()
-        .find(|c| c.1 <= best * (1.0 + NEAR_TIE))
+        .find(|c| c.1 <= within)
         .unwrap_or(&predictions[0])
         .0
 }

@@ -90,16 +90,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if self.plan.exchange != SparseExchange::Auto {
             return;
         }
-        let load = &self.step_load;
         let q = ExchangeQuery {
-            n: load.n,
-            k: load.k,
-            message_bytes: load.message_bytes,
+            n: self.step_load.n,
+            k: self.step_load.k,
+            message_bytes: self.step_load.message_bytes,
             p: self.size,
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
-            layers: load.layers.clone(),
+            // Needed only here.
+            layers: std::mem::take(&mut self.step_load.layers),
         };
+        let load = &self.step_load;
         let choice = match self.cfg.profile.as_ref() {
             Some(prof) => crate::cost::choose_sparse_exchange(prof, &q),
             None => Err(crate::Error::InvalidArgument(
