@@ -613,3 +613,35 @@ fn the_mpirun_helper_drains_more_output_than_a_pipe_holds() {
     assert_eq!(out.matches('x').count(), 400_000);
     assert_eq!(err.matches('y').count(), 400_000);
 }
+
+/// Past its limit the helper ends the job (SIGTERM to mpirun, which ends
+/// its ranks) and panics naming it, with what the job wrote to stderr; no
+/// rank is left running.
+#[test]
+fn the_mpirun_helper_ends_a_job_past_its_limit() {
+    let script = "echo gradsync-limit-test >&2; exec sleep 47";
+    let r = std::panic::catch_unwind(|| {
+        common::mpirun(
+            2,
+            std::path::Path::new("/bin/sh"),
+            &["-c", script],
+            std::time::Duration::from_secs(3),
+        )
+    });
+    let msg = match r {
+        Ok(v) => panic!("the job ended within its limit: {v:?}"),
+        Err(e) => e.downcast_ref::<String>().cloned().unwrap_or_default(),
+    };
+    assert!(msg.contains("did not finish in 3s"), "{msg}");
+    assert!(msg.contains("gradsync-limit-test"), "{msg}");
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    // Every process's command line (no pgrep on a minimal machine).
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|d| std::fs::read(d.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.trim_end() == "sleep 47")
+        .collect();
+    assert!(left.is_empty(), "ranks left: {left:?}");
+}

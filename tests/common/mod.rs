@@ -75,34 +75,51 @@ pub fn run_limited(mut cmd: Command, limit: Duration, what: &str) -> (bool, Stri
     // Drain both pipes while the job runs: a job that writes more than a
     // pipe holds (64 KiB; a RUST_LOG run's stderr) would otherwise block
     // in its writes and look like a hang at the time limit.
+    type Sink = std::sync::Arc<Mutex<Vec<u8>>>;
     let drain = |pipe: Option<Box<dyn Read + Send>>| {
-        let (tx, rx) = std::sync::mpsc::channel();
+        let (sink, (tx, rx)): (Sink, _) = (Default::default(), std::sync::mpsc::channel());
+        let s = std::sync::Arc::clone(&sink);
         std::thread::spawn(move || {
-            let mut buf = Vec::new();
+            let mut chunk = [0u8; 65536];
             if let Some(mut p) = pipe {
-                let _ = p.read_to_end(&mut buf);
+                loop {
+                    match p.read(&mut chunk) {
+                        Ok(0) => break,
+                        Ok(k) => s
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .extend_from_slice(&chunk[..k]),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
             }
-            let _ = tx.send(buf);
+            let _ = tx.send(());
         });
-        rx
+        (sink, rx)
     };
-    let out_rx = drain(
+    let out_pipe = drain(
         child
             .stdout
             .take()
             .map(|p| Box::new(p) as Box<dyn Read + Send>),
     );
-    let err_rx = drain(
+    let err_pipe = drain(
         child
             .stderr
             .take()
             .map(|p| Box::new(p) as Box<dyn Read + Send>),
     );
-    // What a pipe held; a rank that outlived a killed mpirun may keep it
-    // open, so wait a bounded time for the end.
-    let text = |rx: std::sync::mpsc::Receiver<Vec<u8>>| {
-        let b = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
-        String::from_utf8_lossy(&b).into_owned()
+    // What a pipe held: a rank that outlived mpirun may keep it open, so
+    // wait a bounded time for its end, then take what came.
+    let text = |(sink, rx): (Sink, std::sync::mpsc::Receiver<()>)| {
+        let ended = rx.recv_timeout(Duration::from_secs(10)).is_ok();
+        let b = sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut t = String::from_utf8_lossy(&b).into_owned();
+        if !ended {
+            t.push_str("\n[still open 10 s after mpirun ended: the output above is what came]\n");
+        }
+        t
     };
     let start = Instant::now();
     let status = loop {
@@ -110,16 +127,25 @@ pub fn run_limited(mut cmd: Command, limit: Duration, what: &str) -> (bool, Stri
             break status;
         }
         if start.elapsed() > limit {
+            // SIGTERM first: mpirun then ends its ranks too.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let t = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && t.elapsed() < Duration::from_secs(5)
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
             let _ = child.kill();
             let _ = child.wait();
             panic!(
                 "{what} did not finish in {limit:?} (hang?)\n{}",
-                text(err_rx)
+                text(err_pipe)
             );
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    (status.success(), text(out_rx), text(err_rx))
+    (status.success(), text(out_pipe), text(err_pipe))
 }
 
 /// A minimal version-1.0 .npy writer: `descr` (e.g. `<f4`), shape, raw data.
