@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 hpc/setup.sh
 # shellcheck disable=SC1091
 [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
-VENV="${GRADSYNC_VENV:-$PWD/.venv}"
+VENV="$(realpath -m "${GRADSYNC_VENV:-$PWD/.venv}")"
 PY="$VENV/bin/python"
 NP="${NP:-4}"
 OUT="${OUT:-demo-out}"

@@ -13,7 +13,7 @@ hpc/setup.sh
 # The Python package, built from this tree into the environment setup made
 # (tests/python.rs runs it under mpirun; GRADSYNC_REQUIRE_PYTHON=1 makes a
 # missing package a failure, not a skip).
-VENV="${GRADSYNC_VENV:-$PWD/.venv}"
+VENV="$(realpath -m "${GRADSYNC_VENV:-$PWD/.venv}")"
 # maturin's build backend runs the `maturin` command from PATH (pip puts
 # nothing there without build isolation): the environment's own.
 PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
