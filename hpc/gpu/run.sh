@@ -9,6 +9,13 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
+exe_dir=$(cat .gpu/exe_dir)
+# That path is the build folder of the machine that made the bundle: there,
+# the copies below would overwrite its own builds (hard links into deps/).
+if [ -s "$exe_dir/gradsync" ] && [ "${GRADSYNC_GPU_RUN_HERE:-0}" != 1 ]; then
+  echo "run.sh: $exe_dir holds a build (the machine that made the bundle?): run this on the GPU machine, or set GRADSYNC_GPU_RUN_HERE=1 to overwrite its examples" >&2
+  exit 2
+fi
 root=/opt/gs-mpi
 mkdir -p "$root"
 for f in .gpu/deb/*.deb; do dpkg -x "$f" "$root"; done
@@ -20,13 +27,6 @@ export PATH="$root/usr/bin:$PATH"
 export LD_LIBRARY_PATH="$lib/openmpi/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OPAL_PREFIX="$root/usr"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exe_dir=$(cat .gpu/exe_dir)
-# That path is the build folder of the machine that made the bundle: there,
-# the copies below would overwrite its own builds (hard links into deps/).
-if [ -s "$exe_dir/gradsync" ] && [ "${GRADSYNC_GPU_RUN_HERE:-0}" != 1 ]; then
-  echo "run.sh: $exe_dir holds a build (the machine that made the bundle?): run this on the GPU machine, or set GRADSYNC_GPU_RUN_HERE=1 to overwrite its examples" >&2
-  exit 2
-fi
 mkdir -p "$exe_dir/examples"
 cp .gpu/bin/staging_check .gpu/bin/device_engine_check "$exe_dir/examples/"
 # The test finds the examples beside this path (never truncate a real one).
