@@ -59,6 +59,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// table only (the same on every rank).
     pub(super) fn reduced_load(&self) -> Load {
         let mut load = Load::default();
+        // The per-layer list only for the auto choice, its one reader.
+        let per_layer = self.plan.exchange == SparseExchange::Auto;
         for &id in &self.plan.reduced.ids {
             let i = id as usize;
             let n = self.table[i].n;
@@ -72,7 +74,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             load.n += n;
             load.k += k;
             load.message_bytes += unit + TOC_ENTRY_LEN as f64;
-            load.layers.push((n, unit + TOC_ENTRY_LEN as f64));
+            if per_layer {
+                load.layers.push((n, unit + TOC_ENTRY_LEN as f64));
+            }
         }
         load
     }
@@ -97,7 +101,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             p: self.size,
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
-            // Needed only here.
             layers: std::mem::take(&mut self.step_load.layers),
         };
         let load = &self.step_load;
