@@ -345,6 +345,25 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
                 stats.sparse_reduce_nnz
             ));
         }
+        // `auto` measures the fill after every clean step, whichever
+        // exchange ran it (the allgatherv's unpacking counts it), and every
+        // rank holds the same estimate: the next choice depends on it.
+        if ex == SparseExchange::Auto {
+            let f = stats.fill_estimate.unwrap_or_else(|| {
+                fail(format!(
+                    "step {step}: no fill estimate after a clean {} step",
+                    stats.sparse_exchange
+                ))
+            });
+            let (mut lo, mut hi) = (0f64, 0f64);
+            world.all_reduce_into(&f, &mut lo, SystemOperation::min());
+            world.all_reduce_into(&f, &mut hi, SystemOperation::max());
+            if lo.to_bits() != hi.to_bits() || !(1.0 / p as f64..=1.0).contains(&f) {
+                fail(format!(
+                    "step {step}: fill estimate {f} (ranks from {lo} to {hi}, p = {p})"
+                ));
+            }
+        }
         if rank == 0 {
             println!(
                 "OK exchange step {step} {} nnz={} fill={} s={:.1e} ranks={p}",

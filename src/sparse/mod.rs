@@ -242,10 +242,31 @@ pub fn unpack_layer(
     scale: f32,
     acc: &mut [f32],
 ) -> Result<Option<usize>> {
+    unpack_layer_counting(gathered, entries, codec, layer_name, scale, acc, false)
+        .map(|(bad, _)| bad)
+}
+
+/// [`unpack_layer`], and with `count` the nonzero elements of the result
+/// (`None` without `count`, or where a dense codec decoded a unit): each
+/// scatter-add that turns an element nonzero counts one, each that turns
+/// one back to zero takes one away, so the count is exact at one compare
+/// per pair, not a pass over `acc`. The engine's fill measurement on
+/// steps whose pairs went through the allgatherv (`sync/exchange.rs`).
+pub(crate) fn unpack_layer_counting(
+    gathered: &Gathered,
+    entries: &[Entry],
+    codec: &dyn Codec,
+    layer_name: &str,
+    scale: f32,
+    acc: &mut [f32],
+    count: bool,
+) -> Result<(Option<usize>, Option<usize>)> {
     acc.fill(0.0);
     let n = acc.len();
     let mut non_finite = None;
     let mut dense = false;
+    // Nonzero elements so far (never negative: a step down follows a step up).
+    let mut nnz = 0usize;
     for (r, e) in entries.iter().enumerate() {
         if e.kind == EntryKind::NonFinite {
             non_finite.get_or_insert(r);
@@ -255,7 +276,16 @@ pub fn unpack_layer(
         let res = if dense {
             codec.decode_add(unit, acc)
         } else {
-            match codec.for_each_sent(unit, n, &mut |i, v| acc[i] += scale * v) {
+            let sent = if count {
+                codec.for_each_sent(unit, n, &mut |i, v| {
+                    let (a, b) = (acc[i], acc[i] + scale * v);
+                    acc[i] = b;
+                    nnz = nnz + usize::from(b != 0.0) - usize::from(a != 0.0);
+                })
+            } else {
+                codec.for_each_sent(unit, n, &mut |i, v| acc[i] += scale * v)
+            };
+            match sent {
                 Ok(true) => Ok(()),
                 Ok(false) => {
                     dense = true;
@@ -275,7 +305,7 @@ pub fn unpack_layer(
             *x *= scale;
         }
     }
-    Ok(non_finite)
+    Ok((non_finite, (count && !dense).then_some(nnz)))
 }
 
 #[cfg(test)]

@@ -134,3 +134,54 @@ proptest! {
         }
     }
 }
+
+/// The counted unpacking (the engine's fill measurement) reports exactly
+/// the nonzero elements of the result, cancellations included (values
+/// in {-2..2}, so pairs from different ranks often sum to zero), writes
+/// the same bits as `unpack_layer`, and counts nothing for a dense codec.
+#[test]
+fn counting_unpack_counts_the_nonzero_results_exactly() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let sparse = CodecConfig::Rgc {
+        density: 0.3,
+        method: RgcMethod::Exact,
+    };
+    for (cfg, counts) in [(sparse, true), ("fp16".parse().expect("codec"), false)] {
+        for trial in 0..50 {
+            let (p, n) = (rng.gen_range(1..6), rng.gen_range(1..80));
+            let mut codec = cfg.build().expect("codec");
+            let mut g = Gathered::default();
+            g.displs.push(0);
+            let mut entries = Vec::new();
+            for _ in 0..p {
+                let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-2i32..=2) as f32).collect();
+                let mut unit = Vec::new();
+                codec.encode(&x, &mut unit).expect("encode");
+                let mut msg = Vec::new();
+                write_fused(&mut msg, 0, [(0u32, EntryKind::Unit, &unit[..])]);
+                let mut e = Vec::new();
+                parse_fused(&msg, 0, 0, &[0], &names, &mut e).expect("parses");
+                entries.push(e[0]);
+                g.data.extend_from_slice(&msg);
+                g.displs.push(g.data.len());
+            }
+            let at = format!("{cfg:?} trial {trial} p {p} n {n}");
+            let mut plain = vec![9f32; n];
+            unpack_layer(&g, &entries, codec.as_ref(), "l", 0.5, &mut plain).expect("unpacks");
+            let mut acc = vec![9f32; n];
+            let (bad, nnz) =
+                unpack_layer_counting(&g, &entries, codec.as_ref(), "l", 0.5, &mut acc, true)
+                    .expect("unpacks");
+            assert_eq!(bad, None, "{at}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&acc), bits(&plain), "{at}");
+            let want = acc.iter().filter(|&&x| x != 0.0).count();
+            assert_eq!(nnz, counts.then_some(want), "{at}");
+            let (_, none) =
+                unpack_layer_counting(&g, &entries, codec.as_ref(), "l", 0.5, &mut acc, false)
+                    .expect("unpacks");
+            assert_eq!(none, None, "{at}");
+        }
+    }
+}

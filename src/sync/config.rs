@@ -135,7 +135,7 @@ pub enum SparseExchange {
     /// element count, their nominal pairs per rank (each layer's
     /// `⌈density·n⌉` at this step's density, the same on every rank), the
     /// ranks, the ranks per node and the fill ratio measured by the
-    /// previous reducing steps. `Hierarchical` only when the job spans
+    /// previous steps (whichever exchange ran them). `Hierarchical` only when the job spans
     /// several nodes (the ranks' nodes are asked for at creation; a
     /// transport without nodes never gets it). The choice is logged when
     /// it changes and reported in [`StepStats::sparse_exchange`](super::StepStats::sparse_exchange).

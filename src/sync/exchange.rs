@@ -21,11 +21,21 @@
 //! `ρ = sparse_reduce_nnz / (p·k)`, `k` that step's nominal pairs per
 //! rank, clamped to `[1/p, 1]` (all ranks' selections the same .. all
 //! disjoint); `sparse_reduce_nnz` is the result's distinct indices, the
-//! same on every rank. The estimate is an exponential moving average,
+//! same on every rank. When `auto` sent the group through the fused
+//! allgatherv instead, its unpacking counts the nonzero elements of the
+//! group's results as it scatter-adds the pairs (a compare per pair, exact
+//! but for sums that cancel to zero; [`crate::sparse::unpack_layer`]'s
+//! counting twin) and that count stands for `sparse_reduce_nnz`, alike on
+//! every rank (the same bytes added in the same order): without it a job
+//! that starts on the allgatherv would never learn that its ranks'
+//! selections overlap, where the sparse allreduce pays. A dense decode or
+//! a non-finite unit in the group measures nothing. The estimate is an
+//! exponential moving average,
 //! `ρ̂ ← ρ` at the first measurement, then `ρ̂ ← (ρ̂ + ρ)/2`: it follows a
 //! drift within a few steps and does not flip the choice on one outlier.
 //! A step that reduced nothing (a failure before the sparse allreduce,
-//! every pair non-finite) measures nothing. Before any measurement the
+//! every pair non-finite) measures nothing; a configured `Allgather`
+//! measures nothing either (no choice reads it). Before any measurement the
 //! estimate is `None`: the cost model assumes independent selections.
 //! `Strategy::Auto`'s plan (made once, when the table is complete) uses
 //! the estimate when there is one. Snapshots do not hold it: a restored
@@ -33,7 +43,7 @@
 //! allreduce give bitwise the same result; only a switch to or from the
 //! node-aware one changes the order of the additions).
 
-use super::plan::set_exchange;
+use super::plan::{set_exchange, StepPlan};
 use super::{GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::cost::{ExchangeChoice, ExchangeQuery, StrategyId};
@@ -52,6 +62,9 @@ pub(super) struct Load {
     /// Each layer's elements and message bytes
     /// ([`crate::cost::ExchangeQuery::layers`]).
     pub(super) layers: Vec<(usize, f64)>,
+    /// The group's layers, in registration order (only with `auto`: the
+    /// layers whose result measures the fill when the allgatherv runs).
+    pub(super) ids: Vec<u32>,
 }
 
 impl<C: Transport + Send + 'static> GradSync<C> {
@@ -76,6 +89,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             load.message_bytes += unit + TOC_ENTRY_LEN as f64;
             if per_layer {
                 load.layers.push((n, unit + TOC_ENTRY_LEN as f64));
+                load.ids.push(id);
             }
         }
         load
@@ -142,13 +156,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// Fold the step's measured fill in (module docs): `nnz` is the
-    /// reducing exchange's distinct result indices, the same on every rank.
-    pub(super) fn update_fill(&mut self, nnz: usize) {
-        let (k, plan) = (self.step_load.k, &self.plan);
-        if !plan.sparse_reduce || plan.exchange == SparseExchange::Allgather || nnz == 0 || k <= 0.0
-        {
+    /// distinct result indices of this step's reduced group, the same on
+    /// every rank (the reducing exchange's, or the nonzero elements the
+    /// allgatherv's unpacking counted); `None` measures nothing.
+    pub(super) fn update_fill(&mut self, nnz: Option<usize>) {
+        let k = self.step_load.k;
+        let Some(nnz) = nnz.filter(|&z| z > 0 && k > 0.0) else {
             return;
-        }
+        };
         let p = self.size as f64;
         let rho = (nnz as f64 / (p * k)).clamp(1.0 / p, 1.0);
         self.fill_estimate = Some(match self.fill_estimate {
@@ -205,10 +220,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.plan.allreduce = algo;
     }
 
-    /// The fill ratio estimated from the previous reducing steps (module
+    /// The fill ratio estimated from the previous steps (module
     /// docs of `exchange.rs`), `None` before any.
     pub fn fill_estimate(&self) -> Option<f64> {
         self.fill_estimate
+    }
+}
+
+/// The layers whose unpacking counts the fill this step: the reduced
+/// group that `auto` moved back into the allgatherv (empty otherwise).
+pub(super) fn fill_probe_ids<'a>(plan: &StepPlan, load: &'a Load) -> &'a [u32] {
+    if plan.exchange == SparseExchange::Allgather {
+        &load.ids
+    } else {
+        &[]
     }
 }
 

@@ -90,6 +90,9 @@ pub(super) struct Job {
     pub(super) sparse_reduce_s: f64,
     /// Distinct indices of the sparse allreduce's result.
     pub(super) sparse_reduce_nnz: usize,
+    /// With `auto` and the allgatherv: the nonzero elements of the
+    /// reduced group's unpacked result (`unpack.rs`), the fill's measure.
+    pub(super) probe_nnz: Option<usize>,
     /// The step, for failure messages (`None` between steps).
     pub(super) step: Option<u64>,
     /// This rank's own failure in the local phase (error text).
@@ -536,6 +539,7 @@ impl Job {
         self.exchange = plan.exchange;
         self.sparse_reduce_s = 0.0;
         self.sparse_reduce_nnz = 0;
+        self.probe_nnz = None;
         self.dense_len = dense_len;
         match local {
             Ok(()) => write_fused(

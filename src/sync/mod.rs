@@ -24,7 +24,7 @@
 //!   node-aware one, and [`SparseExchange::Auto`] lets the cost model
 //!   choose among the three every step
 //!   ([`crate::cost::choose_sparse_exchange`], priced with a fill ratio
-//!   estimated from the previous reducing steps; `exchange.rs`).
+//!   estimated from the previous steps' results; `exchange.rs`).
 //! * `Dense` layers are fused into one buffer and averaged with Rabenseifner's
 //!   allreduce (Horovod-style tensor fusion); momentum (plain or Nesterov) is
 //!   applied to the average, so every rank keeps the same momentum.
@@ -116,7 +116,7 @@
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
 //! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the layers' sizes, the agreed profile, the node map and the fill estimate |
 //! | `allreduce = "auto"`: this step's dense algorithm (Rabenseifner, ring, hierarchical with several nodes) | `exchange.rs`, by [`crate::cost::choose_dense_allreduce`] from the dense group's bytes, the agreed profile and the node map |
-//! | the fill estimate (moving average of `sparse_reduce_nnz/(p·k)` after reducing steps) | `exchange.rs` |
+//! | the fill estimate (moving average of the group's distinct results over `p·k`: `sparse_reduce_nnz` after reducing steps, the nonzero elements the unpacking counts after `auto`'s allgatherv steps) | `exchange.rs`, `unpack.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
@@ -203,7 +203,7 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// `sparse_exchange = "auto"`).
     nodes: Option<Vec<usize>>,
     /// The fill ratio of the sparse allreduces, estimated from the
-    /// previous reducing steps (`exchange.rs`).
+    /// previous steps' results (`exchange.rs`).
     fill_estimate: Option<f64>,
     /// The last exchange `sparse_exchange = "auto"` chose (to log changes).
     auto_exchange: Option<SparseExchange>,
@@ -499,7 +499,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // was non-finite sent no pairs (every rank sees both alike: failures
         // are collective, `sp_bad_rank` is gathered).
         if r.is_ok() && job.sp_bad_rank.iter().all(Option::is_none) {
-            self.update_fill(job.sparse_reduce_nnz);
+            let nnz = if job.do_sparse {
+                Some(job.sparse_reduce_nnz)
+            } else {
+                job.probe_nnz
+            };
+            self.update_fill(nnz);
         }
         self.record_stats(&info, &job, wait_s);
         self.job = Some(job);

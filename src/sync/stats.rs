@@ -76,7 +76,8 @@ pub struct StepStats {
     /// cost model's choice for this step.
     pub sparse_exchange: String,
     /// The fill ratio `ρ = nnz/(p·k)` of the sparse allreduces estimated
-    /// from the reducing steps up to this one (an exponential moving
+    /// from the steps up to this one that measured it (every reducing
+    /// step; with `auto`, its allgatherv steps too: an exponential moving
     /// average, `GradSync::fill_estimate`), what the next step's `auto`
     /// choice prices with; `None` before any such step.
     pub fill_estimate: Option<f64>,

@@ -1593,7 +1593,8 @@ fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
 /// from 4 ranks on (a layer at density 0.5 whose sum is nearly dense); the
 /// stats name the exchange of every step and carry the fill estimate
 /// (the moving average of `nnz/(p·k)`, `k` the nominal pairs) from the
-/// first reducing step on.
+/// first step on, whichever exchange ran it (the allgatherv's steps count
+/// the group's nonzero results).
 #[test]
 fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
     let sp = |c: &str| Strategy::Sparse {
@@ -1647,12 +1648,29 @@ fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
                     if red {
                         assert!(cs.sparse_reduce_nnz > 0, "{at}");
                         assert!(cs.fused_bytes < gs.fused_bytes, "{at}");
-                        let pf = p as f64;
-                        let rho = (cs.sparse_reduce_nnz as f64 / (pf * k)).clamp(1.0 / pf, 1.0);
-                        fill = Some(fill.map_or(rho, |f| 0.5 * f + 0.5 * rho));
                     } else {
                         assert_eq!((cs.sparse_reduce_nnz, cs.fused_bytes), (0, gs.fused_bytes));
                     }
+                    // Every step measures the fill: the sparse allreduce's
+                    // distinct indices, or the allgatherv's nonzero results
+                    // of the group (random data: no sum is exactly zero).
+                    let nnz = if red {
+                        cs.sparse_reduce_nnz
+                    } else {
+                        [1, 2, 4]
+                            .iter()
+                            .map(|&l| {
+                                ca[t].0[l]
+                                    .iter()
+                                    .filter(|&&b| f32::from_bits(b) != 0.0)
+                                    .count()
+                            })
+                            .sum()
+                    };
+                    assert!(nnz > 0, "{at}");
+                    let pf = p as f64;
+                    let rho = (nnz as f64 / (pf * k)).clamp(1.0 / pf, 1.0);
+                    fill = Some(fill.map_or(rho, |f| 0.5 * f + 0.5 * rho));
                     assert_eq!(cs.fill_estimate, fill, "{at}");
                     // Every rank made the same choice and estimate.
                     let r0 = &chosen[0].0[t].2;
@@ -1664,6 +1682,64 @@ fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
                 }
                 assert_eq!(gres, cres, "p={p} int={int} rank {r}: residuals");
             }
+        }
+    }
+}
+
+/// Issue #15: the fill is learned on the allgatherv's steps too. Every
+/// rank selects the same pairs (ρ = 1/p): before any measurement `auto`
+/// prices independent selections and runs the allgatherv; that step's
+/// unpacking counts `k` distinct results, and from then on the sparse
+/// allreduce, whose traffic shrinks with the overlap, is chosen. Before,
+/// a job that started on the allgatherv never measured the fill and
+/// stayed there. Every rank chooses alike, with outputs bitwise the
+/// configured allgatherv's.
+#[test]
+fn auto_exchange_learns_overlap_on_allgatherv_steps() {
+    let (p, n, d) = (4, 30_000, 0.01);
+    let k = crate::codec::rgc_k(d, n) as f64;
+    let prof = crate::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0).expect("profile");
+    let run = |exchange| {
+        let cfg = Config {
+            profile: Some(prof.clone()),
+            sparse_exchange: exchange,
+            ..cfg()
+        };
+        LocalComm::run(p, move |c| {
+            let mut s = GradSync::with_transport(c, cfg.clone()).expect("engine");
+            s.register_with("w", &[n], Strategy::rgc(d))
+                .expect("register");
+            (0..4u64)
+                .map(|step| {
+                    // The same gradient on every rank: the same selection.
+                    let mut g: Vec<f32> = (0..n)
+                        .map(|i| ((i as u64 * 7919 + step * 104_729) % 1000) as f32 - 500.0)
+                        .collect();
+                    let st = s.sync(&mut [&mut g[..]]).expect("sync").clone();
+                    (g, st.sparse_exchange, st.fill_estimate)
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let fixed = run(SparseExchange::Allgather);
+    let auto = run(SparseExchange::Auto);
+    let pf = p as f64;
+    for r in 0..p {
+        let names: Vec<&str> = auto[r].iter().map(|x| x.1.as_str()).collect();
+        assert_eq!(
+            names,
+            ["allgather", "allreduce", "allreduce", "allreduce"],
+            "rank {r}"
+        );
+        let first = auto[r][0]
+            .2
+            .expect("the allgatherv's step measures the fill");
+        let nnz = auto[r][0].0.iter().filter(|&&x| x != 0.0).count() as f64;
+        assert_eq!(first, (nnz / (pf * k)).clamp(1.0 / pf, 1.0), "rank {r}");
+        assert!((first - 1.0 / pf).abs() < 0.01, "rank {r}: fill {first}");
+        for t in 0..4 {
+            assert_eq!(auto[r][t].0, fixed[r][t].0, "rank {r} step {t}: outputs");
+            assert_eq!(auto[r][t].2, auto[0][t].2, "rank {r} step {t}: estimate");
         }
     }
 }

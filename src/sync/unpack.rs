@@ -11,7 +11,7 @@ use super::layer::Layer;
 use super::plan::Mode;
 use super::{GradSync, NonFinitePolicy};
 use crate::comm::Transport;
-use crate::sparse::{parse_fused, unpack_layer, Entry, EntryKind};
+use crate::sparse::{parse_fused, unpack_layer_counting, Entry, EntryKind};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -107,12 +107,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let entries = &self.entries;
         let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
         let reduced_pos = |i: usize| plan.reduced.ids.binary_search(&(i as u32)).ok();
+        // `auto`'s group in the allgatherv: its unpacking counts the fill.
+        let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
+        let probed = |i: usize| probe_ids.binary_search(&(i as u32)).is_ok();
         let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
         let dense = &job.dense;
         let gvq = &job.gvq;
-        let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Option<Error>> {
+        // Per layer: its error, if any, and for a probed layer the nonzero
+        // elements of its result (`None`: not counted).
+        type Unpacked = (Option<Error>, Option<usize>);
+        let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Unpacked> {
             let t = Instant::now();
             let lp = &plan.layers[i];
+            let mut counted = None;
             let r = match lp.mode {
                 Mode::Local => {
                     o.copy_from_slice(&l.dir);
@@ -144,14 +151,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Mode::Sparse => {
                     let j = sparse_pos(i).expect("sparse layer is in the fused table");
                     let codec = l.codec.as_deref().expect("sparse layer has a codec");
-                    let bad = unpack_layer(
+                    let (bad, nnz) = unpack_layer_counting(
                         gathered,
                         &entries[j * p..(j + 1) * p],
                         codec,
                         &l.name,
                         inv,
                         o,
+                        probed(i),
                     )?;
+                    counted = nnz.filter(|_| bad.is_none());
                     if params.2 {
                         crate::dense::sub_from(o, &l.prev);
                     }
@@ -198,9 +207,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
             };
             l.stats.unpack_s = t.elapsed().as_secs_f64();
-            Ok(r)
+            Ok((r, counted))
         };
-        let errors: Vec<Option<Error>> = if plan.parallel_unpack {
+        let unpacked: Vec<Unpacked> = if plan.parallel_unpack {
             self.layers
                 .par_iter_mut()
                 .zip(out.par_iter_mut())
@@ -218,7 +227,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
             l.fill_stats(lp.mode);
         }
-        match errors.into_iter().flatten().next() {
+        // The fill of the probed group: every probed layer counted, or
+        // nothing is measured (a non-finite unit, a dense decode).
+        job.probe_nnz = if probe_ids.is_empty() {
+            None
+        } else {
+            probe_ids
+                .iter()
+                .map(|&i| unpacked[i as usize].1)
+                .sum::<Option<usize>>()
+        };
+        match unpacked.into_iter().find_map(|(e, _)| e) {
             Some(e) if policy == NonFinitePolicy::Error => Err(e),
             Some(e) => {
                 log::warn!("gradsync: {e} (propagated as NaN)");
