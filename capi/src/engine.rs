@@ -90,6 +90,18 @@ pub unsafe extern "C" fn gs_engine_create(
             c_text(config_json, "gs_engine_create: config_json")
                 .map_err(invalid)
                 .and_then(Config::from_options_json)
+                .and_then(|c| {
+                    if c.weight_decay != 0.0 {
+                        // No entry point here takes the weights it needs.
+                        Err(invalid(
+                            "gs_engine_create: config_json: weight_decay is not available \
+                             through the C ABI (gs_sync takes no weights); apply the decay \
+                             in the optimizer",
+                        ))
+                    } else {
+                        Ok(c)
+                    }
+                })
         };
         // The options are parsed on each rank: the engine agrees on them
         // before its own collectives, so a rank with bad options fails
@@ -450,9 +462,9 @@ pub unsafe extern "C" fn gs_wait(
                 // state stays in step with its peers'; only the result is
                 // lost. An error of the step itself (or no step pending)
                 // takes precedence.
-                let mut scratch: Vec<Vec<f32>> = eng.lens.iter().map(|&n| vec![0.0; n]).collect();
-                let mut g: Vec<&mut [f32]> = scratch.iter_mut().map(|v| &mut v[..]).collect();
-                eng.sync.wait(&mut g)?;
+                if !eng.sync.discard_pending()? {
+                    return Err(invalid("wait without start"));
+                }
                 Err(invalid(format!(
                     "{why}; the step completed but this rank's result was discarded"
                 )))

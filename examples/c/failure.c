@@ -156,6 +156,14 @@ int main(int argc, char **argv) {
   if (e) fprintf(stderr, "rank %d: engine from a failed create\n", rank), failures++;
   gs_engine_destroy(e);
 
+  /* weight_decay needs weights that gs_sync cannot take: refused at
+   * creation, on every rank (before, every later gs_sync failed). */
+  e = NULL;
+  rc = gs_engine_create(MPI_COMM_WORLD, rank == bad ? "{\"weight_decay\": 0.0001}" : "{}", &e);
+  report("create with weight_decay on one rank", rc, GS_ERR_RANK_FAILED, "weight_decay");
+  if (e) fprintf(stderr, "rank %d: engine from a failed create\n", rank), failures++;
+  gs_engine_destroy(e);
+
   /* Registration problems on one rank fail every rank. */
   gs_engine_create(MPI_COMM_WORLD, NULL, &e);
   rc = gs_register(e, rank == bad ? NULL : "w", wshape, 2, "dense");

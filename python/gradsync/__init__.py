@@ -34,6 +34,7 @@ raising ``TypeError``/``ValueError`` on the rank at fault and
 
 from __future__ import annotations
 
+import collections.abc as _abc
 import json as _json
 
 import numpy as _np
@@ -190,7 +191,11 @@ class GradSync:
         """Finish the step begun by :meth:`start`, writing update directions into ``grads`` in place.
 
         A bad output argument raises on this rank only and keeps the result,
-        so ``wait`` can be called again with the right arrays.
+        so ``wait`` can be called again with the right arrays. The next
+        :meth:`sync`, :meth:`start` or :meth:`fail_step` without that
+        finishes the kept step first and discards its result on this rank
+        (a ``RuntimeWarning`` says so), so this rank never refuses a step
+        its peers are already in.
         """
         return self._engine.wait(_arrays(grads))
 
@@ -249,7 +254,12 @@ class GradSync:
         return self._engine.step
 
     def close(self) -> None:
-        """Free the engine and its duplicated communicator now (also done when it is garbage collected)."""
+        """Free the engine and its duplicated communicator now (also done when it is garbage collected).
+
+        Call it on every rank at the same point, as ``MPI_Comm_free``: a rank
+        that closes while its peers go on to another step leaves them
+        waiting in that step.
+        """
         self._engine.close()
 
     def __enter__(self) -> "GradSync":
@@ -263,6 +273,9 @@ def _arrays(xs: Any) -> Any:
     """numpy arrays as they are; other CPU tensors (PyTorch, JAX, ...) as
     zero-copy numpy views through DLPack. Anything that does not convert is
     passed on unchanged, so the engine reports it (on every rank)."""
+    if isinstance(xs, _abc.Iterator):
+        # A generator is read once: into a list, so no array is lost.
+        xs = list(xs)
     if not isinstance(xs, (list, tuple)):
         return xs
     return [x if type(x) is _np.ndarray else _dlpack_view(x) for x in xs]

@@ -209,7 +209,7 @@ impl crate::PyGradSync {
             Ok(v) => v,
             Err(bad) => return Err(self.fail(py, bad)),
         };
-        let mut g = self.engine(py)?;
+        let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let stats = if imported.first().is_some_and(|t| t.device == KDL_CUDA) {
             cuda_step(py, eng, &imported)

@@ -176,20 +176,17 @@ fn check_array<'py>(
     shape: &[usize],
 ) -> Result<Bound<'py, PyArrayDyn<f32>>, Bad> {
     let arr = a.cast::<PyArrayDyn<f32>>().map_err(|_| {
-        let what = a
-            .getattr("dtype")
-            .map(|d| format!("an array of dtype {d}"))
-            .unwrap_or_else(|_| {
-                format!(
-                    "a {}",
-                    a.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                )
-            });
+        let ty = a
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        let got = match a.getattr("dtype") {
+            Ok(d) => format!("a {ty} of dtype {d}"),
+            Err(_) => format!("a {ty}"),
+        };
         Bad::Type(format!(
-            "{what} {i} (layer {name:?}) must be a numpy float32 array, got {what}"
+            "{what} {i} (layer {name:?}) must be a numpy float32 array, got {got}"
         ))
     })?;
     if !arr.is_c_contiguous() {
@@ -276,6 +273,35 @@ impl PyGradSync {
         Ok(g)
     }
 
+    /// The engine, locked, for a call that begins a step (`sync`, `start`,
+    /// `fail_step`). A step this rank left pending (its `wait` raised on a
+    /// bad output argument and was not called again) is finished first
+    /// into scratch buffers, its result discarded with a `RuntimeWarning`:
+    /// the peers finished that step and wait in this one, so refusing here
+    /// ("start called twice") would leave them waiting for ever.
+    fn begin(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        let mut g = self.engine(py)?;
+        let eng = g.as_mut().expect("checked open");
+        if eng.pending() {
+            let done = py.detach(|| eng.discard_pending());
+            let text = match done {
+                Ok(_) => "gradsync: the previous step's wait() did not complete on this rank; \
+                          its result was discarded so that this rank takes part in the new step"
+                    .to_string(),
+                Err(e) => format!(
+                    "gradsync: the previous step's wait() did not complete on this rank, and \
+                     that step failed: {e}"
+                ),
+            };
+            let msg = std::ffi::CString::new(text.replace('\0', " ")).expect("no NUL");
+            let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+            // A warnings filter of "error" must not stop this rank from
+            // joining the step: the warning's own error is dropped.
+            let _ = PyErr::warn(py, category.as_any(), &msg, 1);
+        }
+        Ok(g)
+    }
+
     fn check_list<'py>(
         &self,
         grads: &Bound<'py, PyAny>,
@@ -314,7 +340,7 @@ impl PyGradSync {
 
     /// Fail this step on every rank because of `bad` (found on this rank).
     fn fail(&self, py: Python<'_>, bad: Bad) -> PyErr {
-        let mut g = match self.engine(py) {
+        let mut g = match self.begin(py) {
             Ok(g) => g,
             Err(e) => return e,
         };
@@ -466,7 +492,7 @@ impl PyGradSync {
             .str()
             .map(|s| s.to_string())
             .unwrap_or_else(|_| "(unprintable reason)".into());
-        let mut g = self.engine(py)?;
+        let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let e = py.detach(|| eng.fail_step(gradsync::Error::InvalidArgument(text)));
         Err(engine_err(e))
@@ -514,7 +540,7 @@ impl PyGradSync {
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine(py)?;
+        let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let with_w = weights.is_some();
         let stats = py
@@ -554,7 +580,7 @@ impl PyGradSync {
             .iter()
             .map(|g| g.as_slice().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine(py)?;
+        let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let with_w = weights.is_some();
         py.detach(|| match with_w {

@@ -757,6 +757,7 @@ fn nominal_bytes_per_element(codec: &str) -> f64 {
 /// `sparse-allgather` (`trimmed` by default in the CLI); the quantized
 /// strategy uses the `quant` fit.
 pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Prediction>> {
+    step::check_select_method(select_method)?;
     let sq = StepQuery {
         p: q.p,
         density: q.density,

@@ -530,6 +530,19 @@ fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
 
 /// Ranks, density, GradiVeQ ratio, ranks per node and fill ratio in range
 /// (errors name the value).
+/// A selection method's name as `rgc`'s `method=` takes it (`exact`,
+/// `trimmed`, `threshold`, `sampled`): the key of the profile's fit. An
+/// unknown name would silently price the selection as free.
+pub(super) fn check_select_method(m: &str) -> Result<()> {
+    serde_json::from_value::<crate::codec::RgcMethod>(serde_json::Value::String(m.into()))
+        .map(|_| ())
+        .map_err(|_| {
+            Error::InvalidArgument(format!(
+                "selection method {m:?} is not one of exact, trimmed, threshold, sampled"
+            ))
+        })
+}
+
 pub(super) fn check(q: &StepQuery) -> Result<()> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
@@ -550,6 +563,10 @@ pub(super) fn check(q: &StepQuery) -> Result<()> {
         return Err(Error::InvalidArgument(
             "ranks per node must be at least 1".into(),
         ));
+    }
+    // Empty: the engine's own queries, which price no selection.
+    if !q.select_method.is_empty() {
+        check_select_method(&q.select_method)?;
     }
     if let Some(f) = q.fill {
         if !(f > 0.0 && f <= 1.0) {

@@ -962,3 +962,28 @@ fn near_ties_go_to_the_first_candidate_and_real_gaps_to_the_cheapest() {
         SparseAllgather
     );
 }
+
+/// An unknown selection method is an error naming it (it used to price
+/// the selection as free, the profile having no fit under that name).
+#[test]
+fn an_unknown_selection_method_is_an_error() {
+    let pr = prof();
+    let q = Query {
+        n: 1 << 20,
+        p: 4,
+        density: 0.001,
+        gradiveq_ratio: 8.0,
+        ranks_per_node: None,
+        fill: None,
+    };
+    for m in ["exact", "trimmed", "threshold", "sampled"] {
+        predict(&pr, &q, m).unwrap_or_else(|e| panic!("{m}: {e}"));
+    }
+    for m in ["zzz", "", "Trimmed"] {
+        let e = predict(&pr, &q, m).expect_err(m).to_string();
+        assert!(
+            e.contains(&format!("{m:?}")) && e.contains("trimmed"),
+            "{e}"
+        );
+    }
+}

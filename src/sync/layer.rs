@@ -186,6 +186,25 @@ impl Layer {
             }
             _ => codec.encode(&self.v, &mut self.unit),
         };
+        if enc.is_err() && !all_finite(&self.v) {
+            // Finite gradients whose sum overflowed f32 in the residual (or
+            // the momentum): a non-finite input of this step, as the
+            // `non_finite` policy treats one, and a state no later step
+            // could encode (it stayed infinite and failed every step).
+            // What overflowed has no value left to keep: cleared.
+            log::warn!(
+                "gradsync: layer {:?}: the residual overflowed f32 (gradients near {:.1e}); \
+                 this step's input counts as non-finite, the residual and momentum are cleared",
+                self.name,
+                g.iter().fold(0f32, |a, x| a.max(x.abs()))
+            );
+            self.v.fill(0.0);
+            self.u.fill(0.0);
+            self.non_finite = true;
+            self.unit.clear();
+            self.stats.pack_s = t0.elapsed().as_secs_f64();
+            return Ok(());
+        }
         enc.map_err(|e| {
             Error::InvalidArgument(format!("layer {:?}: encoding failed: {e}", self.name))
         })?;

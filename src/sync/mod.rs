@@ -381,11 +381,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// Compress this step's gradients and start communicating; the gradients
     /// are no longer needed when it returns. Finish with [`wait`](Self::wait).
+    /// With `weight_decay` set the weights are needed
+    /// ([`start_with_weights`](Self::start_with_weights)): without them the
+    /// step fails on every rank, as any rank-local failure does (the
+    /// error comes from `wait`), so a peer that did pass its weights is
+    /// never left waiting.
     pub fn start(&mut self, grads: &[&[f32]]) -> Result<()> {
         if self.cfg.weight_decay != 0.0 {
-            return Err(Error::InvalidArgument(
-                "weight_decay is set: use start_with_weights / sync_with_weights".into(),
-            ));
+            return self.start_impl(Err(Error::InvalidArgument(
+                "weight_decay is set but no weights were given (Rust: start_with_weights / \
+                 sync_with_weights; Python: sync(grads, weights=...))"
+                    .into(),
+            )));
         }
         self.start_impl(Ok((grads, None)))
     }
@@ -405,6 +412,28 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             Err(e) => e,
             Ok(_) => Error::InvalidArgument("a failed step succeeded".into()),
         }
+    }
+
+    /// Whether a step begun by [`start`](Self::start) still waits for its
+    /// [`wait`](Self::wait) on this rank.
+    pub fn pending(&self) -> bool {
+        self.started.is_some()
+    }
+
+    /// Finish a pending step (see [`pending`](Self::pending)) into scratch
+    /// buffers and discard this rank's result, so that the engine's state
+    /// stays in step with its peers' (they finished that step); `Ok(false)`
+    /// when none was pending, the step's own error if it failed. For a
+    /// binding whose caller's `wait` failed on a bad output argument and
+    /// who goes on to the next step: without it the next `start` would be
+    /// refused on this rank alone while its peers wait in that step.
+    pub fn discard_pending(&mut self) -> Result<bool> {
+        if self.started.is_none() {
+            return Ok(false);
+        }
+        let mut scratch: Vec<Vec<f32>> = self.layers.iter().map(|l| vec![0.0; l.n]).collect();
+        let mut out: Vec<&mut [f32]> = scratch.iter_mut().map(|v| &mut v[..]).collect();
+        self.wait(&mut out).map(|_| true)
     }
 
     /// [`start`](Self::start) with the weights, for weight decay.

@@ -514,6 +514,89 @@ fn dense_warmup_then_sparse_and_momentum_masking() {
     }
 }
 
+/// With weight decay, one rank that calls `start` without weights fails
+/// the step on every rank (it used to return at once, and its peers,
+/// which had passed theirs, waited in the step's collectives for ever);
+/// the next step runs normally everywhere.
+#[test]
+fn a_rank_without_weights_fails_the_step_everywhere() {
+    let res = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                weight_decay: 0.1,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("a", &[4]).expect("register");
+        let (g, w) = ([1.0f32; 4], [1.0f32; 4]);
+        let mut out = [0.0f32; 4];
+        if rank == 1 {
+            s.start(&[&g[..]]).expect("started");
+        } else {
+            s.start_with_weights(&[&g[..]], &[&w[..]]).expect("started");
+        }
+        let first = s
+            .wait(&mut [&mut out[..]])
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        s.start_with_weights(&[&g[..]], &[&w[..]]).expect("started");
+        let second = s.wait(&mut [&mut out[..]]).map(|_| ());
+        (first, second.is_ok())
+    });
+    for (r, (first, second)) in res.into_iter().enumerate() {
+        let e = first.expect_err("the step fails on every rank");
+        assert!(
+            e.contains("rank 1") && e.contains("no weights were given"),
+            "rank {r}: {e}"
+        );
+        assert!(second, "rank {r}: the next step runs");
+    }
+}
+
+/// A finite but huge gradient on one rank overflows its residual a step
+/// later (momentum 0.9: 3e38 + 0.9·3e38 > f32::MAX). That step fails on
+/// every rank as a non-finite input of that rank and layer (the
+/// `non_finite` policy), the overflowed residual is cleared, and the steps
+/// after it run normally (before, the residual stayed infinite and every
+/// later step failed to encode it).
+#[test]
+fn an_overflowing_residual_fails_one_step_then_recovers() {
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register_with("w", &[4096], Strategy::rgc(0.01))
+            .expect("register");
+        (0..6)
+            .map(|step| {
+                let mut g = vec![1.0f32; 4096];
+                if rank == 1 && step == 1 {
+                    g.fill(3e38);
+                }
+                let r = s.sync(&mut [&mut g[..]]).map(|_| ());
+                r.map_err(|e| e.to_string())
+            })
+            .collect::<Vec<_>>()
+    });
+    for (r, steps) in res.iter().enumerate() {
+        assert!(steps[0].is_ok() && steps[1].is_ok(), "rank {r}: {steps:?}");
+        let e = steps[2].as_ref().expect_err("the overflow fails step 2");
+        assert!(e.contains("rank 1") && e.contains("\"w\""), "rank {r}: {e}");
+        for (t, st) in steps.iter().enumerate().skip(3) {
+            assert!(st.is_ok(), "rank {r} step {t}: {st:?}");
+        }
+    }
+}
+
 #[test]
 fn bad_calls_are_errors() {
     LocalComm::run(1, |c| {
@@ -529,8 +612,13 @@ fn bad_calls_are_errors() {
         let mut g = [0.0f32; 3];
         assert!(s.sync(&mut [&mut g[..]]).is_err(), "wrong length");
         let g = [0.0f32; 4];
-        assert!(s.start(&[&g[..]]).is_err(), "weight decay needs weights");
         let mut out = [0.0f32; 4];
+        // Weight decay needs the weights: the step fails (in `wait`).
+        s.start(&[&g[..]]).expect("a failing step is still started");
+        let e = s
+            .wait(&mut [&mut out[..]])
+            .expect_err("weight decay needs weights");
+        assert!(e.to_string().contains("no weights were given"), "{e}");
         assert!(s.wait(&mut [&mut out[..]]).is_err(), "wait without start");
         s.start_with_weights(&[&g[..]], &[&g[..]]).expect("start");
         assert!(s.start_with_weights(&[&g[..]], &[&g[..]]).is_err(), "twice");
@@ -988,27 +1076,23 @@ fn a_snapshot_with_a_nan_residual_is_refused() {
 
 /// Found by the `snapshot` fuzz target: an accepted snapshot whose residual
 /// is near `f32::MAX` overflows in the next step, and the engine then wrote
-/// a snapshot it could never load. Now `snapshot_bytes` refuses, naming the
-/// layer and the element.
+/// a snapshot it could never load (`snapshot_bytes` now also refuses one,
+/// naming the layer and the element). The overflow itself now fails its
+/// step as a non-finite input and clears the residual, so the state stays
+/// finite and the snapshot loads.
 #[test]
 fn fuzz_non_finite_state_is_never_written() {
     LocalComm::run(1, |c| {
         let mut s = GradSync::with_transport(c, cfg()).unwrap();
         s.register_with("w", &[100], Strategy::rgc(0.01)).unwrap();
         let mut g = vec![3.0e38f32; 100];
-        let _ = s.sync(&mut [&mut g[..]]);
+        s.sync(&mut [&mut g[..]]).expect("3e38 is finite");
         let mut g = vec![3.0e38f32; 100];
-        let _ = s.sync(&mut [&mut g[..]]);
-        assert!(s
-            .residual(LayerId(0))
-            .unwrap()
-            .iter()
-            .any(|x| !x.is_finite()));
-        let e = s.snapshot_bytes().unwrap_err().to_string();
-        assert!(
-            e.contains("layer \"w\": residual[") && e.contains("finite values only"),
-            "{e}"
-        );
+        let e = s.sync(&mut [&mut g[..]]).map(|_| ()).expect_err("overflow");
+        assert!(matches!(e, Error::NonFinite { .. }), "{e}");
+        assert!(s.residual(LayerId(0)).unwrap().iter().all(|x| *x == 0.0));
+        let bytes = s.snapshot_bytes().expect("a finite state is written");
+        s.restore_bytes(&bytes).expect("and loads");
     });
 }
 

@@ -297,6 +297,51 @@ s.start(g)
 e = expect_error(lambda: s.wait(g[:2]), None, "wait with too few arrays")
 ok(isinstance(e, ValueError), "wait: ValueError, local")
 s.wait(g)
+# A bad output on the last rank that is never retried: its next sync
+# finishes the kept step (a RuntimeWarning), so it joins its peers in the
+# next step instead of refusing it while they wait.
+import warnings
+
+g = grads(sh, 4)
+s.start(g)
+if rank == last:
+    expect_error(lambda: s.wait(g[:1]), None, "wait with one array, not retried")
+else:
+    s.wait(g)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    s.sync(grads(sh, 5))
+drained = [w for w in seen if issubclass(w.category, RuntimeWarning) and "discarded" in str(w.message)]
+ok(len(drained) == (1 if rank == last else 0), f"the kept step is finished with a warning: {[str(w.message) for w in seen]}")
+s.sync(grads(sh, 6))
+# A generator of gradients is read once, whole (its first array used to be
+# lost to the DLPack probe).
+g = grads(sh, 7)
+g_in = [x.copy() for x in g]
+s.sync(x for x in g)
+ok(any(not np.array_equal(x, y) for x, y in zip(g, g_in)), "a generator's arrays get the results")
+# A float64 array's error names the argument and what was given.
+g = grads(sh, 8)
+arg = [g[0].astype(np.float64)] + g[1:] if rank == last else g
+e = expect_error(lambda: s.sync(arg), None, "sync with a float64 array")
+if rank == last:
+    ok(str(e).startswith("gradient 0 (layer") and "got a ndarray of dtype float64" in str(e), f"type error text: {e}")
+s.sync(grads(sh, 9))
+
+# weight_decay: a rank that passes no weights fails the step on every rank
+# (it used to raise alone while its peers waited in the step).
+wd = gradsync.GradSync(comm, weight_decay=1e-4)
+wd.register("a", (100,), strategy="dense")
+wg, ww = [np.ones(100, np.float32)], [np.ones(100, np.float32)]
+e = expect_error(lambda: wd.sync(wg) if rank == last else wd.sync(wg, weights=ww), None, "weight decay without weights")
+ok(f"rank {last} failed in step 0" in str(e) and "no weights were given" in str(e), f"weight decay error: {e}")
+wd.sync(wg, weights=ww)
+ok(wd.step == 2, "the next step ran")
+wd.close()
+
+# An unknown selection method is an error, not a free selection.
+e = expect_error(lambda: gradsync.predict(elements=10**6, ranks=4, density=0.001, alpha=1e-5, bandwidth=1e9, select_method="zzz"), None, "predict with an unknown selection method")
+ok("zzz" in str(e), f"select_method error: {e}")
 
 # Mismatched layer tables fail on every rank.
 t = gradsync.GradSync(comm)
