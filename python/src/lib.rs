@@ -703,13 +703,19 @@ fn allreduce(
     // Everything rank-local first, converted here (not by PyO3 before the
     // call): a failure still enters the agreement, so no rank is left alone.
     let local = (|| -> Result<(Arr<'_>, AllreduceAlgo, ReduceOp), Bad> {
-        let algo: AllreduceAlgo = match algo {
-            None => AllreduceAlgo::Rabenseifner,
-            Some(a) => to_str(a, "algo")
-                .map_err(Bad::Type)?
-                .parse()
-                .map_err(|e: gradsync::Error| Bad::Value(e.to_string()))?,
-        };
+        let algo: AllreduceAlgo =
+            match algo {
+                None => AllreduceAlgo::Rabenseifner,
+                Some(a) => to_str(a, "algo").map_err(Bad::Type)?.parse().map_err(
+                    |e: gradsync::Error| {
+                        // The text alone: the agreement adds "invalid argument".
+                        Bad::Value(match e {
+                            gradsync::Error::InvalidArgument(m) => m,
+                            e => e.to_string(),
+                        })
+                    },
+                )?,
+            };
         let op = match op
             .map(|o| to_str(o, "op"))
             .transpose()
