@@ -234,6 +234,46 @@ fn mpmd_ranks_with_different_sizes_fail_before_the_mpi_baseline() {
         (1, &["verify", "--counts", "5"]),
     ]);
     assert_fails_with(&job, "subcommand", &["rank 1 failed", "subcommand verify"]);
+    // Subcommands whose first collectives differ (these hung until killed).
+    for (a, b) in [
+        (
+            &["bench", "--sizes", "4K", "--iters", "2"][..],
+            &[
+                "calibrate",
+                "--max-bytes",
+                "64K",
+                "--reps",
+                "3",
+                "--min-seconds",
+                "0",
+                "--out",
+                "/dev/null",
+            ][..],
+        ),
+        (
+            &[
+                "model-check",
+                "--profile",
+                "docs/scale/profile-2x2-1gbit.json",
+                "--sizes",
+                "64K",
+                "--iters",
+                "2",
+            ][..],
+            &["verify", "--counts", "5"][..],
+        ),
+    ] {
+        let job = mpmd(&[(1, a), (1, b)]);
+        assert_fails_with(
+            &job,
+            "subcommand",
+            &[
+                "rank 1 failed",
+                &format!("subcommand {} (rank 0: {})", b[0], a[0]),
+            ],
+        );
+        assert_agreed(&job, "subcommand");
+    }
 }
 
 #[test]

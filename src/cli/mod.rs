@@ -151,6 +151,21 @@ fn install_abort_on_panic() {
 
 fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
     let comm = MpiComm::duplicate_of(world)?;
+    // Every rank runs the same subcommand, checked before any of them
+    // communicates: two subcommands' first collectives differ, so ranks
+    // that disagree would otherwise wait in different ones for ever.
+    let name = match &cli.command {
+        Command::Bench(_) => "bench",
+        Command::Verify(_) => "verify",
+        Command::Calibrate(_) => "calibrate",
+        Command::ModelCheck(_) => "model-check",
+        Command::Codecs(_) => "codecs",
+        Command::Predict(_) => "predict",
+        Command::Plan(_) => "plan",
+        Command::Crossover(_) => "crossover",
+        Command::Scale(_) => "scale",
+    };
+    crate::failure::same_on_every_rank(&comm, &[("subcommand", name.to_string())])?;
     match &cli.command {
         Command::Bench(a) => bench::run(&comm, a),
         Command::Verify(a) => verify::run(&comm, a),
