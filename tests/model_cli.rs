@@ -644,3 +644,53 @@ fn gamma_reduce_flag_replaces_the_profiles_curve() {
     assert_eq!(seconds(&c, &["--gamma-reduce", "1e-10"]), seconds(&f, &[]));
     assert!(seconds(&f, &["--gamma-reduce", "5e-9"]) > seconds(&f, &[]) * 1.5);
 }
+
+/// Rank counts past the model's limit (2^24) are errors naming it, on
+/// every predictor (`predict` at 2^63 panicked on a capacity overflow; at
+/// 2^64 − 1 and at 65536 ranks it ran for minutes: the pairwise schedule
+/// was counted rank by rank). 65536 ranks is now answered at once.
+#[test]
+fn rank_counts_past_the_limit_are_errors_and_large_ones_are_fast() {
+    let net = ["--alpha", "1e-5", "--bandwidth", "1e9"];
+    for r in ["16777217", "9223372036854775807", "18446744073709551615"] {
+        for cmd in [&["predict", "--bytes", "4K"][..], &["crossover"][..]] {
+            let args: Vec<&str> = cmd
+                .iter()
+                .chain(&["--ranks", r])
+                .chain(&net)
+                .copied()
+                .collect();
+            let (ok, _, err) = gradsync(&args);
+            assert!(!ok && err.contains("limit of 16777216"), "{args:?}: {err}");
+        }
+    }
+    let (ok, _, err) = gradsync(&[
+        "scale",
+        "--layers",
+        "examples/layers/resnet50.json",
+        "--ranks",
+        "1..1099511627776",
+        "--alpha",
+        "1e-5",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(
+        !ok && err.contains("1099511627776 is past the model's limit"),
+        "{err}"
+    );
+    let t = std::time::Instant::now();
+    let (ok, out, err) = gradsync(&[
+        "predict",
+        "--bytes",
+        "4K",
+        "--ranks",
+        "65536",
+        "--alpha",
+        "1e-5",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(ok && out.contains("dense-ring"), "{out}\n{err}");
+    eprintln!("predict at 65536 ranks: {:?}", t.elapsed());
+}

@@ -120,6 +120,12 @@ pub fn parse_ranks(s: &str) -> Result<Vec<usize>> {
     if v.windows(2).any(|w| w[0] >= w[1]) {
         return Err(bad("rank counts must increase".into()));
     }
+    if let Some(&big) = v.last().filter(|&&x| x > cost::MAX_RANKS) {
+        return Err(bad(format!(
+            "{big} is past the model's limit of {} (2^24)",
+            cost::MAX_RANKS
+        )));
+    }
     if v.len() > 4096 {
         return Err(bad(format!("{} rank counts (at most 4096)", v.len())));
     }

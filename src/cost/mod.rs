@@ -75,7 +75,7 @@ pub use decide::{choose, default_candidates, engine_candidates, parse_list, Stra
 pub use step::{
     choose_dense_allreduce, choose_sparse_exchange, plan_step, predict_step, sparse_collective,
     ExchangeChoice, ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
-    StepQuery, NEAR_TIE,
+    StepQuery, MAX_RANKS, NEAR_TIE,
 };
 pub use topology::NetLevel;
 

@@ -547,6 +547,12 @@ pub(super) fn check(q: &StepQuery) -> Result<()> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
+    if q.p > MAX_RANKS {
+        return Err(Error::InvalidArgument(format!(
+            "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
+            q.p
+        )));
+    }
     if !(q.density > 0.0 && q.density <= 1.0) {
         return Err(Error::InvalidArgument(format!(
             "density {} must lie in (0, 1]",
@@ -817,6 +823,12 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
+    if q.p > MAX_RANKS {
+        return Err(Error::InvalidArgument(format!(
+            "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
+            q.p
+        )));
+    }
     if !(q.k >= 0.0 && q.k.is_finite() && q.message_bytes >= 0.0 && q.message_bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "pairs {} and message bytes {} must be finite and not negative",
@@ -941,6 +953,10 @@ pub fn choose_dense_allreduce(
 /// 2 %, far inside the model's error (docs/benchmarks.md measures it at
 /// ±20 %), so the choice between them is the model's noise.
 pub const NEAR_TIE: f64 = 0.02;
+
+/// The most ranks the model prices (2^24, past any machine built): its
+/// schedules are evaluated step by step, O(p) per prediction.
+pub const MAX_RANKS: usize = 1 << 24;
 
 /// The first of `predictions` (not empty) within [`NEAR_TIE`] of the
 /// cheapest. The candidates are listed simplest first (the fused allgatherv

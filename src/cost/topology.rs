@@ -242,9 +242,28 @@ fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
             ));
             out
         }
-        Sched::Pairwise => (1..p)
-            .map(|s| max_of(&mut (0..p).map(|r| (r, (r + s) % p))))
-            .collect(),
+        Sched::Pairwise => (1..p).map(|s| pairwise_crossing(p, l, s)).collect(),
+    }
+}
+
+/// Step `s` of the pairwise exchange (rank `r` sends to `(r + s) mod p`):
+/// the most ranks of one node whose partner is on another node, in O(1)
+/// (was a pass over every rank, O(p²) for the whole schedule). A shift is
+/// the same for every block of `m` consecutive ranks: of a node's `m`,
+/// `max(0, m − s)` land in it directly and `max(0, s + m − p)` after the
+/// wrap; the rest cross. Full nodes have `l` ranks, the last one `p mod l`
+/// when `l` does not divide `p`.
+fn pairwise_crossing(p: usize, l: usize, s: usize) -> usize {
+    let crossing = |m: usize| {
+        let stay = m.saturating_sub(s) + (s + m).saturating_sub(p);
+        m - stay.min(m)
+    };
+    let full = if p >= l { crossing(l) } else { 0 };
+    let last = p % l;
+    if last == 0 {
+        full
+    } else {
+        full.max(crossing(last))
     }
 }
 
