@@ -694,3 +694,69 @@ fn rank_counts_past_the_limit_are_errors_and_large_ones_are_fast() {
     assert!(ok && out.contains("dense-ring"), "{out}\n{err}");
     eprintln!("predict at 65536 ranks: {:?}", t.elapsed());
 }
+
+/// Where sparse wins in a band of sizes but loses again below
+/// `--max-bytes`, `crossover` says so (it printed "never beats"), with the
+/// band in `--json`; `--max-bytes` below one element, or below the plot's
+/// first size with `--plot` (which ran for ever), is an error.
+#[test]
+fn crossover_reports_a_band_and_checks_max_bytes() {
+    let p = "docs/scale/profile-2x2-1gbit.json";
+    let (ok, out, err) = gradsync(&["crossover", "--ranks", "8", "--profile", p, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+    assert!(v["crossover_bytes"].is_null(), "{out}");
+    let band = v["wins_between_bytes"].as_array().expect("a band");
+    let (lo, hi) = (band[0].as_u64().unwrap(), band[1].as_u64().unwrap());
+    assert!(lo < hi && hi < 1 << 32, "{out}");
+    // Inside the band sparse is predicted faster; above it, slower.
+    let at = |bytes: u64| {
+        let b = bytes.to_string();
+        let (ok, out, _) = gradsync(&[
+            "predict",
+            "--bytes",
+            &b,
+            "--ranks",
+            "8",
+            "--profile",
+            p,
+            "--json",
+        ]);
+        assert!(ok);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+        let t = |name: &str| {
+            v["strategies"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|x| x["name"] == name)
+                .unwrap()["seconds"]
+                .as_f64()
+                .unwrap()
+        };
+        t("sparse-allgather") < t("dense-rabenseifner")
+    };
+    assert!(at(lo) && at(hi) && !at(4 * hi), "band {lo}..{hi}");
+    let (ok, out, _) = gradsync(&["crossover", "--ranks", "8", "--profile", p]);
+    assert!(ok && out.contains("only from about"), "{out}");
+    for (max, plot, want) in [
+        ("0", false, "at least one f32 element"),
+        ("6", false, "multiple of 4"),
+        ("4", true, "at least 64 B"),
+    ] {
+        let mut args = vec![
+            "crossover",
+            "--ranks",
+            "8",
+            "--profile",
+            p,
+            "--max-bytes",
+            max,
+        ];
+        if plot {
+            args.extend(["--plot", "/tmp/gradsync-crossover-test.svg"]);
+        }
+        let (ok, _, err) = gradsync(&args);
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -598,6 +598,10 @@ pub struct CrossoverRecord {
     pub crossover_elements: Option<usize>,
     /// The same in bytes.
     pub crossover_bytes: Option<usize>,
+    /// Where sparse wins somewhere but not up to `--max-bytes` (no
+    /// crossover): the smallest and the largest power-of-two layer size,
+    /// bytes, at which it is predicted faster; null otherwise.
+    pub wins_between_bytes: Option<[usize; 2]>,
 }
 
 pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
@@ -607,7 +611,20 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
             return Err(Error::InvalidArgument(format!("unknown strategy {s:?}")));
         }
     }
-    let max_n = (parse_size(&a.max_bytes)? / 4).max(1);
+    let max_b = parse_size(&a.max_bytes)?;
+    if max_b < 4 || max_b % 4 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "--max-bytes {}: at least one f32 element (4 B) and a multiple of 4",
+            a.max_bytes
+        )));
+    }
+    if a.plot.is_some() && max_b < 64 {
+        return Err(Error::InvalidArgument(format!(
+            "--max-bytes {} with --plot: at least 64 B (the plot starts at 16 elements)",
+            a.max_bytes
+        )));
+    }
+    let max_n = max_b / 4;
     let base = Query {
         n: 1,
         p: a.ranks,
@@ -624,6 +641,27 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         &a.dense,
         max_n,
     )?;
+    // No crossover: does sparse win anywhere below the top (a band)?
+    let band = match x {
+        Some(_) => None,
+        None => {
+            let mut wins = Vec::new();
+            for n in std::iter::successors(Some(1usize), |&n| n.checked_mul(2))
+                .take_while(|&n| n <= max_n)
+            {
+                let preds = cost::predict(&prof, &Query { n, ..base }, &a.model.select_method)?;
+                let t = |name: &str| preds.iter().find(|x| x.name == name).map(|x| x.seconds);
+                if let (Some(s), Some(d)) = (t(&a.sparse), t(&a.dense)) {
+                    if s < d {
+                        wins.push(n);
+                    }
+                }
+            }
+            wins.first()
+                .zip(wins.last())
+                .map(|(&lo, &hi)| [4 * lo, 4 * hi])
+        }
+    };
     let rec = CrossoverRecord {
         ranks: a.ranks,
         density: a.density,
@@ -631,6 +669,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         dense: a.dense.clone(),
         crossover_elements: x,
         crossover_bytes: x.map(|n| 4 * n),
+        wins_between_bytes: band,
     };
     if let Some(path) = &a.plot {
         plot(&prof, &a.model, a.ranks, a.density, max_n, path, x)?;
@@ -648,10 +687,22 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
                 a.ranks,
                 a.density
             ),
-            None => println!(
-                "{} never beats {} up to {} on {} ranks at density {}",
-                a.sparse, a.dense, a.max_bytes, a.ranks, a.density
-            ),
+            None => match band {
+                Some([lo, hi]) => println!(
+                    "{} beats {} only from about {} to {} (power-of-two sizes), not up to {}, on {} ranks at density {}",
+                    a.sparse,
+                    a.dense,
+                    human(lo),
+                    human(hi),
+                    a.max_bytes,
+                    a.ranks,
+                    a.density
+                ),
+                None => println!(
+                    "{} never beats {} up to {} on {} ranks at density {}",
+                    a.sparse, a.dense, a.max_bytes, a.ranks, a.density
+                ),
+            },
         }
     }
     Ok(0)
