@@ -760,3 +760,45 @@ fn crossover_reports_a_band_and_checks_max_bytes() {
         assert!(!ok && err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// An empty layer table and a layer of no elements are errors naming the
+/// file or flag (they were priced: a step of "-0.000 ms", "NaNx over
+/// dense"); a zero-element layer inside a table adds nothing to the step
+/// (its marginal time was negative).
+#[test]
+fn empty_tables_and_empty_layers() {
+    let d = std::env::temp_dir().join(format!("gradsync-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let (empty, zero) = (d.join("empty.json"), d.join("zero.json"));
+    std::fs::write(&empty, r#"{"layers": []}"#).unwrap();
+    std::fs::write(
+        &zero,
+        r#"[{"name": "e", "elements": 0}, {"name": "w", "elements": 100000}]"#,
+    )
+    .unwrap();
+    let net = ["--ranks", "8", "--alpha", "1e-5", "--bandwidth", "1e9"];
+    let with =
+        |a: &[&str]| -> Vec<String> { a.iter().chain(&net).map(|s| s.to_string()).collect() };
+    let run = |a: Vec<String>| gradsync(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let (ok, _, err) = run(with(&["plan", "--layers", empty.to_str().unwrap()]));
+    assert!(
+        !ok && err.contains("empty.json") && err.contains("no layers"),
+        "{err}"
+    );
+    for flag in [["--bytes", "0"], ["--elements", "0"]] {
+        let (ok, _, err) = run(with(&["predict", flag[0], flag[1]]));
+        assert!(!ok && err.contains("0 elements"), "{flag:?}: {err}");
+    }
+    let (ok, out, err) = run(with(&[
+        "plan",
+        "--layers",
+        zero.to_str().unwrap(),
+        "--json",
+    ]));
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers[0]["seconds"].as_f64(), Some(0.0), "{out}");
+    assert!(layers[1]["seconds"].as_f64().unwrap() > 0.0, "{out}");
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -191,7 +191,7 @@ pub struct PredictRecord {
 }
 
 fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
-    match (e, b) {
+    let n = match (e, b) {
         (Some(e), _) => {
             layer_bytes(e).map_err(|m| Error::InvalidArgument(format!("--elements {e}: {m}")))?;
             Ok(e)
@@ -207,7 +207,14 @@ fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
             Ok(bytes / 4)
         }
         _ => Err(Error::InvalidArgument("give --elements or --bytes".into())),
+    }?;
+    if n == 0 {
+        // Nothing to synchronize: every prediction would be a bare α.
+        return Err(Error::InvalidArgument(
+            "a layer of 0 elements (--elements / --bytes): nothing to predict".into(),
+        ));
     }
+    Ok(n)
 }
 
 /// Bytes of a layer of `n` f32 elements, or why it has no byte size
@@ -371,6 +378,9 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
         };
         layer_bytes(elements).map_err(|m| bad(format!("{at}: field \"elements\": {m}")))?;
         out.push(LayerSpec { name, elements });
+    }
+    if out.is_empty() {
+        return Err(bad(format!("no layers; {SHAPE}")));
     }
     Ok(out)
 }

@@ -1065,7 +1065,11 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         let mut rest = sizes;
         rest.add(o, -1.0);
         let local_s = effective_local(prof, o, nsparse);
-        let marginal_s = if o.group == GroupKind::Gradiveq {
+        let marginal_s = if l.n == 0 {
+            // No elements: the layer adds nothing to the step (the
+            // difference of two step totals could come out below zero).
+            0.0
+        } else if o.group == GroupKind::Gradiveq {
             o.local
         } else {
             marginal(&net, open, rest, o) - effective_local(prof, o, 2) + local_s
