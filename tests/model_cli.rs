@@ -802,3 +802,35 @@ fn empty_tables_and_empty_layers() {
     assert!(layers[1]["seconds"].as_f64().unwrap() > 0.0, "{out}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// Constants that overflow the model's times are an error naming them
+/// (`predict --json` wrote `null` for every time beside a choice, and
+/// `scale` times of 1.8e308 s, with status 0).
+#[test]
+fn overflowing_constants_are_errors() {
+    let slow = ["--alpha", "1e-5", "--bandwidth", "1e-300"];
+    let runs: [Vec<&str>; 2] = [
+        ["predict", "--bytes", "1G", "--ranks", "4096", "--json"]
+            .into_iter()
+            .chain(slow)
+            .collect(),
+        [
+            "scale",
+            "--layers",
+            "examples/layers/resnet50.json",
+            "--ranks",
+            "8,64",
+            "--json",
+        ]
+        .into_iter()
+        .chain(slow)
+        .collect(),
+    ];
+    for args in runs {
+        let (ok, out, err) = gradsync(&args);
+        assert!(
+            !ok && out.is_empty() && err.contains("--bandwidth) overflow"),
+            "{args:?}: {out}{err}"
+        );
+    }
+}

@@ -768,10 +768,14 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         fill: q.fill,
     };
     step::check(&sq)?;
-    Ok(StrategyId::ALL
+    let preds: Vec<Prediction> = StrategyId::ALL
         .into_iter()
         .map(|id| step::alone(prof, &sq, q.n, id, q.density))
-        .collect())
+        .collect();
+    match preds.iter().find(|x| !step::sane(x.seconds)) {
+        Some(x) => Err(step::overflow(x.seconds)),
+        None => Ok(preds),
+    }
 }
 
 /// GradiVeQ's ring on `N/r` bytes plus the compression and decompression

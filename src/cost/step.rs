@@ -715,7 +715,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
     }
     let (_, assign) =
         best.ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
-    Ok(describe(prof, q, layers, &assign))
+    finite(describe(prof, q, layers, &assign))
 }
 
 /// Predict the step of a table whose every layer's strategy is given
@@ -756,7 +756,7 @@ pub fn predict_step(
             .map_or("?", StrategyId::name)
         )));
     }
-    Ok(describe(prof, q, layers, &assign))
+    finite(describe(prof, q, layers, &assign))
 }
 
 /// The inputs of the engine's per-step choice of how the index/value
@@ -1019,6 +1019,36 @@ fn total_seconds(net: &Net, open: Open, assign: &[Option_]) -> f64 {
     t += dense_group(net, dense, s.dense);
     t += sparse_group(net, sparse, s);
     t
+}
+
+/// The plan, or an error where the profile's constants overflow its
+/// times (e.g. a bandwidth of 1e-300 B/s: `inf`, written as `null` in
+/// JSON beside a choice made among infinities).
+fn finite(plan: StepPlan) -> Result<StepPlan> {
+    if sane(plan.seconds)
+        && plan
+            .layers
+            .iter()
+            .all(|l| sane(l.marginal_s) && sane(l.alone_s))
+    {
+        Ok(plan)
+    } else {
+        Err(overflow(plan.seconds))
+    }
+}
+
+/// A time the model can stand behind: finite and below 10^12 s (31,700
+/// years; past it the constants, not the network, decide).
+pub(super) fn sane(seconds: f64) -> bool {
+    seconds.is_finite() && seconds.abs() < 1e12
+}
+
+/// The error of a prediction that overflowed.
+pub(super) fn overflow(seconds: f64) -> Error {
+    Error::InvalidArgument(format!(
+        "a predicted time is {seconds:.3e} s: the profile's constants (α, β, γ; --alpha, \
+         --bandwidth) overflow at this size"
+    ))
 }
 
 fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Option_]) -> StepPlan {
