@@ -834,3 +834,54 @@ fn overflowing_constants_are_errors() {
         );
     }
 }
+
+/// `--select-cost` overrides a calibrated profile's selection fits, which
+/// are keyed by density (`trimmed@0.001`) and used to win over the flag:
+/// the prediction did not change. `--select-fixed` alone is an error (its
+/// help says "with --select-cost").
+#[test]
+fn select_cost_overrides_a_calibrated_profile() {
+    let p = "docs/scale/profile-2x2-1gbit.json";
+    let sparse = |extra: &[&str]| {
+        let mut args = vec![
+            "predict",
+            "--bytes",
+            "16M",
+            "--ranks",
+            "8",
+            "--profile",
+            p,
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = gradsync(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+        v["strategies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == "sparse-allgather")
+            .unwrap()["seconds"]
+            .as_f64()
+            .unwrap()
+    };
+    let (base, slow) = (sparse(&[]), sparse(&["--select-cost", "1e-6"]));
+    // 4M elements at 1 µs each: about 4.2 s more than the profile's fit.
+    assert!(slow > base + 4.0, "{base} -> {slow}");
+    let (ok, _, err) = gradsync(&[
+        "predict",
+        "--bytes",
+        "16M",
+        "--ranks",
+        "8",
+        "--profile",
+        p,
+        "--select-fixed",
+        "1",
+    ]);
+    assert!(
+        !ok && err.contains("--select-fixed needs --select-cost"),
+        "{err}"
+    );
+}

@@ -119,13 +119,24 @@ impl ModelArgs {
                 )));
             }
         }
+        if self.select_fixed.is_some() && self.select_cost.is_none() {
+            return Err(Error::InvalidArgument(
+                "--select-fixed needs --select-cost (the per-element part of the same fit)".into(),
+            ));
+        }
         if self.select_cost.is_some() || self.select_fixed.is_some() {
             let fit = LinearFit {
                 a: self.select_fixed.unwrap_or(0.0),
                 b: self.select_cost.unwrap_or(0.0),
             };
-            p.select.insert(self.select_method.clone(), fit);
-            p.select.insert("quant".into(), fit);
+            // The override replaces the method's fits at every density too
+            // (a calibrated profile keys them `trimmed@0.001`, ..., which
+            // `select_fit` prefers: the flags changed nothing there).
+            for m in [self.select_method.as_str(), "quant"] {
+                let at = format!("{m}@");
+                p.select.retain(|k, _| k != m && !k.starts_with(&at));
+                p.select.insert(m.to_string(), fit);
+            }
         }
         p.validate()?;
         Ok(p)
