@@ -339,6 +339,25 @@ wd.sync(wg, weights=ww)
 ok(wd.step == 2, "the next step ran")
 wd.close()
 
+# A huge finite gradient on the last rank overflows its residual a step
+# later: that step fails on every rank as non-finite input of that rank,
+# and the steps after it run (the residual stayed infinite before).
+hv = gradsync.GradSync(comm, momentum=0.9)
+hv.register("h", (4096,), strategy="rgc:density=0.01")
+outcomes = []
+for t in range(5):
+    g = np.ones(4096, np.float32)
+    if rank == last and t == 1:
+        g[:] = 3e38
+    try:
+        hv.sync([g])
+        outcomes.append("ok")
+    except gradsync.Error as e:
+        outcomes.append(str(e))
+ok(outcomes[0] == outcomes[1] == "ok" and outcomes[3:] == ["ok", "ok"], f"overflow: {outcomes}")
+ok(f"rank {last}" in outcomes[2] and '"h"' in outcomes[2], f"overflow step names rank and layer: {outcomes[2]}")
+hv.close()
+
 # An unknown selection method is an error, not a free selection.
 e = expect_error(lambda: gradsync.predict(elements=10**6, ranks=4, density=0.001, alpha=1e-5, bandwidth=1e9, select_method="zzz"), None, "predict with an unknown selection method")
 ok("zzz" in str(e), f"select_method error: {e}")
