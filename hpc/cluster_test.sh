@@ -237,7 +237,8 @@ else
 fi
 
 # 6c. calibrate on a job spanning hosts measures both levels: shared
-# memory inside a host, the 1 Gbit/s link (two-way and one-way) between.
+# memory inside a host, the 1 Gbit/s link (two-way and one-way, and its
+# burst credit after idling) between.
 run "calibrate 2x2" --hosts 2 --ranks-per-host 2 --link 1gbit -- "$BIN" calibrate \
   --out "$WORK/prof2x2.json" --quiet --reps 3 --min-seconds 1 --max-bytes 1M --densities 0.01
 [ "$run_rc" = 0 ] || fail "calibrate on 2 x 2 exited $run_rc" "$WORK/calibrate 2x2.log"
@@ -251,7 +252,15 @@ ow = e["oneway_curve"][-1]["per_byte"]
 # 1 Gbit/s one way is 8 ns/B; shared memory is well under 1 ns/B.
 assert 5e-9 < ow < 12e-9, f"one-way {ow} s/B is not 1 Gbit/s"
 assert p["beta"] < 1e-9 < e["beta"], (p["beta"], e["beta"])
-print(f"inside {p['beta'] * 1e9:.2f} ns/B, between {e['beta'] * 1e9:.2f} ns/B two-way, {ow * 1e9:.2f} ns/B one-way")
+# The link's tbf bucket (2 ms: 250 KB at 1 Gbit/s) is a burst credit:
+# after idling, about that much crosses far faster than the rate.
+b = e.get("burst")
+assert b, "no burst credit measured on a link shaped by a token bucket"
+assert 60e3 < b["bytes"] < 1.1e6, f"burst credit {b['bytes']} B (the bucket holds 250 KB)"
+top = e["beta_curve"][-1]["per_byte"]
+assert b["beta"] < top / 2, (b, top)
+print(f"inside {p['beta'] * 1e9:.2f} ns/B, between {e['beta'] * 1e9:.2f} ns/B two-way, {ow * 1e9:.2f} ns/B one-way, "
+      f"burst credit {b['bytes'] / 1e3:.0f} KB at {b['beta'] * 1e9:.2f} ns/B")
 PY
 ) || fail "calibrate on 2 x 2: the profile's levels are wrong" "$WORK/prof2x2.json"
 say "calibrate on 2 x 2 measures both levels: $levels"

@@ -164,6 +164,21 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             gamma_unpack,
             a.out.display()
         );
+        if let Some(e) = &profile.inter_node {
+            let burst = e.burst.map_or(String::new(), |b| {
+                format!(
+                    "; after idling, the first {:.0} KB each way at {:.3e} s/B (burst credit)",
+                    b.bytes / 1e3,
+                    b.beta
+                )
+            });
+            eprintln!(
+                "calibrate: between nodes alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s){burst}",
+                e.alpha,
+                e.beta,
+                1e-9 / e.beta.max(1e-30),
+            );
+        }
     }
     if let Some(check) = &cal.check {
         print_check(comm, check, true)?;

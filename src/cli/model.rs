@@ -91,6 +91,7 @@ impl ModelArgs {
                 beta: p.beta,
                 beta_curve: p.beta_curve.clone(),
                 oneway_curve: Vec::new(),
+                burst: None,
             });
             if let Some(a) = self.inter_alpha {
                 if !(a.is_finite() && a >= 0.0) {

@@ -77,7 +77,7 @@ pub use step::{
     ExchangeChoice, ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
     StepQuery, MAX_RANKS, NEAR_TIE,
 };
-pub use topology::NetLevel;
+pub use topology::{Burst, NetLevel};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -454,6 +454,14 @@ impl Profile {
             ("gamma_clear", self.gamma_clear),
             ("inter_node.alpha", inter.map_or(0.0, |e| e.alpha)),
             ("inter_node.beta", inter.map_or(0.0, |e| e.beta)),
+            (
+                "inter_node.burst.bytes",
+                inter.and_then(|e| e.burst).map_or(0.0, |b| b.bytes),
+            ),
+            (
+                "inter_node.burst.beta",
+                inter.and_then(|e| e.burst).map_or(0.0, |b| b.beta),
+            ),
         ] {
             if !ok(v) {
                 bad.push(format!("{name} = {v}"));
@@ -488,6 +496,10 @@ impl Profile {
             (
                 "inter_node.beta_curve",
                 inter.map_or(&no_curve, |e| &e.beta_curve),
+            ),
+            (
+                "inter_node.oneway_curve",
+                inter.map_or(&no_curve, |e| &e.oneway_curve),
             ),
         ] {
             for (i, c) in curve.iter().enumerate() {

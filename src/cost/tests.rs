@@ -621,6 +621,7 @@ mod exchange {
             beta: 1.0 / 1.25e8,
             beta_curve: Vec::new(),
             oneway_curve: Vec::new(),
+            burst: None,
         });
         p
     }
@@ -646,12 +647,7 @@ mod exchange {
                             ..q(n, k, p)
                         };
                         let c = choose_sparse_exchange(&pr, &qq).expect("choice");
-                        let net = Net {
-                            prof: &pr,
-                            p,
-                            l: l.unwrap_or(p),
-                            fill,
-                        };
+                        let net = Net::new(&pr, p, l, fill);
                         let at = format!("p={p} l={l:?} n={n} d={d} fill={fill:?}");
                         assert_eq!(
                             pred(&c, StrategyId::SparseAllreduce),

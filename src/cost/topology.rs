@@ -59,12 +59,20 @@
 //! fill ratio `ρ = F(p)/(p·k)` (the engine reports `F(p)` each step) gives
 //! `F(j) = clamp(ρ·j·k, k, n)` instead ([`StepQuery::fill`]).
 //!
+//! **Burst credit.** A link shaped by a token bucket ([`Burst`]: a cloud
+//! VM's, the emulated cluster's) moves the first bytes after an idle spell
+//! faster than its sustained rate. Each collective starts with the whole
+//! credit (a training step's forward and backward pass leave the link
+//! idle), and its inter-node steps spend it in schedule order: the first
+//! `bytes` of `c·m` on a node's link cost `β_burst` each instead of
+//! `β_inter(m)`.
+//!
 //! A profile without [`Profile::inter_node`], or one node (`L ≥ p`), is
 //! the one-level model of [`super`]: exactly the closed forms there.
 
 use super::{ceil_lg, CurvePoint, Profile, StepQuery};
 use serde::{Deserialize, Serialize};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -90,6 +98,37 @@ pub struct NetLevel {
     /// Empty: the exchange's β.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub oneway_curve: Vec<CurvePoint>,
+    /// The link's burst credit, if it has one ([`Burst`]); `None`: every
+    /// byte at the curves' rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<Burst>,
+}
+
+/// A link's burst credit: after an idle spell, the first `bytes` that
+/// cross it in each direction move at `beta` seconds per byte, faster than
+/// the sustained rate of the curves. A rate limiter built as a token bucket
+/// works this way: the rate-limited network of a cloud VM, and the
+/// emulated cluster's `tbf` (`hpc/cluster.sh`: a 2 ms bucket, 250 KB at
+/// 1 Gbit/s). A training step finds the bucket full (the link idles
+/// through the forward and backward pass), so the first bytes of each
+/// collective cross on credit; a collective of a few hundred KB across the
+/// link is mostly credit, one of many MB hardly at all.
+///
+/// `gradsync calibrate` ([`crate::cost::calibrate`]) measures it on a job
+/// spanning several nodes: the exchange across the link after 20 ms of
+/// idling (the other ranks polling, as inside a collective) against the
+/// same exchange back to back (the β curve), fitted as
+/// `α + m·β(m) − min(m, bytes)·(β(m) − beta)`. A link that runs at one
+/// rate (InfiniBand, an unshaped switch) measures none. The model spends
+/// it step by step in the order of each collective's schedule, once per
+/// collective (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    /// Bytes each direction of the link moves at the burst rate.
+    pub bytes: f64,
+    /// Seconds per byte of those.
+    pub beta: f64,
 }
 
 impl NetLevel {
@@ -113,7 +152,7 @@ impl NetLevel {
 }
 
 /// The placement a prediction is made for: `p` ranks, `l` per node.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Net<'a> {
     pub prof: &'a Profile,
     pub p: usize,
@@ -121,6 +160,9 @@ pub(crate) struct Net<'a> {
     pub l: usize,
     /// Measured fill ratio of the sparse allreduces, if any.
     pub fill: Option<f64>,
+    /// Bytes of the link's [`Burst`] credit the current collective has not
+    /// spent yet (each collective's entry point refills it).
+    credit: Cell<f64>,
 }
 
 impl<'a> Net<'a> {
@@ -141,7 +183,36 @@ impl<'a> Net<'a> {
             p,
             l: ranks_per_node.unwrap_or(p).max(1),
             fill,
+            credit: Cell::new(0.0),
         }
+    }
+
+    /// The same placement with the fill ratio `fill`.
+    #[cfg(test)]
+    pub fn with_fill(&self, fill: Option<f64>) -> Self {
+        Net {
+            fill,
+            ..self.clone()
+        }
+    }
+
+    /// A collective starts on a link that has idled: its whole burst
+    /// credit is there.
+    fn refill(&self) {
+        let b = self.prof.inter_node.as_ref().and_then(|e| e.burst);
+        self.credit.set(b.map_or(0.0, |b| b.bytes));
+    }
+
+    /// Seconds the credit takes off `bytes` crossing at `beta` per byte
+    /// (and spends that much of it).
+    fn spend(&self, bytes: f64, beta: f64) -> f64 {
+        let Some(b) = self.prof.inter_node.as_ref().and_then(|e| e.burst) else {
+            return 0.0;
+        };
+        let left = self.credit.get();
+        let x = bytes.min(left).max(0.0);
+        self.credit.set(left - x);
+        x * (beta - b.beta).max(0.0)
     }
 
     /// Whether the two-level model applies: several nodes and a profile
@@ -150,29 +221,48 @@ impl<'a> Net<'a> {
         self.l < self.p && self.prof.inter_node.is_some()
     }
 
-    /// A step of one-way traffic (each connection carries one direction:
-    /// the ring), `c` ranks of a node crossing.
-    pub fn step_oneway(&self, m: f64, c: usize) -> f64 {
+    /// One exchange step of `m` bytes each way in which `c` ranks of a
+    /// node cross to other nodes (`c = 0`: every pair inside its node).
+    /// The `c·m` bytes on each node's link first spend what is left of
+    /// the link's [`Burst`] credit.
+    pub fn step(&self, m: f64, c: usize) -> f64 {
+        self.steps(1.0, m, c)
+    }
+
+    /// `count` steps of [`Net::step`] one after the other (the credit
+    /// spent by the first of them; O(1): a ring has `2(p − 1)` steps).
+    pub fn steps(&self, count: f64, m: f64, c: usize) -> f64 {
+        self.repeat(count, m, c, false)
+    }
+
+    /// `count` steps of one-way traffic (each connection carries one
+    /// direction: the ring), `c` ranks of a node crossing.
+    pub fn steps_oneway(&self, count: f64, m: f64, c: usize) -> f64 {
+        self.repeat(count, m, c, true)
+    }
+
+    /// `count` steps at the exchange's or the one-way rate.
+    fn repeat(&self, count: f64, m: f64, c: usize, oneway: bool) -> f64 {
+        if count <= 0.0 {
+            return 0.0;
+        }
         match &self.prof.inter_node {
-            Some(e) if c > 0 && self.l < self.p && !e.oneway_curve.is_empty() => {
-                e.alpha + c as f64 * m * super::curve_at(&e.oneway_curve, e.beta, m)
+            Some(e) if c > 0 && self.l < self.p => {
+                let beta = if oneway && !e.oneway_curve.is_empty() {
+                    super::curve_at(&e.oneway_curve, e.beta, m)
+                } else {
+                    e.beta_at(m)
+                };
+                let bytes = c as f64 * m;
+                count * (e.alpha + bytes * beta) - self.spend(count * bytes, beta)
             }
-            _ => self.step(m, c),
+            _ => count * (self.prof.alpha + m * self.prof.beta_at(m)),
         }
     }
 
     /// Nodes.
     pub fn nodes(&self) -> usize {
         self.p.div_ceil(self.l)
-    }
-
-    /// One exchange step of `m` bytes each way in which `c` ranks of a
-    /// node cross to other nodes (`c = 0`: every pair inside its node).
-    pub fn step(&self, m: f64, c: usize) -> f64 {
-        match (&self.prof.inter_node, c) {
-            (Some(e), c) if c > 0 && self.l < self.p => e.alpha + c as f64 * m * e.beta_at(m),
-            _ => self.prof.alpha + m * self.prof.beta_at(m),
-        }
     }
 }
 
@@ -272,6 +362,7 @@ pub(crate) fn rabenseifner(net: &Net, bytes: f64) -> f64 {
     if net.p <= 1 || bytes <= 0.0 {
         return 0.0;
     }
+    net.refill();
     let cross = crossings(Sched::Doubling, net.p, net.l);
     halving(net, bytes, net.p, &cross)
 }
@@ -291,17 +382,25 @@ fn rabenseifner_nodes(net: &Net, bytes: f64, h: usize, c: usize) -> f64 {
 fn halving(net: &Net, bytes: f64, q: usize, cross: &[usize]) -> f64 {
     let (steps, fold) = cross.split_at(cross.len() - 1);
     let prof = net.prof;
+    let folded = !q.is_power_of_two();
     let mut t = 0.0;
+    // In schedule order (the order the burst credit is spent in): the
+    // fold's two half messages, the reduce-scatter, the allgather, the
+    // fold's result back.
+    if folded {
+        t += net.steps(2.0, bytes / 2.0, fold[0]) + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);
+    }
     let mut m = bytes;
     for &c in steps {
         m /= 2.0;
-        t += 2.0 * net.step(m, c) + m * prof.gamma_reduce_at(m);
+        t += net.step(m, c) + m * prof.gamma_reduce_at(m);
     }
-    if !q.is_power_of_two() {
-        let c = fold[0];
-        t += 2.0 * net.step(bytes / 2.0, c)
-            + net.step(bytes, c)
-            + bytes / 2.0 * prof.gamma_reduce_at(bytes / 2.0);
+    for &c in steps.iter().rev() {
+        t += net.step(m, c);
+        m *= 2.0;
+    }
+    if folded {
+        t += net.step(bytes, fold[0]);
     }
     t
 }
@@ -312,9 +411,10 @@ pub(crate) fn ring(net: &Net, bytes: f64) -> f64 {
     if p <= 1 || bytes <= 0.0 {
         return 0.0;
     }
+    net.refill();
     let seg = bytes / p as f64;
     let c = usize::from(net.nodes() > 1);
-    2.0 * (p as f64 - 1.0) * net.step_oneway(seg, c)
+    net.steps_oneway(2.0 * (p as f64 - 1.0), seg, c)
         + (p as f64 - 1.0) * seg * net.prof.gamma_reduce_at(seg)
 }
 
@@ -331,6 +431,7 @@ pub(crate) fn hierarchical(net: &Net, bytes: f64) -> f64 {
     if p <= 1 || bytes <= 0.0 {
         return 0.0;
     }
+    net.refill();
     let (s, l) = node_sizes(net);
     let shard = bytes / s as f64;
     let prof = net.prof;
@@ -345,6 +446,12 @@ pub(crate) fn hierarchical(net: &Net, bytes: f64) -> f64 {
 
 /// The recursive-doubling allgather of `m` bytes per rank (no unpacking).
 pub(crate) fn allgather(net: &Net, m: f64) -> f64 {
+    net.refill();
+    allgather_in(net, m)
+}
+
+/// [`allgather`] as a phase of a collective (the credit left as it is).
+fn allgather_in(net: &Net, m: f64) -> f64 {
     let p = net.p;
     if p <= 1 || m <= 0.0 {
         return 0.0;
@@ -404,6 +511,7 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
     if p <= 1 {
         return 0.0;
     }
+    net.refill();
     let pf = p as f64;
     let prof = net.prof;
     let agree = 2.0 * ceil_lg(p) * prof.alpha;
@@ -414,7 +522,7 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
         .map(|&c| net.step(8.0, c) + net.step(per, c))
         .sum();
     let region = reduced_bytes(fill(n, k, p, rho) / pf, n / pf);
-    let gather = allgather(net, region);
+    let gather = allgather_in(net, region);
     agree
         + rounds
         + gather
@@ -434,6 +542,7 @@ pub(crate) fn sparse_hierarchical(net: &Net, n: f64, k: f64, rho: Option<f64>) -
     if p <= 1 {
         return 0.0;
     }
+    net.refill();
     let prof = net.prof;
     let (_, l) = node_sizes(net);
     let h = net.nodes();

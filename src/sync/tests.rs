@@ -2081,6 +2081,7 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
         beta: 1.0 / 1.25e8,
         beta_curve: Vec::new(),
         oneway_curve: Vec::new(),
+        burst: None,
     });
     let table = vec![
         ("bias", 10, Strategy::Dense),

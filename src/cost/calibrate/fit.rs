@@ -3,9 +3,9 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, barrier_span, cold_add_probe, exchange_time, exchange_time_with, layers_probe,
-    local, net_cap, net_sizes, pairs, pingpong, pingpong_with, sizes_up_to, sparse_step_probe,
-    step_probe, synthetic, Probe, NET_PROBE_S,
+    allgather_time, barrier_span, cold_add_probe, exchange_time, exchange_time_with,
+    idle_exchange_time, layers_probe, local, net_cap, net_sizes, pairs, pingpong, pingpong_with,
+    sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe, NET_PROBE_S,
 };
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
@@ -163,6 +163,22 @@ pub(super) fn run(
     let check_at = probes.len();
     if opts.check {
         probes.extend(check_probes(comm, &CHECK_SIZES, densities)?);
+    }
+    // 1b. The link's burst credit (several nodes only): the exchanges
+    // across it again, each after the link has idled (as it does through a
+    // training step's forward and backward pass).
+    let idle_at = probes.len();
+    let idle_sizes: Vec<usize> = net_sizes[..inter]
+        .iter()
+        .copied()
+        .filter(|&b| b >= 16 << 10)
+        .collect();
+    for &b in &idle_sizes {
+        let (mut send, mut recv) = (vec![0u8; b], vec![0u8; b]);
+        let peer = pairs.inter;
+        probes.push(Box::new(move |r| {
+            idle_exchange_time(comm, peer, &mut send, &mut recv, r)
+        }));
     }
     let (remote_med, nrounds) = phase(
         comm,
@@ -335,6 +351,7 @@ pub(super) fn run(
             beta,
             beta_curve: curve,
             oneway_curve: Vec::new(),
+            burst: None,
         }
     };
     let inter_node = pairs.multi.then(|| {
@@ -394,12 +411,7 @@ pub(super) fn run(
         // The allreduce's α-β part on this job's placement (two levels
         // when it spans nodes).
         let raben = |prof: &Profile, bytes: f64| {
-            let net = cost::topology::Net {
-                prof,
-                p,
-                l: pairs.ranks_per_node,
-                fill: None,
-            };
+            let net = cost::topology::Net::new(prof, p, Some(pairs.ranks_per_node), None);
             if net.two_level() {
                 cost::topology::rabenseifner(&net, bytes)
             } else {
@@ -508,6 +520,18 @@ pub(super) fn run(
         1.0
     };
     log::debug!("calibrate: 8 layers' local phase {ser:.3e} s serial, {par:.3e} s parallel");
+    // The credit last: the γ_reduce fit above subtracts the allreduces'
+    // α-β part as they ran, back to back, on a link without credit.
+    let mut inter_node = inter_node;
+    if let Some(e) = inter_node.as_mut() {
+        let rows: Vec<(f64, f64)> = idle_sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (b as f64, remote_med[idle_at + i]))
+            .collect();
+        log::debug!("calibrate: between nodes after idling {rows:?}");
+        e.burst = super::burst::fit(e, &rows);
+    }
     let profile = Profile {
         version: PROFILE_VERSION,
         alpha,

@@ -34,7 +34,10 @@
 //!    of two up to [`CalibrateOptions::max_bytes`]; gradsync's Rabenseifner
 //!    allreduce over the layer sizes; and with
 //!    [`CalibrateOptions::check`] the check's probes, so the model is
-//!    compared with measurements taken in the same machine states.
+//!    compared with measurements taken in the same machine states. On a
+//!    job spanning several nodes, also the exchange across the link after
+//!    20 ms of idling: the link's burst credit ([`crate::cost::Burst`]),
+//!    fitted last.
 //! 2. **Local costs**, on every rank at once (after a barrier, so ranks
 //!    contend for memory bandwidth as in a real step): RGC unit
 //!    scatter-adds (γ_unpack), clearing dense outputs of 4 MiB and more
@@ -46,6 +49,7 @@
 //! allreduces minus their α-β part under that curve, γ_unpack, γ_clear, and the
 //! linear fits `a + b·n` of the local costs.
 
+mod burst;
 mod check;
 mod fit;
 mod probes;

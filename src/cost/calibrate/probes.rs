@@ -214,6 +214,24 @@ pub(super) fn exchange_time_with(
     Ok(mpi::time() - t0)
 }
 
+/// [`exchange_time_with`] after every rank (and so the link) has idled
+/// for [`super::burst::IDLE_S`]: the probe of the link's burst credit.
+pub(super) fn idle_exchange_time(
+    comm: &MpiComm,
+    peer: Option<usize>,
+    send: &mut [u8],
+    recv: &mut [u8],
+    round: usize,
+) -> Result<f64> {
+    std::thread::sleep(std::time::Duration::from_secs_f64(super::burst::IDLE_S));
+    let t = exchange_time_with(comm, peer, send, recv, round)?;
+    // The other ranks wait (polling, as in a collective) until the pair is
+    // done: on a machine whose ranks share cores, a pair alone with idle
+    // cores moves its burst several times faster than inside a collective.
+    comm.barrier()?;
+    Ok(t)
+}
+
 /// The pairs of a calibration on several nodes (issue #15): inside a node
 /// every rank is paired with a neighbour of the same node (all pairs at
 /// once, as the collectives' intra-node steps run), across nodes rank 0

@@ -8,17 +8,13 @@ fn prof(inter: Option<(f64, f64)>) -> Profile {
         beta: 1.0 / bw,
         beta_curve: Vec::new(),
         oneway_curve: Vec::new(),
+        burst: None,
     });
     p
 }
 
 fn net(prof: &Profile, p: usize, l: usize) -> Net<'_> {
-    Net {
-        prof,
-        p,
-        l,
-        fill: None,
-    }
+    Net::new(prof, p, Some(l), None)
 }
 
 fn rel(a: f64, b: f64) -> f64 {
@@ -144,10 +140,7 @@ fn node_aware_sparse_beats_the_flat_allgather_across_nodes() {
     );
     // With full overlap (every rank selected the same indices) the
     // sparse allreduce's result is k pairs, not p·k.
-    let same = Net {
-        fill: Some(1.0 / 64.0),
-        ..n
-    };
+    let same = n.with_fill(Some(1.0 / 64.0));
     assert!(sparse_allreduce(&same, elems, k, same.fill) < sar / 2.0);
     // One node: no link, no inter-node phase.
     let one = net(&pr, 8, 8);
@@ -304,6 +297,7 @@ fn two_way_slowdown_compares_the_largest_common_size() {
         beta: 8e-9,
         beta_curve: vec![pt(4096.0, 5e-9), pt((1 << 24) as f64, 16e-9)],
         oneway_curve: Vec::new(),
+        burst: None,
     };
     assert_eq!(e.two_way_slowdown(), None, "no one-way curve");
     e.oneway_curve = vec![pt(4096.0, 2.5e-9), pt((1 << 24) as f64, 8e-9)];
@@ -390,4 +384,53 @@ fn pairwise_crossings_in_closed_form_equal_the_count() {
             }
         }
     }
+}
+
+/// The burst credit: each collective starts with the whole of it, its
+/// inter-node steps spend it in schedule order at `β − β_burst` a byte,
+/// and a phase inside a collective does not refill it.
+#[test]
+fn the_burst_credit_is_spent_once_per_collective() {
+    let plain = prof(Some((2e-5, 1.25e8)));
+    let mut pr = plain.clone();
+    let burst = Burst {
+        bytes: 150e3,
+        beta: 3e-9,
+    };
+    pr.inter_node.as_mut().expect("two levels").burst = Some(burst);
+    let per_byte = 8e-9 - 3e-9;
+    let (without, with) = (net(&plain, 4, 1), net(&pr, 4, 1));
+    // An allgather of 100 KB a rank on 4 × 1 moves 100 + 200 KB each way
+    // on every link: 150 KB of them on credit.
+    let m = 100e3;
+    let want = allgather(&without, m) - 150e3 * per_byte;
+    assert!(rel(allgather(&with, m), want) < 1e-12);
+    // The next collective finds the credit whole again.
+    assert!(rel(allgather(&with, m), want) < 1e-12);
+    // Traffic under the credit is all at the burst rate: 10 + 20 KB.
+    let small = allgather(&without, 10e3) - 30e3 * per_byte;
+    assert!(rel(allgather(&with, 10e3), small) < 1e-12);
+    // 64 MiB of Rabenseifner: the first step's message alone exceeds it.
+    let big = (64 << 20) as f64;
+    let saved = rabenseifner(&without, big) - rabenseifner(&with, big);
+    assert!(rel(saved, 150e3 * per_byte) < 1e-9, "{saved}");
+    // The ring's 2(p − 1) = 6 steps of 10 KB: 60 KB, all of it on credit.
+    let saved = ring(&without, 40e3) - ring(&with, 40e3);
+    assert!(rel(saved, 60e3 * per_byte) < 1e-9, "{saved}");
+    // The sparse allreduce's rounds and its allgather share one credit.
+    let (n, k) = (16e6, 16e3);
+    let saved = sparse_allreduce(&without, n, k, None) - sparse_allreduce(&with, n, k, None);
+    assert!(rel(saved, 150e3 * per_byte) < 1e-9, "{saved}");
+    // Inside one node there is no link and no credit.
+    let (one, one_b) = (net(&plain, 4, 4), net(&pr, 4, 4));
+    assert_eq!(allgather(&one, m), allgather(&one_b, m));
+    // A credit is validated and survives a round trip.
+    let back: Profile = serde_json::from_str(&serde_json::to_string(&pr).unwrap()).unwrap();
+    assert_eq!(back.inter_node.unwrap().burst, Some(burst));
+    pr.inter_node.as_mut().unwrap().burst = Some(Burst {
+        bytes: -1.0,
+        beta: 3e-9,
+    });
+    let e = pr.validate().unwrap_err().to_string();
+    assert!(e.contains("inter_node.burst.bytes = -1"), "{e}");
 }
