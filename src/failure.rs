@@ -227,6 +227,48 @@ pub(crate) fn same_on_every_rank<C: Transport>(
     rank_failed(&msgs, None).map_or(Ok(()), Err)
 }
 
+/// Collective, on the path where every rank has learned that options
+/// (a JSON object: `mine`) differ across ranks: gathers every rank's and
+/// names, for the lowest rank whose options differ from rank 0's, each
+/// top-level option that differs with both values (an object or a long
+/// value, such as a profile, only by its name). Every rank returns the
+/// same text.
+pub(crate) fn option_differences<C: Transport>(comm: &C, mine: &[u8]) -> Result<String> {
+    let g = allgatherv(comm, mine, AllgathervAlgo::RecursiveDoubling)?;
+    let parse = |r: usize| -> serde_json::Map<String, serde_json::Value> {
+        serde_json::from_slice(g.message(r)).unwrap_or_default()
+    };
+    let first = parse(0);
+    for r in 1..g.len() {
+        let theirs = parse(r);
+        let mut keys: Vec<&String> = first.keys().chain(theirs.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let d: Vec<String> = keys
+            .into_iter()
+            .filter(|k| first.get(*k) != theirs.get(*k))
+            .map(|k| {
+                let show = |v: Option<&serde_json::Value>| {
+                    v.map_or("default".to_string(), |v| v.to_string())
+                };
+                let (v0, v) = (show(first.get(k)), show(theirs.get(k)));
+                if v0.len() + v.len() > 120 {
+                    format!("{k} differs")
+                } else {
+                    format!("{k} = {v} (rank 0: {v0})")
+                }
+            })
+            .collect();
+        if !d.is_empty() {
+            return Ok(format!(
+                "engine options (every rank must pass the same): rank {r} has {}",
+                d.join(", ")
+            ));
+        }
+    }
+    Ok("engine options (every rank must pass the same)".into())
+}
+
 /// What differs in `theirs` from rank 0's `first`; empty when nothing does.
 fn differences(first: &[(String, String)], theirs: &[(String, String)]) -> String {
     let mut d = Vec::new();

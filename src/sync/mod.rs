@@ -284,9 +284,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             auto_allreduce: None,
             step_load: exchange::Load::default(),
         };
-        s.agree(valid.map(|()| table_hash), || {
-            "the engine options (Config) differ".to_string()
-        })?;
+        match s.agree(valid.map(|()| table_hash), String::new) {
+            // Every rank is here: name what differs (one more collective).
+            Err(Error::TableMismatch(_)) => {
+                let comm = s.comm.as_ref().expect("transport held at creation");
+                return Err(Error::TableMismatch(crate::failure::option_differences(
+                    comm, &json,
+                )?));
+            }
+            r => r?,
+        }
         // Every rank has the same options here, so every rank asks for the
         // nodes (collective on MPI) or none does, and all get the same answer.
         let two_level = s

@@ -1992,10 +1992,31 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
             .map_err(|e| e.to_string())
     });
     assert!(
-        res.iter()
-            .all(|r| r.as_ref().is_err_and(|e| e.contains("differ"))),
+        res.iter().all(|r| r.as_ref().is_err_and(
+            |e| e.contains("rank 1 has sparse_exchange = \"allreduce\" (rank 0: default)")
+        )),
         "{res:?}"
     );
+    // On 3 ranks, the last one's threshold and profile: both named (the
+    // profile by name only), the same text on every rank.
+    let res = LocalComm::run(3, |c| {
+        let last = c.rank() == 2;
+        let cfg = Config {
+            compress_threshold: if last { 7 } else { 9 },
+            profile: last
+                .then(|| crate::cost::Profile::from_network(1e-6, 1e9, 0.0, 0.0).expect("profile")),
+            ..cfg()
+        };
+        GradSync::with_transport(c, cfg)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    let e = res[0].clone().expect_err("options differ");
+    assert!(
+        e.contains("rank 2 has compress_threshold = 7 (rank 0: 9), profile differs"),
+        "{e}"
+    );
+    assert!(res.iter().all(|r| r.as_ref().err() == Some(&e)), "{res:?}");
 }
 
 /// The in-process transport with a node map, ranks in blocks of `per`
