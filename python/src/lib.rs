@@ -431,7 +431,8 @@ impl PyGradSync {
         })
     }
 
-    /// Register a layer (collective); returns its index.
+    /// Register a layer (collective); returns its index. Names must be
+    /// unique, non-empty and free of control characters.
     #[pyo3(signature = (name, shape, strategy=None))]
     fn register(
         &self,

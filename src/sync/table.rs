@@ -123,6 +123,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// Register a layer with the default strategy ([`resolve`](Self::resolve)).
     /// Collective: all ranks must register the same layers in the same order.
+    /// Names must be unique, non-empty and free of control characters
+    /// (errors, stats and snapshots name layers by them).
     pub fn register(&mut self, name: &str, shape: &[usize]) -> Result<LayerId> {
         let strategy = self.default_strategy(shape);
         self.register_impl(name, shape, strategy)
@@ -286,6 +288,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Option<crate::gradiveq::schedule::GradiveqLayer>,
         bool,
     )> {
+        // Errors, stats and snapshots name layers: a name must tell one
+        // layer from the others.
+        if name.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a layer needs a name (errors and stats name layers by it)".into(),
+            ));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(Error::InvalidArgument(
+                "the name holds a control character (NUL, newline, ...)".into(),
+            ));
+        }
+        if let Some(j) = self.layers.iter().position(|l| l.name == name) {
+            return Err(Error::InvalidArgument(format!(
+                "layer #{j} has the same name (names must be unique: errors, stats and \
+                 snapshots name layers by them)"
+            )));
+        }
         let n = shape
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))

@@ -974,6 +974,42 @@ fn fail_step_and_register_spec_are_collective() {
     }
 }
 
+/// Layer names tell layers apart in errors, stats and snapshots: an empty
+/// name, a control character or a name already registered fails the
+/// registration on every rank (naming the rank, the layer and why), and
+/// registers nothing anywhere.
+#[test]
+fn layer_names_must_be_unique_and_printable() {
+    let out = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register("w", &[8]).expect("first w");
+        let mut errs = Vec::new();
+        for bad in ["w", "", "a\0b", "x\ny"] {
+            // Only the last rank passes the bad name; the others a good one.
+            let name = if rank == 2 { bad } else { "fine" };
+            errs.push(s.register(name, &[4]).unwrap_err().to_string());
+        }
+        s.register("b", &[4]).expect("the table goes on");
+        (errs, s.num_layers())
+    });
+    for (errs, n) in &out {
+        assert_eq!(errs, &out[0].0, "the same errors on every rank");
+        assert_eq!(*n, 2, "nothing registered by the failed calls");
+    }
+    let e = &out[0].0;
+    assert!(
+        e[0].contains("rank 2 failed") && e[0].contains("layer #0 has the same name"),
+        "{}",
+        e[0]
+    );
+    assert!(e[1].contains("a layer needs a name"), "{}", e[1]);
+    assert!(
+        e[2].contains("control character") && e[3].contains("control character"),
+        "{e:?}"
+    );
+}
+
 /// Issue #11 class 5: snapshots are checked (CRC-32 over the file, finite
 /// floats) and loading is collective: bad bytes on one rank fail every rank
 /// with the same error and leave every engine unchanged.
