@@ -885,3 +885,75 @@ fn select_cost_overrides_a_calibrated_profile() {
         "{err}"
     );
 }
+
+/// Flags that would change nothing or make no sense are errors naming
+/// them: a negative selection cost, `crossover` with the strategies'
+/// roles swapped, the link's constants without `--ranks-per-node` (one
+/// node: no link), and a list with an empty item.
+#[test]
+fn flags_that_would_do_nothing_are_errors() {
+    let base = ["--alpha", "5e-6", "--bandwidth", "1e9"];
+    let run = |args: &[&str]| {
+        let mut v: Vec<&str> = args.to_vec();
+        v.extend_from_slice(&base);
+        gradsync(&v)
+    };
+    let (ok, _, err) = run(&[
+        "predict",
+        "--bytes",
+        "16M",
+        "--ranks",
+        "8",
+        "--select-cost=-1",
+    ]);
+    assert!(
+        !ok && err.contains("--select-cost -1: must be a finite number of seconds ≥ 0"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["crossover", "--ranks", "8", "--sparse", "dense-ring"]);
+    assert!(
+        !ok && err.contains("--sparse dense-ring: a dense strategy"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["crossover", "--ranks", "8", "--dense", "sparse-allreduce"]);
+    assert!(
+        !ok && err.contains("--dense sparse-allreduce: not a dense strategy"),
+        "{err}"
+    );
+    for (flag, v) in [("--inter-alpha", "1e-5"), ("--inter-bandwidth", "1e9")] {
+        let (ok, _, err) = run(&["predict", "--bytes", "16M", "--ranks", "8", flag, v]);
+        assert!(!ok && err.contains("--ranks-per-node"), "{flag}: {err}");
+        let (ok, _, err) = run(&[
+            "predict",
+            "--bytes",
+            "16M",
+            "--ranks",
+            "8",
+            flag,
+            v,
+            "--ranks-per-node",
+            "2",
+        ]);
+        assert!(ok, "{flag} with --ranks-per-node: {err}");
+    }
+    let (ok, _, err) = run(&[
+        "predict",
+        "--bytes",
+        "16M",
+        "--ranks",
+        "8",
+        "--strategies",
+        "dense-ring,,sparse-allgather",
+    ]);
+    assert!(!ok && err.contains("an empty item"), "{err}");
+    let (ok, _, err) = run(&[
+        "predict",
+        "--bytes",
+        "16M",
+        "--ranks",
+        "8",
+        "--strategies",
+        "dense-ring,sparse-allgather,",
+    ]);
+    assert!(ok, "a trailing comma is fine: {err}");
+}

@@ -196,11 +196,13 @@ pub fn parse_size(s: &str) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("bad size {s:?} (e.g. 4K, 1M, 2G, 100)")))
 }
 
-/// Parse a comma-separated list with `f`.
+/// Parse a comma-separated list with `f` (empty for a blank string; one
+/// trailing comma allowed; an empty item elsewhere, as in `4K,,8K`, is an
+/// error).
 pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Vec<T>> {
-    s.split(',')
-        .filter(|x| !x.trim().is_empty())
-        .map(|x| f(x.trim()))
+    crate::cost::decide::split_list(s)?
+        .into_iter()
+        .map(f)
         .collect()
 }
 
@@ -218,5 +220,20 @@ mod tests {
         assert!(parse_size("").is_err());
         assert!(parse_size("K").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn lists_refuse_empty_items_but_a_trailing_comma() {
+        let p = |s: &str| parse_list(s, parse_size);
+        assert_eq!(p("4K,8K").unwrap(), [4096, 8192]);
+        assert_eq!(p("4K, 8K,").unwrap(), [4096, 8192]);
+        assert!(
+            p(" ").unwrap().is_empty(),
+            "blank: no items (the caller says what is missing)"
+        );
+        for bad in ["4K,,8K", ",", ",4K", " , ", "4K,,"] {
+            let e = p(bad).unwrap_err().to_string();
+            assert!(e.contains("empty item"), "{bad:?}: {e}");
+        }
     }
 }

@@ -48,12 +48,12 @@ pub struct ModelArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub ranks_per_node: Option<u64>,
     /// Latency between nodes, seconds per message (default: the profile's
-    /// `inter_node`, else its `alpha`).
-    #[arg(long)]
+    /// `inter_node`, else its `alpha`). Needs --ranks-per-node.
+    #[arg(long, requires = "ranks_per_node")]
     pub inter_alpha: Option<f64>,
     /// Bandwidth of a node's link, bytes per second (default: the
-    /// profile's `inter_node`, else one level).
-    #[arg(long)]
+    /// profile's `inter_node`, else one level). Needs --ranks-per-node.
+    #[arg(long, requires = "ranks_per_node")]
     pub inter_bandwidth: Option<f64>,
     /// Measured fill ratio of the sparse allreduce, distinct indices of
     /// the sum over p·k, in (0, 1] (default: independent selections).
@@ -117,6 +117,16 @@ impl ModelArgs {
             if !(f > 0.0 && f <= 1.0) {
                 return Err(Error::InvalidArgument(format!(
                     "--fill {f}: must lie in (0, 1] (distinct indices of the sum over p·k)"
+                )));
+            }
+        }
+        for (flag, v) in [
+            ("--select-cost", self.select_cost),
+            ("--select-fixed", self.select_fixed),
+        ] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(Error::InvalidArgument(format!(
+                    "{flag} {v}: must be a finite number of seconds ≥ 0"
                 )));
             }
         }
@@ -632,6 +642,20 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         if !STRATEGIES.contains(&s.as_str()) {
             return Err(Error::InvalidArgument(format!("unknown strategy {s:?}")));
         }
+    }
+    if a.sparse.starts_with("dense-") {
+        return Err(Error::InvalidArgument(format!(
+            "--sparse {}: a dense strategy (--sparse takes a compressed one, e.g. \
+             sparse-allgather, sparse-allreduce, qsgd)",
+            a.sparse
+        )));
+    }
+    if !a.dense.starts_with("dense-") {
+        return Err(Error::InvalidArgument(format!(
+            "--dense {}: not a dense strategy (dense-rabenseifner, dense-ring, \
+             dense-hierarchical)",
+            a.dense
+        )));
     }
     let max_b = parse_size(&a.max_bytes)?;
     if max_b < 4 || max_b % 4 != 0 {

@@ -255,11 +255,26 @@ pub fn choose<'a>(preds: &'a [Prediction], allowed: &[StrategyId]) -> Option<&'a
 
 /// Parse a comma-separated list of strategy names (empty: none).
 pub fn parse_list(s: &str) -> Result<Vec<StrategyId>> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|x| !x.is_empty())
-        .map(str::parse)
-        .collect()
+    split_list(s)?.into_iter().map(str::parse).collect()
+}
+
+/// The trimmed items of a comma-separated list: none for an empty or blank
+/// string, one trailing comma allowed, an empty item elsewhere (`a,,b`,
+/// `,a`) an error.
+pub(crate) fn split_list(s: &str) -> Result<Vec<&str>> {
+    if s.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut items: Vec<&str> = s.split(',').map(str::trim).collect();
+    if items.len() > 1 && items.last() == Some(&"") {
+        items.pop();
+    }
+    if items.iter().any(|x| x.is_empty()) {
+        return Err(Error::InvalidArgument(format!(
+            "an empty item in the list {s:?}"
+        )));
+    }
+    Ok(items)
 }
 
 #[cfg(test)]

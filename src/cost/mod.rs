@@ -64,7 +64,7 @@
 //! zero unless given on the command line.
 
 pub(crate) mod calibrate;
-mod decide;
+pub(crate) mod decide;
 mod step;
 pub mod topology;
 pub use calibrate::{
