@@ -800,6 +800,38 @@ fn empty_tables_and_empty_layers() {
     let layers = v["layers"].as_array().unwrap();
     assert_eq!(layers[0]["seconds"].as_f64(), Some(0.0), "{out}");
     assert!(layers[1]["seconds"].as_f64().unwrap() > 0.0, "{out}");
+    // Tables a model could not have: each an error naming the file and
+    // the entry (a table of only empty layers printed "NaNx over dense").
+    for (file, body, want) in [
+        (
+            "zeros.json",
+            r#"[{"name": "a", "elements": 0}]"#,
+            "every layer has 0 elements",
+        ),
+        (
+            "dup.json",
+            r#"[{"name": "a", "elements": 4}, {"name": "a", "elements": 8}]"#,
+            "layer 1 (\"a\"): the same name as layer 0",
+        ),
+        (
+            "noname.json",
+            r#"[{"name": "", "elements": 4}]"#,
+            "layer 0 (\"\"): field \"name\" must be non-empty",
+        ),
+        (
+            "total.json",
+            r#"{"total_elements": 13, "layers": [{"name": "a", "elements": 4}, {"name": "b", "elements": 8}]}"#,
+            "\"total_elements\" is 13, but the layers hold 12 elements",
+        ),
+    ] {
+        let path = d.join(file);
+        std::fs::write(&path, body).unwrap();
+        let (ok, _, err) = run(with(&["plan", "--layers", path.to_str().unwrap()]));
+        assert!(
+            !ok && err.contains(file) && err.contains(want),
+            "{file}: {err}"
+        );
+    }
     std::fs::remove_dir_all(&d).ok();
 }
 

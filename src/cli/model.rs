@@ -382,6 +382,16 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
             None => return Err(bad(format!("layer {i}: missing field \"name\""))),
         };
         let at = format!("layer {i} ({name:?})");
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "{at}: field \"name\" must be non-empty without control characters"
+            )));
+        }
+        if let Some(j) = out.iter().position(|l: &LayerSpec| l.name == name) {
+            return Err(bad(format!(
+                "{at}: the same name as layer {j} (names must be unique)"
+            )));
+        }
         let elements = match o.get("elements") {
             Some(Value::Number(x)) => x
                 .as_u64()
@@ -403,6 +413,19 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
     }
     if out.is_empty() {
         return Err(bad(format!("no layers; {SHAPE}")));
+    }
+    if out.iter().all(|l| l.elements == 0) {
+        return Err(bad(
+            "every layer has 0 elements: nothing to synchronize".into()
+        ));
+    }
+    if let Some(t) = v.get("total_elements") {
+        let sum: u128 = out.iter().map(|l| l.elements as u128).sum();
+        if t.as_u64().map(u128::from) != Some(sum) {
+            return Err(bad(format!(
+                "\"total_elements\" is {t}, but the layers hold {sum} elements"
+            )));
+        }
     }
     Ok(out)
 }
