@@ -43,9 +43,10 @@
 //! | 4·len | indices, u32 LE, each `< n` |
 //!
 //! Decoders check `len ≤ n`, the exact payload length, every index and
-//! value **before** writing anything, so `acc` is untouched on error. They
-//! accept indices in any order and repeated ones (a repeated index adds its
-//! value twice, which is what scatter-adding the message means).
+//! value **before** writing anything, so `acc` is untouched on error.
+//! Indices must be strictly ascending, as every encoder sends them (the
+//! selections of [`crate::select`] are sorted): a repeated or out-of-order
+//! index is a corrupt message, which would otherwise add one entry twice.
 //!
 //! ## Error bound
 //!
@@ -148,11 +149,24 @@ fn u32s(b: &[u8]) -> impl Iterator<Item = usize> + '_ {
         .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")) as usize)
 }
 
+/// Indices in range and strictly ascending: the encoders send their
+/// selection's indices that way ([`crate::select`]); a repeated or
+/// out-of-order index is a corrupt message (it would add one entry twice),
+/// an error naming the entry.
 fn check_indices(idx: &[u8], n: usize) -> Result<()> {
-    if let Some((j, i)) = u32s(idx).enumerate().find(|&(_, i)| i >= n) {
-        return Err(Error::Decode(format!(
-            "entry {j}: index {i} out of range for {n} elements"
-        )));
+    let mut prev: Option<usize> = None;
+    for (j, i) in u32s(idx).enumerate() {
+        if i >= n {
+            return Err(Error::Decode(format!(
+                "entry {j}: index {i} out of range for {n} elements"
+            )));
+        }
+        if let Some(p) = prev.filter(|&p| p >= i) {
+            return Err(Error::Decode(format!(
+                "entry {j}: index {i} after {p} (indices must be strictly ascending)"
+            )));
+        }
+        prev = Some(i);
     }
     Ok(())
 }

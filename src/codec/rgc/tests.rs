@@ -319,15 +319,31 @@ fn decoders_reject_bad_payloads_without_writing() {
     let good = rgc_msg(1, &[7], &[1.5]);
     assert!(q.decode_add(&good, &mut init.clone()).is_err());
     assert!(rgc.decode_add(&good, &mut [0.0; 7]).is_err());
-    // Unordered and repeated indices are scatter-added.
-    let mut acc = vec![0.0; n];
-    rgc.decode_add(&rgc_msg(3, &[5, 2, 5], &[1.0, 2.0, 3.0]), &mut acc)
-        .expect("test");
-    assert_eq!(acc, [0.0, 0.0, 2.0, 0.0, 0.0, 4.0, 0.0, 0.0]);
-    let mut acc = vec![0.0; n];
-    q.decode_add(&q_msg(3, -1.5, &[6, 0, 6]), &mut acc)
-        .expect("test");
-    assert_eq!(acc, [-1.5, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0, 0.0]);
+    // Unordered and repeated indices: the encoders send them strictly
+    // ascending, so either is a corrupt message (a repeat would add one
+    // entry twice), named by its entry, the accumulator untouched.
+    for (m, want) in [
+        (
+            rgc_msg(3, &[5, 2, 6], &[1.0, 2.0, 3.0]),
+            "entry 1: index 2 after 5",
+        ),
+        (
+            rgc_msg(3, &[1, 5, 5], &[1.0, 2.0, 3.0]),
+            "entry 2: index 5 after 5",
+        ),
+    ] {
+        let mut acc = init.clone();
+        let e = rgc.decode_add(&m, &mut acc).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+        assert_eq!(acc, init, "acc untouched");
+    }
+    let mut acc = init.clone();
+    let e = q
+        .decode_add(&q_msg(3, -1.5, &[0, 6, 6]), &mut acc)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("entry 2: index 6 after 6"), "{e}");
+    assert_eq!(acc, init, "acc untouched");
 }
 
 #[test]
