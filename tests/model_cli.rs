@@ -930,14 +930,12 @@ fn flags_that_would_do_nothing_are_errors() {
         v.extend_from_slice(&base);
         gradsync(&v)
     };
-    let (ok, _, err) = run(&[
-        "predict",
-        "--bytes",
-        "16M",
-        "--ranks",
-        "8",
-        "--select-cost=-1",
-    ]);
+    let predict = |extra: &[&str]| {
+        let mut v = vec!["predict", "--bytes", "16M", "--ranks", "8"];
+        v.extend_from_slice(extra);
+        run(&v)
+    };
+    let (ok, _, err) = predict(&["--select-cost=-1"]);
     assert!(
         !ok && err.contains("--select-cost -1: must be a finite number of seconds ≥ 0"),
         "{err}"
@@ -953,39 +951,13 @@ fn flags_that_would_do_nothing_are_errors() {
         "{err}"
     );
     for (flag, v) in [("--inter-alpha", "1e-5"), ("--inter-bandwidth", "1e9")] {
-        let (ok, _, err) = run(&["predict", "--bytes", "16M", "--ranks", "8", flag, v]);
+        let (ok, _, err) = predict(&[flag, v]);
         assert!(!ok && err.contains("--ranks-per-node"), "{flag}: {err}");
-        let (ok, _, err) = run(&[
-            "predict",
-            "--bytes",
-            "16M",
-            "--ranks",
-            "8",
-            flag,
-            v,
-            "--ranks-per-node",
-            "2",
-        ]);
+        let (ok, _, err) = predict(&[flag, v, "--ranks-per-node", "2"]);
         assert!(ok, "{flag} with --ranks-per-node: {err}");
     }
-    let (ok, _, err) = run(&[
-        "predict",
-        "--bytes",
-        "16M",
-        "--ranks",
-        "8",
-        "--strategies",
-        "dense-ring,,sparse-allgather",
-    ]);
+    let (ok, _, err) = predict(&["--strategies", "dense-ring,,sparse-allgather"]);
     assert!(!ok && err.contains("an empty item"), "{err}");
-    let (ok, _, err) = run(&[
-        "predict",
-        "--bytes",
-        "16M",
-        "--ranks",
-        "8",
-        "--strategies",
-        "dense-ring,sparse-allgather,",
-    ]);
+    let (ok, _, err) = predict(&["--strategies", "dense-ring,sparse-allgather,"]);
     assert!(ok, "a trailing comma is fine: {err}");
 }
