@@ -252,7 +252,7 @@ pub(crate) fn option_differences<C: Transport>(comm: &C, mine: &[u8]) -> Result<
                     v.map_or("default".to_string(), |v| v.to_string())
                 };
                 let (v0, v) = (show(first.get(k)), show(theirs.get(k)));
-                if v0.len() + v.len() > 120 {
+                if v0.len() + v.len() > LONG {
                     format!("{k} differs")
                 } else {
                     format!("{k} = {v} (rank 0: {v0})")
@@ -269,13 +269,19 @@ pub(crate) fn option_differences<C: Transport>(comm: &C, mine: &[u8]) -> Result<
     Ok("engine options (every rank must pass the same)".into())
 }
 
+/// Values longer than this (the two together) are named, not printed.
+const LONG: usize = 160;
+
 /// What differs in `theirs` from rank 0's `first`; empty when nothing does.
 fn differences(first: &[(String, String)], theirs: &[(String, String)]) -> String {
     let mut d = Vec::new();
     for i in 0..first.len().max(theirs.len()) {
         match (first.get(i), theirs.get(i)) {
             (Some((k0, v0)), Some((k, v))) if k0 == k => {
-                if v0 != v {
+                if v0 != v && v0.len() + v.len() > LONG {
+                    // A whole profile's JSON: its name, not its text.
+                    d.push(format!("{k} differs from rank 0's"));
+                } else if v0 != v {
                     d.push(format!("{k} {v} (rank 0: {v0})"));
                 }
             }
@@ -337,6 +343,14 @@ mod tests {
         assert!(differences(&r0[..1], &r0).contains("--layers 2 (rank 0: none)"));
         // Garbage from a peer (an empty list) still differs.
         assert!(!differences(&r0, &[]).is_empty());
+        // A long value (a profile's JSON) is named, not printed.
+        let (a, b) = ("x".repeat(200), "y".repeat(200));
+        let long = |x: &str| v(&[("subcommand", "bench"), ("--profile", x)]);
+        assert_eq!(
+            differences(&long(&a), &long(&b)),
+            "arguments differ from rank 0's (every rank must pass the same): \
+             --profile differs from rank 0's"
+        );
     }
     use crate::comm::LocalComm;
 
