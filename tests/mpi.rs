@@ -418,6 +418,18 @@ fn calibrate_writes_a_profile_that_predict_and_model_check_use() {
         "gamma_clear = {}",
         v["gamma_clear"]
     );
+    // γ_clear by output size: 32 and 128 MiB cleared whatever --max-bytes
+    // says (the sparse allreduces clear whole groups), ascending.
+    let c = v["gamma_clear_curve"]
+        .as_array()
+        .expect("gamma_clear_curve");
+    let at: Vec<f64> = c.iter().filter_map(|x| x["bytes"].as_f64()).collect();
+    assert_eq!(at, [33554432.0, 134217728.0], "{c:?}");
+    assert!(
+        c.iter()
+            .all(|x| x["per_byte"].as_f64().is_some_and(|y| y > 0.0 && y < 1e-6)),
+        "{c:?}"
+    );
     // γ_unpack by output size: the local fit at the largest local layer
     // (--max-bytes), then the just-cleared 32 and 128 MiB outputs, which
     // miss the caches (their per-byte cost is not asserted: timing).

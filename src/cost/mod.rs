@@ -304,6 +304,14 @@ pub struct Profile {
     /// before it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub gamma_clear: f64,
+    /// γ_clear by the size of the output (`bytes` = 4·n), log-linear
+    /// between its points ([`Self::gamma_clear_at`]): `calibrate` clears
+    /// 4 MiB up to 128 MiB on every rank at once. The cost per byte is not flat: past the size where memset
+    /// switches to non-temporal stores (about the last-level cache) it
+    /// halves on the project's VMs. Empty in profiles from before it (then
+    /// [`Self::gamma_clear`] everywhere).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gamma_clear_curve: Vec<CurvePoint>,
     /// β by message size (pairwise exchange steps; see the module docs);
     /// empty: the constant `beta`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -413,6 +421,7 @@ impl Profile {
             gamma_reduce,
             gamma_unpack,
             gamma_clear: 0.0,
+            gamma_clear_curve: Vec::new(),
             beta_curve: Vec::new(),
             gamma_reduce_curve: Vec::new(),
             gamma_unpack_curve: Vec::new(),
@@ -492,6 +501,7 @@ impl Profile {
             ("beta_curve", &self.beta_curve),
             ("gamma_reduce_curve", &self.gamma_reduce_curve),
             ("gamma_unpack_curve", &self.gamma_unpack_curve),
+            ("gamma_clear_curve", &self.gamma_clear_curve),
             ("dense_local_curve", &self.dense_local_curve),
             (
                 "inter_node.beta_curve",
@@ -581,6 +591,28 @@ impl Profile {
     /// ```
     pub fn gamma_unpack_at(&self, out_bytes: f64) -> f64 {
         curve_at(&self.gamma_unpack_curve, self.gamma_unpack, out_bytes)
+    }
+
+    /// γ_clear (seconds per byte) for clearing a dense output of
+    /// `out_bytes`: the [`Self::gamma_clear_curve`] as
+    /// [`Self::gamma_unpack_at`] reads its curve, [`Self::gamma_clear`]
+    /// without one.
+    ///
+    /// ```
+    /// use gradsync::cost::{CurvePoint, Profile};
+    /// let mut p = Profile::from_network(1e-5, 1e9, 0.0, 1e-9).unwrap();
+    /// p.gamma_clear = 5e-11;
+    /// assert_eq!(p.gamma_clear_at(1e9), 5e-11);
+    /// p.gamma_clear_curve = vec![
+    ///     CurvePoint { bytes: 16.0 * 1048576.0, per_byte: 4e-11 },
+    ///     CurvePoint { bytes: 64.0 * 1048576.0, per_byte: 2e-11 },
+    /// ];
+    /// assert_eq!(p.gamma_clear_at(4096.0), 4e-11);
+    /// assert!((p.gamma_clear_at(32.0 * 1048576.0) - 3e-11).abs() < 1e-18);
+    /// assert_eq!(p.gamma_clear_at(1e9), 2e-11);
+    /// ```
+    pub fn gamma_clear_at(&self, out_bytes: f64) -> f64 {
+        curve_at(&self.gamma_clear_curve, self.gamma_clear, out_bytes)
     }
 
     /// The selection fit of `method` at `density`: the fit calibrated at

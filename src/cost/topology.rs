@@ -47,7 +47,8 @@
 //! pairs and results at γ_unpack per byte (at the output's size,
 //! [`Profile::gamma_unpack_at`]: an output of a whole group is far larger
 //! than the caches), and clearing their `n`-element
-//! dense result, `4n·γ_clear` ([`Profile::gamma_clear`]; at density 0.001
+//! dense result, `4n·γ_clear` ([`Profile::gamma_clear_at`] at the output's
+//! size: memset is cheaper per byte past the caches; at density 0.001
 //! on the emulated cluster that is a third of the node-aware path's time,
 //! docs/benchmarks.md). The fused allgather's clearing is its layers', in
 //! their selection fits.
@@ -532,7 +533,7 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
 
 /// Clearing the `n`-element dense result a sparse allreduce overwrites.
 pub(crate) fn clear(prof: &Profile, n: f64) -> f64 {
-    4.0 * n * prof.gamma_clear
+    4.0 * n * prof.gamma_clear_at(4.0 * n)
 }
 
 /// The node-aware sparse allreduce of a group of `n` elements, `k` pairs

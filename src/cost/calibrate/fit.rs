@@ -3,7 +3,7 @@
 
 use super::check::{check_probes, compare, CHECK_SIZES};
 use super::probes::{
-    allgather_time, barrier_span, cold_add_probe, exchange_time, exchange_time_with,
+    allgather_time, barrier_span, clear_probe, cold_add_probe, exchange_time, exchange_time_with,
     idle_exchange_time, layers_probe, local, net_cap, net_sizes, pairs, pingpong, pingpong_with,
     sizes_up_to, sparse_step_probe, step_probe, synthetic, Probe, NET_PROBE_S,
 };
@@ -16,7 +16,9 @@ use crate::dense::{
     Workspace,
 };
 use crate::Result;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 /// Largest layer of the local-cost probes (bytes).
 const LOCAL_MAX_BYTES: usize = 16 << 20;
@@ -24,8 +26,9 @@ const LOCAL_MAX_BYTES: usize = 16 << 20;
 /// Tables of this many of the largest local layers also measure the dense
 /// path's local cost (the `dense_local_curve` beyond one layer).
 const DENSE_TABLES: [usize; 2] = [2, 4];
-/// Smallest layer (elements) whose clearing is timed for γ_clear: 4 MiB,
-/// past the last-level cache.
+/// Smallest local layer (elements) whose clearing is timed for γ_clear:
+/// 4 MiB (the `gamma_clear_curve` goes on to the 32 and 128 MiB outputs of
+/// [`UNPACK_COLD_NS`]).
 const CLEAR_MIN: usize = 1 << 20;
 /// Outputs (elements) of the `gamma_unpack_curve` probes beyond the local
 /// fits: 32 and 128 MiB, around ResNet-50's 97.5 MiB as one sparse group
@@ -208,32 +211,34 @@ pub(super) fn run(
         local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
     }
     // 3b. γ_clear: clearing a dense output of several MiB (what the sparse
-    // allreduces pay before summing into it), every rank at once, per byte;
-    // the largest layer sizes only (past the last-level cache, as the
-    // layers the sparse collectives are for).
+    // allreduces pay before summing into it), every rank at once, per byte:
+    // from 4 MiB up to 128 MiB (the
+    // `gamma_clear_curve`: past the last-level cache, and past the size
+    // where memset switches to non-temporal stores, which halves the cost
+    // per byte on the project's VMs). 3c. γ_unpack on outputs far past the
+    // caches, just cleared: what the sparse allreduces pay to sum the
+    // received pairs into a whole group. The largest outputs are shared.
     let clear_at = local_probes.len();
-    let clear_ns: Vec<usize> = {
-        let big: Vec<usize> = lns.iter().copied().filter(|&n| n >= CLEAR_MIN).collect();
-        if big.is_empty() {
-            lns.last().copied().into_iter().collect()
-        } else {
-            big
-        }
-    };
-    for &n in &clear_ns {
-        let mut y = vec![1f32; n];
-        local_probes.push(local(comm, move || {
-            y.fill(0.0);
-            std::hint::black_box(&mut y);
-            Ok(())
-        }));
+    let cold: Vec<Rc<RefCell<Vec<f32>>>> = UNPACK_COLD_NS
+        .iter()
+        .map(|&n| Rc::new(RefCell::new(vec![1f32; n])))
+        .collect();
+    let clear_ns: Vec<usize> = lns
+        .iter()
+        .copied()
+        .filter(|&n| n >= CLEAR_MIN)
+        .chain(UNPACK_COLD_NS)
+        .collect();
+    for &n in lns.iter().filter(|&&n| n >= CLEAR_MIN) {
+        local_probes.push(clear_probe(comm, Rc::new(RefCell::new(vec![1f32; n]))));
     }
-    // 3c. γ_unpack on outputs far past the caches, just cleared: what the
-    // sparse allreduces pay to sum the received pairs into a whole group.
+    for out in &cold {
+        local_probes.push(clear_probe(comm, out.clone()));
+    }
     let cold_at = local_probes.len();
     let mut cold_bytes = Vec::new();
-    for (i, &n) in UNPACK_COLD_NS.iter().enumerate() {
-        let (probe, bytes) = cold_add_probe(comm, n, 7 + i as u64);
+    for (i, out) in cold.iter().enumerate() {
+        let (probe, bytes) = cold_add_probe(comm, out.clone(), 7 + i as u64);
         local_probes.push(probe);
         cold_bytes.push(bytes);
     }
@@ -463,6 +468,14 @@ pub(super) fn run(
     log::debug!("calibrate: unpack curve: {gamma_unpack_curve:?}");
     log::debug!("calibrate: clear: {rows:?}");
     let gamma_clear = cost::fit_relative_l2(&rows).1;
+    let gamma_clear_curve: Vec<cost::CurvePoint> = rows
+        .iter()
+        .filter(|&&(_, _, t)| t > 0.0 && t.is_finite())
+        .map(|&(_, bytes, t)| cost::CurvePoint {
+            bytes,
+            per_byte: t / bytes,
+        })
+        .collect();
     let mut select = BTreeMap::new();
     for (c, (name, d)) in select_names.iter().enumerate() {
         let pts: Vec<(f64, f64)> = lns
@@ -539,6 +552,7 @@ pub(super) fn run(
         gamma_reduce,
         gamma_unpack,
         gamma_clear,
+        gamma_clear_curve,
         beta_curve,
         gamma_reduce_curve,
         gamma_unpack_curve,

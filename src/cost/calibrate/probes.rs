@@ -10,6 +10,8 @@ use crate::sync::{Config, GradSync, Strategy};
 use crate::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// One measurement of a calibration or check round: this rank's seconds (0
@@ -384,7 +386,12 @@ fn engine_probe(
 /// output just cleared (untimed), as [`crate::sparse::hierarchical`] adds
 /// the node units after clearing its result, with its bitset of the
 /// result's indices. Returns the probe and the unit's bytes.
-pub(super) fn cold_add_probe(comm: &MpiComm, n: usize, seed: u64) -> (Probe<'_>, f64) {
+pub(super) fn cold_add_probe(
+    comm: &MpiComm,
+    out: Rc<RefCell<Vec<f32>>>,
+    seed: u64,
+) -> (Probe<'_>, f64) {
+    let n = out.borrow().len();
     let k = (n / 100).max(1);
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let mut idx: Vec<u32> = rand::seq::index::sample(&mut rng, n, k)
@@ -397,16 +404,33 @@ pub(super) fn cold_add_probe(comm: &MpiComm, n: usize, seed: u64) -> (Probe<'_>,
     let bytes = unit.len() as f64;
     let probe = local_prep(
         comm,
-        vec![1f32; n],
-        |out| out.fill(0.0),
+        out,
+        |out| out.borrow_mut().fill(0.0),
         move |out| {
             let mut seen = vec![0u64; n.div_ceil(64)];
-            crate::sparse::hierarchical::add_unit(&unit, 0, n, out, &mut seen)?;
+            crate::sparse::hierarchical::add_unit(&unit, 0, n, &mut out.borrow_mut(), &mut seen)?;
             std::hint::black_box(&seen);
             Ok(())
         },
     );
     (probe, bytes)
+}
+
+/// Clearing an output of `out`'s length, every rank at once ([`local`]),
+/// as the sparse allreduces clear their result once their messages are in.
+/// (The buffer is shared with [`cold_add_probe`]: one allocation per size.)
+pub(super) fn clear_probe(comm: &MpiComm, out: Rc<RefCell<Vec<f32>>>) -> Probe<'_> {
+    local_prep(
+        comm,
+        out,
+        |_| {},
+        |out| {
+            let mut out = out.borrow_mut();
+            out.fill(0.0);
+            std::hint::black_box(&mut *out);
+            Ok(())
+        },
+    )
 }
 
 /// The layer sizes of the local fits, elements: 16K (64 KiB) up to

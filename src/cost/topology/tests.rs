@@ -229,6 +229,50 @@ fn gamma_clear_is_optional_and_validated() {
 }
 
 #[test]
+fn gamma_clear_curve_prices_the_clearing_by_output_size() {
+    use crate::cost::CurvePoint;
+    let old: Profile = serde_json::from_str(r#"{"version": 2, "alpha": 1e-6, "beta": 1e-9}"#)
+        .expect("old profile");
+    assert!(old.gamma_clear_curve.is_empty());
+    assert!(!serde_json::to_string(&old)
+        .expect("json")
+        .contains("gamma_clear_curve"));
+    let mut p = Profile::from_network(2e-5, 1e9, 1e-10, 1e-9).expect("profile");
+    p.gamma_clear = 1e-10;
+    let (n, k) = (1usize << 24, 1usize << 14);
+    let at = |p: &Profile| sparse_hierarchical(&net(p, 4, 2), n as f64, k as f64, None);
+    let flat = at(&p);
+    // Cheaper per byte past 32 MiB (memset's non-temporal stores): the
+    // 64 MiB output is priced at the curve's value there, not the constant.
+    p.gamma_clear_curve = vec![
+        CurvePoint {
+            bytes: 16.0 * 1048576.0,
+            per_byte: 8e-11,
+        },
+        CurvePoint {
+            bytes: 128.0 * 1048576.0,
+            per_byte: 2e-11,
+        },
+    ];
+    let per = p.gamma_clear_at(4.0 * n as f64);
+    assert!(per > 2e-11 && per < 8e-11, "{per}");
+    assert!(rel(flat - at(&p), 4.0 * n as f64 * (1e-10 - per)) < 1e-9);
+    let back: Profile =
+        serde_json::from_str(&serde_json::to_string(&p).expect("json")).expect("parse");
+    assert_eq!(back.gamma_clear_curve, p.gamma_clear_curve);
+    back.validate().expect("valid");
+    // Validated as the other curves: finite, non-negative, ascending.
+    let mut bad = p.clone();
+    bad.gamma_clear_curve[1].per_byte = f64::NAN;
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("gamma_clear_curve[1]"), "{e}");
+    let mut bad = p.clone();
+    bad.gamma_clear_curve[1].bytes = 1.0;
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("gamma_clear_curve"), "{e}");
+}
+
+#[test]
 fn the_crossing_cache_stays_bounded_and_right() {
     for p in 2..(CACHE_MAX + 100) {
         let c = crossings(Sched::Pairwise, p, 1);
