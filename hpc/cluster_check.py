@@ -11,7 +11,8 @@
    the link rate (GRADSYNC_CLUSTER_LINK_BPS / 8; payload bytes against the
    rate tc shapes, so TCP/IP headers cost about 4 %). With 3 hosts or more,
    hosts 1 and 2 send to host 0 at once: their sum, capped by host 0's
-   incoming link, is also within --tolerance of the link rate.
+   incoming link, is also within --tolerance of the link rate. Each case
+   gets up to 3 trials; the first within tolerance passes it.
 3. Both ways at once: every rank of host 0 exchanges --bytes messages with
    its counterpart on host 1 (MPI_Sendrecv, as a Rabenseifner step that
    crosses the link); each direction of the link, summed over the pairs, at
@@ -42,6 +43,8 @@ import numpy as np
 from mpi4py import MPI
 
 TAG = 77
+# Measurements of each one-way case before it fails (section 2).
+TRIALS = 3
 
 
 def idle_barrier(comm):
@@ -183,15 +186,25 @@ def main():
             # starting late (3 ranks on 2 cores) is not the whole measurement
             # (one round of 2 x 4 MiB measured 10.1 MB/s of 12.5 once).
             n = reps if len(srcs) == 1 else max(3, reps // len(srcs))
-            rate = one_way(comm, srcs, dst, args.bytes, n)
-            if rank == 0:
+            # Up to TRIALS measurements, the first within tolerance counts:
+            # the link caps the rate (tbf never lets more through), and a
+            # trial below it on a loaded 2-core machine is the machine (one
+            # CI run measured the incast at -13.6 % while single flows ran at
+            # -4.5 %); a link shaped wrong misses in every trial.
+            for trial in range(TRIALS):
+                rate = one_way(comm, srcs, dst, args.bytes, n)
                 err = rate / link_Bps - 1
-                print(json.dumps(dict(path=path, src=srcs, dst=dst, bytes=args.bytes, reps=n,
-                                      MBps=round(rate / 1e6, 2), link_MBps=round(link_Bps / 1e6, 2),
-                                      rel_err=round(err, 4))), flush=True)
+                if rank == 0:
+                    print(json.dumps(dict(path=path, src=srcs, dst=dst, bytes=args.bytes, reps=n,
+                                          trial=trial + 1, MBps=round(rate / 1e6, 2),
+                                          link_MBps=round(link_Bps / 1e6, 2),
+                                          rel_err=round(err, 4))), flush=True)
+                if abs(err) <= args.tolerance:
+                    break
+            if rank == 0:
                 check(abs(err) <= args.tolerance,
                       f"{path} {srcs} -> {dst}: {rate / 1e6:.1f} MB/s vs link {link_Bps / 1e6:.1f} MB/s "
-                      f"({err:+.1%}, tolerance {args.tolerance:.0%})")
+                      f"({err:+.1%}, tolerance {args.tolerance:.0%}, trial {trial + 1} of {TRIALS})")
     # 3. Both ways at once: host 0's ranks with host 1's.
     if hosts >= 2:
         pairs = [(r, rph + r) for r in range(rph)]
