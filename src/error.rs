@@ -95,6 +95,10 @@ pub enum Error {
         rank: usize,
         /// How many other ranks failed too.
         others: usize,
+        /// Every failing rank, ascending (`rank` first): whether this rank
+        /// is among them tells a binding to raise its own argument error
+        /// here when every rank passed the same bad argument.
+        failed: Vec<usize>,
         /// The engine's step, when the failure happened inside one.
         step: Option<u64>,
         /// The failing rank's error.

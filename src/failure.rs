@@ -108,6 +108,7 @@ pub fn agree<C: Transport, T>(comm: &C, local: Result<T>) -> Result<T> {
         rank_failed(&msgs, None).unwrap_or_else(|| Error::RankFailed {
             rank: p - v[0] as usize,
             others: 0,
+            failed: vec![p - v[0] as usize],
             step: None,
             message: "(message lost)".into(),
         }),
@@ -176,13 +177,14 @@ pub(crate) fn map_hash(nodes: &[usize]) -> u64 {
 /// the lowest failing rank, its message, the count of the others. `None`
 /// when no rank failed.
 pub fn rank_failed(msgs: &[String], step: Option<u64>) -> Option<Error> {
-    let mut failing = msgs.iter().enumerate().filter(|(_, m)| !m.is_empty());
-    let (rank, message) = failing.next()?;
+    let failed: Vec<usize> = (0..msgs.len()).filter(|&r| !msgs[r].is_empty()).collect();
+    let &rank = failed.first()?;
     Some(Error::RankFailed {
         rank,
-        others: failing.count(),
+        others: failed.len() - 1,
+        failed,
         step,
-        message: message.clone(),
+        message: msgs[rank].clone(),
     })
 }
 
@@ -377,6 +379,7 @@ mod tests {
                             Error::RankFailed {
                                 rank: fail,
                                 others,
+                                failed: Vec::new(),
                                 step: None,
                                 message: format!("invalid argument: boom on {fail}"),
                             }
@@ -386,6 +389,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_rank_learns_every_failing_rank() {
+        // Ranks 1 and 3 of 4 fail: every rank (failing or not) gets the
+        // lowest in `rank` and both in `failed`, so a binding raises each
+        // failing rank's own error type on that rank.
+        let out = LocalComm::run(4, |c| {
+            let r = c.rank();
+            let local: Result<()> = if r % 2 == 1 {
+                Err(Error::InvalidArgument(format!("boom on {r}")))
+            } else {
+                Ok(())
+            };
+            match agree(&c, local) {
+                Err(Error::RankFailed {
+                    rank,
+                    others,
+                    failed,
+                    ..
+                }) => (rank, others, failed),
+                other => panic!("rank {r}: {other:?}"),
+            }
+        });
+        assert!(out.iter().all(|o| o == &(1, 1, vec![1, 3])), "{out:?}");
     }
 
     #[test]

@@ -28,8 +28,9 @@ Minimal use::
 
 Errors on one rank never hang the others: an argument that is wrong on one
 rank (dtype, layout, shape, number of layers) fails that step on every rank,
-raising ``TypeError``/``ValueError`` on the rank at fault and
-``gradsync.Error`` on the others; the next step runs normally.
+raising ``TypeError``/``ValueError`` on every rank at fault (on every rank
+when all passed the same bad argument) and ``gradsync.Error`` on the
+others; the next step runs normally.
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ impl PyGradSync {
             // This rank's own options (or, once agreed, an option that
             // parses but is out of range here: momentum 1.5).
             let ours = mine
-                || matches!(&e, gradsync::Error::RankFailed { rank, .. } if Some(*rank) == my_rank);
+                || matches!((&e, my_rank), (gradsync::Error::RankFailed { failed, .. }, Some(me)) if failed.contains(&me));
             if ours {
                 PyValueError::new_err(e.to_string())
             } else {
@@ -471,9 +471,12 @@ impl PyGradSync {
             })
             .map_err(|e| {
                 // This rank's own bad argument (seen by the engine's checks
-                // too, e.g. a density out of range) is a ValueError here.
+                // too, e.g. a density out of range, or an empty name) is a
+                // ValueError here, also when other ranks failed as well
+                // (every rank passing the same bad argument raises the same
+                // type on every rank).
                 let mine = local_bad
-                    || matches!(&e, gradsync::Error::RankFailed { rank, .. } if *rank == eng.rank());
+                    || matches!(&e, gradsync::Error::RankFailed { failed, .. } if failed.contains(&eng.rank()));
                 match &type_err {
                     Some(why) => PyTypeError::new_err(format!("{why} (raised on every rank: {e})")),
                     None if mine => PyValueError::new_err(e.to_string()),

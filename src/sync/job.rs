@@ -193,6 +193,7 @@ impl Job {
                     Error::RankFailed {
                         rank: 0,
                         others: 0,
+                        failed: vec![0],
                         step: self.step,
                         message: "(a rank flagged a failure without a message)".into(),
                     }
@@ -593,6 +594,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Err(e) => Err(Error::RankFailed {
                     rank: self.rank,
                     others: 0,
+                    failed: vec![self.rank],
                     step: job.step,
                     message: e.to_string(),
                 }),
