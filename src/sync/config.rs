@@ -96,8 +96,10 @@ pub enum Warmup {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum NonFinitePolicy {
-    /// Every rank returns [`Error::NonFinite`] naming the layer (and the rank
-    /// for sparse layers) after writing the other layers' results.
+    /// Every rank returns [`Error::NonFinite`] naming the layer and the
+    /// lowest rank whose gradient was non-finite (no rank when finite
+    /// gradients overflowed in a dense sum) after writing the other layers'
+    /// results.
     #[default]
     Error,
     /// The layer's result is NaN on every rank (so a loss scaler can skip the

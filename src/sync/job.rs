@@ -25,8 +25,9 @@
 //!
 //! 1. the step always runs the status allreduce (the plan forces it), with
 //!    two words after the dense data: this rank failed, and some reduced
-//!    layer's gradient held NaN/Inf on this rank (such a layer sends no
-//!    pairs, as its `NonFinite` entry sends no unit in the fused message);
+//!    or dense layer's gradient held NaN/Inf on this rank (a reduced one
+//!    sends no pairs, as its `NonFinite` entry sends no unit in the fused
+//!    message; a dense one makes the sum non-finite on every rank);
 //! 2. a failure (first word, or a failure marker in the fused message)
 //!    ends the step on every rank with the same `RankFailed`, before the
 //!    sparse allreduce: a rank whose local phase failed never enters it
@@ -34,12 +35,14 @@
 //! 3. if the second word is set, one small allgatherv of every rank's
 //!    non-finite layer positions gives every rank, per layer, the lowest
 //!    such rank: unpacking then does what the fused path does with a
-//!    `NonFinite` entry (`Error::NonFinite` naming that rank, or NaN);
+//!    `NonFinite` entry (`Error::NonFinite` naming that rank, or NaN), and
+//!    names that rank for a dense layer whose sum is non-finite (a sum
+//!    that overflowed from finite inputs names none);
 //! 4. the sparse allreduce itself; its non-collective errors end the job
 //!    (`run`), like the other collectives'.
 
 use super::layer::Layer;
-use super::plan::StepPlan;
+use super::plan::{Mode, StepPlan};
 use super::{Config, GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::dense::{
@@ -52,6 +55,10 @@ use crate::sparse::{
 use crate::{Error, Result};
 use std::sync::mpsc;
 use std::time::Instant;
+
+/// The high bit of a non-finite marker word: a dense layer's id, not a
+/// reduced layer's position.
+const DENSE_MARK: u32 = 1 << 31;
 
 /// Buffers and flags of one communication round; moved to the progress
 /// thread and back.
@@ -69,8 +76,8 @@ pub(super) struct Job {
     pub(super) do_gvq: bool,
     /// Elements of `dense` before its status words.
     pub(super) dense_len: usize,
-    /// Status words after the dense data: 1 (this rank failed), or 2 with
-    /// reduced layers (and: a reduced layer was non-finite on this rank).
+    /// Status words after the dense data: 1 (this rank failed), or 2 in a
+    /// step (and: a reduced or dense layer was non-finite on this rank).
     pub(super) status_len: usize,
     /// Run the sparse allreduce of the reduced layers.
     pub(super) do_sparse: bool,
@@ -87,6 +94,12 @@ pub(super) struct Job {
     pub(super) sp_nonfinite: Vec<u32>,
     /// Per reduced layer, the lowest rank whose gradient was non-finite.
     pub(super) sp_bad_rank: Vec<Option<usize>>,
+    /// Layer ids of this rank's non-finite dense layers (their sum is
+    /// non-finite on every rank; this names who).
+    pub(super) dn_nonfinite: Vec<u32>,
+    /// Per layer id, the lowest rank whose dense layer was non-finite
+    /// (gathered with the reduced layers' markers).
+    pub(super) dn_bad_rank: Vec<Option<usize>>,
     pub(super) sparse_reduce_s: f64,
     /// Distinct indices of the sparse allreduce's result.
     pub(super) sparse_reduce_nnz: usize,
@@ -237,9 +250,12 @@ impl Job {
     /// such layers, by one small allgatherv, into `sp_bad_rank` (the
     /// lowest rank per layer, as `unpack_layer` reports it).
     fn agree_non_finite<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        // Reduced layers by position; dense layers by id, high bit set.
         let mine: Vec<u8> = self
             .sp_nonfinite
             .iter()
+            .copied()
+            .chain(self.dn_nonfinite.iter().map(|&i| i | DENSE_MARK))
             .flat_map(|p| p.to_le_bytes())
             .collect();
         let g = crate::dense::allgatherv(comm, &mine, AllgathervAlgo::RecursiveDoubling)?;
@@ -255,13 +271,21 @@ impl Job {
                 return Err(bad(r, format!("{} bytes", m.len())));
             }
             for c in m.chunks_exact(4) {
-                let pos = u32::from_le_bytes(c.try_into().expect("4 bytes")) as usize;
-                let slot = self.sp_bad_rank.get_mut(pos).ok_or_else(|| {
-                    bad(
-                        r,
-                        format!("layer position {pos} of {layers} reduced layers"),
-                    )
-                })?;
+                let word = u32::from_le_bytes(c.try_into().expect("4 bytes"));
+                let pos = (word & !DENSE_MARK) as usize;
+                let slot = if word & DENSE_MARK != 0 {
+                    let n = self.dn_bad_rank.len();
+                    self.dn_bad_rank
+                        .get_mut(pos)
+                        .ok_or_else(|| bad(r, format!("dense layer {pos} of {n} layers")))?
+                } else {
+                    self.sp_bad_rank.get_mut(pos).ok_or_else(|| {
+                        bad(
+                            r,
+                            format!("layer position {pos} of {layers} reduced layers"),
+                        )
+                    })?
+                };
                 slot.get_or_insert(r);
             }
         }
@@ -518,24 +542,34 @@ impl Job {
         let step = plan.step;
         let dense_len = plan.dense.elems;
         // Dense layers: the status words after the fused buffer (0 = ok):
-        // this rank failed; with reduced layers also: one of them was
-        // non-finite here (module docs).
-        self.status_len = if plan.sparse_reduce { 2 } else { 1 };
+        // this rank failed; a reduced or dense layer was non-finite here
+        // (module docs).
+        self.dn_nonfinite.clear();
+        self.dn_nonfinite.extend(
+            plan.layers
+                .iter()
+                .zip(layers)
+                .enumerate()
+                .filter(|(_, (lp, l))| lp.mode == Mode::Dense && l.non_finite)
+                .map(|(i, _)| i as u32),
+        );
+        self.status_len = 2;
         self.dense.resize(dense_len + self.status_len, 0.0);
         self.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
-        if plan.sparse_reduce {
-            let nf = local.is_ok() && !self.sp_nonfinite.is_empty();
-            self.dense[dense_len + 1] = if nf { 1.0 } else { 0.0 };
-        }
+        let nf = local.is_ok() && !(self.sp_nonfinite.is_empty() && self.dn_nonfinite.is_empty());
+        self.dense[dense_len + 1] = if nf { 1.0 } else { 0.0 };
         if local.is_err() {
             // Nothing of a failed local phase is sent.
             self.sp_idx.clear();
             self.sp_val.clear();
             self.sp_nonfinite.clear();
+            self.dn_nonfinite.clear();
         }
         self.sp_n = plan.reduced.elems;
         self.sp_bad_rank.clear();
         self.sp_bad_rank.resize(plan.reduced.ids.len(), None);
+        self.dn_bad_rank.clear();
+        self.dn_bad_rank.resize(plan.layers.len(), None);
         self.do_sparse = plan.sparse_reduce;
         self.exchange = plan.exchange;
         self.sparse_reduce_s = 0.0;

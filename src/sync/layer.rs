@@ -501,6 +501,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             if lp.mode == Mode::Dense {
                 let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
                 l.dense_contribution(grads[i], w, &params, dst);
+                // The sum will be non-finite on every rank; the status
+                // words name this rank (job.rs).
+                l.non_finite = !all_finite(dst);
             } else if lp.mode == Mode::Gradiveq {
                 if job.gvq.len() == gi {
                     job.gvq.push(GvqEntry::default());

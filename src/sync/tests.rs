@@ -412,6 +412,51 @@ fn non_finite_gradients_follow_the_policy() {
     }
 }
 
+/// A dense layer's NaN/Inf makes its sum non-finite on every rank; the
+/// status words name the lowest rank whose input was non-finite (one rank:
+/// itself), and a sum that overflowed from finite inputs names none.
+#[test]
+fn non_finite_dense_layers_name_the_rank() {
+    for p in [1, 3] {
+        let bad = p - 1;
+        let res = LocalComm::run(p, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            s.register("a", &[8]).expect("dense");
+            s.register("b", &[16]).expect("dense");
+            let mut a = [1.0f32; 8];
+            let mut b = [2.0f32; 16];
+            if rank == bad {
+                b[3] = f32::INFINITY;
+            }
+            let e = s
+                .sync(&mut [&mut a[..], &mut b[..]])
+                .map(|_| ())
+                .expect_err("every rank fails");
+            // Next step: finite inputs whose sum overflows f32.
+            let mut a = vec![1.0f32; 8];
+            let mut b = [f32::MAX; 16];
+            let o = s
+                .sync(&mut [&mut a[..], &mut b[..]])
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            (e, a, o)
+        });
+        for (e, a, o) in &res {
+            assert!(
+                matches!(e, Error::NonFinite { rank: Some(r), layer } if *r == bad && layer == "b"),
+                "p = {p}: {e}"
+            );
+            assert!(e.to_string().contains(&format!("from rank {bad}")), "{e}");
+            assert!(a.iter().all(|&x| x == 1.0), "the other layer is written");
+            if p > 1 {
+                let o = o.as_ref().expect_err("the sum overflows");
+                assert!(o.contains("found in the allreduced result"), "p = {p}: {o}");
+            }
+        }
+    }
+}
+
 #[test]
 fn communication_delay_resynchronizes_weights_exactly() {
     // Codec `none`: every T-th step the weights equal those of T dense steps

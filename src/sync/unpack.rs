@@ -111,6 +111,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
         let probed = |i: usize| probe_ids.binary_search(&(i as u32)).is_ok();
         let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
+        let dense_bad_rank = &job.dn_bad_rank;
         let dense = &job.dense;
         let gvq = &job.gvq;
         // Per layer: its error, if any, and for a probed layer the nonzero
@@ -196,8 +197,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     let g = &dense[lp.dense_off..lp.dense_off + l.n];
                     if g.iter().any(|x| !x.is_finite()) {
                         o.copy_from_slice(g);
+                        // The lowest rank whose input was non-finite (this
+                        // one alone when no allreduce ran); none when finite
+                        // inputs overflowed in the sum.
+                        let rank = dense_bad_rank[i].or(l.non_finite.then_some(rank));
                         Some(Error::NonFinite {
-                            rank: None,
+                            rank,
                             layer: l.name.clone(),
                         })
                     } else {

@@ -407,6 +407,7 @@ if rank == last:
     g[7] = np.nan
 e = expect_error(lambda: v.sync([g]), None, "NaN gradient")
 ok(isinstance(e, gradsync.Error) and "non-finite" in str(e), "NaN raises on every rank")
+ok(f'layer "n" from rank {last}' in str(e), f"a NaN in a dense layer names its rank: {e}")
 
 # Wrong argument types on one rank (converted inside, so they still enter
 # the collective): name, strategy, shape, snapshot path, profile.
