@@ -126,6 +126,8 @@ pub(super) struct GvqEntry {
     pub(super) state: Option<crate::gradiveq::schedule::GradiveqLayer>,
     pub(super) input: Vec<f32>,
     pub(super) output: Vec<f32>,
+    /// Whether this step's `input` is finite (checked as it was written).
+    pub(super) finite: bool,
 }
 
 impl Job {

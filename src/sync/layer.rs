@@ -300,29 +300,41 @@ impl Layer {
     }
 
     /// Dense step: what this rank puts in the fused allreduce buffer.
+    ///
+    /// Returns whether the contribution is finite, checked block by block
+    /// while each block is still in the L1 cache (a separate pass over a
+    /// 97.5 MiB layer took 4.4 ms, 40 % of the contribution itself).
     fn dense_contribution(
         &mut self,
         g: &[f32],
         w: Option<&[f32]>,
         p: &StepParams,
         dst: &mut [f32],
-    ) {
+    ) -> bool {
+        const BLOCK: usize = 4096;
         let t = Instant::now();
-        if p.delay {
-            for i in 0..self.n {
-                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
-                self.prev[i] = self.acc[i];
-                dst[i] = self.acc[i] + d;
-                self.acc[i] = 0.0;
+        let mut finite = true;
+        for start in (0..self.n).step_by(BLOCK) {
+            let end = (start + BLOCK).min(self.n);
+            if p.delay {
+                for i in start..end {
+                    let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
+                    self.prev[i] = self.acc[i];
+                    dst[i] = self.acc[i] + d;
+                    self.acc[i] = 0.0;
+                }
+            } else {
+                for (i, d) in dst[start..end].iter_mut().enumerate() {
+                    *d = g_eff(g, w, p, start + i);
+                }
             }
-        } else {
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = g_eff(g, w, p, i);
+            if !self.v.is_empty() {
+                // A sparse layer in dense warm-up: flush its residual.
+                crate::dense::add_into(&mut dst[start..end], &self.v[start..end]);
             }
+            finite &= all_finite(&dst[start..end]);
         }
         if !self.v.is_empty() {
-            // A sparse layer in dense warm-up: flush its residual.
-            crate::dense::add_into(dst, &self.v);
             self.v.fill(0.0);
         }
         self.stats.strategy = "dense".into();
@@ -330,6 +342,7 @@ impl Layer {
         self.stats.density = 1.0;
         self.stats.bytes_sent = 4 * self.n;
         self.stats.pack_s = t.elapsed().as_secs_f64();
+        finite
     }
 
     /// Dense result `o` (the average): apply momentum, or undo the delayed
@@ -500,10 +513,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let lp = &plan.layers[i];
             if lp.mode == Mode::Dense {
                 let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
-                l.dense_contribution(grads[i], w, &params, dst);
-                // The sum will be non-finite on every rank; the status
-                // words name this rank (job.rs).
-                l.non_finite = !all_finite(dst);
+                // A non-finite contribution makes the sum non-finite on
+                // every rank; the status words name this rank (job.rs).
+                l.non_finite = !l.dense_contribution(grads[i], w, &params, dst);
             } else if lp.mode == Mode::Gradiveq {
                 if job.gvq.len() == gi {
                     job.gvq.push(GvqEntry::default());
@@ -512,7 +524,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 e.layer = i;
                 e.input.resize(l.n, 0.0);
                 e.output.resize(l.n, 0.0);
-                l.dense_contribution(grads[i], w, &params, &mut e.input);
+                e.finite = l.dense_contribution(grads[i], w, &params, &mut e.input);
                 l.stats.strategy = "gradiveq".into();
                 l.stats.codec = "gradiveq".into();
                 gi += 1;
@@ -521,7 +533,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         job.gvq.truncate(gi);
         // A NaN/Inf in a GradiVeQ layer's input would poison its ring on
         // every rank: the step fails on every rank instead.
-        if let Some(e) = job.gvq.iter().find(|e| !all_finite(&e.input)) {
+        if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
             let layer = self.layers[e.layer].name.clone();
             for l in &mut self.layers {
                 l.unsend();
