@@ -417,3 +417,46 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
     assert_fails_with(&job, "--reps", &["--reps 1", "at least 3"]);
     assert!(!out.exists(), "the writability check left a file behind");
 }
+
+/// A flag clap refuses on one rank of an MPMD launch: mpirun ends the job
+/// within seconds, and the message names that rank (from the launcher's
+/// environment: clap runs before MPI is up).
+#[test]
+fn a_flag_clap_refuses_on_one_rank_names_that_rank() {
+    let job = mpmd(&[
+        (
+            1,
+            &[
+                "bench",
+                "--op",
+                "allreduce",
+                "--sizes",
+                "4K",
+                "--iters",
+                "1",
+            ],
+        ),
+        (
+            1,
+            &[
+                "bench",
+                "--op",
+                "allreduce",
+                "--sizes",
+                "4K",
+                "--itres",
+                "1",
+            ],
+        ),
+    ]);
+    assert!(!job.ok, "{}", job.stderr);
+    assert!(job.elapsed < LIMIT, "{:?}", job.elapsed);
+    assert!(
+        job.stderr
+            .contains("gradsync: rank 1 (from the launcher's environment): bad arguments")
+            && job.stderr.contains("--itres"),
+        "{}",
+        job.stderr
+    );
+    assert!(!job.stderr.contains("rank 0 (from"), "{}", job.stderr);
+}

@@ -71,7 +71,21 @@ pub enum Command {
 /// Entry point of the binary; returns the process exit code.
 pub fn main() -> i32 {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Under a launcher, bad arguments on one rank end the job
+            // (mpirun sees the exit status) before MPI is up: say which.
+            if e.use_stderr() {
+                if let Some(rank) = launcher_rank() {
+                    eprintln!(
+                        "gradsync: rank {rank} (from the launcher's environment): bad arguments:"
+                    );
+                }
+            }
+            e.exit()
+        }
+    };
     let no_mpi = match &cli.command {
         Command::Codecs(a) => Some(codecs::run(a)),
         Command::Predict(a) => Some(model::run_predict(a)),
@@ -114,6 +128,15 @@ pub fn main() -> i32 {
     drop(world);
     drop(universe);
     code
+}
+
+/// This process's rank as its launcher exported it, before MPI is up:
+/// Open MPI, PMIx (srun --mpi=pmix), MPICH/Hydra and PMI-2. Not
+/// `SLURM_PROCID`: a batch script has it too, outside any launch.
+fn launcher_rank() -> Option<String> {
+    ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|r| !r.is_empty()))
 }
 
 /// `MPI_Abort` on `MPI_COMM_WORLD` after printing `msg` with this rank.
