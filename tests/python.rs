@@ -32,17 +32,62 @@ fn python() -> PathBuf {
     "python3".into()
 }
 
-/// Whether the interpreter can import gradsync (from outside the source tree).
+/// The newest modification time of the files under `dirs` (recursively).
+fn newest(dirs: &[PathBuf]) -> Option<(std::time::SystemTime, PathBuf)> {
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    let mut stack: Vec<PathBuf> = dirs.to_vec();
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                if !path.ends_with("__pycache__") {
+                    stack.push(path);
+                }
+            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+                if best.as_ref().is_none_or(|(b, _)| t > *b) {
+                    best = Some((t, path));
+                }
+            }
+        }
+    }
+    best
+}
+
+/// Whether the interpreter can import gradsync (from outside the source
+/// tree). An installed package older than the sources it embeds (the
+/// engine, the bindings, the Python modules) fails the test: it would test
+/// old code and pass or fail for the wrong reason.
 fn python_ready(test: &str) -> bool {
     let out = Command::new(python())
         .args([
             "-c",
-            "import gradsync, mpi4py, numpy; print(gradsync.__file__)",
+            "import gradsync, mpi4py, numpy; print(gradsync._gradsync.__file__)",
         ])
         .current_dir(std::env::temp_dir())
         .output();
     let why = match out {
-        Ok(o) if o.status.success() => return true,
+        Ok(o) if o.status.success() => {
+            let ext = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+            let built = std::fs::metadata(&ext).and_then(|m| m.modified());
+            let src = newest(&[
+                repo().join("src"),
+                repo().join("python/src"),
+                repo().join("python/gradsync"),
+            ]);
+            if let (Ok(built), Some((t, file))) = (built, src) {
+                assert!(
+                    t <= built,
+                    "{test}: the installed gradsync ({}) is older than {}: \
+                     reinstall it (`pip install --no-build-isolation ./python`, as hpc/test.sh does)",
+                    ext.display(),
+                    file.display()
+                );
+            }
+            return true;
+        }
         Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
         Err(e) => format!("python3: {e}"),
     };
