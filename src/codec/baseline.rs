@@ -174,16 +174,31 @@ impl Codec for Fp16 {
         }
         let p = r.rest();
         expect_len(p.len(), acc.len() * 2)?;
-        let val = |c: &[u8]| half::f16::from_le_bytes([c[0], c[1]]);
-        if let Some(i) = p.chunks_exact(2).position(|c| !val(c).is_finite()) {
+        // Half's infinities and NaNs: the exponent bits all set. Checked on
+        // the bits, before `acc` is touched.
+        let bits = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
+        if let Some(i) = p.chunks_exact(2).position(|c| bits(c) & 0x7c00 == 0x7c00) {
             return Err(Error::Decode(format!("value {i} is not finite")));
         }
         let scale = 2f64.powi(k);
         let max = f64::from(f32::MAX);
-        for (a, c) in acc.iter_mut().zip(p.chunks_exact(2)) {
-            // Exact in f64; the clamp only bites when the tensor's maximum
-            // was within half an fp16 step of f32::MAX and rounded up.
-            *a += (f64::from(val(c).to_f32()) * scale).clamp(-max, max) as f32;
+        // Block by block through stack buffers, converted by `half`'s
+        // slice conversion (F16C where the CPU has it, as the encoder): the
+        // per-element `f16::to_f32` ran at 1.9 GB/s of output.
+        let mut h = [0u16; BLOCK];
+        let mut f = [0f32; BLOCK];
+        for (a, c) in acc.chunks_mut(BLOCK).zip(p.chunks(2 * BLOCK)) {
+            let (h, f) = (&mut h[..a.len()], &mut f[..a.len()]);
+            for (d, c) in h.iter_mut().zip(c.chunks_exact(2)) {
+                *d = bits(c);
+            }
+            h.reinterpret_cast::<half::f16>().convert_to_f32_slice(f);
+            for (a, &v) in a.iter_mut().zip(f.iter()) {
+                // Exact in f64; the clamp only bites when the tensor's
+                // maximum was within half an fp16 step of f32::MAX and
+                // rounded up.
+                *a += (f64::from(v) * scale).clamp(-max, max) as f32;
+            }
         }
         Ok(())
     }
