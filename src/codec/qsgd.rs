@@ -280,40 +280,69 @@ impl Codec for Qsgd {
             )));
         }
         let s = Self::levels(bits);
-        let (sign_bit, mask) = (1u64 << (bits - 1), (1u64 << (bits - 1)) - 1);
-        // Two streaming passes over the packed codes: validate every level,
-        // then add (decoders write nothing on error, and no per-element
-        // buffer: `gradsync codecs` stays near 3x the tensor's bytes).
-        let codes = || {
-            let mut bytes_it = payload.iter();
-            let (mut buf, mut nbuf) = (0u64, 0u32);
-            (0..n).map(move |_| {
-                while nbuf < bits {
-                    buf |= u64::from(*bytes_it.next().unwrap_or(&0)) << nbuf;
-                    nbuf += 8;
-                }
-                let code = buf & ((1 << bits) - 1);
-                buf >>= bits;
-                nbuf -= bits;
-                code
-            })
-        };
-        if let Some(code) = codes().find(|c| (c & mask) as u32 > s) {
-            return Err(Error::Decode(format!(
-                "qsgd level {} exceeds {s}",
-                code & mask
-            )));
-        }
-        for (i, (a, code)) in acc.iter_mut().zip(codes()).enumerate() {
-            let step = norms[i / b] / s as f32;
-            let v = (code & mask) as f32 * step;
-            *a += if code & sign_bit != 0 { -v } else { v };
-        }
+        // Nothing to validate per code: a level has `bits − 1` bits and
+        // `s = 2^(bits−1) − 1` is the largest, so every pattern is a level.
+        add_codes(payload, bits as usize, b, &norms, s as f32, acc);
         Ok(())
     }
 }
 
 const BUCKETED: u8 = 0x80;
+
+/// Adds the `acc.len()` packed `bits`-bit codes of `payload` (sign bit
+/// high, then the level; LSB first) times their bucket's `norm / s` into
+/// `acc`. Eight codes are exactly `bits` bytes: each group of eight is read
+/// as one little-endian word, the signed levels of a block go into a stack
+/// buffer, then each bucket's stretch of the block is scaled and added
+/// (the per-element loop with its bit reader and division by the bucket
+/// size ran at 1.5–1.9 GB/s). `−(l·step)` and `(−l)·step` are the same
+/// float, so the sums are the per-element definition's bit for bit.
+fn add_codes(payload: &[u8], bits: usize, b: usize, norms: &[f32], s: f32, acc: &mut [f32]) {
+    const BLOCK: usize = 4096; // a multiple of 8
+    let (m, sign_bit) = ((1u64 << bits) - 1, 1u64 << (bits - 1));
+    let level = |code: u64| {
+        let v = (code & (sign_bit - 1)) as f32;
+        if code & sign_bit != 0 {
+            -v
+        } else {
+            v
+        }
+    };
+    let mut lv = [0f32; BLOCK];
+    for (blk, a) in acc.chunks_mut(BLOCK).enumerate() {
+        let start = blk * BLOCK;
+        let lv = &mut lv[..a.len()];
+        let from = start / 8 * bits;
+        let to = ((start + a.len()) * bits).div_ceil(8).min(payload.len());
+        for (g, out) in lv.chunks_mut(8).enumerate() {
+            let at = from + g * bits;
+            // One unaligned load where eight bytes remain (the bytes past
+            // the group's `bits` are shifted out); the tail copies.
+            let x = match payload.get(at..at + 8) {
+                Some(w) => u64::from_le_bytes(w.try_into().expect("8 bytes")),
+                None => {
+                    let mut w = [0u8; 8];
+                    let tail = &payload[at.min(to)..to];
+                    w[..tail.len()].copy_from_slice(tail);
+                    u64::from_le_bytes(w)
+                }
+            };
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = level((x >> (j * bits)) & m);
+            }
+        }
+        let mut e = 0;
+        while e < a.len() {
+            let bucket = (start + e) / b;
+            let end = ((bucket + 1) * b - start).min(a.len());
+            let step = norms[bucket] / s;
+            for (x, &l) in a[e..end].iter_mut().zip(&lv[e..end]) {
+                *x += l * step;
+            }
+            e = end;
+        }
+    }
+}
 
 /// Elements quantized together: `G` codes of `bits` bits fill `bits` bytes.
 const G: usize = 8;
@@ -461,6 +490,62 @@ impl Lanes {
 mod tests {
     use super::*;
     use crate::codec::{Feedback, HEADER_LEN};
+
+    /// The decoder's sums equal the per-element definition (a bit reader,
+    /// `norm[i / b] / s` per element, the sign applied after the product)
+    /// bit for bit, for every bit width, with and without buckets (also
+    /// buckets that straddle the decoder's blocks), over lengths that end
+    /// mid-group and mid-block, into a nonzero accumulator.
+    #[test]
+    fn decode_is_the_per_element_definition() {
+        for bits in 2..=8u32 {
+            for bucket in [0usize, 1, 7, 512, 5000] {
+                for n in [1usize, 8, 13, 4096, 4103, 9000] {
+                    let x: Vec<f32> = (0..n)
+                        .map(|i| ((i * 2654435761) % 1000) as f32 / 37.0 - 13.0)
+                        .collect();
+                    let mut q = Qsgd::new(bits, 3)
+                        .expect("bits")
+                        .with_bucket(bucket)
+                        .expect("bucket");
+                    let mut msg = Vec::new();
+                    q.encode(&x, &mut msg).expect("encode");
+                    let start: Vec<f32> = (0..n).map(|i| (i % 5) as f32).collect();
+                    let mut got = start.clone();
+                    q.decode_add(&msg, &mut got).expect("decode");
+                    // The definition, from the message's fields.
+                    let b = if bucket == 0 { n } else { bucket };
+                    let mut at = HEADER_LEN + 1 + if bucket == 0 { 0 } else { 4 };
+                    let norms: Vec<f32> = (0..n.div_ceil(b))
+                        .map(|_| {
+                            let v = f32::from_le_bytes(msg[at..at + 4].try_into().expect("4"));
+                            at += 4;
+                            v
+                        })
+                        .collect();
+                    let s = Qsgd::levels(bits);
+                    let (sign, mask) = (1u64 << (bits - 1), (1u64 << (bits - 1)) - 1);
+                    let (mut buf, mut nbuf, mut it) = (0u64, 0u32, msg[at..].iter());
+                    for i in 0..n {
+                        while nbuf < bits {
+                            buf |= u64::from(*it.next().unwrap_or(&0)) << nbuf;
+                            nbuf += 8;
+                        }
+                        let code = buf & ((1 << bits) - 1);
+                        buf >>= bits;
+                        nbuf -= bits;
+                        let v = (code & mask) as f32 * (norms[i / b] / s as f32);
+                        let want = start[i] + if code & sign != 0 { -v } else { v };
+                        assert_eq!(
+                            got[i].to_bits(),
+                            want.to_bits(),
+                            "bits {bits}, bucket {bucket}, n {n}, element {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// Every length around the block and group sizes, buckets that do and
     /// do not divide them: exact message length, error within the bucket's
