@@ -92,6 +92,8 @@ pub(super) struct Job {
     pub(super) sp_out: Vec<f32>,
     /// Positions in the reduced group of this rank's non-finite layers.
     pub(super) sp_nonfinite: Vec<u32>,
+    /// Pairs this rank contributes per reduced layer (by position).
+    pub(super) sp_layer_pairs: Vec<usize>,
     /// Per reduced layer, the lowest rank whose gradient was non-finite.
     pub(super) sp_bad_rank: Vec<Option<usize>>,
     /// Layer ids of this rank's non-finite dense layers (their sum is
@@ -307,6 +309,8 @@ impl Job {
         self.sp_idx.clear();
         self.sp_val.clear();
         self.sp_nonfinite.clear();
+        self.sp_layer_pairs.clear();
+        self.sp_layer_pairs.resize(plan.reduced.ids.len(), 0);
         self.sp_n = plan.reduced.elems;
         if plan.reduced.ids.is_empty() {
             return Ok(());
@@ -330,6 +334,7 @@ impl Job {
                 Error::InvalidArgument(format!("layer {:?}: reduced without a codec", l.name))
             })?;
             let (idx, val) = (&mut self.sp_idx, &mut self.sp_val);
+            let before = idx.len();
             let pairs = codec.for_each_sent(&l.unit, l.n, &mut |i, v| {
                 idx.push(off + i as u32);
                 // `unpack_layer` adds `scale · v` to a zeroed accumulator.
@@ -342,6 +347,7 @@ impl Job {
                     codec.config().name()
                 )));
             }
+            self.sp_layer_pairs[pos] = self.sp_idx.len() - before;
         }
         Ok(())
     }

@@ -513,6 +513,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             for l in &mut self.layers {
                 l.unsend();
             }
+        } else {
+            // What the layer puts into the sparse allreduce: 8 bytes a pair
+            // (index, f32 value), whatever its unit's encoding (rgc-quant's
+            // unit is its indices and one mean: 4 bytes a pair).
+            for (&id, &k) in self.plan.reduced.ids.iter().zip(&job.sp_layer_pairs) {
+                self.layers[id as usize].stats.bytes_sent = 8 * k;
+            }
         }
         r
     }

@@ -20,7 +20,10 @@ pub struct LayerStats {
     pub auto: bool,
     /// Fraction of this rank's elements sent (1 for dense).
     pub density: f64,
-    /// Bytes this rank put on the wire for the layer (unit or dense slice).
+    /// Bytes this rank put on the wire for the layer: its unit (fused
+    /// allgatherv), its dense slice, or, for a layer in the sparse allreduce
+    /// (`sparse_exchange` allreduce or hierarchical), 8 per pair it
+    /// contributes (the allreduce's own traffic is the group's).
     pub bytes_sent: usize,
     /// `4n / bytes_sent`.
     pub ratio: f64,

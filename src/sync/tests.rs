@@ -457,6 +457,54 @@ fn non_finite_dense_layers_name_the_rank() {
     }
 }
 
+/// `bytes_sent` of an rgc-quant layer: its unit in the fused allgatherv
+/// (indices and one mean, 4 bytes a pair), 8 bytes a pair it puts into the
+/// sparse allreduce.
+#[test]
+fn reduced_layers_report_the_pairs_they_send() {
+    for exchange in [SparseExchange::Allgather, SparseExchange::Allreduce] {
+        let res = LocalComm::run(2, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(
+                c,
+                Config {
+                    sparse_exchange: exchange,
+                    ..cfg()
+                },
+            )
+            .expect("engine");
+            let codec = CodecConfig::RgcQuant { density: 0.01 };
+            s.register_with(
+                "q",
+                &[1000],
+                Strategy::Sparse {
+                    codec,
+                    density: None,
+                },
+            )
+            .expect("sparse");
+            let mut g = grad(rank, 0, 1, 1000);
+            let sent = s.sync(&mut [&mut g[..]]).expect("step").layers[0].bytes_sent;
+            let unit = s.last_unit(LayerId(0)).to_vec();
+            let mut d = vec![0f32; 1000];
+            s.decode_unit(LayerId(0), &unit, &mut d).expect("decode");
+            let pairs = d.iter().filter(|x| **x != 0.0).count();
+            (sent, unit.len(), pairs)
+        });
+        for (sent, unit, pairs) in res {
+            assert!(
+                pairs > 0 && unit < 8 * pairs,
+                "{exchange:?}: {unit} bytes, {pairs} pairs"
+            );
+            let want = match exchange {
+                SparseExchange::Allgather => unit,
+                _ => 8 * pairs,
+            };
+            assert_eq!(sent, want, "{exchange:?}");
+        }
+    }
+}
+
 #[test]
 fn communication_delay_resynchronizes_weights_exactly() {
     // Codec `none`: every T-th step the weights equal those of T dense steps
