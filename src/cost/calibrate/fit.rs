@@ -210,31 +210,27 @@ pub(super) fn run(
         let mut y = vec![0f32; n];
         local_probes.push(local(comm, move || codec.decode_add(&unit, &mut y)));
     }
-    // 3b. γ_clear: clearing a dense output of several MiB (what the sparse
-    // allreduces pay before summing into it), every rank at once, per byte:
-    // from 4 MiB up to 128 MiB (the
-    // `gamma_clear_curve`: past the last-level cache, and past the size
-    // where memset switches to non-temporal stores, which halves the cost
-    // per byte on the project's VMs). 3c. γ_unpack on outputs far past the
-    // caches, just cleared: what the sparse allreduces pay to sum the
-    // received pairs into a whole group. The largest outputs are shared.
+    // 3b. γ_clear: clearing a dense output (what the sparse allreduces pay
+    // before summing into it), every rank at once, per byte, from 4 MiB up
+    // to 128 MiB: the `gamma_clear_curve`, past the last-level cache and
+    // past the size where memset switches to non-temporal stores (which
+    // halves the cost per byte on the project's VMs).
+    // 3c. γ_unpack on outputs far past the caches, just cleared: what the
+    // sparse allreduces pay to sum the received pairs into a whole group.
+    // The two largest outputs are shared by 3b and 3c.
     let clear_at = local_probes.len();
     let cold: Vec<Rc<RefCell<Vec<f32>>>> = UNPACK_COLD_NS
         .iter()
         .map(|&n| Rc::new(RefCell::new(vec![1f32; n])))
         .collect();
-    let clear_ns: Vec<usize> = lns
-        .iter()
-        .copied()
-        .filter(|&n| n >= CLEAR_MIN)
-        .chain(UNPACK_COLD_NS)
-        .collect();
-    for &n in lns.iter().filter(|&&n| n >= CLEAR_MIN) {
+    let local_clear: Vec<usize> = lns.iter().copied().filter(|&n| n >= CLEAR_MIN).collect();
+    for &n in &local_clear {
         local_probes.push(clear_probe(comm, Rc::new(RefCell::new(vec![1f32; n]))));
     }
     for out in &cold {
         local_probes.push(clear_probe(comm, out.clone()));
     }
+    let clear_ns: Vec<usize> = local_clear.into_iter().chain(UNPACK_COLD_NS).collect();
     let cold_at = local_probes.len();
     let mut cold_bytes = Vec::new();
     for (i, out) in cold.iter().enumerate() {
