@@ -558,7 +558,7 @@ impl Job {
                 .iter()
                 .zip(layers)
                 .enumerate()
-                .filter(|(_, (lp, l))| lp.mode == Mode::Dense && l.non_finite)
+                .filter(|(_, (lp, l))| matches!(lp.mode, Mode::Dense | Mode::Local) && l.non_finite)
                 .map(|(i, _)| i as u32),
         );
         self.status_len = 2;
@@ -631,8 +631,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if !(job.do_gather || job.do_reduce || job.do_gvq || job.do_sparse) {
             job.result = Some(match local {
                 Ok(()) => Ok(()),
-                // No exchange this step (a delayed local step or one rank):
-                // the error is this rank's alone.
+                // No exchange this step (one rank): the error is this
+                // rank's alone.
                 Err(e) => Err(Error::RankFailed {
                     rank: self.rank,
                     others: 0,

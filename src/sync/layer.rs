@@ -45,7 +45,26 @@ pub(super) struct Layer {
     /// This step's unit was subtracted from the residual (undone by
     /// `unsend` when the step fails).
     pub(super) sent: bool,
+    /// Delay: where this communicating step moved `acc` (undone by
+    /// `rollback` when the step fails).
+    pub(super) moved: Moved,
     pub(super) stats: LayerStats,
+}
+
+/// Where a communicating step of `delay > 1` moved the layer's `acc` (the
+/// local directions applied since the last communication), kept in `prev`.
+/// A step that fails must put it back: those directions were applied by
+/// the caller and are still to be exchanged and subtracted, or the ranks'
+/// weights drift apart for good.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Moved {
+    /// Nothing moved (no delay, a local step, or not yet).
+    #[default]
+    No,
+    /// Into the fused dense buffer.
+    Dense,
+    /// Into the residual `V` (a sparse layer).
+    Residual,
 }
 
 /// `n` zeros when `on` (without writing them when `!fill`: a probe that
@@ -108,20 +127,27 @@ impl Layer {
         }
     }
 
-    /// A delayed step without communication: the local direction, kept in
-    /// `dir` and added to `acc`.
+    /// A delayed step without communication: the local direction into
+    /// `dir` and, with momentum, the new `U` into `prev` (free between
+    /// communicating steps). Nothing of the layer's state changes until
+    /// the step is known to have succeeded on every rank
+    /// ([`commit_local`](Self::commit_local)).
     fn local_step(&mut self, g: &[f32], w: Option<&[f32]>, p: &StepParams) {
         let t = Instant::now();
         self.dir.resize(self.n, 0.0);
         if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
-            // Nothing to accumulate; the caller sees NaN locally.
             self.dir.fill(f32::NAN);
             self.non_finite = true;
+        } else if p.momentum == 0.0 {
+            for i in 0..self.n {
+                self.dir[i] = g_eff(g, w, p, i);
+            }
         } else {
             for i in 0..self.n {
-                let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
-                self.dir[i] = d;
-                self.acc[i] += d;
+                let gi = g_eff(g, w, p, i);
+                let ui = p.momentum * self.u[i] + gi;
+                self.prev[i] = ui;
+                self.dir[i] = if p.nesterov { gi + p.momentum * ui } else { ui };
             }
         }
         self.stats.strategy = "local".into();
@@ -148,6 +174,7 @@ impl Layer {
         let n = self.n;
         if p.delay {
             // prev = acc; acc += d; V += acc; acc = 0.
+            self.moved = Moved::Residual;
             for i in 0..n {
                 let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
                 self.prev[i] = self.acc[i];
@@ -276,6 +303,34 @@ impl Layer {
         Ok(())
     }
 
+    /// A local step that succeeded on every rank: `o` = the direction,
+    /// added to `acc`; the new momentum (in `prev`) becomes `U`.
+    pub(super) fn commit_local(&mut self, o: &mut [f32], momentum: f32) {
+        for ((x, &d), a) in o.iter_mut().zip(&self.dir).zip(self.acc.iter_mut()) {
+            *x = d;
+            *a += d;
+        }
+        if momentum != 0.0 {
+            std::mem::swap(&mut self.u, &mut self.prev);
+        }
+    }
+
+    /// Undo what a failed step did to this layer's state: what it encoded
+    /// goes back into the residual ([`unsend`](Self::unsend)), and with
+    /// `delay > 1` the local directions it took out of `acc` go back there
+    /// (and out of `V` again, keeping this step's gradient in the residual).
+    pub(super) fn rollback(&mut self) {
+        self.unsend();
+        match std::mem::take(&mut self.moved) {
+            Moved::No => {}
+            Moved::Dense => self.acc.copy_from_slice(&self.prev),
+            Moved::Residual => {
+                self.acc.copy_from_slice(&self.prev);
+                crate::dense::sub_from(&mut self.v, &self.prev);
+            }
+        }
+    }
+
     /// Undo `V -= sent` of this step (a failed step sends nothing): the
     /// residual again holds this step's gradient. Momentum masking is not
     /// undone (it only zeroes `U` where values were selected).
@@ -317,6 +372,7 @@ impl Layer {
         for start in (0..self.n).step_by(BLOCK) {
             let end = (start + BLOCK).min(self.n);
             if p.delay {
+                self.moved = Moved::Dense;
                 for i in start..end {
                     let d = Self::direction(&mut self.u, p, i, g_eff(g, w, p, i));
                     self.prev[i] = self.acc[i];
@@ -385,6 +441,7 @@ impl Layer {
     pub(super) fn begin_step(&mut self) {
         self.non_finite = false;
         self.sent = false;
+        self.moved = Moved::No;
         self.stats.select_s = 0.0;
         self.stats.unpack_s = 0.0;
     }
@@ -502,7 +559,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if let Err(e) = r {
             // Nothing this rank encoded is sent: put it back in the residuals.
             for l in &mut self.layers {
-                l.unsend();
+                l.rollback();
             }
             return Err(e);
         }
@@ -536,7 +593,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
             let layer = self.layers[e.layer].name.clone();
             for l in &mut self.layers {
-                l.unsend();
+                l.rollback();
             }
             return Err(Error::NonFinite {
                 rank: Some(self.rank),

@@ -62,8 +62,13 @@
 //! allreduce, so a failed rank never enters it alone). Every rank
 //! checks the status before applying anything and returns the same
 //! [`Error::RankFailed`]; what each rank had encoded goes back into its
-//! residual, and the step counter advances alike. On delayed steps without
-//! communication (`delay > 1`) an error stays local (no peer waits).
+//! residual, and the step counter advances alike. With `delay > 1` a
+//! failed communicating step also puts back the local directions it took
+//! out of the delay accumulator (or the ranks' weights would drift apart
+//! for good), and a delayed step without communication runs only an
+//! 8-byte status allreduce: a failure there is the same `RankFailed` on
+//! every rank, and a NaN/Inf on any rank voids the step on every rank
+//! (NaN in every layer's result, nothing accumulated).
 //!
 //! Safety: every `register` checks with one small collective that all ranks
 //! registered the same layer (name, shape, strategy) under the same options;
@@ -511,7 +516,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let r = job.collect_pairs(&self.plan, &self.layers, self.size);
         if r.is_err() {
             for l in &mut self.layers {
-                l.unsend();
+                l.rollback();
             }
         } else {
             // What the layer puts into the sparse allreduce: 8 bytes a pair

@@ -320,15 +320,20 @@ pub(super) fn plan_step_into(
     // always runs the status allreduce: its second word says whether some
     // rank's reduced layer was non-finite (the fused message cannot say:
     // those layers are not in it), and it decides before the sparse
-    // allreduce whether the step failed.
-    set_reduce(plan);
+    // allreduce whether the step failed. So does a delayed step without
+    // communication (`delay > 1`): eight bytes, so that a failure or a
+    // NaN/Inf on one rank reaches every rank in that step.
+    set_reduce(plan, ranks);
     plan_parallel(plan, cfg);
 }
 
 /// Whether the step runs the dense allreduce: for the dense buffer, or
 /// as the status exchange (module docs).
-fn set_reduce(plan: &mut StepPlan) {
-    plan.reduce = plan.dense.elems > 0 || (plan.rings && !plan.gather) || plan.sparse_reduce;
+fn set_reduce(plan: &mut StepPlan, ranks: usize) {
+    plan.reduce = plan.dense.elems > 0
+        || (plan.rings && !plan.gather)
+        || plan.sparse_reduce
+        || (!plan.communicates && ranks > 1);
 }
 
 /// The exchange of the `reduced` group this step (`sparse_exchange =
@@ -358,7 +363,7 @@ pub(super) fn set_exchange(plan: &mut StepPlan, exchange: SparseExchange, ranks:
     plan.reduced.clear();
     plan.sparse_reduce = false;
     plan.gather = ranks > 1;
-    set_reduce(plan);
+    set_reduce(plan, ranks);
 }
 
 /// Whether the local math and the unpacking run in parallel.
@@ -509,7 +514,9 @@ mod tests {
             assert!(p.layers.is_empty());
             assert_eq!(p.dense, Group::default());
             assert_eq!(p.sparse, Group::default());
-            assert!(!p.gather && !p.reduce && !p.rings);
+            assert!(!p.gather && !p.rings);
+            // A delayed step's status allreduce (8 bytes) still runs.
+            assert_eq!(p.reduce, !p.communicates);
             assert!(!p.parallel_local && !p.parallel_unpack);
             assert_eq!(p.communicates, step % 2 == 1);
         }
@@ -589,7 +596,11 @@ mod tests {
         assert!(p.layers.iter().all(|l| l.mode == Mode::Local));
         assert_eq!(p.local.ids, [0, 1, 2, 3, 4]);
         assert!(p.dense.ids.is_empty() && p.sparse.ids.is_empty());
-        assert!(!p.gather && !p.reduce && !p.rings);
+        // Only the status allreduce: a failure or a NaN/Inf on one rank
+        // reaches every rank in this step. Alone, no collective at all.
+        assert!(!p.gather && p.reduce && !p.rings);
+        assert_eq!(p.dense.elems, 0);
+        assert!(!plan_step(0, &cfg, 1, &t).reduce);
         // Several local layers but nothing sparse: serial.
         assert!(!p.parallel_local);
         let p = plan_step(2, &cfg, 2, &t);

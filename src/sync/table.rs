@@ -257,6 +257,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             cur_density: None,
             non_finite: false,
             sent: false,
+            moved: super::layer::Moved::No,
             stats: LayerStats {
                 name: name.to_string(),
                 auto,

@@ -2331,3 +2331,139 @@ fn auto_layers_with_auto_exchange_plan_and_run() {
         );
     }
 }
+
+/// With `delay > 1`, a step that fails on one rank (a communicating step,
+/// or a local one) leaves every rank's weights where the others' are: after
+/// the next communicating step the ranks agree again, and every rank saw
+/// the failure in the step it happened.
+#[test]
+fn delayed_steps_fail_together_and_resynchronize() {
+    let (p, t, lr) = (3, 2u64, 0.5f32);
+    for fail_at in [1u64, 2] {
+        for momentum in [0.0f32, 0.9] {
+            let res = LocalComm::run(p, |c| {
+                let rank = c.rank();
+                let mut s = GradSync::with_transport(
+                    c,
+                    Config {
+                        delay: t,
+                        momentum,
+                        ..cfg()
+                    },
+                )
+                .expect("engine");
+                s.register_with(
+                    "l",
+                    &[64],
+                    Strategy::Sparse {
+                        codec: CodecConfig::None,
+                        density: None,
+                    },
+                )
+                .expect("register");
+                s.register("d", &[16]).expect("dense");
+                let mut w = [vec![0.0f32; 64], vec![0.0f32; 16]];
+                let mut errs = Vec::new();
+                for step in 0..6 {
+                    let mut g = [grad(rank, step, 0, 64), grad(rank, step, 1, 16)];
+                    let r = if step == fail_at && rank == 1 {
+                        Err(s.fail_step(Error::InvalidArgument("bad array".into())))
+                    } else {
+                        let [a, b] = &mut g;
+                        s.sync(&mut [&mut a[..], &mut b[..]]).map(|_| ())
+                    };
+                    match r {
+                        Ok(()) => {
+                            for (wi, gi) in w.iter_mut().zip(&g) {
+                                for (x, d) in wi.iter_mut().zip(gi) {
+                                    *x -= lr * d;
+                                }
+                            }
+                        }
+                        Err(e) => errs.push((step, e.to_string())),
+                    }
+                }
+                (w, errs)
+            });
+            for (r, (w, errs)) in res.iter().enumerate() {
+                assert_eq!(
+                    errs.len(),
+                    1,
+                    "fail at {fail_at}, m {momentum}, rank {r}: {errs:?}"
+                );
+                assert_eq!(errs[0].0, fail_at, "rank {r}: {errs:?}");
+                assert!(errs[0].1.contains("rank 1"), "rank {r}: {errs:?}");
+                for (a, b) in w.iter().zip(&res[0].0) {
+                    for (x, y) in a.iter().zip(b) {
+                        assert!(
+                            (x - y).abs() < 1e-4,
+                            "fail at {fail_at}, m {momentum}: rank {r} {x} vs rank 0 {y}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// With `delay > 1`, a NaN on one rank in a step without communication
+/// voids that step on every rank: the same `NonFinite` naming the rank
+/// (`Error`) or NaN in every layer (`Propagate`), nothing accumulated; a
+/// caller that skips the step everywhere keeps the ranks in step.
+#[test]
+fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
+    let (p, t, lr) = (3, 2u64, 0.5f32);
+    for policy in [NonFinitePolicy::Error, NonFinitePolicy::Propagate] {
+        let res = LocalComm::run(p, |c| {
+            let rank = c.rank();
+            let cfg = Config {
+                delay: t,
+                momentum: 0.9,
+                non_finite: policy,
+                ..cfg()
+            };
+            let mut s = GradSync::with_transport(c, cfg).expect("engine");
+            s.register_with("l", &[64], Strategy::rgc(0.1))
+                .expect("register");
+            s.register("d", &[16]).expect("dense");
+            let mut w = [vec![0.0f32; 64], vec![0.0f32; 16]];
+            let mut seen = Vec::new();
+            for step in 0..4 {
+                let mut g = [grad(rank, step, 0, 64), grad(rank, step, 1, 16)];
+                if step == 2 && rank == 2 {
+                    g[1][3] = f32::NAN;
+                }
+                let [a, b] = &mut g;
+                let r = s.sync(&mut [&mut a[..], &mut b[..]]).map(|_| ());
+                let nan = g.iter().any(|x| x.iter().any(|v| v.is_nan()));
+                match r {
+                    Ok(()) if !nan => {
+                        for (wi, gi) in w.iter_mut().zip(&g) {
+                            for (x, d) in wi.iter_mut().zip(gi) {
+                                *x -= lr * d;
+                            }
+                        }
+                    }
+                    Ok(()) => seen.push((step, "nan".to_string())),
+                    Err(e) => seen.push((step, e.to_string())),
+                }
+            }
+            (w, seen)
+        });
+        for (r, (w, seen)) in res.iter().enumerate() {
+            assert_eq!(seen.len(), 1, "{policy:?} rank {r}: {seen:?}");
+            assert_eq!(seen[0].0, 2, "{policy:?} rank {r}: {seen:?}");
+            if policy == NonFinitePolicy::Error {
+                assert!(
+                    seen[0].1.contains("rank 2") && seen[0].1.contains("\"d\""),
+                    "rank {r}: {seen:?}"
+                );
+            }
+            for (a, b) in w.iter().zip(&res[0].0) {
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() < 1e-4, "{policy:?}: rank {r} {x} vs {y}");
+                }
+            }
+        }
+    }
+}

@@ -35,7 +35,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // The step failed on every rank and nothing is applied: what
             // this rank encoded goes back into its residuals (nothing lost).
             for l in &mut self.layers {
-                l.unsend();
+                l.rollback();
             }
         }
         comm?;
@@ -114,6 +114,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let dense_bad_rank = &job.dn_bad_rank;
         let dense = &job.dense;
         let gvq = &job.gvq;
+        // A delayed step without communication in which some rank's layer
+        // was non-finite is void on every rank: every local layer's result
+        // is NaN and no rank's state takes any of it (a loss scaler skips
+        // the whole step on every rank, and the weights stay in step).
+        let void = plan.layers.iter().enumerate().any(|(i, lp)| {
+            lp.mode == Mode::Local && (dense_bad_rank[i].is_some() || self.layers[i].non_finite)
+        });
         // Per layer: its error, if any, and for a probed layer the nonzero
         // elements of its result (`None`: not counted).
         type Unpacked = (Option<Error>, Option<usize>);
@@ -123,9 +130,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let mut counted = None;
             let r = match lp.mode {
                 Mode::Local => {
-                    o.copy_from_slice(&l.dir);
-                    l.non_finite.then(|| Error::NonFinite {
-                        rank: Some(rank),
+                    // The lowest rank whose gradient was non-finite (the
+                    // status words' markers; this rank alone when no
+                    // allreduce ran).
+                    let bad = dense_bad_rank[i].or(l.non_finite.then_some(rank));
+                    if void {
+                        o.fill(f32::NAN);
+                    } else {
+                        l.commit_local(o, params.0);
+                    }
+                    bad.map(|r| Error::NonFinite {
+                        rank: Some(r),
                         layer: l.name.clone(),
                     })
                 }
