@@ -175,7 +175,8 @@ class GradSync:
         ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,
         pass ``weights`` (one array per layer, read only) too.
         """
-        return self._engine.sync(_arrays(grads), _arrays(weights))
+        g, w = self._inputs(grads, weights)
+        return self._engine.sync(g, w)
 
     def start(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> None:
         """Compress this step's gradients and start communicating on gradsync's progress thread.
@@ -186,7 +187,22 @@ class GradSync:
         then over: do not call :meth:`wait`), its peers raise
         ``gradsync.Error`` from their :meth:`wait`.
         """
-        self._engine.start(_arrays(grads), _arrays(weights))
+        g, w = self._inputs(grads, weights)
+        self._engine.start(g, w)
+
+    def _inputs(self, grads: Any, weights: Any) -> Any:
+        """The step's arrays; if reading them raises (a generator, a
+        container or a tensor of the caller's), the step still fails on every
+        rank, through :meth:`fail_step`, before this rank raises that error:
+        its peers are about to enter the step's collectives."""
+        try:
+            return _arrays(grads), _arrays(weights)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            try:
+                self._engine.fail_step(f"reading the arrays raised {type(e).__name__}: {e}")
+            except Exception as step_error:  # noqa: BLE001 - the caller's error first
+                raise e from step_error
+            raise e
 
     def wait(self, grads: Sequence[Any]) -> Dict[str, Any]:
         """Finish the step begun by :meth:`start`, writing update directions into ``grads`` in place.

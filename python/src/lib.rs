@@ -194,6 +194,11 @@ fn check_array<'py>(
             "{what} {i} (layer {name:?}) is not C-contiguous: gradsync works in place (np.ascontiguousarray would copy)"
         )));
     }
+    if !arr.is_aligned() {
+        return Err(Bad::Value(format!(
+            "{what} {i} (layer {name:?}) is not aligned to its 4-byte elements (a view at an odd byte offset): gradsync works in place (np.require(a, requirements='A') would copy)"
+        )));
+    }
     let n: usize = shape.iter().product();
     let got = arr.shape();
     if got != shape && !(got.len() == 1 && got[0] == n) {
@@ -730,22 +735,26 @@ fn allreduce(
             Some("average" | "avg" | "mean") => ReduceOp::Average,
             Some(o) => return Err(Bad::Value(format!("unknown op {o:?} (sum, average)"))),
         };
-        let contiguous = |c: bool| {
-            if c {
-                Ok(())
-            } else {
+        let contiguous = |a: &Bound<'_, numpy::PyUntypedArray>| {
+            if !a.is_c_contiguous() {
                 Err(Bad::Value(
                     "array is not C-contiguous (gradsync works in place)".into(),
                 ))
+            } else if !a.is_aligned() {
+                Err(Bad::Value(
+                    "array is not aligned to its elements (a view at an odd byte offset; gradsync works in place)".into(),
+                ))
+            } else {
+                Ok(())
             }
         };
         let rw =
             |e: numpy::BorrowError| Bad::Value(format!("array cannot be written in place ({e})"));
         let arr = if let Ok(a) = array.cast::<PyArrayDyn<f32>>() {
-            contiguous(a.is_c_contiguous())?;
+            contiguous(a.as_untyped())?;
             Arr::F32(a.try_readwrite().map_err(rw)?)
         } else if let Ok(a) = array.cast::<PyArrayDyn<f64>>() {
-            contiguous(a.is_c_contiguous())?;
+            contiguous(a.as_untyped())?;
             Arr::F64(a.try_readwrite().map_err(rw)?)
         } else {
             return Err(Bad::Type(format!(

@@ -106,6 +106,13 @@ e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo=5
 ok(isinstance(e, TypeError if rank == last else gradsync.Error) and f"rank {last} failed" in str(e), "algo of the wrong type on one rank")
 e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo="tree"), None, "bad algo")
 ok(isinstance(e, ValueError), "unknown algo is a ValueError")
+# A C-contiguous float32 view at an odd byte offset (not aligned): a
+# ValueError on that rank, not a panic that leaves the others waiting.
+for dtype in [np.float32, np.float64]:
+    isz = np.dtype(dtype).itemsize
+    mis = np.ndarray((16,), dtype, buffer=memoryview(bytearray(16 * isz + 4))[1 : 1 + 16 * isz])
+    e = expect_error(lambda: gradsync.allreduce(comm, mis if rank == last else ints(16, 0, dtype)), None, "misaligned")
+    ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "aligned" in str(e), f"misaligned {dtype.__name__}: {e}")
 ro = ints(8, 0, np.float32)
 ro.setflags(write=False)
 e = expect_error(lambda: gradsync.allreduce(comm, ro), None, "read-only array")
@@ -173,6 +180,62 @@ for step in range(3):
     stats = s2.wait(b)
     ok(all(np.array_equal(x, y) for x, y in zip(a, b)), "start/wait == sync")
     ok(any(not np.array_equal(x, y) for x, y in zip(b, b_in)), "wait wrote the results")
+
+# Arrays the caller's code fails to produce on one rank (a generator that
+# raises, a misaligned view): that rank raises its own error, the others
+# gradsync.Error, in the same step; the next step runs on every rank.
+sf = gradsync.GradSync(comm, momentum=0.9)
+sh = table(sf)
+
+
+def broken(xs):
+    for i, x in enumerate(xs):
+        if i == 1 and rank == last:
+            raise KeyError("no gradient for fc1.bias")
+        yield x
+
+
+e = expect_error(lambda: sf.sync(broken(grads(sh, 0))), None, "generator raises")
+ok(isinstance(e, KeyError if rank == last else gradsync.Error) and f"rank {last}" in str(e.__cause__ or e), f"generator: {e!r}")
+g = grads(sh, 1)
+g[1] = np.ndarray((64,), np.float32, buffer=memoryview(bytearray(260))[2:258]) if rank == last else g[1]
+e = expect_error(lambda: sf.sync(g), None, "misaligned gradient")
+ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "aligned" in str(e), f"misaligned gradient: {e}")
+ok(sf.sync(grads(sh, 2))["step"] == 2, "the step after the failures runs")
+sf.close()
+
+# delay > 1: a bad argument in a step without communication fails it on
+# every rank (an 8-byte status allreduce); a NaN there voids it everywhere.
+sd = gradsync.GradSync(comm, momentum=0.9, delay=2, nonfinite="propagate")
+sh = table(sd)
+w = [np.zeros(sh_, np.float64) for sh_ in sh]  # the weights, as a training loop moves them
+
+
+def apply(g):
+    for wi, gi in zip(w, g):
+        wi -= 0.1 * gi
+
+
+g = grads(sh, 0)
+if rank == last:
+    g[0] = g[0].astype(np.float64)
+e = expect_error(lambda: sd.sync(g), None, "delay: bad dtype in a local step")
+ok(isinstance(e, TypeError if rank == last else gradsync.Error) and f"rank {last} failed in step 0" in str(e), f"delay: {e}")
+g = grads(sh, 1)
+sd.sync(g)  # communicating
+apply(g)
+g = grads(sh, 2)
+if rank == last:
+    g[2][0] = np.inf
+sd.sync(g)
+ok(all(np.isnan(x).all() for x in g), "delay: an Inf on one rank voids the local step on every rank")
+for step in (3, 4, 5):  # communicating, local, communicating
+    g = grads(sh, step)
+    sd.sync(g)
+    apply(g)
+all_w = comm.allgather(w)
+ok(all(np.allclose(a, b, rtol=0, atol=1e-3) for ws in all_w for a, b in zip(ws, all_w[0])), "delay: the ranks' weights agree after the failures")
+sd.close()
 
 # sparse_exchange="allreduce" (issue #15): the RGC layer by one sparse
 # allreduce gives bit for bit what the fused allgatherv gives (integer
