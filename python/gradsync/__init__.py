@@ -242,8 +242,8 @@ class GradSync:
     def load_snapshot(self, path: PathLike) -> None:
         """Restore the state written by :meth:`save_snapshot` (collective).
 
-        A missing or corrupt file on one rank fails every rank with
-        ``gradsync.Error`` and changes no engine.
+        A missing or corrupt file on one rank, or files from different
+        steps, fail every rank with ``gradsync.Error`` and change no engine.
         """
         self._engine.load_snapshot(path)
 

@@ -120,6 +120,10 @@ pub(super) struct Job {
     pub(super) gvq: Vec<GvqEntry>,
     pub(super) gvq_s: f64,
     pub(super) result: Option<Result<()>>,
+    /// Between steps: a value that must be the same on every rank, what to
+    /// say if it is not, and this rank's own outcome
+    /// ([`GradSync::agree_status`]).
+    pub(super) print: Option<(u64, String, Result<()>)>,
 }
 
 #[derive(Default)]
@@ -152,6 +156,16 @@ impl Job {
     }
 
     pub(super) fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        if let Some((h, what, local)) = self.print.take() {
+            let what = || what.clone();
+            return crate::failure::agree_args(
+                comm,
+                crate::comm::tags::AGREE,
+                local,
+                0,
+                &[(h, &what)],
+            );
+        }
         // Every rank's failure text (empty = ok), once any rank failed.
         let mut failed: Option<Vec<String>> = None;
         if self.do_gather {
@@ -402,31 +416,25 @@ pub(super) struct Worker<C> {
 }
 
 impl<C: Transport + Send + 'static> GradSync<C> {
-    /// Agree on a rank-local outcome between steps (collective), through the
-    /// step's status-word path: a one-word allreduce, plus the error texts
-    /// only when some rank failed. Every rank returns the same
-    /// [`Error::RankFailed`] if any rank passed `Err`.
-    pub(crate) fn agree_status(&mut self, local: Result<()>) -> Result<()> {
+    /// Agree on a rank-local outcome between steps (collective), on the
+    /// progress thread if there is one: one small max-allreduce that also
+    /// checks `print.0` is the same on every rank, plus the error texts
+    /// only when some rank failed ([`crate::failure::agree_args`]). Every
+    /// rank returns the same [`Error::RankFailed`] if any rank passed
+    /// `Err`, else [`Error::ArgumentMismatch`] with `print.1` if the values
+    /// differ.
+    pub(crate) fn agree_status(&mut self, local: Result<()>, print: (u64, String)) -> Result<()> {
         if self.started.is_some() {
             return Err(Error::InvalidArgument("not between start and wait".into()));
         }
         let mut job = self.job.take().expect("job buffers present when idle");
-        job.dense.clear();
-        job.dense.push(if local.is_err() { 1.0 } else { 0.0 });
-        job.dense_len = 0;
-        job.status_len = 1;
+        job.print = Some((print.0, print.1, local));
         job.do_gather = false;
-        job.do_reduce = true;
+        job.do_reduce = false;
         job.do_gvq = false;
         job.do_sparse = false;
-        job.local_failed = local.as_ref().err().map(|e| e.to_string());
         job.step = None;
         job.result = None;
-        job.reduce_algo = Some(match self.cfg.allreduce {
-            // A one-word status: `auto` is for the dense group.
-            AllreduceAlgo::Auto => AllreduceAlgo::Rabenseifner,
-            a => a,
-        });
         let mut job = match &self.worker {
             Some(w) => {
                 if let Err(mpsc::SendError(_)) = w.jobs.send(job) {
@@ -443,7 +451,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         };
         let r = job.result.take().unwrap_or(Ok(()));
         self.job = Some(job);
-        r.and(local)
+        r
     }
 
     /// Start the progress thread if allowed; false when communication must

@@ -146,11 +146,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// returns the same [`Error::RankFailed`] naming that rank and the cause,
     /// and every engine is unchanged.
     pub fn restore_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        self.restore_agreed(|s| s.parse_snapshot(bytes))
+        self.restore_agreed("the snapshot", |s| s.parse_snapshot(bytes))
     }
 
     /// Parse and validate locally, agree across ranks, then apply.
-    fn restore_agreed(&mut self, parse: impl FnOnce(&Self) -> Result<Restored>) -> Result<()> {
+    /// The snapshots' steps are compared in the same agreement: ranks
+    /// restored to different steps would run different plans (warm-up,
+    /// delay) and refuse each other's messages, or drift apart silently
+    /// where no message carries the step (dense layers). `what` names the
+    /// source in that error.
+    fn restore_agreed(
+        &mut self,
+        what: &str,
+        parse: impl FnOnce(&Self) -> Result<Restored>,
+    ) -> Result<()> {
         if self.started.is_some() {
             // This rank's own step is pending: no peer waits for this call.
             return Err(Error::InvalidArgument(
@@ -165,7 +174,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             Error::Snapshot(m) => Error::Snapshot(m.clone()),
             e => Error::Snapshot(e.to_string()),
         });
-        self.agree_status(status)?;
+        // Every rank passes a value (a failed rank's is not compared: the
+        // failure wins), so every rank runs the same collective.
+        let step = local.as_ref().map_or(0, |r| r.snap.step);
+        let print = (
+            step,
+            format!(
+                "snapshots from different steps: rank {}'s ({what}) is at step {step}, \
+                 another rank's is not",
+                self.rank
+            ),
+        );
+        self.agree_status(status, print)?;
         self.apply_snapshot(local?);
         Ok(())
     }
@@ -324,7 +344,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// error names the rank and the file) and changes no engine.
     pub fn load_snapshot(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        self.restore_agreed(|s| {
+        self.restore_agreed(&path.display().to_string(), |s| {
             let bytes = std::fs::read(path)
                 .map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))?;
             s.parse_snapshot(&bytes).map_err(|e| match e {

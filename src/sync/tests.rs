@@ -2467,3 +2467,43 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
         }
     }
 }
+
+/// Snapshots from different steps on different ranks (one stale file) are
+/// refused on every rank, naming the file, and change no engine: restored
+/// as they were, dense layers would drift apart with no error at all.
+#[test]
+fn snapshots_from_different_steps_are_refused_everywhere() {
+    let res = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("d", &[16]).expect("dense");
+        let mut snaps = Vec::new();
+        for step in 0..3 {
+            snaps.push(s.snapshot_bytes().expect("snapshot"));
+            let mut g = grad(rank, step, 0, 16);
+            s.sync(&mut [&mut g[..]]).expect("sync");
+        }
+        let before = s.snapshot_bytes().expect("snapshot");
+        let pick = if rank == 2 { &snaps[1] } else { &snaps[2] };
+        let e = s.restore_bytes(pick).expect_err("steps differ").to_string();
+        let unchanged = s.snapshot_bytes().expect("snapshot") == before;
+        // The same step everywhere restores.
+        s.restore_bytes(&snaps[1]).expect("same step");
+        (e, unchanged, s.step)
+    });
+    for (r, (e, unchanged, step)) in res.iter().enumerate() {
+        assert!(
+            e.contains("snapshots from different steps") && e.contains("the snapshot"),
+            "rank {r}: {e}"
+        );
+        assert!(unchanged, "rank {r}: the engine changed");
+        assert_eq!(*step, 1, "rank {r}");
+    }
+}
