@@ -157,5 +157,24 @@ impl Error {
     }
 }
 
+/// The bytes of a small input file (a profile, a layers file), read to at
+/// most `limit` bytes: a path to a device or a huge file by mistake
+/// (`/dev/zero`) is an error naming it instead of a read that fills the
+/// memory. `what` names the kind of file in the error.
+pub(crate) fn read_small_file(path: &std::path::Path, limit: u64, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit + 1).read_to_end(&mut bytes))
+        .map_err(|e| Error::file(path, format!("cannot read {what}: {e}")))?;
+    if bytes.len() as u64 > limit {
+        return Err(Error::file(
+            path,
+            format!("cannot read {what}: larger than {limit} bytes (not a {what}?)"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// `Result<T, gradsync::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -438,6 +438,93 @@ fn file_errors_name_the_file_entry_and_field() {
         !ok && err.contains(f.to_str().unwrap()) && err.contains("alpha = -1"),
         "{err}"
     );
+    // A device or a huge file given as the profile or the layers file: an
+    // error naming it, not a read that fills the memory.
+    if std::path::Path::new("/dev/zero").exists() {
+        for args in [
+            vec![
+                "predict",
+                "--elements",
+                "10",
+                "--ranks",
+                "4",
+                "--profile",
+                "/dev/zero",
+            ],
+            vec![
+                "plan",
+                "--layers",
+                "/dev/zero",
+                "--ranks",
+                "4",
+                "--alpha",
+                "1e-6",
+                "--bandwidth",
+                "1e9",
+            ],
+        ] {
+            let (ok, _, err) = gradsync(&args);
+            assert!(
+                !ok && err.contains("/dev/zero") && err.contains("larger than"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    // A codec's wire bytes per element out of range (it panicked `plan`:
+    // a NaN message size) and a negative fit: errors naming the field.
+    for (name, field, want) in [
+        (
+            "bpe.json",
+            r#""codecs": {"3lc": {"encode": {"a": 0, "b": 1e-9}, "decode": {"a": 0, "b": 1e-9}, "bytes_per_element": -1e308}}"#,
+            "codecs.3lc.bytes_per_element = -1e308",
+        ),
+        (
+            "bpe-nan.json",
+            r#""codecs": {"qsgd": {"encode": {"a": 0, "b": 1e-9}, "decode": {"a": 0, "b": 1e-9}, "bytes_per_element": 1e308}}"#,
+            "codecs.qsgd.bytes_per_element",
+        ),
+        (
+            "allgather.json",
+            r#""allgather": {"a": -9.2e18, "b": 0}"#,
+            "allgather = ",
+        ),
+    ] {
+        let f = temp_file(
+            "files",
+            name,
+            &format!(
+                r#"{{"version": 1, "alpha": 1e-6, "beta": 1e-9, "gamma_reduce": 0, "gamma_unpack": 0, {field}}}"#
+            ),
+        );
+        let path = f.to_str().unwrap();
+        for args in [
+            vec![
+                "predict",
+                "--elements",
+                "10",
+                "--ranks",
+                "4",
+                "--profile",
+                path,
+            ],
+            vec![
+                "plan",
+                "--layers",
+                "examples/layers/resnet50.json",
+                "--ranks",
+                "8",
+                "--profile",
+                path,
+            ],
+        ] {
+            let (ok, _, err) = gradsync(&args);
+            assert!(
+                !ok && err.contains(path) && err.contains(want),
+                "{args:?}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
     // Layers files: "data did not match any variant of untagged enum
     // LayersFile" named neither the entry nor the field.
     for (name, contents, wants) in [
@@ -464,6 +551,11 @@ fn file_errors_name_the_file_entry_and_field() {
             "missing.json",
             r#"{"layers": [{"name": "fc"}]}"#,
             vec!["layer 0 (\"fc\")", "missing field \"elements\""],
+        ),
+        (
+            "unknown.json",
+            r#"[{"name": "a", "elements": 5, "strategy": "dense"}]"#,
+            vec!["layer 0 (\"a\")", "unknown field \"strategy\""],
         ),
         (
             "shape.json",

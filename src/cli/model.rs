@@ -353,7 +353,8 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
     const SHAPE: &str =
         "expected {\"layers\": [{\"name\": ..., \"elements\": ...}, ...]} or a bare array";
     let bad = |m: String| Error::file(path, m);
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read layers file: {e}")))?;
+    // 64 MiB: a million layers and then some.
+    let bytes = crate::error::read_small_file(path, 64 << 20, "layers file")?;
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| bad(format!("not a layers file: {e}; {SHAPE}")))?;
     let entries = match &v {
@@ -382,6 +383,16 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
             None => return Err(bad(format!("layer {i}: missing field \"name\""))),
         };
         let at = format!("layer {i} ({name:?})");
+        // A key this reader does not know (a "strategy", a misspelt
+        // "elemets") would otherwise be ignored without a word.
+        if let Some(k) = o
+            .keys()
+            .find(|k| !matches!(k.as_str(), "name" | "elements"))
+        {
+            return Err(bad(format!(
+                "{at}: unknown field {k:?} (a layer has \"name\" and \"elements\")"
+            )));
+        }
         if name.is_empty() || name.chars().any(char::is_control) {
             return Err(bad(format!(
                 "{at}: field \"name\" must be non-empty without control characters"

@@ -130,7 +130,8 @@ pub fn curve_at(curve: &[CurvePoint], fallback: f64, m: f64) -> f64 {
     let (Some(first), Some(last)) = (curve.first(), curve.last()) else {
         return fallback;
     };
-    if m <= first.bytes {
+    // NaN (a hostile size) reads the first point rather than no point.
+    if m.is_nan() || m <= first.bytes {
         return first.per_byte;
     }
     if m >= last.bytes {
@@ -490,10 +491,23 @@ impl Profile {
                 ("dense_local".to_string(), self.dense_local),
                 ("gradiveq_compress".to_string(), self.gradiveq_compress),
                 ("gradiveq_decompress".to_string(), self.gradiveq_decompress),
+                ("pingpong".to_string(), self.pingpong),
+                ("allgather".to_string(), self.allgather),
             ]);
         for (k, f) in fits {
             if !ok(f.a) || !ok(f.b) {
                 bad.push(format!("{k} = {f:?}"));
+            }
+        }
+        // A codec's measured wire bytes per element: at most 16 (an
+        // index/value pair and then some).
+        for (k, c) in &self.codecs {
+            if let Some(b) = c.bytes_per_element {
+                if !(b.is_finite() && (0.0..=16.0).contains(&b)) {
+                    bad.push(format!(
+                        "codecs.{k}.bytes_per_element = {b:?} (must be in [0, 16])"
+                    ));
+                }
             }
         }
         let no_curve = Vec::new();
@@ -535,8 +549,8 @@ impl Profile {
     /// constants out of range.
     pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path)
-            .map_err(|e| Error::file(path, format!("cannot read profile: {e}")))?;
+        // 64 MiB: a profile is a few KiB.
+        let bytes = crate::error::read_small_file(path, 64 << 20, "profile")?;
         let p: Profile = serde_json::from_slice(&bytes)
             .map_err(|e| Error::file(path, format!("not a gradsync profile: {e}")))?;
         p.validate()
