@@ -129,6 +129,8 @@ pub(super) struct Job {
 #[derive(Default)]
 pub(super) struct GvqEntry {
     pub(super) layer: usize,
+    /// The layer's name, for errors inside its ring.
+    pub(super) name: String,
     pub(super) state: Option<crate::gradiveq::schedule::GradiveqLayer>,
     pub(super) input: Vec<f32>,
     pub(super) output: Vec<f32>,
@@ -257,7 +259,15 @@ impl Job {
                 let st = e.state.as_mut().ok_or_else(|| {
                     Error::Transport("GradiVeQ state missing from the job".into())
                 })?;
-                st.step(comm, &e.input, &mut e.output)?;
+                // An error inside the ring (a segment's QSGD norm that
+                // overflows f32) ends the job: name the layer.
+                st.step(comm, &e.input, &mut e.output)
+                    .map_err(|err| match err {
+                        Error::InvalidArgument(m) => {
+                            Error::InvalidArgument(format!("GradiVeQ layer {:?}: {m}", e.name))
+                        }
+                        other => other,
+                    })?;
             }
         }
         self.gvq_s = t.elapsed().as_secs_f64();

@@ -368,6 +368,15 @@ impl Layer {
     ) -> bool {
         const BLOCK: usize = 4096;
         let t = Instant::now();
+        if p.delay && (!all_finite(g) || w.is_some_and(|w| !all_finite(w))) {
+            // With `delay > 1` the momentum is applied here, before the
+            // exchange: a non-finite gradient must not reach `U` or `acc`.
+            // The NaN contribution makes the sum non-finite on every rank,
+            // which voids the step everywhere (unpack.rs).
+            dst.fill(f32::NAN);
+            self.stats.pack_s = t.elapsed().as_secs_f64();
+            return false;
+        }
         let mut finite = true;
         for start in (0..self.n).step_by(BLOCK) {
             let end = (start + BLOCK).min(self.n);
@@ -579,6 +588,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
                 let e = &mut job.gvq[gi];
                 e.layer = i;
+                e.name.clone_from(&l.name);
                 e.input.resize(l.n, 0.0);
                 e.output.resize(l.n, 0.0);
                 e.finite = l.dense_contribution(grads[i], w, &params, &mut e.input);

@@ -63,12 +63,14 @@
 //! checks the status before applying anything and returns the same
 //! [`Error::RankFailed`]; what each rank had encoded goes back into its
 //! residual, and the step counter advances alike. With `delay > 1` a
-//! failed communicating step also puts back the local directions it took
-//! out of the delay accumulator (or the ranks' weights would drift apart
-//! for good), and a delayed step without communication runs only an
+//! communicating step that fails, or has a NaN/Inf in any layer, is void on
+//! every rank (every layer's result NaN) and puts back the local directions
+//! it took out of the delay accumulator (or the ranks' weights would drift
+//! apart for good); a delayed step without communication runs only an
 //! 8-byte status allreduce: a failure there is the same `RankFailed` on
 //! every rank, and a NaN/Inf on any rank voids the step on every rank
-//! (NaN in every layer's result, nothing accumulated).
+//! (NaN in every layer's result, nothing accumulated). Every step of
+//! several ranks carries the status, even one with nothing to exchange.
 //!
 //! Safety: every `register` checks with one small collective that all ranks
 //! registered the same layer (name, shape, strategy) under the same options;

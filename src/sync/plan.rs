@@ -320,9 +320,11 @@ pub(super) fn plan_step_into(
     // always runs the status allreduce: its second word says whether some
     // rank's reduced layer was non-finite (the fused message cannot say:
     // those layers are not in it), and it decides before the sparse
-    // allreduce whether the step failed. So does a delayed step without
-    // communication (`delay > 1`): eight bytes, so that a failure or a
-    // NaN/Inf on one rank reaches every rank in that step.
+    // allreduce whether the step failed. So does every step of several
+    // ranks with nothing else to carry the status (a delayed step without
+    // communication, `delay > 1`; a table of empty dense layers, or none):
+    // eight bytes, so that a failure or a NaN/Inf on one rank reaches every
+    // rank in that step.
     set_reduce(plan, ranks);
     plan_parallel(plan, cfg);
 }
@@ -333,7 +335,7 @@ fn set_reduce(plan: &mut StepPlan, ranks: usize) {
     plan.reduce = plan.dense.elems > 0
         || (plan.rings && !plan.gather)
         || plan.sparse_reduce
-        || (!plan.communicates && ranks > 1);
+        || (ranks > 1 && !plan.gather);
 }
 
 /// The exchange of the `reduced` group this step (`sparse_exchange =
@@ -515,8 +517,10 @@ mod tests {
             assert_eq!(p.dense, Group::default());
             assert_eq!(p.sparse, Group::default());
             assert!(!p.gather && !p.rings);
-            // A delayed step's status allreduce (8 bytes) still runs.
-            assert_eq!(p.reduce, !p.communicates);
+            // The status allreduce (8 bytes) still runs, so a failure on
+            // one rank reaches every rank; alone, nothing runs.
+            assert!(p.reduce && p.dense.elems == 0);
+            assert!(!plan_step(step, &cfg, 1, &[]).reduce);
             assert!(!p.parallel_local && !p.parallel_unpack);
             assert_eq!(p.communicates, step % 2 == 1);
         }

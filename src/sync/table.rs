@@ -188,9 +188,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         shape: &[usize],
         strategy: Result<Strategy>,
     ) -> Result<LayerId> {
-        if self.step > 0 || self.worker.is_some() {
-            // Local misuse after the table was fixed: no peer is in a
-            // registration collective any more (they are in steps).
+        if self.table_checked || self.started.is_some() || self.step > 0 || self.worker.is_some() {
+            // Local misuse after the table was fixed (by the first step's
+            // start, or a restore): no peer is in a registration collective
+            // any more (they are in steps).
             return Err(Error::InvalidArgument(
                 "register every layer before the first step".into(),
             ));

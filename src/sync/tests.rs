@@ -2406,14 +2406,19 @@ fn delayed_steps_fail_together_and_resynchronize() {
     }
 }
 
-/// With `delay > 1`, a NaN on one rank in a step without communication
-/// voids that step on every rank: the same `NonFinite` naming the rank
-/// (`Error`) or NaN in every layer (`Propagate`), nothing accumulated; a
-/// caller that skips the step everywhere keeps the ranks in step.
+/// With `delay > 1`, a NaN on one rank, in a step with or without
+/// communication, voids that step on every rank: the same `NonFinite`
+/// naming the rank (`Error`) or NaN in every layer (`Propagate`), nothing
+/// accumulated or exchanged; a caller that skips the step everywhere keeps
+/// the ranks in step.
 #[test]
 fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
     let (p, t, lr) = (3, 2u64, 0.5f32);
-    for policy in [NonFinitePolicy::Error, NonFinitePolicy::Propagate] {
+    // Step 1 communicates, step 2 does not.
+    for (nan_step, policy) in [1, 2]
+        .into_iter()
+        .flat_map(|s| [(s, NonFinitePolicy::Error), (s, NonFinitePolicy::Propagate)])
+    {
         let res = LocalComm::run(p, |c| {
             let rank = c.rank();
             let cfg = Config {
@@ -2430,7 +2435,7 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
             let mut seen = Vec::new();
             for step in 0..4 {
                 let mut g = [grad(rank, step, 0, 64), grad(rank, step, 1, 16)];
-                if step == 2 && rank == 2 {
+                if step == nan_step && rank == 2 {
                     g[1][3] = f32::NAN;
                 }
                 let [a, b] = &mut g;
@@ -2452,7 +2457,7 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
         });
         for (r, (w, seen)) in res.iter().enumerate() {
             assert_eq!(seen.len(), 1, "{policy:?} rank {r}: {seen:?}");
-            assert_eq!(seen[0].0, 2, "{policy:?} rank {r}: {seen:?}");
+            assert_eq!(seen[0].0, nan_step, "{policy:?} rank {r}: {seen:?}");
             if policy == NonFinitePolicy::Error {
                 assert!(
                     seen[0].1.contains("rank 2") && seen[0].1.contains("\"d\""),
@@ -2506,4 +2511,75 @@ fn snapshots_from_different_steps_are_refused_everywhere() {
         assert!(unchanged, "rank {r}: the engine changed");
         assert_eq!(*step, 1, "rank {r}");
     }
+}
+
+/// A table with nothing to exchange (no layers, or only empty dense ones)
+/// still carries a failure on one rank to every rank in that step.
+#[test]
+fn a_failure_with_nothing_to_exchange_still_reaches_every_rank() {
+    for empty_layer in [false, true] {
+        let res = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            if empty_layer {
+                s.register("e", &[0]).expect("register");
+            }
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                let r = if step == 1 && rank == 1 {
+                    Err(s.fail_step(Error::InvalidArgument("no batch".into())))
+                } else if empty_layer {
+                    let mut g: Vec<f32> = Vec::new();
+                    s.sync(&mut [&mut g[..]]).map(|_| ())
+                } else {
+                    s.sync(&mut []).map(|_| ())
+                };
+                out.push(r.map_err(|e| e.to_string()));
+            }
+            out
+        });
+        for (r, out) in res.iter().enumerate() {
+            assert!(out[0].is_ok() && out[2].is_ok(), "rank {r}: {out:?}");
+            let e = out[1].as_ref().expect_err("step 1 fails everywhere");
+            assert!(e.contains("rank 1 failed in step 1"), "rank {r}: {e}");
+        }
+    }
+}
+
+/// `register` between `start` and `wait` (no progress thread) is a local
+/// error on the rank that calls it; the step then finishes everywhere.
+#[test]
+fn register_inside_a_step_is_refused_locally() {
+    let res = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                overlap: false,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("d", &[8]).expect("register");
+        let mut g = grad(rank, 0, 0, 8);
+        s.start(&[&g[..]]).expect("start");
+        let late = if rank == 1 {
+            Some(
+                s.register("late", &[4])
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            )
+        } else {
+            None
+        };
+        s.wait(&mut [&mut g[..]]).expect("wait");
+        let mut g = grad(rank, 1, 0, 8);
+        s.sync(&mut [&mut g[..]]).expect("the next step");
+        late
+    });
+    let e = res[1]
+        .clone()
+        .expect("rank 1 registered")
+        .expect_err("refused");
+    assert!(e.contains("before the first step"), "{e}");
 }

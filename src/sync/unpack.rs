@@ -229,21 +229,37 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             l.stats.unpack_s = t.elapsed().as_secs_f64();
             Ok((r, counted))
         };
-        let unpacked: Vec<Unpacked> = if plan.parallel_unpack {
+        let unpacked: Result<Vec<Unpacked>> = if plan.parallel_unpack {
             self.layers
                 .par_iter_mut()
                 .zip(out.par_iter_mut())
                 .enumerate()
                 .map(work)
-                .collect::<Result<_>>()?
+                .collect()
         } else {
             self.layers
                 .iter_mut()
                 .zip(out.iter_mut())
                 .enumerate()
                 .map(work)
-                .collect::<Result<_>>()?
+                .collect()
         };
+        // With `delay > 1`, a communicating step that fails in any layer on
+        // every rank (a NaN/Inf, a corrupt unit) is void on every rank:
+        // each caller skips the whole step (on an error, or on the NaN a
+        // loss scaler sees), so every layer must keep the local directions
+        // it was exchanging, or the ranks' weights drift apart for good.
+        let failed = match &unpacked {
+            Ok(u) => u.iter().any(|(e, _)| e.is_some()),
+            Err(_) => true,
+        };
+        if plan.delayed && plan.communicates && failed {
+            for (l, o) in self.layers.iter_mut().zip(out.iter_mut()) {
+                l.rollback();
+                o.fill(f32::NAN);
+            }
+        }
+        let unpacked = unpacked?;
         for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
             l.fill_stats(lp.mode);
         }
