@@ -301,8 +301,19 @@ pub(crate) fn unpack_layer_counting(
         })?;
     }
     if dense && scale != 1.0 {
+        // Summed before scaling: p finite messages near f32's limit can
+        // overflow although their average fits. Found in this pass, an
+        // error on every rank (every rank sums the same messages).
+        let mut finite = true;
         for x in acc.iter_mut() {
             *x *= scale;
+            finite &= x.is_finite();
+        }
+        if !finite && non_finite.is_none() {
+            return Err(Error::NonFinite {
+                rank: None,
+                layer: layer_name.to_string(),
+            });
         }
     }
     Ok((non_finite, (count && !dense).then_some(nnz)))

@@ -2583,3 +2583,35 @@ fn register_inside_a_step_is_refused_locally() {
         .expect_err("refused");
     assert!(e.contains("before the first step"), "{e}");
 }
+
+/// A dense codec's messages are summed before they are scaled: finite
+/// gradients whose sum overflows f32 are a `NonFinite` error on every
+/// rank (naming no rank), as the dense allreduce's are, not Inf with `Ok`.
+#[test]
+fn an_overflowing_sum_of_finite_messages_is_an_error_everywhere() {
+    for codec in ["none", "int8"] {
+        let res = LocalComm::run(3, |c| {
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            s.register_with(
+                "w",
+                &[4],
+                Strategy::Sparse {
+                    codec: codec.parse().expect("codec"),
+                    density: None,
+                },
+            )
+            .expect("register");
+            let mut g = [3e38f32; 4];
+            s.sync(&mut [&mut g[..]])
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        for (r, x) in res.iter().enumerate() {
+            let e = x.as_ref().expect_err("overflow");
+            assert!(
+                e.contains("non-finite") && e.contains("\"w\""),
+                "{codec} rank {r}: {e}"
+            );
+        }
+    }
+}

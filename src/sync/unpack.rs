@@ -167,7 +167,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Mode::Sparse => {
                     let j = sparse_pos(i).expect("sparse layer is in the fused table");
                     let codec = l.codec.as_deref().expect("sparse layer has a codec");
-                    let (bad, nnz) = unpack_layer_counting(
+                    let unpacked = unpack_layer_counting(
                         gathered,
                         &entries[j * p..(j + 1) * p],
                         codec,
@@ -175,7 +175,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         inv,
                         o,
                         probed(i),
-                    )?;
+                    );
+                    let (bad, nnz) = match unpacked {
+                        // Finite messages whose sum overflowed: as a
+                        // non-finite dense sum, naming no rank.
+                        Err(e @ Error::NonFinite { .. }) => {
+                            if policy == NonFinitePolicy::Propagate {
+                                o.fill(f32::NAN);
+                            }
+                            l.stats.unpack_s = t.elapsed().as_secs_f64();
+                            return Ok((Some(e), None));
+                        }
+                        r => r?,
+                    };
                     counted = nnz.filter(|_| bad.is_none());
                     if params.2 {
                         crate::dense::sub_from(o, &l.prev);
