@@ -253,12 +253,20 @@ impl Default for Config {
     }
 }
 
+/// Largest `delay`: a million steps between synchronizations is longer
+/// than a training run; anything above is a mistake (a `-1` cast to
+/// unsigned), not a setting.
+pub const MAX_DELAY: u64 = 1_000_000;
+
 impl Config {
     /// The options' own checks (rank-local).
     pub(super) fn check(&self) -> Result<()> {
         let cfg = self;
-        if cfg.delay == 0 {
-            return Err(Error::InvalidArgument("delay must be at least 1".into()));
+        if !(1..=MAX_DELAY).contains(&cfg.delay) {
+            return Err(Error::InvalidArgument(format!(
+                "delay {} must lie in [1, {MAX_DELAY}] (steps between synchronizations)",
+                cfg.delay
+            )));
         }
         if !(0.0..1.0).contains(&cfg.momentum) {
             return Err(Error::InvalidArgument(format!(

@@ -148,7 +148,7 @@ mod stats;
 mod table;
 mod unpack;
 
-pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup};
+pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup, MAX_DELAY};
 pub use snapshot::SNAPSHOT_VERSION;
 pub use stats::{DeviceStats, LayerStats, StepStats};
 pub use table::LayerId;

@@ -718,9 +718,21 @@ fn bad_calls_are_errors() {
         s.wait(&mut [&mut out[..]]).expect("wait");
         assert!(s.register("late", &[4]).is_err(), "register after a step");
     });
-    let bad = Config { delay: 0, ..cfg() };
+    for delay in [0, config::MAX_DELAY + 1, u64::MAX] {
+        let bad = Config { delay, ..cfg() };
+        LocalComm::run(1, |c| {
+            let e = GradSync::with_transport(c, bad.clone())
+                .err()
+                .expect("refused");
+            assert!(e.to_string().contains(&format!("delay {delay}")), "{e}");
+        });
+    }
+    let ok = Config {
+        delay: config::MAX_DELAY,
+        ..cfg()
+    };
     LocalComm::run(1, |c| {
-        assert!(GradSync::with_transport(c, bad.clone()).is_err())
+        assert!(GradSync::with_transport(c, ok.clone()).is_ok())
     });
 }
 
