@@ -143,6 +143,8 @@ class GradSync:
                 raise type(e)(f"{e} (raised on every rank: {collective})") from collective
             raise
         self._engine = _gradsync.GradSync(comm, text)
+        # For set-up agreements of the layers above it (gradsync.torch).
+        self._comm = comm
 
     def register(self, name: str, shape: Union[int, Sequence[int]], strategy: str = "auto") -> int:
         """Register a layer (collective: every rank registers the same layers in the same order).
@@ -295,7 +297,28 @@ def _arrays(xs: Any) -> Any:
         xs = list(xs)
     if not isinstance(xs, (list, tuple)):
         return xs
-    return [x if type(x) is _np.ndarray else _dlpack_view(x) for x in xs]
+    out = [x if type(x) is _np.ndarray else _dlpack_view(x) for x in xs]
+    if any(type(x) is not _np.ndarray for x in xs):
+        _no_shared_memory(out)
+    return out
+
+
+def _no_shared_memory(arrays: Sequence[Any]) -> None:
+    """Refuse arrays whose memory overlaps. numpy arrays passed as they are
+    are checked by the engine (numpy's borrow flags); views imported through
+    DLPack each have their own owner, so a tensor passed twice (or two
+    overlapping slices of one) would pass that check, and one layer's result
+    would overwrite another's."""
+    spans = []
+    for i, a in enumerate(arrays):
+        if isinstance(a, _np.ndarray) and a.nbytes:
+            start = a.__array_interface__["data"][0]
+            spans.append((start, start + a.nbytes, i))
+    spans.sort()
+    for (s0, e0, i), (s1, _, j) in zip(spans, spans[1:]):
+        if s1 < e0:
+            i, j = min(i, j), max(i, j)
+            raise ValueError(f"gradients {i} and {j} share memory: gradsync writes each layer's result in place")
 
 
 def _dlpack_view(x: Any) -> Any:

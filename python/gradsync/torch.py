@@ -74,6 +74,36 @@ def _engine_view(torch: Any, name: str, t: Any, what: str) -> Any:
     return arr
 
 
+def _agree(comm: Any, local_error: Optional[BaseException], count: int) -> None:
+    """Collective over ``comm`` (``COMM_WORLD`` when ``None``): every rank
+    raises if any rank passed an error (its own error type on that rank,
+    ``gradsync.Error`` naming it elsewhere), or if the ranks' ``count`` of
+    parameters differ."""
+    import gradsync
+
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    why = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+    infos = comm.allgather((why, count))
+    failed = [(r, w) for r, (w, _) in enumerate(infos) if w is not None]
+    if failed:
+        r, w = failed[0]
+        text = f"rank {r} failed: {w}"
+        if len(failed) > 1:
+            text += f" (and {len(failed) - 1} other rank{'s' if len(failed) > 2 else ''})"
+        if local_error is not None:
+            raise type(local_error)(f"{local_error} (raised on every rank: {text})") from local_error
+        raise gradsync.Error(text)
+    counts = [c for _, c in infos]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            "the ranks synchronize different numbers of parameters (those that require grad): "
+            + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        )
+
+
 class DistributedOptimizer:
     """Wrap a PyTorch optimizer so that ``step()`` first synchronizes the gradients with gradsync.
 
@@ -178,21 +208,26 @@ class DistributedOptimizer:
                     "named_parameters: their gradients would not be synchronized and the ranks would diverge"
                 )
         except Exception as e:  # noqa: BLE001
-            # A check that failed on this rank only: still enter the
-            # collective the peers are entering now (the engine's set-up,
-            # or its first registration), so they fail too instead of
-            # waiting; then raise the original error here.
-            why = f"{type(e).__name__}: {e}"
-            try:
-                if sync is None:
+            if sync is not None:
+                # A given engine: the agreement below carries this rank's
+                # error to every rank (the peers enter it too).
+                local_error: Optional[BaseException] = e
+                params = []
+            else:
+                # A check that failed on this rank only: still enter the
+                # collective the peers are entering now (the engine's
+                # set-up), so they fail too instead of waiting; then raise
+                # the original error here.
+                why = f"{type(e).__name__}: {e}"
+                try:
                     from mpi4py import MPI
 
                     gradsync._gradsync.GradSync(MPI.COMM_WORLD, "null", why)
-                elif not sync.layers():
-                    sync.register("<failed>", (1,), strategy=f"<{why}>")
-            except Exception as collective:  # noqa: BLE001
-                raise type(e)(f"{e} (raised on every rank: {collective})") from collective
-            raise
+                except Exception as collective:  # noqa: BLE001
+                    raise type(e)(f"{e} (raised on every rank: {collective})") from collective
+                raise
+        else:
+            local_error = None
 
         if sync is None:
             from mpi4py import MPI
@@ -202,23 +237,28 @@ class DistributedOptimizer:
             sync = gradsync.GradSync(MPI.COMM_WORLD, **opts)
             self._owns_sync = True
         else:
-            if gradsync_options:
-                raise TypeError(
+            if gradsync_options and local_error is None:
+                local_error = TypeError(
                     "give either sync (an engine of your own) or gradsync options "
                     f"({', '.join(sorted(gradsync_options))}), not both"
                 )
             self._owns_sync = False
 
         existing = sync.layers()
-        if existing:
+        if existing and local_error is None:
             ours = [(n, int(p.numel())) for n, p in params]
             theirs = [(n, int(np.prod(s, dtype=np.int64))) for n, s, _ in existing]
             if ours != theirs:
-                raise ValueError(
+                local_error = ValueError(
                     "the given sync engine already has a layer table that does not match the "
                     f"parameters: engine {theirs[:4]}..., parameters {ours[:4]}..."
                 )
-        else:
+        # Every rank: one agreement on this rank's outcome and on how many
+        # parameters it synchronizes, before any registration. A rank whose
+        # check failed, or with fewer parameters (a frozen last layer),
+        # would otherwise return while its peers wait in a registration.
+        _agree(getattr(sync, "_comm", None), local_error, len(params))
+        if not existing:
             for name, p in params:
                 try:
                     spec, mine = self._strategy(strategy, name, p), None
@@ -309,8 +349,19 @@ class DistributedOptimizer:
         loss = None
         if closure is not None:
             torch = _import_torch()
-            with torch.enable_grad():
-                loss = closure()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as e:  # noqa: BLE001
+                if self._skip_sync:
+                    raise
+                # The peers are about to synchronize: fail this step on
+                # every rank, then raise the closure's own error here.
+                try:
+                    self.sync.fail_step(f"the closure raised {type(e).__name__}: {e}")
+                except Exception as collective:  # noqa: BLE001
+                    raise e from collective
+                raise
         if not self._skip_sync:
             self.sync_gradients()
         self.optimizer.step()

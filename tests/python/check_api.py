@@ -201,7 +201,30 @@ g = grads(sh, 1)
 g[1] = np.ndarray((64,), np.float32, buffer=memoryview(bytearray(260))[2:258]) if rank == last else g[1]
 e = expect_error(lambda: sf.sync(g), None, "misaligned gradient")
 ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "aligned" in str(e), f"misaligned gradient: {e}")
-ok(sf.sync(grads(sh, 2))["step"] == 2, "the step after the failures runs")
+# One buffer passed twice through DLPack (what a torch tensor passed twice
+# is): each view has its own owner, so the engine's borrow check cannot see
+# it; refused on every rank instead of one layer's result overwriting another.
+
+
+class Exported:
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+g = grads(sh, 2)
+if rank == last:
+    buf = g[0].reshape(-1)
+    g[0] = Exported(buf.reshape(g[0].shape))
+    g[1] = Exported(buf[:64])  # overlaps layer 0's memory
+e = expect_error(lambda: sf.sync(g), None, "DLPack views sharing memory")
+ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "share memory" in str(e), f"aliased DLPack views: {e}")
+ok(sf.sync(grads(sh, 3))["step"] == 3, "the step after the failures runs")
 sf.close()
 
 # delay > 1: a bad argument in a step without communication fails it on

@@ -169,6 +169,68 @@ assert t.data_ptr() == ptr and float(t[0, 0]) == (size + 1) / 2, (float(t[0, 0])
 x = torch.arange(10, dtype=torch.float64) * (rank + 1)
 gradsync.allreduce(comm, x, algo="ring")
 assert float(x[3]) == 3 * size * (size + 1) / 2, float(x[3])
+# One tensor passed twice: each DLPack view has its own owner, so numpy's
+# borrow flags cannot see it; refused on every rank, not one result lost.
+eng.close()
+eng = gradsync.GradSync(comm, momentum=0.0)
+eng.register("a", (4,), strategy="dense")
+eng.register("b", (4,), strategy="dense")
+t = torch.zeros(4)
+try:
+    eng.sync([t, t] if rank == bad_rank else [torch.zeros(4), torch.zeros(4)])
+except ValueError as e:
+    assert rank == bad_rank and "share memory" in str(e), (rank, e)
+except gradsync.Error as e:
+    assert rank != bad_rank and "share memory" in str(e), (rank, e)
+else:
+    raise AssertionError("a tensor passed twice was accepted")
+eng.close()
+
+# A closure that raises on one rank fails the step on every rank.
+p = torch.nn.Parameter(torch.zeros(4))
+opt = gst.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), [("p", p)], strategy="dense")
+
+
+def closure():
+    if rank == bad_rank:
+        raise RuntimeError("backward failed")
+    p.grad = torch.ones_like(p)
+    return 0.0
+
+
+try:
+    opt.step(closure)
+except gradsync.Error as e:  # before RuntimeError: gradsync.Error is one
+    assert rank != bad_rank and "the closure raised" in str(e), (rank, e)
+except RuntimeError as e:
+    assert rank == bad_rank and "backward failed" in str(e), (rank, e)
+else:
+    raise AssertionError("a closure that raised did not fail the step")
+p.grad = torch.ones_like(p)
+opt.step()  # the next step runs on every rank
+opt.close()
+
+# A model with one parameter fewer on one rank (a frozen last layer), and a
+# given engine whose table does not match on one rank: errors on every rank
+# in the constructor, not a rank that returns while the others register.
+m = torch.nn.Linear(3, 2, bias=(rank != bad_rank or size == 1))
+try:
+    gst.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+except ValueError as e:
+    assert size > 1 and "different numbers of parameters" in str(e), e
+else:
+    assert size == 1, "parameter counts that differ were accepted"
+eng = gradsync.GradSync(comm, momentum=0.0)
+eng.register("w", (4,), strategy="dense")
+w = torch.nn.Parameter(torch.zeros(5 if rank == bad_rank else 4))
+try:
+    gst.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), [("w", w)], sync=eng)
+except ValueError as e:
+    assert rank == bad_rank and "does not match" in str(e), (rank, e)
+except gradsync.Error as e:
+    assert rank != bad_rank and f"rank {bad_rank} failed" in str(e), (rank, e)
+else:
+    raise AssertionError("a mismatched given engine was accepted")
 eng.close()
 
 comm.Barrier()
