@@ -400,6 +400,26 @@ class DistributedOptimizer:
         return f"DistributedOptimizer({self.optimizer!r}, {len(self._params)} parameters)"
 
 
+def _bcast_buffer(torch: Any, name: str, t: Any) -> Any:
+    """``(tensor, contiguous buffer, its bytes as a numpy view)`` for one
+    tensor of :func:`broadcast_parameters` (``None`` when it is empty), or
+    an error naming it: a sparse tensor, a view whose elements share memory
+    (an ``expand``), or one whose memory is not its value (a negative or
+    conjugate view)."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name!r} is a {t.layout} tensor: broadcast_parameters takes dense tensors")
+    if t.numel() == 0:
+        return None
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name!r} is an expanded view (stride 0): its elements share memory and cannot be written")
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name!r} is a negative or conjugate view: resolve it first (t.resolve_neg(), t.resolve_conj())")
+    data = t.detach()
+    buf = data if data.is_contiguous() else data.contiguous()
+    raw = buf.reshape(-1).view(torch.uint8).numpy()  # bytes of the tensor's memory, shared
+    return data, buf, raw
+
+
 def broadcast_parameters(
     named_parameters: Union[Iterable[Tuple[str, Any]], Mapping[str, Any]],
     root: int = 0,
@@ -422,6 +442,7 @@ def broadcast_parameters(
         comm = MPI.COMM_WORLD
     items = list(named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters)
     table = []
+    prepared: List[Any] = []
     local_error: Optional[BaseException] = None
     for name, t in items:
         if not isinstance(t, torch.Tensor):
@@ -434,6 +455,15 @@ def broadcast_parameters(
                 "(GPU tensors are a later issue)"
             )
         table.append((name, tuple(t.shape), str(t.dtype)))
+        # Everything that can fail per tensor fails here, before the
+        # agreement: after it, a tensor that cannot take the bytes would
+        # leave this rank's later tensors unbroadcast while its peers
+        # return (replicas that differ without an error).
+        try:
+            prepared.append(_bcast_buffer(torch, name, t))
+        except Exception as e:  # noqa: BLE001
+            local_error = local_error or e
+            prepared.append(None)
     root_table = comm.bcast(table, root=root)
     ok = local_error is None and table == root_table
     if not comm.allreduce(ok, op=MPI.LAND):
@@ -446,12 +476,10 @@ def broadcast_parameters(
             )
             raise ValueError(f"broadcast_parameters: the tensors differ from rank {root}'s: {diff}")
         raise ValueError("broadcast_parameters: another rank's tensors do not match (see its error)")
-    for _name, t in items:
-        if t.numel() == 0:
+    for entry in prepared:
+        if entry is None:
             continue
-        data = t.detach()
-        buf = data if data.is_contiguous() else data.contiguous()
-        raw = buf.reshape(-1).view(torch.uint8).numpy()  # bytes of the tensor's memory, shared
+        data, buf, raw = entry
         comm.Bcast(raw, root=root)
         if buf is not data:
             data.copy_(buf)

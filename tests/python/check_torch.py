@@ -233,6 +233,18 @@ else:
     raise AssertionError("a mismatched given engine was accepted")
 eng.close()
 
+# broadcast_parameters: a tensor that cannot take the bytes (an expanded
+# view) on one rank raises on every rank before anything is broadcast.
+c0 = torch.full((4,), float(rank))
+tensors = {"b": torch.full((1,), 2.0).expand(4) if rank == bad_rank else torch.zeros(4), "c": c0}
+try:
+    gst.broadcast_parameters(tensors)
+except ValueError as e:
+    assert ("expanded" in str(e)) == (rank == bad_rank), (rank, e)
+else:
+    raise AssertionError("an expanded view was accepted")
+assert float(c0[0]) == float(rank), "nothing was broadcast"
+
 comm.Barrier()
 if rank == 0:
     print(f"OK: gradsync.torch on {size} rank(s), torch {torch.__version__}")
