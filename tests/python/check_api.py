@@ -344,6 +344,21 @@ with tempfile.TemporaryDirectory() as d:
     e = expect_error(lambda: t.load_snapshot(path), None, "corrupt snapshot")
     ok(isinstance(e, gradsync.Error) and f"rank {last} failed" in str(e), "corrupt snapshot fails every rank")
     ok(t.step == 4, "a failed load changes nothing")
+    # Snapshots from different steps (a stale file on one rank): refused on
+    # every rank, naming the file, and nothing changes.
+    if p > 1:
+        stale = os.path.join(d, f"gs.stale.rank{rank}.snap")
+        t.save_snapshot(stale)  # every rank at step 4
+        u = gradsync.GradSync(comm, momentum=0.9)
+        table(u)
+        u.sync(grads(sh, 0))
+        if rank == last:
+            u.save_snapshot(stale)  # this rank's file at step 1
+        comm.Barrier()
+        e = expect_error(lambda: t.load_snapshot(stale), None, "snapshots from different steps")
+        ok(isinstance(e, gradsync.Error) and "different steps" in str(e) and stale in str(e), f"stale snapshot: {e}")
+        ok(t.step == 4, "a refused load changes nothing")
+        u.close()
     comm.Barrier()
 
 # 3. Rank-local errors in a step: every rank raises in the same step, no hang.
