@@ -605,7 +605,11 @@ fn fits(open: Open, o: &Option_) -> bool {
 }
 
 /// Choose every [`LayerKind::Auto`] layer's strategy so that the predicted
-/// step is the fastest (module docs), and predict that step.
+/// step is the fastest (module docs), and predict that step. Of the
+/// configurations (one dense algorithm, one sparse collective) whose plans
+/// come within [`NEAR_TIE`] of the fastest, the simplest is taken (dense
+/// algorithms in [`choose_dense_allreduce`]'s order, the fused allgatherv
+/// before the sparse allreduces), as the engine's own choices are made.
 pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<StepPlan> {
     check(q)?;
     let cands = candidates(prof, q);
@@ -636,6 +640,13 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         Some(a) => vec![a],
         None => cands.iter().filter_map(|c| c.sparse_group()).collect(),
     };
+    // The simplest first, whatever order the caller listed them in: a
+    // near-tie goes to the first (below).
+    let rank = |id: &StrategyId| StrategyId::ALL.iter().position(|a| a == id);
+    let mut dense_algos = dense_algos;
+    dense_algos.sort_by_key(rank);
+    dense_algos.dedup();
+    sparse_algos.sort_by_key(rank);
     sparse_algos.dedup();
     let mut configs = Vec::new();
     let dense_opts: Vec<Option<StrategyId>> = if forced_dense.is_some() {
@@ -664,7 +675,8 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             });
         }
     }
-    let mut best: Option<(f64, Vec<Option_>)> = None;
+    // Every configuration's plan, in the order above (simplest first).
+    let mut plans: Vec<(f64, Vec<Option_>)> = Vec::new();
     for open in configs {
         let opts: Vec<Vec<Option_>> = layers
             .iter()
@@ -709,12 +721,17 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         }
         let assign: Vec<Option_> = assign.into_iter().flatten().collect();
         let total = total_seconds(&net, open, &assign);
-        if best.as_ref().is_none_or(|(t, _)| total < *t) {
-            best = Some((total, assign));
-        }
+        plans.push((total, assign));
     }
-    let (_, assign) =
-        best.ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
+    // The first plan within NEAR_TIE of the cheapest, as the engine's
+    // per-step choices (`cheapest`) take their collectives, so that a plan
+    // names the exchange the engine would run.
+    let best = plans.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
+    let within = best + NEAR_TIE * best.abs();
+    let (_, assign) = plans
+        .into_iter()
+        .find(|p| p.0 <= within)
+        .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
     finite(describe(prof, q, layers, &assign))
 }
 
@@ -816,8 +833,8 @@ pub struct ExchangeChoice {
 /// [`plan_step`] charges them). The pair layers are priced alone: the fused
 /// allgatherv's α is charged to them even where other codecs' units keep
 /// it running. The choice is the first candidate within [`NEAR_TIE`] of
-/// the cheapest, where [`plan_step`] takes the cheapest: within that 2 %
-/// the two may name different exchanges. Near-ties (one rank) and a group
+/// the cheapest, as [`plan_step`] takes the first configuration within it.
+/// Near-ties (one rank) and a group
 /// without pairs (empty layers) go to the allgatherv.
 pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
     if q.p == 0 {
