@@ -387,6 +387,20 @@ fn layer_sizes_whose_bytes_overflow_are_errors_not_zero() {
     ] {
         assert!(err.contains(want), "{want:?} not in {err}");
     }
+    // Two layers that fit alone but not together (their sum was planned).
+    let f = temp_file(
+        "overflow",
+        "two.json",
+        r#"[{"name": "a", "elements": 4600000000000000000},
+            {"name": "b", "elements": 4600000000000000000}]"#,
+    );
+    let mut args = vec!["plan", "--layers", f.to_str().unwrap(), "--ranks", "4"];
+    args.extend(NET);
+    let (ok, out, err) = gradsync(&args);
+    assert!(!ok, "accepted: {out}");
+    for want in [f.to_str().unwrap(), "9200000000000000000", "in all"] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
 }
 
 #[test]

@@ -430,8 +430,17 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
             "every layer has 0 elements: nothing to synchronize".into()
         ));
     }
+    let sum: u128 = out.iter().map(|l| l.elements as u128).sum();
+    // A step reads every layer's gradient: the table must fit in memory
+    // as a whole, not only layer by layer.
+    if usize::try_from(sum).map_or(true, |n| layer_bytes(n).is_err()) {
+        return Err(bad(format!(
+            "the layers hold {sum} f32 elements in all, more than fit in memory \
+             (at most {} elements)",
+            usize::MAX / 4
+        )));
+    }
     if let Some(t) = v.get("total_elements") {
-        let sum: u128 = out.iter().map(|l| l.elements as u128).sum();
         if t.as_u64().map(u128::from) != Some(sum) {
             return Err(bad(format!(
                 "\"total_elements\" is {t}, but the layers hold {sum} elements"
