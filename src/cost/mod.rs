@@ -65,6 +65,7 @@
 
 pub(crate) mod calibrate;
 pub(crate) mod decide;
+mod exchange;
 mod step;
 pub mod topology;
 pub use calibrate::{
@@ -72,10 +73,12 @@ pub use calibrate::{
     CheckReport, CheckSummary, ModelCheckOptions, Progress, MIN_ROUNDS,
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
+pub use exchange::{
+    choose_dense_allreduce, choose_sparse_exchange, ExchangeChoice, ExchangeQuery, NEAR_TIE,
+};
 pub use step::{
-    choose_dense_allreduce, choose_sparse_exchange, plan_step, predict_step, sparse_collective,
-    ExchangeChoice, ExchangeQuery, GroupKind, GroupPlan, LayerKind, LayerPlan, StepLayer, StepPlan,
-    StepQuery, MAX_RANKS, NEAR_TIE,
+    plan_step, predict_step, sparse_collective, GroupKind, GroupPlan, LayerKind, LayerPlan,
+    StepLayer, StepPlan, StepQuery, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
 

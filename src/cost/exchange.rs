@@ -1,0 +1,231 @@
+//! The engine's per-step choice of its two collectives, from the same
+//! group costs as the step model ([`super::step`]): how the index/value
+//! layers' pairs are exchanged under `sparse_exchange = "auto"` (the fused
+//! allgatherv, Ok-Topk's sparse allreduce, or the node-aware one; issue
+//! #15) and which algorithm runs the fused dense allreduce under
+//! `allreduce = "auto"` (Rabenseifner, the ring, or the hierarchical
+//! allreduce). Every input is the same on every rank, so every rank runs
+//! the same collective; near-ties ([`NEAR_TIE`]) go to the simpler one.
+
+use super::step::{check, dense_group, sparse_group, Sizes, StepQuery, MAX_RANKS};
+use super::topology::Net;
+use super::{Profile, StrategyId};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// The inputs of the engine's per-step choice of how the index/value
+/// layers' pairs are exchanged (`sparse_exchange = "auto"`): every one of
+/// them must be the same on every rank (the engine derives them from the
+/// agreed options, the layer table, the step and results every rank
+/// received alike), so that every rank runs the same collective.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExchangeQuery {
+    /// Elements of those layers' concatenated index space.
+    pub n: usize,
+    /// Nominal pairs per rank: the sum over those layers of RGC's
+    /// `max(1, ⌈density·n⌉)` at this step's density (not a rank's own
+    /// count, which its selection may trim).
+    pub k: f64,
+    /// Bytes those layers add to the fused allgatherv message per rank
+    /// (their nominal units and table-of-contents entries).
+    pub message_bytes: f64,
+    /// Ranks.
+    pub p: usize,
+    /// Ranks per node when the job spans several nodes (block
+    /// placement); `None`: one node, or nodes unknown. Only with several
+    /// nodes is the node-aware sparse allreduce a candidate.
+    pub ranks_per_node: Option<usize>,
+    /// Fill ratio `ρ = F/(p·k)` measured by earlier steps; `None`:
+    /// independent selections ([`super::topology`]).
+    pub fill: Option<f64>,
+    /// Each of those layers' elements and the bytes it adds to the
+    /// message (summing to `n` and `message_bytes`). The fused allgatherv
+    /// adds a layer's received pairs into that layer's own output, so its
+    /// adds are priced at each layer's size, as [`plan_step`](super::plan_step) prices them
+    /// ([`Profile::gamma_unpack_at`]); the sparse allreduces add into one
+    /// output of all `n` elements. Empty: one layer of `n` elements.
+    pub layers: Vec<(usize, f64)>,
+}
+
+/// The choice of [`choose_sparse_exchange`] (or of
+/// [`choose_dense_allreduce`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeChoice {
+    /// `sparse-allgather` (the fused allgatherv), `sparse-allreduce` or
+    /// `sparse-hierarchical` (`dense-rabenseifner`, `dense-ring` or
+    /// `dense-hierarchical`).
+    pub id: StrategyId,
+    /// Predicted seconds of every candidate, in that order (the
+    /// hierarchical one only with several nodes).
+    pub predictions: Vec<(StrategyId, f64)>,
+}
+
+/// The fastest exchange of a step's index/value pairs: the fused
+/// allgatherv (its collective plus decoding the `p` received units, as
+/// [`plan_step`](super::plan_step) charges a `sparse-allgather` layer), the sparse allreduce
+/// (`topology::sparse_allreduce`) or, when the job spans several nodes,
+/// the node-aware one (`topology::sparse_hierarchical`): the same group
+/// costs [`plan_step`](super::plan_step) uses for the sparse group (the allgatherv's adds
+/// per layer, on the engine's threads when there are several layers, as
+/// [`plan_step`](super::plan_step) charges them). The pair layers are priced alone: the fused
+/// allgatherv's α is charged to them even where other codecs' units keep
+/// it running. The choice is the first candidate within [`NEAR_TIE`] of
+/// the cheapest, as [`plan_step`](super::plan_step) takes the first configuration within it.
+/// Near-ties (one rank) and a group
+/// without pairs (empty layers) go to the allgatherv.
+pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
+    if q.p == 0 {
+        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
+    }
+    if q.p > MAX_RANKS {
+        return Err(Error::InvalidArgument(format!(
+            "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
+            q.p
+        )));
+    }
+    if !(q.k >= 0.0 && q.k.is_finite() && q.message_bytes >= 0.0 && q.message_bytes.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "pairs {} and message bytes {} must be finite and not negative",
+            q.k, q.message_bytes
+        )));
+    }
+    let sq = StepQuery {
+        p: q.p,
+        density: 1.0,
+        select_method: String::new(),
+        gradiveq_ratio: 1.0,
+        allowed: Vec::new(),
+        ranks_per_node: q.ranks_per_node,
+        fill: q.fill,
+    };
+    check(&sq)?;
+    let net = Net::of(prof, &sq);
+    let n = q.n as f64;
+    let pairs = Sizes {
+        sparse: 8.0 * q.k,
+        sparse_n: n,
+        ..Sizes::default()
+    };
+    let gather = Sizes {
+        sparse: q.message_bytes,
+        sparse_n: n,
+        ..Sizes::default()
+    };
+    if let Some((i, &(ln, bytes))) = q
+        .layers
+        .iter()
+        .enumerate()
+        .find(|(_, (ln, b))| !(b.is_finite() && *b >= 0.0) || *ln > q.n)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "layer {i} of the exchange: {bytes} message bytes for {ln} elements (of {})",
+            q.n
+        )));
+    }
+    let unpack = if q.p == 1 {
+        0.0
+    } else if q.layers.is_empty() {
+        q.p as f64 * q.message_bytes * prof.gamma_unpack_at(4.0 * n)
+    } else {
+        // The layers' adds run on the engine's threads side by side, as
+        // `effective_local` charges them in a plan.
+        let adds: f64 = q
+            .layers
+            .iter()
+            .map(|&(ln, bytes)| q.p as f64 * bytes * prof.gamma_unpack_at(4.0 * ln as f64))
+            .sum();
+        if q.layers.len() >= 2 {
+            adds / prof.local_parallelism.max(1.0)
+        } else {
+            adds
+        }
+    };
+    let mut predictions = vec![
+        (
+            StrategyId::SparseAllgather,
+            sparse_group(&net, StrategyId::SparseAllgather, gather) + unpack,
+        ),
+        (
+            StrategyId::SparseAllreduce,
+            sparse_group(&net, StrategyId::SparseAllreduce, pairs),
+        ),
+    ];
+    if q.ranks_per_node.is_some_and(|l| l < q.p) {
+        predictions.push((
+            StrategyId::SparseHierarchical,
+            sparse_group(&net, StrategyId::SparseHierarchical, pairs),
+        ));
+    }
+    // No pairs (empty layers): nothing to reduce.
+    let id = if q.k > 0.0 {
+        cheapest(&predictions)
+    } else {
+        predictions[0].0
+    };
+    Ok(ExchangeChoice { id, predictions })
+}
+
+/// The fastest algorithm for the engine's fused dense allreduce of `bytes`
+/// per rank (`sync::Config::allreduce = "auto"`): Rabenseifner, the ring
+/// or, when the job spans several nodes (`ranks_per_node < p`), the
+/// hierarchical allreduce, priced as [`plan_step`](super::plan_step) prices the dense group.
+/// Every input must be the same on every rank (the engine passes the
+/// step's dense elements, the communicator's size and its node map), so
+/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`]; one rank,
+/// no bytes) go to Rabenseifner; the predictions are in that order.
+pub fn choose_dense_allreduce(
+    prof: &Profile,
+    bytes: f64,
+    p: usize,
+    ranks_per_node: Option<usize>,
+) -> Result<ExchangeChoice> {
+    if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "a dense allreduce of {bytes} bytes on {p} ranks"
+        )));
+    }
+    if let Some(l) = ranks_per_node.filter(|&l| l == 0) {
+        return Err(Error::InvalidArgument(format!("{l} ranks per node")));
+    }
+    let net = Net::new(prof, p, ranks_per_node, None);
+    let mut ids = vec![StrategyId::DenseRabenseifner, StrategyId::DenseRing];
+    if ranks_per_node.is_some_and(|l| l < p) {
+        ids.push(StrategyId::DenseHierarchical);
+    }
+    let predictions: Vec<(StrategyId, f64)> = ids
+        .iter()
+        .map(|&id| (id, dense_group(&net, id, bytes)))
+        .collect();
+    Ok(ExchangeChoice {
+        id: cheapest(&predictions),
+        predictions,
+    })
+}
+
+/// How close two predictions must be to count as a tie in
+/// [`choose_sparse_exchange`] and [`choose_dense_allreduce`]:
+/// 2 %, far inside the model's error (docs/benchmarks.md measures it at
+/// ±20 %), so the choice between them is the model's noise.
+pub const NEAR_TIE: f64 = 0.02;
+
+/// The first of `predictions` (not empty) within [`NEAR_TIE`] of the
+/// cheapest. The candidates are listed simplest first (the fused allgatherv
+/// before the sparse allreduces, Rabenseifner before the ring and the
+/// node-aware allreduce): where the model cannot tell two apart, the one
+/// with fewer phases and less local work runs. (ResNet-50's exchange at
+/// 2 × 2 and density 0.001 is priced 8.02 ms as the allgatherv and 7.96
+/// as the node-aware allreduce; the node-aware step measured 8–15 % slower.)
+pub(super) fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
+    let costs: Vec<f64> = predictions.iter().map(|c| c.1).collect();
+    predictions[first_near_tie(&costs)].0
+}
+
+/// The index of the first of `costs` within [`NEAR_TIE`] of the least: the
+/// one tie rule of every choice the model makes between whole collectives
+/// ([`cheapest`], and [`super::plan_step`] between configurations). 0 where
+/// none compares (empty, or NaN throughout).
+pub(super) fn first_near_tie(costs: &[f64]) -> usize {
+    let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let within = best + NEAR_TIE * best.abs();
+    costs.iter().position(|&c| c <= within).unwrap_or(0)
+}
