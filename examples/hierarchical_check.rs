@@ -18,7 +18,7 @@
 //! first difference.
 
 use gradsync::comm::{MpiComm, Transport};
-use gradsync::dense::{hierarchical_allreduce, AllreduceAlgo, AllreduceOptions, Real, ReduceOp};
+use gradsync::dense::{hierarchical_allreduce, AllreduceAlgo, AllreduceOptions, ReduceOp};
 use gradsync::sync::{Config, GradSync, Strategy};
 
 fn input(r: usize, n: usize, seed: usize) -> Vec<f32> {
@@ -59,7 +59,7 @@ fn main() {
                     .expect("MPI_Allreduce on MpiComm")
                     .expect("MPI_Allreduce");
                 if op == ReduceOp::Average {
-                    want.iter_mut().for_each(|v| *v *= f32::recip_of(p));
+                    want.iter_mut().for_each(|v| *v /= p as f32);
                 }
                 let mut got = x.clone();
                 let opts = AllreduceOptions {
@@ -139,7 +139,7 @@ fn main() {
             comm.native_allreduce_sum(g, w)
                 .expect("MPI_Allreduce on MpiComm")
                 .expect("MPI_Allreduce");
-            w.iter_mut().for_each(|v| *v *= f32::recip_of(p));
+            w.iter_mut().for_each(|v| *v /= p as f32);
         }
         let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
         engine.sync(&mut views).expect("engine step");

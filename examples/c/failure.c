@@ -42,7 +42,7 @@ static int bias_ok(int step) {
   for (int i = 0; i < 10; i++) {
     float sum = 0;
     for (int r = 0; r < nprocs; r++) sum += (float)(r * 10 + i + step);
-    if (bg[i] != sum * (1.0f / (float)nprocs)) return 0;
+    if (bg[i] != sum / (float)nprocs) return 0;
   }
   return 1;
 }

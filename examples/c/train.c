@@ -132,7 +132,7 @@ int main(int argc, char **argv) {
   rng_state = 42;
   for (int i = 0; i < K * D; i++) w_true[i] = (float)uniform();
   for (int k = 0; k < K; k++) b_true[k] = (float)(2.0 * uniform());
-  const float lr = 0.5f, inv_p = 1.0f / (float)nprocs;
+  const float lr = 0.5f;
   float first_loss = 0, loss = 0;
   float *grads[2] = {gw, gb};
 
@@ -142,9 +142,9 @@ int main(int argc, char **argv) {
     loss /= (float)nprocs;
     if (step == 0) first_loss = loss;
     /* The dense layer's expected result: the average, as the engine
-     * computes it (the exact sum times 1/p). */
+     * computes it (the exact sum divided by p). */
     MPI_Allreduce(gb, gb_ref, K, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    for (int k = 0; k < K; k++) gb_ref[k] *= inv_p;
+    for (int k = 0; k < K; k++) gb_ref[k] /= (float)nprocs;
     if (step < STEPS) {
       GS(gs_sync(e, grads, 2));
     } else {

@@ -215,14 +215,15 @@ fn allreduce_cases<T: FromF64>(
                     };
                     let mut buf = input.clone();
                     let res = allreduce(comm, &mut buf, algo, &opts);
-                    let scale = if op == ReduceOp::Average {
-                        T::recip_of(p)
+                    // MPI_Allreduce's sum, divided by p for the average.
+                    let divisor = if op == ReduceOp::Average {
+                        T::of_count(p)
                     } else {
                         T::from_f64(1.0)
                     };
                     let (ok, detail) = match res {
                         Err(e) => (false, format!("error: {e}")),
-                        Ok(()) => compare(&buf, &reference, &abs_sum, scale, kind == "int", p),
+                        Ok(()) => compare(&buf, &reference, &abs_sum, divisor, kind == "int", p),
                     };
                     let what = format!(
                         "allreduce {ty} {kind} {} {:?} chunk={chunk}",
@@ -243,18 +244,18 @@ fn compare<T: FromF64>(
     got: &[T],
     sum: &[T],
     abs_sum: &[T],
-    scale: T,
+    divisor: T,
     exact: bool,
     p: usize,
 ) -> (bool, String) {
     for i in 0..got.len() {
         let mut want = sum[i];
-        want *= scale;
+        want /= divisor;
         let (g, w) = (got[i].to_f64(), want.to_f64());
         let ok = if exact {
             got[i] == want
         } else {
-            let tol = (p as f64 + 2.0) * T::EPS * abs_sum[i].to_f64() * scale.to_f64().abs()
+            let tol = (p as f64 + 2.0) * T::EPS * abs_sum[i].to_f64() / divisor.to_f64().abs()
                 + f64::MIN_POSITIVE;
             (g - w).abs() <= tol
         };

@@ -21,8 +21,8 @@
 
 use super::ring::segment;
 use super::{
-    add_into, rabenseifner_allreduce_with, scale, split_ref_mut, AllreduceOptions, Real, ReduceOp,
-    Workspace, TAG_RING as TAG, TAG_VALIDATE,
+    add_into, average, rabenseifner_allreduce_with, split_ref_mut, AllreduceOptions, Real,
+    ReduceOp, Workspace, TAG_RING as TAG, TAG_VALIDATE,
 };
 use crate::comm::{Group, Transport};
 use crate::{Error, Result};
@@ -130,7 +130,7 @@ pub fn hierarchical_allreduce_with<C: Transport, T: Real>(
             rabenseifner_allreduce_with(&across, &mut buf[mine.clone()], &inner, ws)?;
         }
         if opts.op == ReduceOp::Average {
-            scale(&mut buf[mine], T::recip_of(p));
+            average(&mut buf[mine], p);
         }
     }
     // 3. The node's allgather of the shards.

@@ -41,19 +41,25 @@ pub(crate) const TAG_ALLGATHERV: Tag = crate::comm::tags::ALLGATHERV;
 
 /// A floating-point element that collectives can reduce.
 pub trait Real:
-    Elem + Copy + PartialEq + std::fmt::Debug + std::ops::AddAssign + std::ops::MulAssign
+    Elem
+    + Copy
+    + PartialEq
+    + std::fmt::Debug
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+    + std::ops::DivAssign
 {
-    /// `1 / n` in this type.
-    fn recip_of(n: usize) -> Self;
+    /// The count `n` in this type (exact up to 2^24 ranks in f32).
+    fn of_count(n: usize) -> Self;
 }
 impl Real for f32 {
-    fn recip_of(n: usize) -> Self {
-        (1.0f64 / n as f64) as f32
+    fn of_count(n: usize) -> Self {
+        n as f32
     }
 }
 impl Real for f64 {
-    fn recip_of(n: usize) -> Self {
-        1.0 / n as f64
+    fn of_count(n: usize) -> Self {
+        n as f64
     }
 }
 
@@ -207,7 +213,7 @@ pub fn allreduce_with<C: Transport, T: Real>(
                 Error::Unsupported("this transport has no MPI-native allreduce".into())
             })??;
             if opts.op == ReduceOp::Average {
-                scale(buf, T::recip_of(comm.size()));
+                average(buf, comm.size());
             }
             Ok(())
         }
@@ -232,10 +238,14 @@ pub(crate) fn sub_from(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// `buf[i] /= p`: the average of `p` ranks, correctly rounded (a sum of
+/// integers that `p` divides averages to that integer exactly, as
+/// `MPI_Allreduce` then `/ p` gives; `· (1/p)` was off by an ulp at p = 3).
 #[inline]
-pub(crate) fn scale<T: Real>(buf: &mut [T], f: T) {
+pub(crate) fn average<T: Real>(buf: &mut [T], p: usize) {
+    let d = T::of_count(p);
     for x in buf {
-        *x *= f;
+        *x /= d;
     }
 }
 

@@ -3,7 +3,7 @@
 //! §4.4), with Open MPI's handling of non-powers of two and odd counts.
 
 use super::{
-    add_into, scale, split_ref_mut, validate_same_len, AllreduceOptions, Fold, Real, ReduceOp,
+    add_into, average, split_ref_mut, validate_same_len, AllreduceOptions, Fold, Real, ReduceOp,
     Workspace, TAG_RABENSEIFNER as TAG,
 };
 use crate::comm::Transport;
@@ -94,7 +94,7 @@ pub fn rabenseifner_allreduce_with<C: Transport, T: Real>(
     }
 
     if opts.op == ReduceOp::Average {
-        scale(&mut buf[lo..lo + w], T::recip_of(p));
+        average(&mut buf[lo..lo + w], p);
     }
 
     // Allgather by recursive doubling: undo the halvings in reverse order.

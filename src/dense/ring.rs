@@ -9,8 +9,8 @@
 //! (the schedule NCCL's ring uses).
 
 use super::{
-    add_into, scale, split_ref_mut, validate_same_len, AllreduceOptions, Real, ReduceOp, Workspace,
-    TAG_RING as TAG,
+    add_into, average, split_ref_mut, validate_same_len, AllreduceOptions, Real, ReduceOp,
+    Workspace, TAG_RING as TAG,
 };
 use crate::comm::{Request, Transport};
 use crate::Result;
@@ -103,7 +103,7 @@ fn ring_plain<C: Transport, T: Real>(
         add_into(&mut buf[rb], t);
     }
     if op == ReduceOp::Average {
-        scale(&mut buf[segment(n, p, (rank + 1) % p)], T::recip_of(p));
+        average(&mut buf[segment(n, p, (rank + 1) % p)], p);
     }
     for s in 0..p - 1 {
         let sb = segment(n, p, (rank + 1 + p - s) % p);
@@ -196,7 +196,7 @@ fn ring_pipelined<C: Transport, T: Real>(
                         std::slice::from_raw_parts(tbase.add(c - seg.start), len),
                     );
                     if s == p - 2 && op == ReduceOp::Average {
-                        scale(mine, T::recip_of(p));
+                        average(mine, p);
                     }
                 }
                 if s + 1 < steps {

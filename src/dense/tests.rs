@@ -95,6 +95,22 @@ fn average_divides_by_p() {
                         "p={p} {algo:?}: {b:?}"
                     );
                 }
+                // Sums that p does not divide: the correctly rounded
+                // quotient, as MPI_Allreduce then `/ p` gives (`· (1/p)`
+                // missed it by an ulp for some, e.g. 28/3).
+                let out = LocalComm::run(p, |c| {
+                    let mut b: Vec<f32> = (0..300)
+                        .map(|i| (i + usize::from(c.rank() == 0)) as f32)
+                        .collect();
+                    allreduce(&c, &mut b, algo, &opts).unwrap();
+                    b
+                });
+                for b in out {
+                    for (i, &x) in b.iter().enumerate() {
+                        let want = (p * i + 1) as f32 / p as f32;
+                        assert_eq!(x, want, "p={p} {algo:?} element {i}");
+                    }
+                }
             }
         }
     }
@@ -404,7 +420,7 @@ fn hierarchical_exact_for_node_maps() {
             for got in run_hierarchical(p, n, 3, nodes, ReduceOp::Sum) {
                 assert_eq!(got, want, "nodes {nodes:?} n {n}");
             }
-            let avg: Vec<f32> = want.iter().map(|&x| x * f32::recip_of(p)).collect();
+            let avg: Vec<f32> = want.iter().map(|&x| x / p as f32).collect();
             for got in run_hierarchical(p, n, 3, nodes, ReduceOp::Average) {
                 assert_eq!(got, avg, "average, nodes {nodes:?} n {n}");
             }
