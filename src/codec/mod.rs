@@ -522,7 +522,12 @@ impl std::str::FromStr for CodecConfig {
                 .ok()
                 .filter(|j| j.is_number() || j.is_boolean())
                 .unwrap_or_else(|| serde_json::Value::String(v.to_string()));
-            m.insert(k.trim().to_string(), val);
+            let k = k.trim();
+            if k == "codec" || m.insert(k.to_string(), val).is_some() {
+                return Err(Error::InvalidArgument(format!(
+                    "codec {s:?}: parameter {k:?} given twice"
+                )));
+            }
         }
         let cfg: CodecConfig = serde_json::from_value(serde_json::Value::Object(m.clone()))
             .map_err(|e| Error::InvalidArgument(format!("codec {s:?}: {e}")))?;

@@ -200,7 +200,12 @@ impl Compressor {
         order.sort_by(|&a, &b| sv[b].total_cmp(&sv[a]).then(a.cmp(&b)));
         let eig: Vec<f64> = order.iter().map(|&i| sv[i]).collect();
         let d = match dim {
-            Dim::Fixed(d) => d.clamp(1, k),
+            Dim::Fixed(d) if (1..=k).contains(&d) => d,
+            Dim::Fixed(d) => {
+                return Err(Error::InvalidArgument(format!(
+                    "d {d} must be in 1..={k} (the slice size)"
+                )))
+            }
             Dim::Lambda(lambda) => {
                 if !(0.0..1.0).contains(&lambda) {
                     return Err(Error::InvalidArgument(format!(
@@ -397,7 +402,15 @@ impl LayerCompressor {
             )));
         }
         let slices = n / k;
-        let reuse = reuse.unwrap_or(slices).clamp(1, slices);
+        let reuse = match reuse {
+            None => slices,
+            Some(r) if (1..=slices).contains(&r) => r,
+            Some(r) => {
+                return Err(Error::InvalidArgument(format!(
+                    "reuse {r} must be in 1..={slices} (the slices of {k})"
+                )))
+            }
+        };
         let mut groups = Vec::new();
         let mut first = 0;
         while first < slices {

@@ -58,6 +58,54 @@ impl Default for ScheduleConfig {
     }
 }
 
+impl ScheduleConfig {
+    /// Check every parameter for a layer of `n` elements, so that a bad one
+    /// fails at registration, not at the step that first uses it (the
+    /// QSGD bits at the first collection, λ and `d` when the compressor is
+    /// fitted `L_t` steps later). Nothing is clamped.
+    pub fn validate(&self, n: usize) -> Result<()> {
+        let bad = |why: String| Err(Error::InvalidArgument(format!("GradiVeQ: {why}")));
+        if self.k == 0 || n < self.k {
+            return bad(format!(
+                "the slice size k = {} must lie in 1..={n} (the layer's elements)",
+                self.k
+            ));
+        }
+        let slices = n / self.k;
+        match self.dim {
+            Dim::Fixed(d) if d == 0 || d > self.k => {
+                return bad(format!("d = {d} must lie in 1..={} (k)", self.k))
+            }
+            Dim::Lambda(l) if !(0.0..1.0).contains(&l) => {
+                return bad(format!("lambda = {l} must lie in [0, 1)"))
+            }
+            _ => {}
+        }
+        if let Some(r) = self.reuse.filter(|&r| r == 0 || r > slices) {
+            return bad(format!(
+                "reuse = {r} must lie in 1..={slices} (the layer's slices of {})",
+                self.k
+            ));
+        }
+        if self.lt < 2 {
+            return bad(format!("lt = {} must be at least 2", self.lt));
+        }
+        if self.lc == 0 {
+            return bad("lc = 0: at least one compressed step between rebuilds".into());
+        }
+        if !(self.loss_threshold.is_finite() && self.loss_threshold >= 0.0) {
+            return bad(format!(
+                "loss_threshold = {} must be finite and not negative",
+                self.loss_threshold
+            ));
+        }
+        if !(2..=8).contains(&self.qsgd_bits) {
+            return bad(format!("qsgd_bits = {} must lie in 2..=8", self.qsgd_bits));
+        }
+        Ok(())
+    }
+}
+
 /// What one step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum StepKind {
@@ -100,12 +148,7 @@ pub struct GradiveqLayer {
 impl GradiveqLayer {
     /// A layer of `n` elements.
     pub fn new(n: usize, cfg: ScheduleConfig) -> Result<Self> {
-        if cfg.k == 0 || n < cfg.k || cfg.lt < 2 {
-            return Err(Error::InvalidArgument(format!(
-                "GradiVeQ needs 1 ≤ K ≤ n and L_t ≥ 2 (K {}, n {n}, L_t {})",
-                cfg.k, cfg.lt
-            )));
-        }
+        cfg.validate(n)?;
         Ok(GradiveqLayer {
             cfg,
             n,

@@ -190,11 +190,20 @@ fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule:
     else {
         return Err(bad("ScheduleConfig is not an object".into()));
     };
+    let mut seen: Vec<&str> = Vec::new();
     for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
         let (k, v) = (k.trim(), v.trim());
+        // `d` and `lambda` both set the kept dimension.
+        let slot = if k == "lambda" { "d" } else { k };
+        if seen.contains(&slot) {
+            return Err(bad(format!(
+                "parameter {k:?} given twice (or both d and lambda)"
+            )));
+        }
+        seen.push(slot);
         let num: Value = serde_json::from_str(v)
             .ok()
             .filter(Value::is_number)

@@ -2627,3 +2627,47 @@ fn an_overflowing_sum_of_finite_messages_is_an_error_everywhere() {
         }
     }
 }
+
+/// GradiVeQ parameters and codec strings are checked whole at
+/// registration, on every rank: a bad QSGD width or λ used to pass and
+/// abort the job at the step that first used it (λ: `L_t` steps in), `d`
+/// and `reuse` were clamped, and a parameter given twice kept the last.
+#[test]
+fn bad_gradiveq_parameters_and_repeated_keys_fail_registration() {
+    for (spec, needle) in [
+        ("gradiveq:k=64,lt=2,qsgd_bits=0", "qsgd_bits = 0"),
+        ("gradiveq:k=64,lt=2,qsgd_bits=99", "qsgd_bits = 99"),
+        ("gradiveq:k=64,lt=2,lambda=2", "lambda = 2"),
+        ("gradiveq:k=64,lt=2,lambda=-1", "lambda = -1"),
+        ("gradiveq:k=64,lt=2,d=0", "d = 0"),
+        ("gradiveq:k=64,lt=2,d=100000", "d = 100000"),
+        ("gradiveq:k=64,lt=2,reuse=0", "reuse = 0"),
+        ("gradiveq:k=64,lt=2,reuse=1000000", "reuse = 1000000"),
+        ("gradiveq:k=64,lt=2,lc=0", "lc = 0"),
+        (
+            "gradiveq:k=64,lt=2,loss_threshold=-5",
+            "loss_threshold = -5",
+        ),
+        ("gradiveq:k=64,lt=2,k=32", "given twice"),
+        ("gradiveq:k=64,d=4,lambda=0.1", "given twice"),
+        ("rgc:density=0.1,density=0.5", "given twice"),
+    ] {
+        let res = LocalComm::run(2, |c| {
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            s.register_spec("L", &[4096], spec)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        for r in res {
+            let e = r.expect_err(spec);
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
+    }
+    // The bounds themselves are accepted.
+    let res = LocalComm::run(2, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register_spec("L", &[4096], "gradiveq:k=64,lt=2,d=64,reuse=64,qsgd_bits=8")
+            .map(|_| ())
+    });
+    assert!(res.iter().all(Result::is_ok), "{res:?}");
+}
