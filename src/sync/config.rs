@@ -274,6 +274,12 @@ impl Config {
                 cfg.momentum
             )));
         }
+        if !(cfg.auto_density > 0.0 && cfg.auto_density <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "auto_density {} must lie in (0, 1]",
+                cfg.auto_density
+            )));
+        }
         if let Some(c) = cfg.clip_norm {
             if !(c > 0.0 && c.is_finite()) {
                 return Err(Error::InvalidArgument(format!(

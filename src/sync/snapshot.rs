@@ -26,6 +26,9 @@ use std::path::Path;
 pub const SNAPSHOT_VERSION: u32 = 3;
 /// Bytes of the CRC-32 trailer.
 const CRC_LEN: usize = 4;
+/// The largest step a snapshot may hold (2^53: a step a microsecond for
+/// 285 years); past it the counter is corrupt, and stepping on would wrap.
+const MAX_STEP: u64 = 1 << 53;
 const MAGIC: [u8; 8] = *b"GSSNAP\0\0";
 
 #[derive(Serialize, Deserialize)]
@@ -219,6 +222,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 snap.version
             )));
         }
+        if snap.step > MAX_STEP {
+            return Err(Error::Snapshot(format!(
+                "step {} is past any run (at most {MAX_STEP}): corrupt",
+                snap.step
+            )));
+        }
         if snap.rank != self.rank as u64 || snap.size != self.size as u64 {
             return Err(Error::Snapshot(format!(
                 "written by rank {} of {}, loading on rank {} of {}",
@@ -345,8 +354,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub fn load_snapshot(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         self.restore_agreed(&path.display().to_string(), |s| {
-            let bytes = std::fs::read(path)
-                .map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))?;
+            let named = |e: String| Error::Snapshot(format!("{}: {e}", path.display()));
+            // A FIFO would block this rank in open() while its peers wait
+            // in the agreement, and a device (/dev/zero) never ends.
+            let meta = std::fs::metadata(path).map_err(|e| named(e.to_string()))?;
+            if !meta.is_file() {
+                return Err(named(format!(
+                    "not a regular file ({:?}): not a gradsync snapshot",
+                    meta.file_type()
+                )));
+            }
+            let bytes = std::fs::read(path).map_err(|e| named(e.to_string()))?;
             s.parse_snapshot(&bytes).map_err(|e| match e {
                 Error::Snapshot(m) => Error::Snapshot(format!("{}: {m}", path.display())),
                 e => Error::Snapshot(format!("{}: {e}", path.display())),

@@ -727,6 +727,18 @@ fn bad_calls_are_errors() {
             assert!(e.to_string().contains(&format!("delay {delay}")), "{e}");
         });
     }
+    for auto_density in [0.0, -1.0, 5.0, f64::NAN] {
+        let bad = Config {
+            auto_density,
+            ..cfg()
+        };
+        LocalComm::run(1, |c| {
+            let e = GradSync::with_transport(c, bad.clone())
+                .err()
+                .expect("refused");
+            assert!(e.to_string().contains("auto_density"), "{e}");
+        });
+    }
     let ok = Config {
         delay: config::MAX_DELAY,
         ..cfg()
@@ -1167,6 +1179,22 @@ fn bad_snapshots_fail_every_rank_and_change_nothing() {
             std::fs::remove_file(&path).unwrap();
         }
         results.push(s.load_snapshot(&path).unwrap_err().to_string());
+        // 3. A device on rank 0 only (it never ends; a FIFO would block).
+        let zero = if rank == 0 {
+            std::path::PathBuf::from("/dev/zero")
+        } else {
+            dir.join(format!("r{rank}.snap"))
+        };
+        std::fs::write(dir.join(format!("r{rank}.snap")), &good).unwrap();
+        results.push(s.load_snapshot(&zero).unwrap_err().to_string());
+        // 4. A step counter past any run (the CRC made valid): stepping on
+        // from it would wrap.
+        let mut wrapped = good.clone();
+        wrapped[36..44].copy_from_slice(&u64::MAX.to_le_bytes());
+        let body = wrapped.len() - 4;
+        let crc = crc32fast::hash(&wrapped[..body]);
+        wrapped[body..].copy_from_slice(&crc.to_le_bytes());
+        results.push(s.restore_bytes(&wrapped).unwrap_err().to_string());
         let unchanged = s.step() == 2 && s.residual(sp).unwrap() == &residual[..];
         // The good snapshot still loads everywhere afterwards.
         let reload = s.restore_bytes(&good).map(|_| s.step());
@@ -1184,6 +1212,16 @@ fn bad_snapshots_fail_every_rank_and_change_nothing() {
             results[1].starts_with("rank 1 failed: ") && results[1].contains("r1.snap"),
             "{}",
             results[1]
+        );
+        assert!(
+            results[2].starts_with("rank 0 failed: ") && results[2].contains("not a regular file"),
+            "{}",
+            results[2]
+        );
+        assert!(
+            results[3].contains(&format!("step {} is past any run", u64::MAX)),
+            "{}",
+            results[3]
         );
         assert!(unchanged, "a failed load changes no engine");
         assert_eq!(*reload, Some(1));
