@@ -305,6 +305,48 @@ fn out_of_range_flags_are_errors_naming_the_flag() {
         ),
         (&["bench", "--algo", ""], &["--algo \"\"", "no algorithm"]),
         (&["bench", "--iters", "0"], &["--iters 0"]),
+        // Counts and sizes past any run: they wrapped, panicked on a
+        // capacity overflow or ran out of memory.
+        (
+            &["bench", "--iters", "18446744073709551615"],
+            &["--iters 18446744073709551615", "[1, 1000000]"],
+        ),
+        (
+            &["bench", "--sizes", "4K", "--warmup", "18446744073709551615"],
+            &["--warmup 18446744073709551615", "at most 1000000"],
+        ),
+        (
+            &["bench", "--op", "gradiveq", "--lt", "18446744073709551615"],
+            &["--lt 18446744073709551615", "at most 10000"],
+        ),
+        (
+            &["bench", "--sizes", "4K,64G"],
+            &["--sizes", "past 17179869184"],
+        ),
+        (
+            &["verify", "--counts", "18446744073709551615"],
+            &["--counts", "past 2147483648"],
+        ),
+        (
+            &[
+                "calibrate",
+                "--out",
+                "/tmp/never.json",
+                "--max-bytes",
+                "32G",
+            ],
+            &["--max-bytes 32G", "at most"],
+        ),
+        (
+            &[
+                "calibrate",
+                "--out",
+                "/tmp/never.json",
+                "--reps",
+                "18446744073709551615",
+            ],
+            &["--reps 18446744073709551615", "at most 100000"],
+        ),
         (
             &["bench", "--op", "sparse", "--layers", "0"],
             &["--layers 0"],
@@ -416,6 +458,23 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
     );
     assert_fails_with(&job, "--reps", &["--reps 1", "at least 3"]);
     assert!(!out.exists(), "the writability check left a file behind");
+    // model-check likewise needs a network (it printed a 395× error).
+    let job = mpirun(
+        1,
+        &[
+            "model-check",
+            "--profile",
+            "docs/scale/profile-2x1-1gbit.json",
+            "--iters",
+            "3",
+        ],
+    );
+    assert_fails_with(
+        &job,
+        "model-check p = 1",
+        &["model-check needs at least 2 ranks"],
+    );
+    assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
 }
 
 /// A flag clap refuses on one rank of an MPMD launch: mpirun ends the job

@@ -1067,3 +1067,29 @@ fn flags_that_would_do_nothing_are_errors() {
     let (ok, _, err) = predict(&["--strategies", "dense-ring,sparse-allgather,"]);
     assert!(ok, "a trailing comma is fine: {err}");
 }
+
+/// `--ranks-per-node` past `--ranks` was clamped to one node, dropping the
+/// `--inter-*` level without a word; equal is one node, and fine.
+#[test]
+fn ranks_per_node_past_the_ranks_is_an_error() {
+    let p = "docs/scale/profile-2x2-1gbit.json";
+    let layers = "examples/layers/resnet50.json";
+    for args in [
+        vec!["predict", "--elements", "1000000", "--ranks", "8"],
+        vec!["plan", "--layers", layers, "--ranks", "8"],
+        vec!["crossover", "--ranks", "8"],
+    ] {
+        let mut bad = args.clone();
+        bad.extend(["--profile", p, "--ranks-per-node", "100"]);
+        let (ok, out, err) = gradsync(&bad);
+        assert!(!ok, "{bad:?} accepted: {out}");
+        assert!(
+            err.contains("--ranks-per-node 100 is more than --ranks 8"),
+            "{bad:?}: {err}"
+        );
+        let mut fine = args.clone();
+        fine.extend(["--profile", p, "--ranks-per-node", "8"]);
+        let (ok, _, err) = gradsync(&fine);
+        assert!(ok, "{fine:?}: {err}");
+    }
+}

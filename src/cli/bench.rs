@@ -230,16 +230,40 @@ pub(super) fn flag_error(flag: impl std::fmt::Display, e: Error) -> Error {
     }
 }
 
+/// Most `--iters` (and `--warmup`) of a benchmark: a million calls.
+const MAX_ITERS: usize = 1_000_000;
+
+/// Most GradiVeQ samples `--lt` (each is a copy of the layer).
+const MAX_LT: usize = 10_000;
+
+/// Largest message of `--sizes`/`--bytes` (and `verify --counts`, in
+/// elements of 4 bytes or more): 16 GiB, past any node's memory for the
+/// several buffers a collective needs (a size past it ran out of memory).
+pub(super) const MAX_RUN_BYTES: usize = 16 << 30;
+
 /// Longest simulated compute of `--compute-ms` (one hour).
 const MAX_COMPUTE_MS: f64 = 3_600_000.0;
 
 /// Range checks of the flags every `--op` reads or could read: `--iters`,
 /// `--compute-ms`, `--density`.
 pub(super) fn check_common(a: &BenchArgs) -> Result<()> {
-    if a.iters == 0 {
-        return Err(Error::InvalidArgument(
-            "--iters 0: must be at least 1".into(),
-        ));
+    if !(1..=MAX_ITERS).contains(&a.iters) {
+        return Err(Error::InvalidArgument(format!(
+            "--iters {}: must lie in [1, {MAX_ITERS}]",
+            a.iters
+        )));
+    }
+    if a.warmup > MAX_ITERS {
+        return Err(Error::InvalidArgument(format!(
+            "--warmup {}: at most {MAX_ITERS}",
+            a.warmup
+        )));
+    }
+    if !(2..=MAX_LT).contains(&a.lt) {
+        return Err(Error::InvalidArgument(format!(
+            "--lt {}: must be at least 2 and at most {MAX_LT}",
+            a.lt
+        )));
     }
     if !(a.compute_ms >= 0.0 && a.compute_ms <= MAX_COMPUTE_MS) {
         return Err(Error::InvalidArgument(format!(
@@ -274,6 +298,11 @@ pub(super) fn parse_sizes(flag: &str, s: &str, elem: usize) -> Result<Vec<usize>
     if sizes.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "{flag} {s:?}: no sizes given"
+        )));
+    }
+    if let Some(b) = sizes.iter().find(|&&b| b > MAX_RUN_BYTES) {
+        return Err(Error::InvalidArgument(format!(
+            "{flag}: {b} bytes is past {MAX_RUN_BYTES} (16G)"
         )));
     }
     if let Some(b) = sizes.iter().find(|&&b| b % elem != 0) {

@@ -212,7 +212,15 @@ pub struct ModelCheckArgs {
 }
 
 /// The rank-local input phase of `model-check`: (profile, options).
-fn model_check_inputs(a: &ModelCheckArgs) -> Result<(Profile, ModelCheckOptions)> {
+fn model_check_inputs(a: &ModelCheckArgs, p: usize) -> Result<(Profile, ModelCheckOptions)> {
+    if p < 2 {
+        // As calibrate: one rank has no network to check the model on
+        // (it printed a 395× error against 0-second exchanges).
+        return Err(Error::InvalidArgument(format!(
+            "model-check needs at least 2 ranks (it runs on {p}): the model's predictions \
+             are checked against exchanges between ranks; run it under mpirun -np 2 or more"
+        )));
+    }
     let prof = Profile::load(&a.profile)?;
     let opts = ModelCheckOptions {
         sizes: parse_sizes("--sizes", &a.sizes, 4)?,
@@ -225,7 +233,7 @@ fn model_check_inputs(a: &ModelCheckArgs) -> Result<(Profile, ModelCheckOptions)
 }
 
 pub(super) fn run_model_check(comm: &MpiComm, a: &ModelCheckArgs) -> Result<i32> {
-    let (prof, opts) = agree(comm, model_check_inputs(a))?;
+    let (prof, opts) = agree(comm, model_check_inputs(a, comm.size()))?;
     let report = cost::model_check(comm, &prof, &opts)?;
     print_check(comm, &report, a.json)?;
     Ok(0)

@@ -153,6 +153,18 @@ impl ModelArgs {
         Ok(p)
     }
 
+    /// `--ranks-per-node` past `ranks` would put every rank on one node
+    /// and drop the `--inter-*` level without a word (it was clamped).
+    pub fn check_rpn(&self, ranks: usize) -> Result<()> {
+        match self.rpn() {
+            Some(l) if l > ranks => Err(Error::InvalidArgument(format!(
+                "--ranks-per-node {l} is more than --ranks {ranks}: the job would fit in one \
+                 node (leave --ranks-per-node out for one node)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Ranks per node (`--ranks-per-node`).
     pub fn rpn(&self) -> Option<usize> {
         self.ranks_per_node
@@ -287,6 +299,7 @@ pub fn predict_record(
 pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
     let prof = a.model.profile()?;
     let n = elements(a.elements, &a.bytes)?;
+    a.model.check_rpn(a.ranks)?;
     let r = predict_record(&prof, &a.model, n, a.ranks, a.density)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -584,6 +597,7 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
     for l in &layers {
         layer_bytes(l.elements).map_err(Error::InvalidArgument)?;
     }
+    a.model.check_rpn(a.ranks)?;
     let out = plan_record(&prof, &a.model, &layers, a.ranks, a.density)?;
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
@@ -681,6 +695,7 @@ pub struct CrossoverRecord {
 
 pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
     let prof = a.model.profile()?;
+    a.model.check_rpn(a.ranks)?;
     for s in [&a.sparse, &a.dense] {
         if !STRATEGIES.contains(&s.as_str()) {
             return Err(Error::InvalidArgument(format!("unknown strategy {s:?}")));

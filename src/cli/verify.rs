@@ -86,6 +86,14 @@ impl Report<'_> {
 fn inputs(a: &VerifyArgs, p: usize) -> Result<(Vec<usize>, Vec<usize>)> {
     let counts = parse_list(&a.counts, |s| parse_count(s, p))
         .map_err(|e| flag_error(format!("--counts {:?}", a.counts), e))?;
+    // Counts are of f64 elements at most: 8 bytes each.
+    let max = super::bench::MAX_RUN_BYTES / 8;
+    if let Some(c) = counts.iter().find(|&&c| c > max) {
+        return Err(Error::InvalidArgument(format!(
+            "--counts {:?}: {c} elements is past {max} (16G of f64)",
+            a.counts
+        )));
+    }
     let chunks = parse_list(&a.chunks, |s| {
         s.parse::<usize>()
             .map_err(|_| Error::InvalidArgument(format!("bad chunk {s:?}")))

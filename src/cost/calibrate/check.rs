@@ -45,6 +45,12 @@ impl Default for ModelCheckOptions {
 impl ModelCheckOptions {
     /// Checks the options; the messages name `gradsync model-check`'s flags.
     pub fn validate(&self) -> Result<()> {
+        if let Some(b) = self.sizes.iter().find(|&&b| b > super::MAX_FIT_BYTES) {
+            return Err(Error::InvalidArgument(format!(
+                "--sizes: {b} bytes is past {} (16G)",
+                super::MAX_FIT_BYTES
+            )));
+        }
         if self.sizes.is_empty() {
             return Err(Error::InvalidArgument("--sizes: no sizes given".into()));
         }

@@ -111,6 +111,12 @@ impl CalibrateOptions {
             )));
         }
         check_densities(&self.densities)?;
+        if self.max_bytes > MAX_FIT_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "--max-bytes {}: at most {MAX_FIT_BYTES} (16G)",
+                self.max_bytes
+            )));
+        }
         if sizes_up_to(self.max_bytes).is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "--max-bytes {}: must be at least 64K (the smallest layer of the local fits)",
@@ -202,15 +208,21 @@ pub fn calibrate_with(
 /// [`ModelCheckOptions::iters`]: an interquartile mean needs a few samples.
 pub const MIN_ROUNDS: usize = 3;
 
-/// `flag`, a number of rounds: at least [`MIN_ROUNDS`].
+/// `flag`, a number of rounds: at least [`MIN_ROUNDS`], at most the
+/// rounds `--min-seconds` may add (100 000; more ran for ever).
 fn check_rounds(flag: &str, n: usize) -> Result<()> {
-    if n < MIN_ROUNDS {
+    let max = probes::MAX_ROUNDS;
+    if !(MIN_ROUNDS..=max).contains(&n) {
         return Err(Error::InvalidArgument(format!(
-            "{flag} {n}: must be at least {MIN_ROUNDS}"
+            "{flag} {n}: must be at least {MIN_ROUNDS} and at most {max}"
         )));
     }
     Ok(())
 }
+
+/// The largest layer `--max-bytes` may ask the local fits for (16 GiB per
+/// rank, several buffers of it: past any node's memory for a probe).
+pub const MAX_FIT_BYTES: usize = 16 << 30;
 
 /// `--densities`: a non-empty list of numbers in (0, 1].
 fn check_densities(v: &[f64]) -> Result<()> {

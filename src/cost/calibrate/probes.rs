@@ -130,7 +130,7 @@ pub(super) fn rounds(
 }
 
 /// Upper bound on measurement rounds, whatever `min_seconds` says.
-const MAX_ROUNDS: usize = 100_000;
+pub(super) const MAX_ROUNDS: usize = 100_000;
 
 /// Timed calls of a probe per round (after one untimed call).
 const BURST: usize = 3;
