@@ -48,12 +48,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$hosts" ] || die "--hosts H is required"
-if ! [[ "$hosts" =~ ^[0-9]+$ ]] || [ "$hosts" -lt 1 ] || [ "$hosts" -gt 250 ]; then
+# No leading zeros: bash arithmetic reads 010 as octal (8 hosts for "010").
+if ! [[ "$hosts" =~ ^[1-9][0-9]{0,2}$ ]] || [ "$hosts" -gt 250 ]; then
   die "--hosts must be an integer from 1 to 250 (got '$hosts')"
 fi
 [ -n "$rph" ] || die "--ranks-per-host R is required"
-if ! [[ "$rph" =~ ^[0-9]+$ ]] || [ "$rph" -lt 1 ]; then
-  die "--ranks-per-host must be an integer >= 1 (got '$rph')"
+if ! [[ "$rph" =~ ^[1-9][0-9]{0,3}$ ]]; then
+  die "--ranks-per-host must be an integer from 1 to 9999 (got '$rph')"
 fi
 [ -n "$link" ] || die "--link RATE is required (e.g. --link 1gbit)"
 # The rate in bits/s (tc's units: bit, kbit, mbit, gbit, tbit; bps... are bytes/s).

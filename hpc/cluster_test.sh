@@ -56,6 +56,10 @@ bad() { # expected-words... -- args...
 }
 bad --hosts -- --hosts 0 --ranks-per-host 1 --link 1gbit -- true
 bad --ranks-per-host -- --hosts 2 --ranks-per-host 0 --link 1gbit -- true
+# Leading zeros were read as octal (010 hosts built 8), huge counts wrapped.
+bad --hosts -- --hosts 010 --ranks-per-host 1 --link 1gbit -- true
+bad --ranks-per-host -- --hosts 2 --ranks-per-host 08 --link 1gbit -- true
+bad --ranks-per-host -- --hosts 2 --ranks-per-host 99999999999999999999999 --link 1gbit -- true
 bad --link -- --hosts 2 --ranks-per-host 1 -- true
 bad --link -- --hosts 2 --ranks-per-host 1 --link fast -- true
 bad "'--'" -- --hosts 2 --ranks-per-host 1 --link 1gbit true

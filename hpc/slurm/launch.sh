@@ -37,8 +37,16 @@ command -v "$GRADSYNC_LAUNCHER" >/dev/null 2>&1 || gradsync_fail "$GRADSYNC_LAUN
 # loopback (as hpc/mpirun.sh; mpirun --oversubscribe alone yields, srun's
 # ranks do not know: a small calibration took 42 s instead of 10 s on 2
 # cores). Correctness runs only, not timings.
-_gradsync_tasks_here="${SLURM_TASKS_PER_NODE:-1}"
-_gradsync_tasks_here="${_gradsync_tasks_here%%[(,]*}"
+# SLURM_TASKS_PER_NODE is e.g. "2(x3),1": the most tasks any node runs
+# (the first entry alone missed "1,4"); a value it cannot read counts as 1.
+_gradsync_tasks_here=1
+IFS=, read -ra _gradsync_entries <<<"${SLURM_TASKS_PER_NODE:-1}"
+for _gradsync_e in "${_gradsync_entries[@]}"; do
+  _gradsync_e="${_gradsync_e%%(*}"
+  if [[ "$_gradsync_e" =~ ^[1-9][0-9]{0,5}$ ]] && [ "$_gradsync_e" -gt "$_gradsync_tasks_here" ]; then
+    _gradsync_tasks_here="$_gradsync_e"
+  fi
+done
 GRADSYNC_OVERSUBSCRIBED=0
 if [ "$_gradsync_tasks_here" -gt "$(nproc)" ]; then
   GRADSYNC_OVERSUBSCRIBED=1
