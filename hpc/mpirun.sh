@@ -7,7 +7,9 @@ np=1
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
-    -np|-n|--np|-c) np="${args[$((i + 1))]:-1}" ;;
+    # The first count is mpirun's: a later -c or -n is the program's own
+    # (sh -c '...').
+    -np|-n|--np|-c) np="${args[$((i + 1))]:-1}" && break ;;
   esac
 done
 extra=()

@@ -1093,3 +1093,25 @@ fn ranks_per_node_past_the_ranks_is_an_error() {
         assert!(ok, "{fine:?}: {err}");
     }
 }
+
+/// Output that cannot be written (a full disk, here `/dev/full`) is an
+/// error naming standard output, not a panic with a backtrace.
+#[test]
+fn unwritable_standard_output_is_an_error_not_a_panic() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("SKIP: no /dev/full on this machine");
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradsync"))
+        .args(["predict", "--elements", "1000", "--ranks", "8", "--json"])
+        .args(NET)
+        .stdout(full)
+        .output()
+        .expect("run gradsync");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("standard output") && !err.contains("panicked"),
+        "{err}"
+    );
+}

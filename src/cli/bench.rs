@@ -401,10 +401,10 @@ pub(super) fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) 
         return Ok(());
     }
     if a.json {
-        println!("{}", serde_json::to_string(r)?);
+        outln!("{}", serde_json::to_string(r)?);
     } else {
         if first {
-            println!(
+            outln!(
                 "{:<10} {:<13} {:>5} {:>11} {:>6} {:>12} {:>12} {:>12} {:>7} {:>9} {:>7}",
                 "op",
                 "algo",
@@ -419,7 +419,7 @@ pub(super) fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) 
                 "check"
             );
         }
-        println!(
+        outln!(
             "{:<10} {:<13} {:>5} {:>11} {:>6} {:>12.1} {:>12.1} {:>12.1} {:>7.3} {:>9.3} {:>7}",
             r.op,
             r.algo,
@@ -434,7 +434,7 @@ pub(super) fn emit(comm: &MpiComm, a: &BenchArgs, r: &BenchRecord, first: bool) 
             r.check
         );
         if let Some(t) = r.predicted_s {
-            println!(
+            outln!(
                 "{:<10} predicted {:.1} us ({:+.0} % of the measured median)",
                 "",
                 t * 1e6,

@@ -248,9 +248,9 @@ fn print_check(comm: &MpiComm, report: &CheckReport, json: bool) -> Result<()> {
     }
     for rec in &report.records {
         if json {
-            println!("{}", serde_json::to_string(rec)?);
+            outln!("{}", serde_json::to_string(rec)?);
         } else {
-            println!(
+            outln!(
                 "{:>9} B D={:<6} measured rab {:>9.1} ring {:>9.1} sparse {:>9.1} us | predicted {:>9.1} {:>9.1} {:>9.1} | choice {} (x{:.2} of fastest {})",
                 rec.bytes,
                 rec.density,
@@ -276,6 +276,6 @@ fn print_check(comm: &MpiComm, report: &CheckReport, json: bool) -> Result<()> {
             s.exchange_64k_profile_s * 1e6
         );
     }
-    println!("{}", serde_json::to_string(s)?);
+    outln!("{}", serde_json::to_string(s)?);
     Ok(())
 }

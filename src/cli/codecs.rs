@@ -509,7 +509,7 @@ pub(super) fn run(a: &CodecsArgs) -> Result<i32> {
         None => (vec![&data[..]], false),
     };
     if !a.json {
-        println!(
+        outln!(
             "{:<10} {:<28} {:>10} {:>6} {:>9} {:>9} {:>11} {:>11} {:>9} {:>9}  error",
             "codec",
             "params",
@@ -527,8 +527,8 @@ pub(super) fn run(a: &CodecsArgs) -> Result<i32> {
     for cfg in &configs {
         // One codec's failure is its row's, not the whole comparison's.
         match measure(cfg, &steps, feedback) {
-            Ok(r) if a.json => println!("{}", serde_json::to_string(&r)?),
-            Ok(r) => println!(
+            Ok(r) if a.json => outln!("{}", serde_json::to_string(&r)?),
+            Ok(r) => outln!(
                 "{:<10} {:<28} {:>10} {:>6} {:>9.2} {:>9.3} {:>11.3e} {:>11.3e} {:>9.3} {:>9.3}",
                 r.codec,
                 r.params,
@@ -550,9 +550,9 @@ pub(super) fn run(a: &CodecsArgs) -> Result<i32> {
                     error: e.to_string(),
                 };
                 if a.json {
-                    println!("{}", serde_json::to_string(&f)?);
+                    outln!("{}", serde_json::to_string(&f)?);
                 } else {
-                    println!(
+                    outln!(
                         "{:<10} {:<28} {:>10} {:>6} {:>9} {:>9} {:>11} {:>11} {:>9} {:>9}  {}",
                         f.codec,
                         f.params,

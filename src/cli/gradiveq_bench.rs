@@ -333,9 +333,9 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     };
     if rank == 0 {
         if a.json {
-            println!("{}", serde_json::to_string(&rec)?);
+            outln!("{}", serde_json::to_string(&rec)?);
         } else {
-            println!(
+            outln!(
                 "gradiveq ranks {} bytes {} K {} d {} ratio {:.2} err {:.3e} | gradiveq {:.1} us, ring {:.1} us ({:.2}x), qsgd ring {:.1} us ({:.2}x) | compress {:.1} decompress {:.1} wait {:.1} us | check {}",
                 rec.ranks,
                 rec.bytes,

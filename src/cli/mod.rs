@@ -2,6 +2,27 @@
 //! library's own collectives) and `verify` (results checked against
 //! `MPI_Allreduce`/`MPI_Allgatherv`). Both run under `mpirun`/`srun`.
 
+/// `println!` that returns an error (the enclosing function's `?`) where
+/// standard output cannot be written (a full disk, a closed pipe), instead
+/// of panicking: under `mpirun` a panic aborted the job, alone it printed a
+/// backtrace.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($t)*)
+            .map_err(|e| crate::Error::file("standard output", format!("cannot write: {e}")))?
+    }};
+}
+
+/// `print!`, likewise ([`outln`]).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($t)*)
+            .map_err(|e| crate::Error::file("standard output", format!("cannot write: {e}")))?
+    }};
+}
+
 mod bench;
 mod calibrate;
 mod codecs;

@@ -302,16 +302,21 @@ pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
     a.model.check_rpn(a.ranks)?;
     let r = predict_record(&prof, &a.model, n, a.ranks, a.density)?;
     if a.json {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?);
         return Ok(0);
     }
-    println!(
+    outln!(
         "layer: {} elements ({} bytes), {} ranks, density {}",
-        r.elements, r.bytes, r.ranks, r.density
+        r.elements,
+        r.bytes,
+        r.ranks,
+        r.density
     );
-    println!(
+    outln!(
         "{:<24} {:>14} {:>16}",
-        "strategy", "predicted_us", "wire_bytes/rank"
+        "strategy",
+        "predicted_us",
+        "wire_bytes/rank"
     );
     for s in &r.strategies {
         let mark = if s.name == r.choice {
@@ -319,7 +324,7 @@ pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
         } else {
             ""
         };
-        println!(
+        outln!(
             "{:<24} {:>14.3} {:>16.0}{mark}",
             s.name,
             s.seconds * 1e6,
@@ -600,15 +605,21 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
     a.model.check_rpn(a.ranks)?;
     let out = plan_record(&prof, &a.model, &layers, a.ranks, a.density)?;
     if a.json {
-        println!("{}", serde_json::to_string(&out)?);
+        outln!("{}", serde_json::to_string(&out)?);
         return Ok(0);
     }
-    println!(
+    outln!(
         "{:<32} {:>12} {:<24} {:<9} {:>12} {:>12} {:>12}",
-        "layer", "elements", "choice", "group", "marginal_us", "alone_us", "dense_us"
+        "layer",
+        "elements",
+        "choice",
+        "group",
+        "marginal_us",
+        "alone_us",
+        "dense_us"
     );
     for l in &out.layers {
-        println!(
+        outln!(
             "{:<32} {:>12} {:<24} {:<9} {:>12.2} {:>12.2} {:>12.2}",
             l.name,
             l.elements,
@@ -619,9 +630,9 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
             l.dense_s * 1e6
         );
     }
-    println!("groups:");
+    outln!("groups:");
     for g in &out.groups {
-        println!(
+        outln!(
             "  {:<9} {:<20} {:>4} layers {:>11} elements {:>12.0} B/rank sent  comm {:>10.1} us  local {:>10.1} us",
             serde_json::to_value(g.kind)?.as_str().unwrap_or("?"),
             g.algorithm.name(),
@@ -632,7 +643,7 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
             g.local_s * 1e6
         );
     }
-    println!(
+    outln!(
         "step: dense-only {:.3} ms, all-sparse {:.3} ms, planned {:.3} ms ({:.2}x over dense); choices {:?}",
         out.dense_total_s * 1e3,
         out.all_sparse_s * 1e3,
@@ -779,10 +790,10 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         plot(&prof, &a.model, a.ranks, a.density, max_n, path, x)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string(&rec)?);
+        outln!("{}", serde_json::to_string(&rec)?);
     } else {
         match x {
-            Some(n) => println!(
+            Some(n) => outln!(
                 "{} beats {} from {} elements ({}) on {} ranks at density {}",
                 a.sparse,
                 a.dense,
@@ -792,7 +803,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
                 a.density
             ),
             None => match band {
-                Some([lo, hi]) => println!(
+                Some([lo, hi]) => outln!(
                     "{} beats {} only from about {} to {} (power-of-two sizes), not up to {}, on {} ranks at density {}",
                     a.sparse,
                     a.dense,
@@ -802,7 +813,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
                     a.ranks,
                     a.density
                 ),
-                None => println!(
+                None => outln!(
                     "{} never beats {} up to {} on {} ranks at density {}",
                     a.sparse, a.dense, a.max_bytes, a.ranks, a.density
                 ),

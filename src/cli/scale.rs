@@ -261,25 +261,25 @@ pub(super) fn run(a: &ScaleArgs) -> Result<i32> {
         plot(&rec, &a.layers, path)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string(&rec)?);
+        outln!("{}", serde_json::to_string(&rec)?);
         return Ok(0);
     }
-    print!("{:>7} {:>6}", "ranks", "nodes");
+    out!("{:>7} {:>6}", "ranks", "nodes");
     for id in SCALE_STRATEGIES {
-        print!(" {:>20}", id.name());
+        out!(" {:>20}", id.name());
     }
-    println!(" {:>12}  (ms per step)", "planned");
+    outln!(" {:>12}  (ms per step)", "planned");
     for pt in &rec.points {
-        print!("{:>7} {:>6}", pt.ranks, pt.nodes);
+        out!("{:>7} {:>6}", pt.ranks, pt.nodes);
         for id in SCALE_STRATEGIES {
-            print!(" {:>20.3}", pt.strategies[id.name()] * 1e3);
+            out!(" {:>20.3}", pt.strategies[id.name()] * 1e3);
         }
-        println!(" {:>12.3}", pt.planned_s * 1e3);
+        outln!(" {:>12.3}", pt.planned_s * 1e3);
     }
     for c in &rec.crossovers {
         match c.ranks {
-            Some(p) => println!("{} beats {} from {p} ranks", c.faster, c.than),
-            None => println!("{} never beats {} in this range", c.faster, c.than),
+            Some(p) => outln!("{} beats {} from {p} ranks", c.faster, c.than),
+            None => outln!("{} never beats {} in this range", c.faster, c.than),
         }
     }
     Ok(0)

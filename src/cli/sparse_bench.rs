@@ -232,16 +232,16 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         failed |= rec.check != "ok" && rec.check != "skipped";
         if comm.rank() == 0 {
             if a.json {
-                println!("{}", serde_json::to_string(&rec)?);
+                outln!("{}", serde_json::to_string(&rec)?);
             } else {
                 if i == 0 {
-                    println!(
+                    outln!(
                         "{:<10} {:>5} {:>10} {:>8} {:>6} {:>11} {:>11} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7}",
                         "codec", "ranks", "bytes", "density", "layers", "median_us", "dense_us",
                         "speedup", "wire_B", "select_us", "pack_us", "gather_us", "unpack_us", "check"
                     );
                 }
-                println!(
+                outln!(
                     "{:<10} {:>5} {:>10} {:>8} {:>6} {:>11.1} {:>11.1} {:>8.2} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7}",
                     rec.codec,
                     rec.ranks,

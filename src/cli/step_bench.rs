@@ -630,10 +630,10 @@ fn record(
 
 fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
     if a.json {
-        println!("{}", serde_json::to_string(rec)?);
+        outln!("{}", serde_json::to_string(rec)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "{} step of {} ({} layers, {} elements) on {} ranks: median {:.3} ms (min {:.3}), predicted {}, MPI_Allreduce of the table {:.3} ms ({:.2}x); {} bytes/rank; local {:.3} ms; choices {:?}; sparse exchange {} (steps {:?}, fill estimate {})",
         rec.config,
         rec.layers_file,
@@ -655,7 +655,7 @@ fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
             .map_or_else(|| "-".into(), |f| format!("{f:.3}"))
     );
     for g in &rec.groups {
-        println!(
+        outln!(
             "  group {:?} ({}): {} layers, {} elements, {} bytes/rank, measured {:.3} ms, predicted {}",
             g.kind,
             g.algorithm,

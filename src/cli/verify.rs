@@ -58,7 +58,7 @@ struct Report<'a> {
 
 impl Report<'_> {
     /// Record one case; the verdict is agreed on by all ranks.
-    fn case(&mut self, what: &str, count: usize, local_ok: bool, detail: &str) {
+    fn case(&mut self, what: &str, count: usize, local_ok: bool, detail: &str) -> Result<()> {
         let mut v = [f64::from(u8::from(!local_ok))];
         max_over_ranks(self.comm, &mut v);
         let ok = v[0] == 0.0;
@@ -68,17 +68,18 @@ impl Report<'_> {
         if self.comm.rank() == 0 {
             let verdict = if ok { "ok" } else { "failed" };
             if self.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({"case": what, "ranks": self.comm.size(), "count": count, "check": verdict, "detail": detail})
                 );
             } else {
-                println!(
+                outln!(
                     "{verdict:<7} p={} count={count:<8} {what} {detail}",
                     self.comm.size()
                 );
             }
         }
+        Ok(())
     }
 }
 
@@ -238,7 +239,7 @@ fn allreduce_cases<T: FromF64>(
                         algo.name(),
                         op
                     );
-                    rep.case(&what, n, ok, &detail);
+                    rep.case(&what, n, ok, &detail)?;
                 }
             }
         }
@@ -301,7 +302,7 @@ fn allgatherv_cases(comm: &MpiComm, n: usize, rep: &mut Report) -> Result<()> {
                 }
             }
         };
-        rep.case(&format!("allgatherv {}", algo.name()), n, ok, &detail);
+        rep.case(&format!("allgatherv {}", algo.name()), n, ok, &detail)?;
     }
     Ok(())
 }
@@ -309,7 +310,7 @@ fn allgatherv_cases(comm: &MpiComm, n: usize, rep: &mut Report) -> Result<()> {
 fn mismatch(comm: &MpiComm, counts: &[usize], rep: &mut Report) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
     if p == 1 {
-        rep.case("mismatch (needs p > 1)", 0, true, "skipped");
+        rep.case("mismatch (needs p > 1)", 0, true, "skipped")?;
         return Ok(());
     }
     for &n in counts {
@@ -329,7 +330,7 @@ fn mismatch(comm: &MpiComm, counts: &[usize], rep: &mut Report) -> Result<()> {
                 n,
                 ok,
                 &detail,
-            );
+            )?;
             // The communicator must still work after a detected mismatch.
             let mut v = vec![1.0f32; 3];
             let after = allreduce(comm, &mut v, algo, &AllreduceOptions::default());
@@ -339,7 +340,7 @@ fn mismatch(comm: &MpiComm, counts: &[usize], rep: &mut Report) -> Result<()> {
                 3,
                 ok,
                 "",
-            );
+            )?;
         }
     }
     Ok(())
