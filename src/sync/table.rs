@@ -45,7 +45,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let h = h?;
         if v[1] != h || !v[2] != h {
-            return Err(Error::TableMismatch(what()));
+            // Every rank is here (the hashes differ somewhere): name the
+            // lowest rank whose table differs from rank 0's, in two more
+            // 8-byte allreduces on this failure path only.
+            let mut h0 = [if rank == 0 { h } else { 0 }];
+            crate::dense::small_allreduce_max(comm, &mut h0, TAG_TABLE)?;
+            let mut first = [if h != h0[0] { (p - rank) as u64 } else { 0 }];
+            crate::dense::small_allreduce_max(comm, &mut first, TAG_TABLE)?;
+            let who = match first[0] {
+                0 => String::new(),
+                x => format!(" (rank {}'s differs from rank 0's)", p - x as usize),
+            };
+            return Err(Error::TableMismatch(format!("{}{who}", what())));
         }
         Ok(())
     }

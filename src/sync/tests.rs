@@ -198,6 +198,7 @@ fn mismatched_layer_tables_fail_on_every_rank() {
     for r in &res {
         let e = r.as_ref().expect_err("every rank fails");
         assert!(e.contains("layer #1 \"b\""), "{e}");
+        assert!(e.contains("(rank 1's differs from rank 0's)"), "{e}");
     }
     // Different numbers of layers: caught before the first step.
     let res = LocalComm::run(2, |c| {
