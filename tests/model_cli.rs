@@ -162,7 +162,8 @@ fn redsync_rules_and_traffic_remark() {
     assert_eq!(choice("256K"), "sparse-allgather");
     assert_eq!(choice("4M"), "sparse-allgather");
     let mut a = vec!["crossover", "--ranks", "8", "--density", "0.001", "--json"];
-    a.extend(net);
+    // Not --strategies: crossover compares its --sparse with its --dense.
+    a.extend(&net[..net.len() - 2]);
     let (ok, out, err) = gradsync(&a);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
@@ -1066,6 +1067,31 @@ fn flags_that_would_do_nothing_are_errors() {
     assert!(!ok && err.contains("an empty item"), "{err}");
     let (ok, _, err) = predict(&["--strategies", "dense-ring,sparse-allgather,"]);
     assert!(ok, "a trailing comma is fine: {err}");
+    // crossover compares --sparse with --dense: --strategies was ignored.
+    let (ok, _, err) = run(&["crossover", "--ranks", "8", "--strategies", "dense-ring"]);
+    assert!(
+        !ok && err.contains("--strategies \"dense-ring\": crossover compares"),
+        "{err}"
+    );
+    // The plots are SVG: an SVG named x.png opened as a broken image.
+    let (ok, _, err) = run(&["crossover", "--ranks", "8", "--plot", "/tmp/x.png"]);
+    assert!(
+        !ok && err.contains("--plot /tmp/x.png: the plot is SVG"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&[
+        "scale",
+        "--layers",
+        "examples/layers/resnet50.json",
+        "--ranks",
+        "8..16",
+        "--plot",
+        "/tmp/x.png",
+    ]);
+    assert!(
+        !ok && err.contains("--plot /tmp/x.png: the plot is SVG"),
+        "{err}"
+    );
 }
 
 /// `--ranks-per-node` past `--ranks` was clamped to one node, dropping the

@@ -73,14 +73,24 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
 /// is and no new file behind.
 fn check_writable(out: &std::path::Path) -> Result<()> {
     let existed = out.exists();
+    // A dangling symlink: the open below creates its target, and that
+    // file (not the link) is the one to remove again.
+    let link = !existed && std::fs::symlink_metadata(out).is_ok();
     std::fs::OpenOptions::new()
         .append(true)
         .create(true)
         .open(out)
         .map_err(|e| Error::file(out, format!("--out: cannot write the profile: {e}")))?;
     if !existed {
-        std::fs::remove_file(out)
-            .map_err(|e| Error::file(out, format!("--out: cannot remove the test file: {e}")))?;
+        let created = if link {
+            std::fs::canonicalize(out)
+                .map_err(|e| Error::file(out, format!("--out: cannot resolve the link: {e}")))?
+        } else {
+            out.to_path_buf()
+        };
+        std::fs::remove_file(&created).map_err(|e| {
+            Error::file(&created, format!("--out: cannot remove the test file: {e}"))
+        })?;
     }
     Ok(())
 }

@@ -707,6 +707,15 @@ pub struct CrossoverRecord {
 pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
     let prof = a.model.profile()?;
     a.model.check_rpn(a.ranks)?;
+    if let Some(p) = &a.plot {
+        check_svg_path(p)?;
+    }
+    if !a.model.strategies.trim().is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "--strategies {:?}: crossover compares --sparse with --dense (it was ignored)",
+            a.model.strategies
+        )));
+    }
     for s in [&a.sparse, &a.dense] {
         if !STRATEGIES.contains(&s.as_str()) {
             return Err(Error::InvalidArgument(format!("unknown strategy {s:?}")));
@@ -829,6 +838,22 @@ fn human(b: usize) -> String {
         b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20)),
         b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
         b => format!("{b} B"),
+    }
+}
+
+/// `--plot PATH`: the plot is SVG, so the name must say so (an SVG
+/// written to `x.png` opens as a broken image).
+pub(super) fn check_svg_path(path: &std::path::Path) -> Result<()> {
+    let svg = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
+    if svg {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "--plot {}: the plot is SVG; name the file .svg",
+            path.display()
+        )))
     }
 }
 

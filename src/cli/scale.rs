@@ -254,6 +254,9 @@ pub fn scale_record(
 
 pub(super) fn run(a: &ScaleArgs) -> Result<i32> {
     let prof = a.model.profile()?;
+    if let Some(p) = &a.plot {
+        super::model::check_svg_path(p)?;
+    }
     let layers = read_layers(&a.layers)?;
     let ranks = parse_ranks(&a.ranks)?;
     let rec = scale_record(&prof, &a.model, &layers, &ranks, a.density)?;
