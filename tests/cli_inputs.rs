@@ -458,6 +458,31 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
     );
     assert_fails_with(&job, "--reps", &["--reps 1", "at least 3"]);
     assert!(!out.exists(), "the writability check left a file behind");
+    // bench --op step --calibrate writes its profile to --profile: checked
+    // before calibrating, not after.
+    let job = mpirun(
+        2,
+        &[
+            "bench",
+            "--op",
+            "step",
+            "--layers",
+            "examples/layers/resnet50.json",
+            "--calibrate",
+            "--profile",
+            "/nonexistent/dir/p.json",
+        ],
+    );
+    assert_fails_with(
+        &job,
+        "step --calibrate",
+        &[
+            "rank 0 failed",
+            "/nonexistent/dir/p.json",
+            "--profile: cannot write the profile",
+        ],
+    );
+    assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
     // model-check likewise needs a network (it printed a 395× error).
     let job = mpirun(
         1,

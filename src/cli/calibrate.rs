@@ -71,7 +71,7 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
 /// Fails now, naming the file, if the profile cannot be written to `out`
 /// (rather than after minutes of measuring). Leaves an existing file as it
 /// is and no new file behind.
-fn check_writable(out: &std::path::Path) -> Result<()> {
+pub(super) fn check_writable(out: &std::path::Path, flag: &str) -> Result<()> {
     let existed = out.exists();
     // A dangling symlink: the open below creates its target, and that
     // file (not the link) is the one to remove again.
@@ -80,16 +80,19 @@ fn check_writable(out: &std::path::Path) -> Result<()> {
         .append(true)
         .create(true)
         .open(out)
-        .map_err(|e| Error::file(out, format!("--out: cannot write the profile: {e}")))?;
+        .map_err(|e| Error::file(out, format!("{flag}: cannot write the profile: {e}")))?;
     if !existed {
         let created = if link {
             std::fs::canonicalize(out)
-                .map_err(|e| Error::file(out, format!("--out: cannot resolve the link: {e}")))?
+                .map_err(|e| Error::file(out, format!("{flag}: cannot resolve the link: {e}")))?
         } else {
             out.to_path_buf()
         };
         std::fs::remove_file(&created).map_err(|e| {
-            Error::file(&created, format!("--out: cannot remove the test file: {e}"))
+            Error::file(
+                &created,
+                format!("{flag}: cannot remove the test file: {e}"),
+            )
         })?;
     }
     Ok(())
@@ -117,7 +120,7 @@ fn calibrate_inputs(a: &CalibrateArgs, rank: usize, p: usize) -> Result<Calibrat
         e => e,
     })?;
     if rank == 0 {
-        check_writable(&a.out)?;
+        check_writable(&a.out, "--out")?;
     }
     Ok(opts)
 }

@@ -133,8 +133,13 @@ struct Inputs {
     exchange: SparseExchange,
 }
 
-fn inputs(a: &BenchArgs) -> Result<Inputs> {
+fn inputs(a: &BenchArgs, rank: usize) -> Result<Inputs> {
     check_common(a)?;
+    if let (true, Some(out), 0) = (a.calibrate, &a.profile, rank) {
+        // Where rank 0 writes the new profile: fail now, not after the
+        // minutes of calibrating.
+        super::calibrate::check_writable(out, "--profile")?;
+    }
     let path = std::path::PathBuf::from(&a.layers);
     if a.layers.parse::<usize>().is_ok() {
         return Err(Error::InvalidArgument(format!(
@@ -362,7 +367,7 @@ fn engine(
 }
 
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let mut inp = agree_inputs(comm, inputs(a), |inp| {
+    let mut inp = agree_inputs(comm, inputs(a, comm.rank()), |inp| {
         let mut m = common_must_match(a);
         // The table's contents, not the path (the same file by two
         // paths is the same table; the engine's registration compares
