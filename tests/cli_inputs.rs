@@ -483,6 +483,26 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
         ],
     );
     assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
+    // A profile whose constants overflow a prediction: refused before
+    // measuring, on every rank (it aborted the job after measuring).
+    let text = std::fs::read_to_string("docs/scale/profile-2x1-1gbit.json").unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["alpha"] = serde_json::json!(1e308);
+    let huge = d.join("alpha-huge.json");
+    std::fs::write(&huge, v.to_string()).unwrap();
+    let job = mpirun(
+        2,
+        &[
+            "model-check",
+            "--profile",
+            huge.to_str().unwrap(),
+            "--iters",
+            "3",
+        ],
+    );
+    assert_fails_with(&job, "model-check overflow", &["a predicted time is inf s"]);
+    assert_agreed(&job, "model-check overflow");
+    assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
     // model-check likewise needs a network (it printed a 395× error).
     let job = mpirun(
         1,

@@ -102,7 +102,23 @@ pub fn model_check(
     prof: &Profile,
     opts: &ModelCheckOptions,
 ) -> Result<CheckReport> {
-    let local = prof.validate().and_then(|()| opts.validate());
+    // The predictions first, against placeholder measurements: a profile
+    // whose constants overflow a prediction fails here, on every rank
+    // alike, not after the measuring (it aborted the job then).
+    let local = prof
+        .validate()
+        .and_then(|()| opts.validate())
+        .and_then(|()| {
+            let placeholder = vec![1.0; opts.sizes.len() * (2 + opts.densities.len())];
+            compare(
+                comm.size(),
+                prof,
+                &opts.sizes,
+                &opts.densities,
+                &placeholder,
+            )
+            .map(|_| ())
+        });
     agree_inputs(comm, local, |()| {
         use std::hash::{Hash, Hasher};
         // Fixed keys: the same on every rank.
