@@ -109,7 +109,8 @@ pub fn model_check(
         .validate()
         .and_then(|()| opts.validate())
         .and_then(|()| {
-            let placeholder = vec![1.0; opts.sizes.len() * (2 + opts.densities.len())];
+            // The grid's points, then the state probe (`check_probes`' layout).
+            let placeholder = vec![1.0; opts.sizes.len() * (2 + opts.densities.len()) + 1];
             compare(
                 comm.size(),
                 prof,
