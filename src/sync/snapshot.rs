@@ -212,7 +212,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let snap: Snapshot = options(payload.len() as u64)
             .deserialize(payload)
-            .map_err(|e| Error::Snapshot(format!("corrupt or truncated: {e}")))?;
+            .map_err(|e| {
+                let why = match *e {
+                    // bincode's message for a length past the data is
+                    // empty ("io error: ").
+                    bincode::ErrorKind::Io(ref io)
+                        if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+                    {
+                        "a length field runs past the end of the data".to_string()
+                    }
+                    ref e => e.to_string(),
+                };
+                Error::Snapshot(format!("corrupt or truncated: {why}"))
+            })?;
         if snap.magic != MAGIC {
             return Err(Error::Snapshot("not a gradsync snapshot".into()));
         }

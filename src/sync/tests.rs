@@ -1196,6 +1196,14 @@ fn bad_snapshots_fail_every_rank_and_change_nothing() {
         let crc = crc32fast::hash(&wrapped[..body]);
         wrapped[body..].copy_from_slice(&crc.to_le_bytes());
         results.push(s.restore_bytes(&wrapped).unwrap_err().to_string());
+        // 5. The first layer's name length past the data (CRC valid):
+        // bincode's own message for it is empty.
+        let mut long = good.clone();
+        long[52..60].copy_from_slice(&(1u64 << 62).to_le_bytes());
+        let body = long.len() - 4;
+        let crc = crc32fast::hash(&long[..body]);
+        long[body..].copy_from_slice(&crc.to_le_bytes());
+        results.push(s.restore_bytes(&long).unwrap_err().to_string());
         let unchanged = s.step() == 2 && s.residual(sp).unwrap() == &residual[..];
         // The good snapshot still loads everywhere afterwards.
         let reload = s.restore_bytes(&good).map(|_| s.step());
@@ -1223,6 +1231,11 @@ fn bad_snapshots_fail_every_rank_and_change_nothing() {
             results[3].contains(&format!("step {} is past any run", u64::MAX)),
             "{}",
             results[3]
+        );
+        assert!(
+            results[4].contains("a length field runs past the end of the data"),
+            "{}",
+            results[4]
         );
         assert!(unchanged, "a failed load changes no engine");
         assert_eq!(*reload, Some(1));
