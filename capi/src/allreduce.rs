@@ -69,6 +69,10 @@ fn parse(
 /// with `GS_ERR_RANK_FAILED`, `buf` unchanged (one small agreement before
 /// the transfer). An MPI error inside the transfer
 /// is `GS_ERR_MPI` on the rank that saw it (peers may be blocked: abort).
+/// The values are not inspected, as `MPI_Allreduce` does not inspect them:
+/// a NaN or Inf (or a sum that overflows) reaches every rank's result
+/// alike, with `GS_OK`; the engine (`gs_sync`) checks its gradients.
+/// `GS_OP_AVERAGE` divides the sum by the number of ranks.
 ///
 /// # Safety
 /// `comm` is a valid communicator of the MPI library gradsync is linked

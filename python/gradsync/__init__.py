@@ -347,7 +347,10 @@ def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum"
     (node-aware: within each node, then across nodes); ``op``: ``"sum"`` or
     ``"average"``. Lengths, dtypes and local errors are agreed first, so a
     mismatch or a bad array on one rank raises on every rank (as do an
-    ``algo`` or ``op`` that differ across ranks).
+    ``algo`` or ``op`` that differ across ranks). The values are not
+    inspected, as ``MPI_Allreduce`` does not inspect them: a NaN or Inf
+    reaches every rank's result alike (``GradSync.sync`` checks gradients).
+    ``"average"`` divides the sum by the number of ranks.
     """
     _gradsync.allreduce(comm, _dlpack_view(array) if type(array) is not _np.ndarray else array, algo, op)
 
