@@ -219,7 +219,12 @@ fn codec_density(c: &CodecConfig) -> f64 {
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let inp = agree_inputs(comm, inputs(a), |i| {
         let mut m = common_must_match(a);
-        m.push(("--codec", strategy_params(&i.strategy)));
+        // The codec's name and its parameters (rgc and rgc-quant have the
+        // same parameters: the message named neither).
+        m.push((
+            "--codec",
+            format!("{}:{}", i.strategy.label(), strategy_params(&i.strategy)),
+        ));
         m.push(("--bytes", format!("{:?}", i.sizes)));
         m.push(("--layers", i.layers.to_string()));
         m.push(("--allgather", i.allgather.name().to_string()));
@@ -246,7 +251,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                     rec.codec,
                     rec.ranks,
                     rec.bytes,
-                    rec.density.map_or("-".to_string(), |d| d.to_string()),
+                    // Short in the column: 0.001, 1e-300 (Display wrote 300 digits).
+                    rec.density.map_or("-".to_string(), |d| {
+                        if d >= 1e-4 { d.to_string() } else { format!("{d:e}") }
+                    }),
                     rec.layers,
                     rec.median_s * 1e6,
                     rec.dense_mpi_median_s * 1e6,

@@ -541,7 +541,8 @@ impl Profile {
             Ok(())
         } else {
             Err(Error::InvalidArgument(format!(
-                "profile constants must be finite and ≥ 0: {}",
+                "bad profile constants (each must be finite and ≥ 0, curves in increasing \
+                 sizes): {}",
                 bad.join(", ")
             )))
         }
