@@ -48,6 +48,19 @@ impl Config {
         }
         let v: Value = serde_json::from_str(json)
             .map_err(|e| Error::InvalidArgument(format!("options are not JSON: {e}")))?;
+        // A key given twice: the parsed object keeps the last silently.
+        if let Ok(TopKeys(keys)) = serde_json::from_str::<TopKeys>(json) {
+            if let Some(k) = keys
+                .iter()
+                .enumerate()
+                .find(|(i, k)| keys[..*i].contains(k))
+                .map(|(_, k)| k)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "option {k:?} is given twice"
+                )));
+            }
+        }
         match v {
             Value::Null => Ok(Config::default()),
             Value::Object(m) => Config::from_options(&m),
@@ -219,6 +232,33 @@ fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule:
     serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))
 }
 
+/// The keys of a JSON object, in order, duplicates kept (values skipped).
+struct TopKeys(Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for TopKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = TopKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<TopKeys, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                    keys.push(k);
+                }
+                Ok(TopKeys(keys))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +307,10 @@ mod tests {
                 "not both",
             ),
             ("[1]", "object"),
+            (
+                r#"{"momentum": 0.9, "momentum": 0.1}"#,
+                "\"momentum\" is given twice",
+            ),
             ("{", "JSON"),
         ] {
             let e = Config::from_options_json(json).unwrap_err().to_string();
