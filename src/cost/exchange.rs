@@ -70,9 +70,12 @@ pub struct ExchangeChoice {
 /// [`plan_step`](super::plan_step) charges them). The pair layers are priced alone: the fused
 /// allgatherv's α is charged to them even where other codecs' units keep
 /// it running. The choice is the first candidate within [`NEAR_TIE`] of
-/// the cheapest, as [`plan_step`](super::plan_step) takes the first configuration within it.
-/// Near-ties (one rank) and a group
-/// without pairs (empty layers) go to the allgatherv.
+/// the cheapest, as [`plan_step`](super::plan_step) chooses its sparse
+/// group's collective (within 2 % of that group's cost). The two price the
+/// group alike but not identically (here the pair layers alone, with the
+/// measured fill), so near a tie they may still name different exchanges.
+/// Near-ties (one rank) and a group without pairs (empty layers) go to the
+/// allgatherv.
 pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
     if q.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
@@ -220,11 +223,9 @@ pub(super) fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
     predictions[first_near_tie(&costs)].0
 }
 
-/// The index of the first of `costs` within [`NEAR_TIE`] of the least: the
-/// one tie rule of every choice the model makes between whole collectives
-/// ([`cheapest`], and [`super::plan_step`] between configurations). 0 where
-/// none compares (empty, or NaN throughout).
-pub(super) fn first_near_tie(costs: &[f64]) -> usize {
+/// The index of the first of `costs` within [`NEAR_TIE`] of the least (0
+/// where none compares: empty, or NaN throughout).
+fn first_near_tie(costs: &[f64]) -> usize {
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let within = best + NEAR_TIE * best.abs();
     costs.iter().position(|&c| c <= within).unwrap_or(0)

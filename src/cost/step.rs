@@ -51,7 +51,7 @@
 //! (`sparse_exchange = "auto"`, `allreduce = "auto"`) is priced by the
 //! same group costs, in [`super::exchange`].
 
-use super::exchange::first_near_tie;
+use super::exchange::NEAR_TIE;
 use super::topology::{self, Net};
 use super::{
     allgather_beta, ceil_lg, codec_wire_bytes, dense_rabenseifner, dense_ring, gradiveq_ring,
@@ -604,11 +604,12 @@ fn fits(open: Open, o: &Option_) -> bool {
 }
 
 /// Choose every [`LayerKind::Auto`] layer's strategy so that the predicted
-/// step is the fastest (module docs), and predict that step. Of the
-/// configurations (one dense algorithm, one sparse collective) whose plans
-/// come within [`NEAR_TIE`](super::NEAR_TIE) of the fastest, the simplest is taken (dense
-/// algorithms in [`choose_dense_allreduce`](super::choose_dense_allreduce)'s order, the fused allgatherv
-/// before the sparse allreduces), as the engine's own choices are made.
+/// step is the fastest (module docs), and predict that step. The fastest
+/// plan splits the layers into groups; each group's collective is then
+/// chosen as the engine chooses it every step: the simplest (dense
+/// algorithms in [`choose_dense_allreduce`](super::choose_dense_allreduce)'s
+/// order, the fused allgatherv before the sparse allreduces) whose step
+/// comes within [`NEAR_TIE`](super::NEAR_TIE) of that group's cost.
 pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<StepPlan> {
     check(q)?;
     let cands = candidates(prof, q);
@@ -675,7 +676,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         }
     }
     // Every configuration's plan, in the order above (simplest first).
-    let mut plans: Vec<(f64, Vec<Option_>)> = Vec::new();
+    let mut plans: Vec<(Open, f64, Vec<Option_>)> = Vec::new();
     for open in configs {
         let opts: Vec<Vec<Option_>> = layers
             .iter()
@@ -720,17 +721,80 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         }
         let assign: Vec<Option_> = assign.into_iter().flatten().collect();
         let total = total_seconds(&net, open, &assign);
-        plans.push((total, assign));
+        plans.push((open, total, assign));
     }
-    // The first plan within NEAR_TIE of the cheapest, as the engine's
-    // per-step choices take their collectives, so that a plan names the
-    // exchange the engine would run.
-    if plans.is_empty() {
-        return Err(Error::InvalidArgument("no strategy to choose from".into()));
-    }
-    let totals: Vec<f64> = plans.iter().map(|p| p.0).collect();
-    let (_, assign) = plans.swap_remove(first_near_tie(&totals));
+    let pick = near_tie_pick(&net, &plans)
+        .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
+    let (_, _, assign) = plans.swap_remove(pick);
     finite(describe(prof, q, layers, &assign))
+}
+
+/// Which of `plans` (every configuration's, simplest first) the step takes:
+/// the fastest's split of layers into groups, and within it each group's
+/// collective as the engine picks it every step (`choose_dense_allreduce`,
+/// `choose_sparse_exchange`): the first configuration whose step comes
+/// within [`NEAR_TIE`](super::NEAR_TIE) of that group's cost of the
+/// fastest, the dense algorithm first, then the sparse collective beside
+/// it. A tie is 2 % of the group the choice is about, not of the step.
+fn near_tie_pick(net: &Net, plans: &[(Open, f64, Vec<Option_>)]) -> Option<usize> {
+    let fastest = |ok: &dyn Fn(&Open) -> bool| {
+        (0..plans.len())
+            .filter(|&i| ok(&plans[i].0))
+            .min_by(|&a, &b| plans[a].1.total_cmp(&plans[b].1))
+    };
+    let within = |ok: &dyn Fn(&Open) -> bool, base: usize, group: f64| {
+        let limit = plans[base].1 + NEAR_TIE * group.abs();
+        (0..plans.len())
+            .find(|&i| ok(&plans[i].0) && plans[i].1 <= limit)
+            .unwrap_or(base)
+    };
+    let mut pick = fastest(&|_| true)?;
+    let best = plans[pick].0;
+    if best.dense.is_some() {
+        let (dense, _) = group_costs(net, best, &plans[pick].2);
+        let same = |o: &Open| o.sparse == best.sparse && o.dense.is_some();
+        pick = within(&same, pick, dense);
+    }
+    let chosen = plans[pick].0;
+    if chosen.sparse.is_some() {
+        let same = |o: &Open| o.dense == chosen.dense && o.sparse.is_some();
+        let base = fastest(&same).unwrap_or(pick);
+        let (_, sparse) = group_costs(net, plans[base].0, &plans[base].2);
+        pick = within(&same, base, sparse);
+    }
+    Some(pick)
+}
+
+/// An assignment's dense and sparse groups' seconds: each collective and
+/// its layers' local work ([`total_seconds`] split by group).
+fn group_costs(net: &Net, open: Open, assign: &[Option_]) -> (f64, f64) {
+    let mut s = Sizes::default();
+    let nsparse = assign
+        .iter()
+        .filter(|o| o.group == GroupKind::Sparse)
+        .count();
+    let (mut dense, mut sparse) = (0.0, 0.0);
+    for o in assign {
+        s.add(o, 1.0);
+        match o.group {
+            GroupKind::Dense => dense += effective_local(net.prof, o, nsparse),
+            GroupKind::Sparse => sparse += effective_local(net.prof, o, nsparse),
+            GroupKind::Gradiveq => {}
+        }
+    }
+    let got = assigned_groups(assign);
+    let d = open
+        .dense
+        .or(got.dense)
+        .unwrap_or(StrategyId::DenseRabenseifner);
+    let sp = open
+        .sparse
+        .or(got.sparse)
+        .unwrap_or(StrategyId::SparseAllgather);
+    (
+        dense + dense_group(net, d, s.dense),
+        sparse + sparse_group(net, sp, s),
+    )
 }
 
 /// Predict the step of a table whose every layer's strategy is given
