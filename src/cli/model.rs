@@ -453,8 +453,8 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
     // as a whole, not only layer by layer.
     if usize::try_from(sum).map_or(true, |n| layer_bytes(n).is_err()) {
         return Err(bad(format!(
-            "the layers hold {sum} f32 elements in all, more than fit in memory \
-             (at most {} elements)",
+            "the layers hold {sum} f32 elements in all: their bytes overflow a 64-bit \
+             size (at most {} elements)",
             usize::MAX / 4
         )));
     }
