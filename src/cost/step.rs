@@ -860,29 +860,17 @@ fn assigned_groups(assign: &[Option_]) -> Open {
     }
 }
 
+/// The step's seconds: its two groups ([`group_costs`]) and the GradiVeQ
+/// layers.
 fn total_seconds(net: &Net, open: Open, assign: &[Option_]) -> f64 {
-    let mut s = Sizes::default();
-    let mut t = 0.0;
-    let nsparse = assign
+    let (dense, sparse) = group_costs(net, open, assign);
+    // GradiVeQ layers: their own rings, charged in their local costs.
+    let gradiveq: f64 = assign
         .iter()
-        .filter(|o| o.group == GroupKind::Sparse)
-        .count();
-    for o in assign {
-        s.add(o, 1.0);
-        t += effective_local(net.prof, o, nsparse);
-    }
-    let got = assigned_groups(assign);
-    let dense = open
-        .dense
-        .or(got.dense)
-        .unwrap_or(StrategyId::DenseRabenseifner);
-    let sparse = open
-        .sparse
-        .or(got.sparse)
-        .unwrap_or(StrategyId::SparseAllgather);
-    t += dense_group(net, dense, s.dense);
-    t += sparse_group(net, sparse, s);
-    t
+        .filter(|o| o.group == GroupKind::Gradiveq)
+        .map(|o| effective_local(net.prof, o, 0))
+        .sum();
+    dense + sparse + gradiveq
 }
 
 /// The plan, or an error where the profile's constants overflow its
