@@ -9,8 +9,7 @@
 macro_rules! outln {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($t)*)
-            .map_err(|e| crate::Error::file("standard output", format!("cannot write: {e}")))?
+        writeln!(std::io::stdout().lock(), $($t)*).map_err(crate::cli::stdout_error)?
     }};
 }
 
@@ -18,9 +17,13 @@ macro_rules! outln {
 macro_rules! out {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        write!(std::io::stdout().lock(), $($t)*)
-            .map_err(|e| crate::Error::file("standard output", format!("cannot write: {e}")))?
+        write!(std::io::stdout().lock(), $($t)*).map_err(crate::cli::stdout_error)?
     }};
+}
+
+/// The error of [`outln`] and [`out`].
+pub(crate) fn stdout_error(e: std::io::Error) -> Error {
+    Error::file("standard output", format!("cannot write: {e}"))
 }
 
 mod bench;

@@ -219,14 +219,14 @@ pub const NEAR_TIE: f64 = 0.02;
 /// 2 × 2 and density 0.001 is priced 8.02 ms as the allgatherv and 7.96
 /// as the node-aware allreduce; the node-aware step measured 8–15 % slower.)
 pub(super) fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
-    let costs: Vec<f64> = predictions.iter().map(|c| c.1).collect();
-    predictions[first_near_tie(&costs)].0
-}
-
-/// The index of the first of `costs` within [`NEAR_TIE`] of the least (0
-/// where none compares: empty, or NaN throughout).
-fn first_near_tie(costs: &[f64]) -> usize {
-    let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let best = predictions
+        .iter()
+        .map(|c| c.1)
+        .fold(f64::INFINITY, f64::min);
     let within = best + NEAR_TIE * best.abs();
-    costs.iter().position(|&c| c <= within).unwrap_or(0)
+    predictions
+        .iter()
+        .find(|c| c.1 <= within)
+        .unwrap_or(&predictions[0])
+        .0
 }

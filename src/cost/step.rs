@@ -632,7 +632,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         _ => None,
     });
     let forced_sparse = fixed.iter().flatten().find_map(|o| o.id.sparse_group());
-    let dense_algos: Vec<StrategyId> = match forced_dense {
+    let mut dense_algos: Vec<StrategyId> = match forced_dense {
         Some(a) => vec![a],
         None => cands.iter().copied().filter(|c| c.is_dense()).collect(),
     };
@@ -643,7 +643,6 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
     // The simplest first, whatever order the caller listed them in: a
     // near-tie goes to the first (below).
     let rank = |id: &StrategyId| StrategyId::ALL.iter().position(|a| a == id);
-    let mut dense_algos = dense_algos;
     dense_algos.sort_by_key(rank);
     dense_algos.dedup();
     sparse_algos.sort_by_key(rank);
