@@ -371,9 +371,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // in the agreement, and a device (/dev/zero) never ends.
             let meta = std::fs::metadata(path).map_err(|e| named(e.to_string()))?;
             if !meta.is_file() {
+                use std::os::unix::fs::FileTypeExt;
+                let t = meta.file_type();
+                let kind = if t.is_dir() {
+                    "a directory"
+                } else if t.is_fifo() {
+                    "a FIFO"
+                } else if t.is_char_device() || t.is_block_device() {
+                    "a device"
+                } else {
+                    "a socket or other special file"
+                };
                 return Err(named(format!(
-                    "not a regular file ({:?}): not a gradsync snapshot",
-                    meta.file_type()
+                    "not a regular file ({kind}): not a gradsync snapshot"
                 )));
             }
             let bytes = std::fs::read(path).map_err(|e| named(e.to_string()))?;
