@@ -255,7 +255,7 @@ pub(crate) fn option_differences<C: Transport>(comm: &C, mine: &[u8]) -> Result<
                 };
                 let (v0, v) = (show(first.get(k)), show(theirs.get(k)));
                 if v0.len() + v.len() > LONG {
-                    format!("{k} differs")
+                    format!("a different {k}")
                 } else {
                     format!("{k} = {v} (rank 0: {v0})")
                 }

@@ -274,6 +274,12 @@ impl Config {
                 cfg.momentum
             )));
         }
+        if !(cfg.weight_decay >= 0.0 && cfg.weight_decay.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "weight_decay {} must be finite and not negative",
+                cfg.weight_decay
+            )));
+        }
         if !(cfg.auto_density > 0.0 && cfg.auto_density <= 1.0) {
             return Err(Error::InvalidArgument(format!(
                 "auto_density {} must lie in (0, 1]",
@@ -292,9 +298,14 @@ impl Config {
             steps_per_stage,
         } = &cfg.warmup
         {
-            if *steps_per_stage == 0 || schedule.iter().any(|d| !(*d > 0.0 && *d <= 1.0)) {
+            if *steps_per_stage == 0
+                || schedule.is_empty()
+                || schedule.iter().any(|d| !(*d > 0.0 && *d <= 1.0))
+            {
                 return Err(Error::InvalidArgument(
-                    "density warm-up needs steps_per_stage ≥ 1 and densities in (0, 1]".into(),
+                    "density warm-up needs steps_per_stage ≥ 1 and a schedule of one or more \
+                     densities in (0, 1]"
+                        .into(),
                 ));
             }
         }

@@ -293,9 +293,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         };
         match s.agree(valid.map(|()| table_hash), String::new) {
             // Every rank is here: name what differs (one more collective).
+            // Before any layer is registered the table is the options.
             Err(Error::TableMismatch(_)) => {
                 let comm = s.comm.as_ref().expect("transport held at creation");
-                return Err(Error::TableMismatch(crate::failure::option_differences(
+                return Err(Error::ArgumentMismatch(crate::failure::option_differences(
                     comm, &json,
                 )?));
             }

@@ -143,6 +143,10 @@ impl Config {
                     }
                     other => ("allgather", other.clone()),
                 },
+                "momentum" | "weight_decay" | "clip_norm" => {
+                    single_precision(k, v)?;
+                    (k.as_str(), v.clone())
+                }
                 key if known.iter().any(|n| n == key) => (key, v.clone()),
                 _ => {
                     return Err(bad(format!(
@@ -161,6 +165,27 @@ impl Config {
         serde_json::from_value(Value::Object(cfg))
             .map_err(|e| Error::InvalidArgument(format!("options: {e}")))
     }
+}
+
+/// The f32 options (`momentum`, `weight_decay`, `clip_norm`) checked as
+/// the caller wrote them: a value that single precision turns into
+/// something else in kind (0, infinity, or a momentum of exactly 1) is an
+/// error naming what was given, not a message about the rounded value.
+fn single_precision(key: &str, v: &Value) -> Result<()> {
+    let Some(x) = v.as_f64() else {
+        return Ok(()); // not a number: the type check names it
+    };
+    let r = x as f32;
+    let why = if r.is_infinite() {
+        "is past single precision's range (these options are f32)"
+    } else if r == 0.0 && x != 0.0 {
+        "is below single precision's smallest value (these options are f32)"
+    } else if key == "momentum" && x < 1.0 && r >= 1.0 {
+        "rounds to 1 in single precision; momentum must lie in [0, 1)"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidArgument(format!("option {key:?}: {v} {why}")))
 }
 
 impl Strategy {
@@ -312,6 +337,9 @@ mod tests {
                 "\"momentum\" is given twice",
             ),
             ("{", "JSON"),
+            (r#"{"momentum": 0.99999999}"#, "0.99999999 rounds to 1"),
+            (r#"{"clip_norm": 1e-50}"#, "is below single precision"),
+            (r#"{"weight_decay": 1e39}"#, "past single precision's range"),
         ] {
             let e = Config::from_options_json(json).unwrap_err().to_string();
             assert!(e.contains(needle), "{json}: {e}");

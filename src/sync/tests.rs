@@ -740,6 +740,18 @@ fn bad_calls_are_errors() {
             assert!(e.to_string().contains("auto_density"), "{e}");
         });
     }
+    for weight_decay in [-0.1, f32::NAN, f32::INFINITY] {
+        let bad = Config {
+            weight_decay,
+            ..cfg()
+        };
+        LocalComm::run(1, |c| {
+            let e = GradSync::with_transport(c, bad.clone())
+                .err()
+                .expect("refused");
+            assert!(e.to_string().contains("weight_decay"), "{e}");
+        });
+    }
     let ok = Config {
         delay: config::MAX_DELAY,
         ..cfg()
@@ -2186,7 +2198,7 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
     });
     assert!(
         res.iter().all(|r| r.as_ref().is_err_and(
-            |e| e.contains("rank 1 has sparse_exchange = \"allreduce\" (rank 0: default)")
+            |e| e.contains("arguments differ across ranks: engine options (every rank must pass the same): rank 1 has sparse_exchange = \"allreduce\" (rank 0: default)")
         )),
         "{res:?}"
     );
@@ -2206,7 +2218,7 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
     });
     let e = res[0].clone().expect_err("options differ");
     assert!(
-        e.contains("rank 2 has compress_threshold = 7 (rank 0: 9), profile differs"),
+        e.contains("rank 2 has compress_threshold = 7 (rank 0: 9), a different profile"),
         "{e}"
     );
     assert!(res.iter().all(|r| r.as_ref().err() == Some(&e)), "{res:?}");
