@@ -299,6 +299,13 @@ fn out_of_range_flags_are_errors_naming_the_flag() {
             &["bench", "--op", "gradiveq", "--d", "1000", "--bytes", "64K"],
             &["--d 1000", "1..=768"],
         ),
+        // The file's rows are the layer: a --bytes beside it was ignored.
+        (
+            &[
+                "bench", "--op", "gradiveq", "--data", "g.npy", "--bytes", "64K",
+            ],
+            &["--bytes 64K is not used with --data g.npy"],
+        ),
         (
             &["bench", "--sizes", "3"],
             &["--sizes", "3 bytes", "multiple of 4"],
@@ -503,6 +510,27 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
     assert_fails_with(&job, "model-check overflow", &["a predicted time is inf s"]);
     assert_agreed(&job, "model-check overflow");
     assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
+    // The sparse-allreduce bench likewise (it printed predicted_s null).
+    let job = mpirun(
+        2,
+        &[
+            "bench",
+            "--op",
+            "sparse-allreduce",
+            "--bytes",
+            "64K",
+            "--iters",
+            "2",
+            "--profile",
+            huge.to_str().unwrap(),
+        ],
+    );
+    assert_fails_with(
+        &job,
+        "sparse-allreduce overflow",
+        &["--profile: its constants price", "not a finite time"],
+    );
+    assert_agreed(&job, "sparse-allreduce overflow");
     // model-check likewise needs a network (it printed a 395× error).
     let job = mpirun(
         1,

@@ -55,9 +55,11 @@ pub struct BenchArgs {
     /// the engine's fused Rabenseifner path.
     #[arg(long, default_value = "rgc")]
     pub codec: String,
-    /// `--op sparse`: bytes of each layer (a list runs one record per size).
-    #[arg(long, default_value = "16M")]
-    pub bytes: String,
+    /// `--op sparse`, `sparse-allreduce`, `gradiveq` (with `--data
+    /// lowrank`): bytes of each layer (a list runs one record per size)
+    /// [default: 16M].
+    #[arg(long)]
+    pub bytes: Option<String>,
     /// `--op sparse`: fraction of elements sent, in (0, 1], for codecs with
     /// a density (`rgc`, `rgc-quant`: `density`; `sbc`: `p`) whose `--codec`
     /// string does not set it [default: 0.001]. A density in the codec
@@ -128,6 +130,13 @@ pub struct BenchArgs {
     /// (`MpiComm::node_ids`), as algo `hierarchical-sparse-allreduce`.
     #[arg(long)]
     pub hierarchical: bool,
+}
+
+impl BenchArgs {
+    /// `--bytes` as given, or its default (16M).
+    pub fn bytes_or_default(&self) -> &str {
+        self.bytes.as_deref().unwrap_or("16M")
+    }
 }
 
 /// One result line of `gradsync bench --json`.

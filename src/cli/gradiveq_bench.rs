@@ -144,11 +144,11 @@ fn inputs(a: &BenchArgs, rank: usize, p: usize) -> Result<(Dim, Data)> {
     };
     // Samples of the first slice (this rank's) and this rank's gradient.
     let data = if a.data == "lowrank" {
-        let bytes = parse_size(&a.bytes).map_err(|e| flag_error("--bytes", e))?;
+        let bytes = parse_size(a.bytes_or_default()).map_err(|e| flag_error("--bytes", e))?;
         if bytes % 4 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "--bytes {}: {bytes} bytes is not a whole number of f32 elements (a multiple of 4)",
-                a.bytes
+                a.bytes_or_default()
             )));
         }
         let n = bytes / 4;
@@ -166,6 +166,12 @@ fn inputs(a: &BenchArgs, rank: usize, p: usize) -> Result<(Dim, Data)> {
         let g = lowrank(&basis, k, d0, n, 1_000_000 + rank as u64);
         (s, g, "lowrank".to_string())
     } else {
+        if let Some(b) = &a.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "--bytes {b} is not used with --data {} (the file's rows are the layer)",
+                a.data
+            )));
+        }
         let path = std::path::Path::new(&a.data);
         let (shape, v) = read_npy(path).map_err(|e| match e {
             // The reader's I/O errors do not name the file.

@@ -18,7 +18,7 @@ use crate::comm::{MpiComm, Transport};
 use crate::cost::calibrate::median;
 use crate::cost::{self, Profile, StrategyId};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
-use crate::failure::agree_inputs;
+use crate::failure::{agree, agree_inputs};
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
 use crate::sparse::hierarchical::hierarchical_sparse_allreduce;
 use crate::{Error, Result};
@@ -39,7 +39,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         None => None,
     };
     Ok((
-        parse_sizes("--bytes", &a.bytes, 4)?,
+        parse_sizes("--bytes", a.bytes_or_default(), 4)?,
         a.density.unwrap_or(0.001),
         profile,
     ))
@@ -59,7 +59,18 @@ fn predicted(
         "fused-allgatherv" => StrategyId::SparseAllgather,
         _ => StrategyId::SparseHierarchical,
     };
-    cost::sparse_collective(prof, id, n, k, p, l, None)
+    let t = cost::sparse_collective(prof, id, n, k, p, l, None)?;
+    if !t.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "--profile: its constants price {algo} of {n} elements at {t} s (not a finite time)"
+        )));
+    }
+    Ok(t)
+}
+
+/// Pairs each rank sends for a layer of `n` elements at `density`.
+fn pairs_of(density: f64, n: usize) -> usize {
+    ((density * n as f64).round() as usize).clamp(usize::from(n > 0), n)
 }
 
 /// Fused-allgatherv path: gather `[k u32 | idx | val]` units, scatter-add.
@@ -107,11 +118,29 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     };
     let per_node = crate::comm::ranks_per_node(&nodes);
     let algos = &ALGOS[..if a.hierarchical { 3 } else { 2 }];
+    // Priced before anything is measured: a profile that cannot price
+    // this run fails it at once, on every rank alike.
+    let preds = sizes
+        .iter()
+        .map(|&bytes| {
+            let n = bytes / 4;
+            algos
+                .iter()
+                .map(|name| {
+                    profile
+                        .as_ref()
+                        .map(|prof| predicted(prof, name, n, pairs_of(density, n), p, per_node))
+                        .transpose()
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>();
+    let preds = agree(comm, preds)?;
     let mut failed = false;
     let mut first = true;
-    for &bytes in &sizes {
+    for (si, &bytes) in sizes.iter().enumerate() {
         let n = bytes / 4;
-        let k = ((density * n as f64).round() as usize).clamp(usize::from(n > 0), n);
+        let k = pairs_of(density, n);
         let mut rng = rand::rngs::SmallRng::seed_from_u64(rank as u64 + 1);
         let mut idx: Vec<u32> = rand::seq::index::sample(&mut rng, n, k)
             .into_iter()
@@ -198,10 +227,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 },
                 check: checks[j].into(),
                 chunk_elems: 0,
-                predicted_s: match &profile {
-                    Some(prof) => Some(predicted(prof, name, n, k, p, per_node)?),
-                    None => None,
-                },
+                predicted_s: preds[si][j],
             };
             emit(comm, a, &rec, first)?;
             first = false;

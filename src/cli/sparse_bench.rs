@@ -122,7 +122,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             "--layers 0: must be at least 1".into(),
         ));
     }
-    let sizes = parse_sizes("--bytes", &a.bytes, 4)?;
+    let sizes = parse_sizes("--bytes", a.bytes_or_default(), 4)?;
     if sizes.contains(&0) {
         return Err(Error::InvalidArgument(
             "--bytes: a layer needs at least one element (4 bytes)".into(),
