@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections.abc as _abc
 import json as _json
 
+import math as _math
 import numpy as _np
 import os as _os
 from typing import Any, Dict, Iterable, Optional, Sequence, Union
@@ -126,7 +127,16 @@ class GradSync:
     ) -> None:
         try:
             opts: Dict[str, Any] = dict(options)
+            if "non_finite" in opts:
+                # The engine's own spelling of ``nonfinite``: one of the two.
+                if nonfinite != "error":
+                    raise ValueError("give nonfinite or non_finite, not both")
+                nonfinite = opts.pop("non_finite")
             opts.update(momentum=momentum, nesterov=nesterov, nonfinite=nonfinite)
+            for k, v in opts.items():
+                # JSON has no NaN or infinity: name the option, not the encoder.
+                if isinstance(v, float) and not _math.isfinite(v):
+                    raise ValueError(f"option {k!r}: {v} is not a finite number")
             if "warmup" not in opts or warmup_steps:
                 opts["warmup_steps"] = warmup_steps
             if profile is not None:
@@ -177,7 +187,7 @@ class GradSync:
         ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,
         pass ``weights`` (one array per layer, read only) too.
         """
-        g, w = self._inputs(grads, weights)
+        g, w = self._inputs(grads, weights, writable=True)
         return self._engine.sync(g, w)
 
     def start(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> None:
@@ -189,16 +199,16 @@ class GradSync:
         then over: do not call :meth:`wait`), its peers raise
         ``gradsync.Error`` from their :meth:`wait`.
         """
-        g, w = self._inputs(grads, weights)
+        g, w = self._inputs(grads, weights, writable=False)
         self._engine.start(g, w)
 
-    def _inputs(self, grads: Any, weights: Any) -> Any:
+    def _inputs(self, grads: Any, weights: Any, writable: bool) -> Any:
         """The step's arrays; if reading them raises (a generator, a
         container or a tensor of the caller's), the step still fails on every
         rank, through :meth:`fail_step`, before this rank raises that error:
         its peers are about to enter the step's collectives."""
         try:
-            return _arrays(grads), _arrays(weights)
+            return _arrays(grads, writable), _arrays(weights, writable=False)
         except Exception as e:  # noqa: BLE001 - re-raised below
             try:
                 self._engine.fail_step(f"reading the arrays raised {type(e).__name__}: {e}")
@@ -288,16 +298,22 @@ class GradSync:
         self.close()
 
 
-def _arrays(xs: Any) -> Any:
+def _arrays(xs: Any, writable: bool = True) -> Any:
     """numpy arrays as they are; other CPU tensors (PyTorch, JAX, ...) as
     zero-copy numpy views through DLPack. Anything that does not convert is
-    passed on unchanged, so the engine reports it (on every rank)."""
-    if isinstance(xs, _abc.Iterator):
-        # A generator is read once: into a list, so no array is lost.
+    passed on unchanged, so the engine reports it (on every rank); so is,
+    where ``writable``, a tensor whose numpy view came back read-only
+    (numpy marks imports of legacy, unversioned DLPack capsules so): the
+    engine's own DLPack importer writes those in place."""
+    if isinstance(xs, _abc.Iterator) or (
+        isinstance(xs, _abc.Sequence) and not isinstance(xs, (list, tuple, str, bytes))
+    ):
+        # A generator is read once: into a list, so no array is lost; other
+        # sequences (UserList, deque) into a list, so their tensors convert.
         xs = list(xs)
     if not isinstance(xs, (list, tuple)):
         return xs
-    out = [x if type(x) is _np.ndarray else _dlpack_view(x) for x in xs]
+    out = [x if type(x) is _np.ndarray else _dlpack_view(x, writable) for x in xs]
     if any(type(x) is not _np.ndarray for x in xs):
         _no_shared_memory(out)
     return out
@@ -321,12 +337,13 @@ def _no_shared_memory(arrays: Sequence[Any]) -> None:
             raise ValueError(f"gradients {i} and {j} share memory: gradsync writes each layer's result in place")
 
 
-def _dlpack_view(x: Any) -> Any:
+def _dlpack_view(x: Any, writable: bool = True) -> Any:
     if hasattr(x, "__dlpack__"):
         try:
-            return _np.from_dlpack(x)
+            v = _np.from_dlpack(x)
         except Exception:  # noqa: BLE001 - the engine reports it
             return x
+        return x if writable and not v.flags.writeable else v
     return x
 
 

@@ -465,17 +465,23 @@ def broadcast_parameters(
             local_error = local_error or e
             prepared.append(None)
     root_table = comm.bcast(table, root=root)
-    ok = local_error is None and table == root_table
-    if not comm.allreduce(ok, op=MPI.LAND):
-        if local_error is not None:
-            raise local_error
-        if table != root_table:
-            diff = next(
-                (f"{a} here, {b} on rank {root}" for a, b in zip(table, root_table) if a != b),
-                f"{len(table)} tensors here, {len(root_table)} on rank {root}",
-            )
-            raise ValueError(f"broadcast_parameters: the tensors differ from rank {root}'s: {diff}")
-        raise ValueError("broadcast_parameters: another rank's tensors do not match (see its error)")
+    mine: Optional[BaseException] = local_error
+    if mine is None and table != root_table:
+        diff = next(
+            (f"{a} here, {b} on rank {root}" for a, b in zip(table, root_table) if a != b),
+            f"{len(table)} tensors here, {len(root_table)} on rank {root}",
+        )
+        mine = ValueError(f"broadcast_parameters: the tensors differ from rank {root}'s: {diff}")
+    # Every rank learns which ranks failed and why (one small allgather),
+    # so that a peer's error names the rank and its reason.
+    errors = comm.allgather(None if mine is None else f"{type(mine).__name__}: {mine}")
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        if mine is not None:
+            raise mine
+        first = failed[0]
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        raise ValueError(f"broadcast_parameters: rank {first} failed{others}: {errors[first]}")
     for entry in prepared:
         if entry is None:
             continue

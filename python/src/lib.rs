@@ -220,7 +220,9 @@ fn writable<'py>(
         .map(|(i, a)| {
             a.try_readwrite().map_err(|e| {
                 Bad::Value(format!(
-                    "gradient {i} cannot be written in place ({e}): read-only, or the same array passed twice"
+                    "gradient {i} cannot be written in place ({e}): read-only (numpy marks \
+                     arrays imported from legacy, unversioned DLPack capsules so), or the same \
+                     array passed twice"
                 ))
             })
         })
@@ -230,13 +232,18 @@ fn writable<'py>(
 /// Read access to every array (refused while another borrow writes it).
 fn readable<'py>(
     arrays: &[Bound<'py, PyArrayDyn<f32>>],
+    what: &str,
 ) -> Result<Vec<PyReadonlyArrayDyn<'py, f32>>, Bad> {
     arrays
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            a.try_readonly()
-                .map_err(|e| Bad::Value(format!("array {i} is being written elsewhere ({e})")))
+            a.try_readonly().map_err(|e| {
+                Bad::Value(format!(
+                    "{what} {i} shares memory with an array that is being written \
+                     (a gradient this call writes in place?) ({e})"
+                ))
+            })
         })
         .collect()
 }
@@ -278,6 +285,14 @@ impl PyGradSync {
         Ok(g)
     }
 
+    /// The engine, locked, for a call that communicates: MPI must still be
+    /// up (after `MPI.Finalize()` an MPI call aborts the process).
+    fn collective(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        let g = self.engine(py)?;
+        gradsync::comm::mpi_ready().map_err(engine_err)?;
+        Ok(g)
+    }
+
     /// The engine, locked, for a call that begins a step (`sync`, `start`,
     /// `fail_step`). A step this rank left pending (its `wait` raised on a
     /// bad output argument and was not called again) is finished first
@@ -285,7 +300,7 @@ impl PyGradSync {
     /// the peers finished that step and wait in this one, so refusing here
     /// ("start called twice") would leave them waiting for ever.
     fn begin(&self, py: Python<'_>) -> PyResult<Held<'_>> {
-        let mut g = self.engine(py)?;
+        let mut g = self.collective(py)?;
         let eng = g.as_mut().expect("checked open");
         if eng.pending() {
             let done = py.detach(|| eng.discard_pending());
@@ -335,12 +350,14 @@ impl PyGradSync {
                 layers.len()
             )));
         }
-        items
+        let arrays: Vec<Bound<'py, PyArrayDyn<f32>>> = items
             .iter()
             .zip(layers.iter())
             .enumerate()
             .map(|(i, (a, (name, shape)))| check_array(a, what, i, name, shape))
-            .collect()
+            .collect::<Result<_, _>>()?;
+        no_overlap(&arrays, what)?;
+        Ok(arrays)
     }
 
     /// Fail this step on every rank because of `bad` (found on this rank).
@@ -354,6 +371,41 @@ impl PyGradSync {
         let e = py.detach(|| eng.fail_step(gradsync::Error::InvalidArgument(text)));
         bad.raise(Some(&e))
     }
+}
+
+/// Refuse arrays whose memory overlaps: each layer's result is written in
+/// place, so one layer's would overwrite another's. numpy's borrow flags
+/// see overlaps only between views of one base; arrays that reach the same
+/// memory through different owners (DLPack imports, `np.frombuffer` of a
+/// memoryview, `__array_interface__` wrappers) are caught here, by address.
+fn no_overlap(arrays: &[Bound<'_, PyArrayDyn<f32>>], what: &str) -> Result<(), Bad> {
+    let mut spans: Vec<(usize, usize, usize)> = arrays
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.len() > 0)
+        .map(|(i, a)| {
+            let start = a.data() as usize;
+            (start, start + a.len() * std::mem::size_of::<f32>(), i)
+        })
+        .collect();
+    spans.sort_unstable();
+    // Sorted by start: an overlap, if any, shows between a span and the
+    // furthest-reaching span before it.
+    let mut reach: Option<(usize, usize)> = None;
+    for &(start, end, i) in &spans {
+        if let Some((e0, j)) = reach {
+            if start < e0 {
+                let (a, b) = (i.min(j), i.max(j));
+                return Err(Bad::Value(format!(
+                    "{what}s {a} and {b} share memory: gradsync writes each layer's result in place"
+                )));
+            }
+        }
+        if reach.is_none_or(|(e0, _)| end > e0) {
+            reach = Some((end, i));
+        }
+    }
+    Ok(())
 }
 
 fn stats_dict(py: Python<'_>, stats: &gradsync::sync::StepStats) -> PyResult<Py<PyAny>> {
@@ -466,7 +518,7 @@ impl PyGradSync {
         let spec = spec_r.clone().unwrap_or_default();
         let local_bad = type_err.is_some()
             || (spec.trim() != "auto" && gradsync::sync::Strategy::parse(&spec).is_err());
-        let mut g = self.engine(py)?;
+        let mut g = self.collective(py)?;
         let eng = g.as_mut().expect("checked open");
         let id = py
             .detach(|| match &type_err {
@@ -534,7 +586,7 @@ impl PyGradSync {
             Ok(g) => g,
             Err(bad) => return Err(self.fail(py, bad)),
         };
-        let wguards = match readable(&warrays) {
+        let wguards = match readable(&warrays, "weight") {
             Ok(g) => g,
             Err(bad) => {
                 drop(guards);
@@ -577,7 +629,8 @@ impl PyGradSync {
             Ok(a) => a.unwrap_or_default(),
             Err(bad) => return Err(self.fail(py, bad)),
         };
-        let (guards, wguards) = match (readable(&arrays), readable(&warrays)) {
+        let (guards, wguards) = match (readable(&arrays, "gradient"), readable(&warrays, "weight"))
+        {
             (Ok(g), Ok(w)) => (g, w),
             (Err(bad), _) | (_, Err(bad)) => return Err(self.fail(py, bad)),
         };
@@ -612,7 +665,7 @@ impl PyGradSync {
             .iter_mut()
             .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
             .collect();
-        let mut g = self.engine(py)?;
+        let mut g = self.collective(py)?;
         let eng = g.as_mut().expect("checked open");
         let stats = py.detach(|| eng.wait(&mut slices)).map_err(engine_err)?;
         stats_dict(py, stats)
@@ -635,7 +688,10 @@ impl PyGradSync {
         let target = p
             .clone()
             .unwrap_or_else(|why| PathBuf::from(format!("\0<{why}>")));
-        let mut g = self.engine(py)?;
+        // A step this rank kept after its wait() failed is finished first
+        // (as sync and start do): refusing the load on this rank alone
+        // left its peers waiting in the restore's agreement.
+        let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let r = py.detach(move || eng.load_snapshot(&target));
         match (r, p) {
@@ -712,19 +768,22 @@ fn allreduce(
     // Everything rank-local first, converted here (not by PyO3 before the
     // call): a failure still enters the agreement, so no rank is left alone.
     let local = (|| -> Result<(Arr<'_>, AllreduceAlgo, ReduceOp), Bad> {
-        let algo: AllreduceAlgo =
-            match algo {
-                None => AllreduceAlgo::Rabenseifner,
-                Some(a) => to_str(a, "algo").map_err(Bad::Type)?.parse().map_err(
-                    |e: gradsync::Error| {
-                        // The text alone: the agreement adds "invalid argument".
-                        Bad::Value(match e {
-                            gradsync::Error::InvalidArgument(m) => m,
-                            e => e.to_string(),
-                        })
-                    },
-                )?,
-            };
+        let algo = match algo {
+            None => AllreduceAlgo::Rabenseifner,
+            Some(a) => {
+                let name = to_str(a, "algo").map_err(Bad::Type)?;
+                // `auto` is the engine's per-step choice, not a call's.
+                match name.parse() {
+                    Ok(AllreduceAlgo::Auto) | Err(_) => {
+                        return Err(Bad::Value(format!(
+                            "unknown allreduce algorithm {name:?} (rabenseifner, ring, mpi, \
+                             hierarchical; \"auto\" is an engine option, not an algorithm)"
+                        )))
+                    }
+                    Ok(a) => a,
+                }
+            }
+        };
         let op = match op
             .map(|o| to_str(o, "op"))
             .transpose()
@@ -762,7 +821,13 @@ fn allreduce(
                 array
                     .getattr("dtype")
                     .map(|d| format!("dtype {d}"))
-                    .unwrap_or_else(|_| "no array".into())
+                    .unwrap_or_else(|_| format!(
+                        "a {}",
+                        array
+                            .get_type()
+                            .name()
+                            .map_or_else(|_| "?".to_string(), |n| n.to_string())
+                    ))
             )));
         };
         Ok((arr, algo, op))

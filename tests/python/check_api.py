@@ -583,6 +583,72 @@ done.set()
 th.join(timeout=30)
 ok(not th.is_alive() and len(steps_seen) > 0, "a reader thread ran beside sync")
 
+# 3b. Found by hostile testing (2026-11-25).
+# load_snapshot on a rank that kept a step (its wait() raised and was not
+# retried) finishes that step first, as sync does: it refused alone while
+# its peers waited in the restore's agreement.
+ls = gradsync.GradSync(comm, momentum=0.9)
+ls.register("a", (10,), strategy="dense")
+lg = [np.ones(10, np.float32)]
+ls.sync(lg)
+snapdir = comm.bcast(tempfile.mkdtemp(prefix="gs_pending_") if rank == 0 else None)
+snap = os.path.join(snapdir, f"r{rank}.snap")
+ls.save_snapshot(snap)
+ls.start(lg)
+if rank == last:
+    expect_error(lambda: ls.wait([]), None, "wait with no arrays, not retried")
+else:
+    ls.wait(lg)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ls.load_snapshot(snap)
+ok(ls.step == 1, f"restored to step 1 on every rank (step {ls.step})")
+ls.sync(lg)
+ls.close()
+os.remove(snap)
+comm.Barrier()
+if rank == 0:
+    os.rmdir(snapdir)
+# Arrays that reach the same memory through different owners (numpy's
+# borrow flags see only views of one base): refused on every rank, not one
+# layer's result written over another's.
+al = gradsync.GradSync(comm, momentum=0.0)
+al.register("a", (8,), strategy="dense")
+al.register("b", (8,), strategy="rgc:density=0.25")
+buf = np.arange(12, dtype=np.float32)
+for how, alias in [
+    ("DLPack", lambda: np.from_dlpack(buf[4:12])),
+    ("frombuffer", lambda: np.frombuffer(memoryview(buf[4:12]), dtype=np.float32)),
+]:
+    pair = [buf[0:8], alias()] if rank == last else [np.zeros(8, np.float32), np.zeros(8, np.float32)]
+    e = expect_error(lambda: al.sync(pair), None, f"overlapping arrays ({how})")
+    ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "share memory" in str(e), f"{how} alias: {e}")
+# Sequences other than lists (UserList, deque) carry tensors to start().
+import collections
+
+al.start(collections.deque([np.ones(8, np.float32), np.ones(8, np.float32)]))
+al.wait(collections.UserList([np.ones(8, np.float32), np.ones(8, np.float32)]))
+al.close()
+# Options: NaN named by its option; the engine's spelling non_finite works;
+# a negative weight decay and an empty density warm-up are refused.
+for kw, needle in [
+    (dict(momentum=float("nan")), "option 'momentum': nan is not a finite number"),
+    (dict(weight_decay=-1.0), "weight_decay -1 must be finite and not negative"),
+    (dict(warmup={"warmup": "density", "schedule": [], "steps_per_stage": 1}), "a schedule of one or more"),
+    (dict(momentum=0.99999999), "rounds to 1 in single precision"),
+]:
+    e = expect_error(lambda: gradsync.GradSync(comm, **kw), None, f"option {kw}")
+    ok(needle in str(e), f"{kw}: {e}")
+nf = gradsync.GradSync(comm, non_finite="propagate")
+nf.close()
+e = expect_error(lambda: gradsync.GradSync(comm, nonfinite="propagate", non_finite="error"), None, "both spellings")
+ok("not both" in str(e), f"both spellings: {e}")
+# allreduce: "auto" is no algorithm of a call; a list is named as a list.
+e = expect_error(lambda: gradsync.allreduce(comm, np.ones(4, np.float32), algo="auto"), None, "algo auto")
+ok(isinstance(e, ValueError) and "engine option" in str(e), f"algo auto: {e}")
+e = expect_error(lambda: gradsync.allreduce(comm, [1.0, 2.0]), None, "a list to allreduce")
+ok(isinstance(e, TypeError) and "got a list" in str(e), f"a list: {e}")
+
 # 4. The GIL is released while gradsync communicates.
 big = gradsync.GradSync(comm, momentum=0.0, overlap=False)
 big.register("big", (1 << 22,), strategy="rgc:density=0.01")
