@@ -157,12 +157,59 @@ impl Error {
     }
 }
 
+/// What `path` is when it exists and is not a regular file (after
+/// symlinks): "a directory", "a FIFO", "a device", "a socket or other
+/// special file"; `None` for a regular file or nothing there (opening it
+/// then names the error). Every file gradsync reads or writes is regular:
+/// opening a FIFO blocks this rank while its peers wait in a collective, a
+/// device never ends (`/dev/zero`), and renaming over one replaces it.
+pub(crate) fn special_file(path: &std::path::Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = std::fs::metadata(path).ok()?.file_type();
+    Some(if t.is_file() {
+        return None;
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else {
+        "a socket or other special file"
+    })
+}
+
+/// Write `bytes` to `path` through `path.tmp` and a rename, so that a full
+/// disk or a crash leaves the old file whole (and no `.tmp` behind on an
+/// error). A target that exists and is not a regular file is refused:
+/// the rename would replace it (a device node, when run as root). Errors
+/// are the I/O error's text (the caller names the file).
+pub(crate) fn write_replacing(path: &std::path::Path, bytes: &[u8]) -> Result<(), String> {
+    if let Some(kind) = special_file(path) {
+        return Err(format!("not a regular file ({kind})"));
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    r.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        e.to_string()
+    })
+}
+
 /// The bytes of a small input file (a profile, a layers file), read to at
 /// most `limit` bytes: a path to a device or a huge file by mistake
 /// (`/dev/zero`) is an error naming it instead of a read that fills the
 /// memory. `what` names the kind of file in the error.
 pub(crate) fn read_small_file(path: &std::path::Path, limit: u64, what: &str) -> Result<Vec<u8>> {
     use std::io::Read;
+    if let Some(kind) = special_file(path) {
+        return Err(Error::file(
+            path,
+            format!("cannot read {what}: not a regular file ({kind})"),
+        ));
+    }
     let mut bytes = Vec::new();
     std::fs::File::open(path)
         .and_then(|f| f.take(limit + 1).read_to_end(&mut bytes))
@@ -178,3 +225,49 @@ pub(crate) fn read_small_file(path: &std::path::Path, limit: u64, what: &str) ->
 
 /// `Result<T, gradsync::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Special files are named and refused, on reading and on writing; a
+    /// write replaces a regular file whole and leaves no `.tmp` behind,
+    /// also when it fails.
+    #[test]
+    fn special_files_are_refused_and_writes_replace_whole() {
+        let dir = std::env::temp_dir().join(format!("gs_err_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(special_file(&dir), Some("a directory"));
+        assert_eq!(
+            special_file(std::path::Path::new("/dev/null")),
+            Some("a device")
+        );
+        assert_eq!(special_file(&dir.join("none")), None);
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            assert_eq!(special_file(&fifo), Some("a FIFO"));
+            // Neither call may open it (that would block this test).
+            let e = read_small_file(&fifo, 1024, "profile").unwrap_err();
+            assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+            let e = write_replacing(&fifo, b"x").unwrap_err();
+            assert!(e.contains("not a regular file (a FIFO)"), "{e}");
+        }
+        let e = write_replacing(std::path::Path::new("/dev/null"), b"x").unwrap_err();
+        assert!(e.contains("a device"), "{e}");
+        let f = dir.join("p.json");
+        write_replacing(&f, b"old").unwrap();
+        write_replacing(&f, b"new").unwrap();
+        assert_eq!(std::fs::read(&f).unwrap(), b"new");
+        let missing = dir.join("no/such/dir/p.json");
+        assert!(write_replacing(&missing, b"x").is_err());
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .filter(|n| n.to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -162,6 +162,23 @@ fn a_profile_valid_on_one_rank_and_invalid_on_another_fails_alike() {
     let job = mpmd(&[(1, &check(c)), (1, &check(g))]);
     assert_fails_with(&job, "model-check", &["rank 0 failed", c, "EOF"]);
     assert_agreed(&job, "model-check");
+    // A FIFO on one rank: opening it blocked that rank while its peer
+    // waited in the agreement (the job hung).
+    let fifo = d.join("fifo");
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let f = fifo.to_str().unwrap();
+        let job = mpmd(&[(1, &check(g)), (1, &check(f))]);
+        assert_fails_with(
+            &job,
+            "model-check FIFO",
+            &["rank 1 failed", f, "not a regular file (a FIFO)"],
+        );
+        assert_agreed(&job, "model-check FIFO");
+    }
 }
 
 #[test]

@@ -72,6 +72,14 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
 /// (rather than after minutes of measuring). Leaves an existing file as it
 /// is and no new file behind.
 pub(super) fn check_writable(out: &std::path::Path, flag: &str) -> Result<()> {
+    // Opening a FIFO blocks (rank 0 alone, its peers waiting), and the
+    // profile is written by a rename that would replace a special file.
+    if let Some(kind) = crate::error::special_file(out) {
+        return Err(Error::file(
+            out,
+            format!("{flag}: cannot write the profile: not a regular file ({kind})"),
+        ));
+    }
     let existed = out.exists();
     // A dangling symlink: the open below creates its target, and that
     // file (not the link) is the one to remove again.

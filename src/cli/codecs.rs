@@ -90,6 +90,9 @@ pub fn read_npy(path: &std::path::Path) -> Result<(Vec<usize>, Vec<f32>)> {
             io(e)
         }
     };
+    if let Some(kind) = crate::error::special_file(path) {
+        return Err(bad(format!("not a regular file ({kind}): not a .npy file")));
+    }
     let mut f = std::fs::File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
     let mut pre = [0u8; 8];

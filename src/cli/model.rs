@@ -847,7 +847,12 @@ pub(super) fn check_svg_path(path: &std::path::Path) -> Result<()> {
     let svg = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
-    if svg {
+    if let Some(kind) = crate::error::special_file(path) {
+        Err(Error::file(
+            path,
+            format!("--plot: not a regular file ({kind})"),
+        ))
+    } else if svg {
         Ok(())
     } else {
         Err(Error::InvalidArgument(format!(

@@ -562,10 +562,11 @@ impl Profile {
         Ok(p)
     }
 
-    /// Write as pretty JSON (errors name the file).
+    /// Write as pretty JSON (errors name the file), through a temporary
+    /// file and a rename: a full disk leaves an existing profile whole.
     pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let path = path.as_ref();
-        std::fs::write(path, serde_json::to_vec_pretty(self)?)
+        crate::error::write_replacing(path, &serde_json::to_vec_pretty(self)?)
             .map_err(|e| Error::file(path, format!("cannot write profile: {e}")))
     }
 
