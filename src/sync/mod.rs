@@ -191,6 +191,11 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// The current (or last) step's plan.
     plan: StepPlan,
     table_hash: u64,
+    /// This run's identity: rank 0's random number, agreed at creation (or
+    /// the restored snapshots'). Snapshots carry it, so that a restore
+    /// refuses snapshots of different runs (at the same step they passed
+    /// every other check, and the replicas drifted apart).
+    run: u64,
     table_checked: bool,
     /// The step model's plan of the `Auto` layers, once the table is complete.
     auto_plan: Option<crate::cost::StepPlan>,
@@ -274,6 +279,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             table: Vec::new(),
             plan: StepPlan::default(),
             table_hash,
+            run: 0,
             table_checked: false,
             auto_plan: None,
             broken: None,
@@ -301,6 +307,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 )?));
             }
             r => r?,
+        }
+        // The run's identity: rank 0's draw, on every rank (8 bytes).
+        {
+            let comm = s.comm.as_ref().expect("transport held at creation");
+            let mut run = [if s.rank == 0 {
+                snapshot::new_run_id()
+            } else {
+                0
+            }];
+            crate::dense::small_allreduce_max(comm, &mut run, crate::comm::tags::TABLE)?;
+            s.run = run[0];
         }
         // Every rank has the same options here, so every rank asks for the
         // nodes (collective on MPI) or none does, and all get the same answer.

@@ -22,8 +22,8 @@ use bincode::Options;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Version of the snapshot format.
-pub const SNAPSHOT_VERSION: u32 = 3;
+/// Version of the snapshot format (4: the run's identity).
+pub const SNAPSHOT_VERSION: u32 = 4;
 /// Bytes of the CRC-32 trailer.
 const CRC_LEN: usize = 4;
 /// The largest step a snapshot may hold (2^53: a step a microsecond for
@@ -40,6 +40,21 @@ struct Snapshot {
     table_hash: u64,
     step: u64,
     layers: Vec<LayerSnap>,
+    /// The run that wrote it ([`GradSync`]'s `run`): a restore's ranks
+    /// must all load snapshots of one run.
+    run: u64,
+}
+
+/// A fresh run identity: random (the standard library's per-process
+/// random hash keys, and the clock), never 0.
+pub(super) fn new_run_id() -> u64 {
+    use std::hash::BuildHasher;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new()
+        .hash_one((t, std::process::id()))
+        .max(1)
 }
 
 /// A parsed and validated snapshot, ready to apply.
@@ -119,6 +134,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     gradiveq: None,
                 })
                 .collect(),
+            run: self.run,
         };
         // Never write what cannot be loaded: a residual that overflowed (a
         // gradient near f32::MAX) would make the file unusable.
@@ -179,12 +195,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         });
         // Every rank passes a value (a failed rank's is not compared: the
         // failure wins), so every rank runs the same collective.
-        let step = local.as_ref().map_or(0, |r| r.snap.step);
+        let (step, run) = local.as_ref().map_or((0, 0), |r| (r.snap.step, r.snap.run));
         let print = (
-            step,
+            super::table::fnv(
+                super::table::fnv(super::table::FNV_OFFSET, &step.to_le_bytes()),
+                &run.to_le_bytes(),
+            ),
             format!(
-                "snapshots from different steps: rank {}'s ({what}) is at step {step}, \
-                 another rank's is not",
+                "snapshots from different steps or runs: rank {}'s ({what}) is at step {step} \
+                 of run {run:016x}, another rank's is not",
                 self.rank
             ),
         );
@@ -343,6 +362,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         self.step = snap.step;
+        // The restored run goes on: its later snapshots restore together
+        // with the ones just loaded.
+        self.run = snap.run;
     }
 
     /// Write the snapshot to `path` (atomically: a temporary file renamed
@@ -350,13 +372,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Local (no communication): each rank writes its own file.
     pub fn save_snapshot(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let named = |e: std::io::Error| Error::Snapshot(format!("{}: {e}", path.display()));
         let bytes = self.snapshot_bytes()?;
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        std::fs::write(&tmp, &bytes).map_err(named)?;
-        std::fs::rename(&tmp, path).map_err(named)?;
-        Ok(())
+        crate::error::write_replacing(path, &bytes)
+            .map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))
     }
 
     /// Restore from a file written by [`save_snapshot`](Self::save_snapshot).
@@ -369,19 +387,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let named = |e: String| Error::Snapshot(format!("{}: {e}", path.display()));
             // A FIFO would block this rank in open() while its peers wait
             // in the agreement, and a device (/dev/zero) never ends.
-            let meta = std::fs::metadata(path).map_err(|e| named(e.to_string()))?;
-            if !meta.is_file() {
-                use std::os::unix::fs::FileTypeExt;
-                let t = meta.file_type();
-                let kind = if t.is_dir() {
-                    "a directory"
-                } else if t.is_fifo() {
-                    "a FIFO"
-                } else if t.is_char_device() || t.is_block_device() {
-                    "a device"
-                } else {
-                    "a socket or other special file"
-                };
+            if let Some(kind) = crate::error::special_file(path) {
                 return Err(named(format!(
                     "not a regular file ({kind}): not a gradsync snapshot"
                 )));

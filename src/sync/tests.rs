@@ -2589,6 +2589,92 @@ fn snapshots_from_different_steps_are_refused_everywhere() {
     }
 }
 
+/// Snapshots of two runs at the same step (rank 1's from another job)
+/// passed every check, and the dense layers' momentum drifted apart with no
+/// error: the run's identity, agreed at creation and kept in the file, is
+/// compared with the step. A restored run keeps the identity it loaded, so
+/// its own later snapshots restore together with those.
+#[test]
+fn snapshots_of_different_runs_are_refused_everywhere() {
+    let run = |seed: usize| {
+        LocalComm::run(2, move |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(
+                c,
+                Config {
+                    momentum: 0.9,
+                    ..cfg()
+                },
+            )
+            .expect("engine");
+            s.register("d", &[16]).expect("dense");
+            for step in 0..2 {
+                let mut g = grad(rank + seed, step, 0, 16);
+                s.sync(&mut [&mut g[..]]).expect("sync");
+            }
+            s.snapshot_bytes().expect("snapshot")
+        })
+    };
+    let (a, b) = (run(0), run(7));
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("d", &[16]).expect("dense");
+        let mixed = if rank == 0 { &a[0] } else { &b[1] };
+        let e = s.restore_bytes(mixed).expect_err("runs differ").to_string();
+        s.restore_bytes(&a[rank]).expect("one run");
+        let mut g = grad(rank, 2, 0, 16);
+        s.sync(&mut [&mut g[..]]).expect("sync");
+        // Saved after the restore: the loaded run's identity.
+        let later = s.snapshot_bytes().expect("snapshot");
+        let pair = if rank == 0 { later } else { a[rank].clone() };
+        let e2 = s
+            .restore_bytes(&pair)
+            .expect_err("steps differ")
+            .to_string();
+        (e, e2)
+    });
+    for (r, (e, e2)) in res.iter().enumerate() {
+        assert!(
+            e.contains("snapshots from different steps or runs"),
+            "rank {r}: {e}"
+        );
+        // Same run, steps 3 and 2: refused for the step, not the run.
+        assert!(
+            e2.contains("is at step 3 of run") || e2.contains("is at step 2 of run"),
+            "rank {r}: {e2}"
+        );
+    }
+    // And the restored run's own later snapshots restore together.
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                momentum: 0.9,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register("d", &[16]).expect("dense");
+        s.restore_bytes(&a[rank]).expect("restore");
+        let mut g = grad(rank, 2, 0, 16);
+        s.sync(&mut [&mut g[..]]).expect("sync");
+        let later = s.snapshot_bytes().expect("snapshot");
+        s.restore_bytes(&later).map(|()| s.step)
+    });
+    for r in res {
+        assert_eq!(r.expect("later snapshots of the restored run"), 3);
+    }
+}
+
 /// A table with nothing to exchange (no layers, or only empty dense ones)
 /// still carries a failure on one rank to every rank in that step.
 #[test]
