@@ -247,10 +247,10 @@ int gs_register(struct gs_engine *e,
  * update direction, the same on every rank; apply it as `w -= lr * d`.
  * `nlayers` must equal the number of registered layers. Collective.
  *
- * A NULL `grads` or `grads[i]`, or a wrong `nlayers`, on one rank fails
- * this step on every rank with `GS_ERR_RANK_FAILED` (gs_last_error names
- * the rank and the cause); nothing is applied and the next step runs
- * normally. The arrays must not overlap.
+ * A NULL `grads` or `grads[i]`, a wrong `nlayers`, or arrays that overlap
+ * (each layer's result is written in place), on one rank fails this step
+ * on every rank with `GS_ERR_RANK_FAILED` (gs_last_error names the rank
+ * and the cause); nothing is applied and the next step runs normally.
  *
  * # Safety
  * `e` is NULL or a live handle; `grads` is NULL or points to `nlayers`

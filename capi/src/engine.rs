@@ -253,10 +253,10 @@ unsafe fn slices<P: Copy>(
 /// update direction, the same on every rank; apply it as `w -= lr * d`.
 /// `nlayers` must equal the number of registered layers. Collective.
 ///
-/// A NULL `grads` or `grads[i]`, or a wrong `nlayers`, on one rank fails
-/// this step on every rank with `GS_ERR_RANK_FAILED` (gs_last_error names
-/// the rank and the cause); nothing is applied and the next step runs
-/// normally. The arrays must not overlap.
+/// A NULL `grads` or `grads[i]`, a wrong `nlayers`, or arrays that overlap
+/// (each layer's result is written in place), on one rank fails this step
+/// on every rank with `GS_ERR_RANK_FAILED` (gs_last_error names the rank
+/// and the cause); nothing is applied and the next step runs normally.
 ///
 /// # Safety
 /// `e` is NULL or a live handle; `grads` is NULL or points to `nlayers`
@@ -337,6 +337,10 @@ unsafe fn sync_cuda(
         |p| p.is_null(),
         |p| p.is_aligned(),
     )
+    .and_then(|s| {
+        let spans: Vec<(usize, usize)> = s.iter().map(|&(p, n)| (p as usize, n)).collect();
+        no_overlap(eng, "gs_sync_device", &spans).map(|()| s)
+    })
     .map_err(invalid)
     .and_then(|s| {
         s.into_iter()
@@ -383,7 +387,50 @@ unsafe fn mut_slices<'a>(
         |p| p.is_null(),
         |p| p.is_aligned(),
     )?;
+    no_overlap(
+        eng,
+        what,
+        &s.iter().map(|&(p, n)| (p as usize, n)).collect::<Vec<_>>(),
+    )?;
     Ok(s.into_iter().map(|(p, n)| mut_slice(p, n)).collect())
+}
+
+/// Arrays written in place must not overlap: one layer's result would
+/// overwrite another's, differently on the rank that passed them (its
+/// replicas drift apart with `GS_OK`). `spans`: (address, floats).
+fn no_overlap(eng: &gs_engine, what: &str, spans: &[(usize, usize)]) -> Result<(), String> {
+    let mut order: Vec<(usize, usize, usize)> = spans
+        .iter()
+        .enumerate()
+        .filter(|(_, &(_, n))| n > 0)
+        .map(|(i, &(a, n))| (a, a.saturating_add(n.saturating_mul(4)), i))
+        .collect();
+    order.sort_unstable();
+    // Sorted by start: an overlap shows against the furthest-reaching
+    // array before it.
+    let mut reach: Option<(usize, usize)> = None;
+    for &(start, end, i) in &order {
+        if let Some((e0, j)) = reach {
+            if start < e0 {
+                let (a, b) = (i.min(j), i.max(j));
+                let name = |k: usize| {
+                    eng.sync
+                        .layer(LayerId(k))
+                        .map_or_else(String::new, |(nm, _, _)| format!(" (layer {nm:?})"))
+                };
+                return Err(format!(
+                    "{what}: grads[{a}]{} and grads[{b}]{} overlap (each layer's result is \
+                     written in place)",
+                    name(a),
+                    name(b)
+                ));
+            }
+        }
+        if reach.is_none_or(|(e0, _)| end > e0) {
+            reach = Some((end, i));
+        }
+    }
+    Ok(())
 }
 
 unsafe fn mut_slice<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {

@@ -75,7 +75,9 @@ int main(int argc, char **argv) {
   report("register bias", gs_register(e, "b", bshape, 1, "dense"), GS_OK, NULL);
 
   /* Steps 0..5; step 2: a NULL gradient pointer on `bad`; step 3: a wrong
-   * nlayers on `bad`; step 4: a NULL grads array on `bad`. */
+   * nlayers on `bad`; step 4: a NULL grads array on `bad`; step 5: arrays
+   * that overlap on `bad` (the bias inside the weight: GS_OK with replicas
+   * that differ, before). */
   for (int step = 0; step < 6; step++) {
     float *grads[NL] = {wg, bg};
     size_t n = NL;
@@ -83,13 +85,14 @@ int main(int argc, char **argv) {
     fill(step);
     static const char *causes[6] = {NULL, NULL, "grads[1] (layer \"b\") is NULL",
                                     "nlayers = 1, but 2 layers are registered", "grads is NULL",
-                                    NULL};
+                                    "grads[0] (layer \"w\") and grads[1] (layer \"b\") overlap"};
     if (rank == bad && step == 2) grads[1] = NULL;
     if (rank == bad && step == 3) n = 1;
     if (rank == bad && step == 4) g = NULL;
+    if (rank == bad && step == 5) grads[1] = wg + 5;
     rc = gs_sync(e, g, n);
     snprintf(check, sizeof check, "step %d", step);
-    if (step >= 2 && step <= 4) {
+    if (step >= 2 && step <= 5) {
       snprintf(needle, sizeof needle, "rank %d failed in step %d", bad, step);
       report(check, rc, GS_ERR_RANK_FAILED, needle);
       if (!strstr(gs_last_error(), causes[step]))
