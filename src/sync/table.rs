@@ -45,18 +45,27 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let h = h?;
         if v[1] != h || !v[2] != h {
-            // Every rank is here (the hashes differ somewhere): name the
-            // lowest rank whose table differs from rank 0's, in two more
-            // 8-byte allreduces on this failure path only.
-            let mut h0 = [if rank == 0 { h } else { 0 }];
-            crate::dense::small_allreduce_max(comm, &mut h0, TAG_TABLE)?;
-            let mut first = [if h != h0[0] { (p - rank) as u64 } else { 0 }];
-            crate::dense::small_allreduce_max(comm, &mut first, TAG_TABLE)?;
-            let who = match first[0] {
-                0 => String::new(),
-                x => format!(" (rank {}'s differs from rank 0's)", p - x as usize),
+            // Every rank is here (the hashes differ somewhere): gather each
+            // rank's hash and description (one small allgatherv, on this
+            // failure path only), so that every rank names the same two:
+            // rank 0's and the lowest rank's that differs from it.
+            let mine = serde_json::to_vec(&(h, what()))?;
+            let g = crate::dense::allgatherv(
+                comm,
+                &mine,
+                crate::dense::AllgathervAlgo::RecursiveDoubling,
+            )?;
+            let all: Vec<(u64, String)> = (0..p)
+                .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
+                .collect();
+            let why = match (1..p).find(|&r| all[r].0 != all[0].0) {
+                Some(r) => format!(
+                    "not the same on every rank: rank 0 has {}, rank {r} has {}",
+                    all[0].1, all[r].1
+                ),
+                None => format!("not the same on every rank: {}", all[rank].1),
             };
-            return Err(Error::TableMismatch(format!("{}{who}", what())));
+            return Err(Error::TableMismatch(why));
         }
         Ok(())
     }
@@ -229,9 +238,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 );
                 Ok((l, st))
             });
-        let label = local
-            .as_ref()
-            .map_or_else(|_| String::new(), |l| l.0 .4.clone());
+        // The resolved strategy with all its parameters (the mismatch
+        // message shows rank 0's and the differing rank's side by side).
+        let label = local.as_ref().map_or_else(
+            |_| String::new(),
+            |l| serde_json::to_string(&l.0 .1).unwrap_or_else(|_| l.0 .4.clone()),
+        );
         let h = local.as_ref().map(|l| l.0 .3).map_err(|e| {
             let why = match e {
                 Error::InvalidArgument(m) => m.clone(),
@@ -243,7 +255,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return Err(Error::TableMismatch(why.clone()));
         }
         let r = self.agree(h, || {
-            format!("layer #{id} {name:?} (shape {shape:?}, {label}) is not the same on every rank")
+            format!("layer #{id} {name:?} of shape {shape:?}, strategy {label}")
         });
         if let Err(Error::TableMismatch(why)) = &r {
             // The ranks' tables are out of step (this collective may even
@@ -382,9 +394,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .as_ref()
             .map(|_| h)
             .map_err(|e| Error::InvalidArgument(format!("planning the Auto layers: {e}")));
-        let r = self.agree(h, || {
-            format!("this rank registered {n} layers; some rank registered others")
-        });
+        let r = self.agree(h, || format!("{n} layers registered"));
         match r.and(planned) {
             Ok(planned) => {
                 self.apply_auto(planned);

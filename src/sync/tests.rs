@@ -197,8 +197,15 @@ fn mismatched_layer_tables_fail_on_every_rank() {
     });
     for r in &res {
         let e = r.as_ref().expect_err("every rank fails");
-        assert!(e.contains("layer #1 \"b\""), "{e}");
-        assert!(e.contains("(rank 1's differs from rank 0's)"), "{e}");
+        // Every rank names both sides: rank 0's layer and rank 1's.
+        assert!(
+            e.contains("not the same on every rank: rank 0 has layer #1 \"b\" of shape [100]"),
+            "{e}"
+        );
+        assert!(
+            e.contains("rank 1 has layer #1 \"b\" of shape [101]"),
+            "{e}"
+        );
     }
     // Different numbers of layers: caught before the first step.
     let res = LocalComm::run(2, |c| {
