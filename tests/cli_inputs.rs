@@ -316,6 +316,20 @@ fn out_of_range_flags_are_errors_naming_the_flag() {
             &["bench", "--op", "gradiveq", "--d", "1000", "--bytes", "64K"],
             &["--d 1000", "1..=768"],
         ),
+        // Flags another --op uses were ignored (a bogus --codec, a
+        // --profile for another op).
+        (
+            &["bench", "--op", "allreduce", "--codec", "bogus:x=1"],
+            &["--codec is not used by --op allreduce (only by --op sparse)"],
+        ),
+        (
+            &["bench", "--op", "step", "--codec", "fp16"],
+            &["--codec is not used by --op step"],
+        ),
+        (
+            &["bench", "--op", "sparse", "--sparse-exchange", "bogus"],
+            &["--sparse-exchange is not used by --op sparse (only by --op step)"],
+        ),
         // The file's rows are the layer: a --bytes beside it was ignored.
         (
             &[

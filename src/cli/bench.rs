@@ -130,6 +130,79 @@ pub struct BenchArgs {
     /// (`MpiComm::node_ids`), as algo `hierarchical-sparse-allreduce`.
     #[arg(long)]
     pub hierarchical: bool,
+    /// The flags given on the command line (clap's ids), filled in after
+    /// parsing: a flag that `--op` does not use is an error, not ignored.
+    #[arg(skip)]
+    pub given: Vec<String>,
+}
+
+/// The flags each `--op` reads besides `--op`, `--iters`, `--warmup` and
+/// `--json` (clap ids: the field names).
+const OP_FLAGS: &[(&str, &[&str])] = &[
+    (
+        "allreduce",
+        &["algo", "sizes", "check", "chunk", "no_validate"],
+    ),
+    ("allgatherv", &["algo", "sizes", "check", "no_validate"]),
+    (
+        "sparse",
+        &[
+            "codec",
+            "bytes",
+            "density",
+            "layers",
+            "overlap",
+            "compute_ms",
+            "allgather",
+            "check",
+        ],
+    ),
+    (
+        "sparse-allreduce",
+        &["bytes", "density", "profile", "hierarchical", "check"],
+    ),
+    (
+        "gradiveq",
+        &["bytes", "k", "lambda", "d", "data", "lt", "check"],
+    ),
+    (
+        "step",
+        &[
+            "layers",
+            "profile",
+            "strategies",
+            "calibrate",
+            "sparse_exchange",
+            "compare",
+            "density",
+        ],
+    ),
+];
+
+/// A flag given that `--op` does not use: an error naming both (it was
+/// ignored, so a mistyped `--codec` or a `--profile` for another op went
+/// unnoticed, and differed across ranks unnoticed).
+fn check_flags_apply(a: &BenchArgs) -> Result<()> {
+    let Some((_, used)) = OP_FLAGS.iter().find(|(op, _)| *op == a.op) else {
+        return Ok(()); // an unknown --op is named where it is dispatched
+    };
+    for id in &a.given {
+        let common = ["op", "iters", "warmup", "json"].contains(&id.as_str());
+        if !common && !used.contains(&id.as_str()) {
+            let flag = format!("--{}", id.replace('_', "-"));
+            let ops: Vec<&str> = OP_FLAGS
+                .iter()
+                .filter(|(_, f)| f.contains(&id.as_str()))
+                .map(|(op, _)| *op)
+                .collect();
+            return Err(Error::InvalidArgument(format!(
+                "{flag} is not used by --op {} (only by --op {})",
+                a.op,
+                ops.join(", --op ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl BenchArgs {
@@ -256,6 +329,7 @@ const MAX_COMPUTE_MS: f64 = 3_600_000.0;
 /// Range checks of the flags every `--op` reads or could read: `--iters`,
 /// `--compute-ms`, `--density`.
 pub(super) fn check_common(a: &BenchArgs) -> Result<()> {
+    check_flags_apply(a)?;
     if !(1..=MAX_ITERS).contains(&a.iters) {
         return Err(Error::InvalidArgument(format!(
             "--iters {}: must lie in [1, {MAX_ITERS}]",

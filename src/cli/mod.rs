@@ -95,7 +95,7 @@ pub enum Command {
 /// Entry point of the binary; returns the process exit code.
 pub fn main() -> i32 {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = match Cli::try_parse() {
+    let cli = match parse() {
         Ok(cli) => cli,
         Err(e) => {
             // Under a launcher, bad arguments on one rank end the job
@@ -152,6 +152,29 @@ pub fn main() -> i32 {
     drop(world);
     drop(universe);
     code
+}
+
+/// The command line as [`Cli`], with `bench`'s flags given on the command
+/// line recorded ([`BenchArgs::given`]).
+fn parse() -> std::result::Result<Cli, clap::Error> {
+    use clap::{CommandFactory, FromArgMatches};
+    let cmd = Cli::command();
+    let m = cmd.clone().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&m)?;
+    if let (Command::Bench(a), Some(("bench", sub)), Some(bench)) = (
+        &mut cli.command,
+        m.subcommand(),
+        cmd.find_subcommand("bench"),
+    ) {
+        // The arguments only (the matches also hold the struct's group).
+        a.given = bench
+            .get_arguments()
+            .map(|arg| arg.get_id().as_str())
+            .filter(|id| sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+            .map(str::to_string)
+            .collect();
+    }
+    Ok(cli)
 }
 
 /// This process's rank as its launcher exported it, before MPI is up:
