@@ -179,19 +179,73 @@ pub(crate) fn special_file(path: &std::path::Path) -> Option<&'static str> {
     })
 }
 
-/// Write `bytes` to `path` through `path.tmp` and a rename, so that a full
-/// disk or a crash leaves the old file whole (and no `.tmp` behind on an
-/// error). A target that exists and is not a regular file is refused:
-/// the rename would replace it (a device node, when run as root). Errors
-/// are the I/O error's text (the caller names the file).
+/// The file a write to `path` should replace: `path` itself, or, where
+/// `path` is a symlink (dangling included), the file it points to (so the
+/// link stays a link and its target is what changes).
+pub(crate) fn write_target(path: &std::path::Path) -> std::path::PathBuf {
+    let mut p = path.to_path_buf();
+    // A few hops: a chain of links; a loop ends the walk (the open fails).
+    for _ in 0..16 {
+        match std::fs::read_link(&p) {
+            Ok(t) if t.is_absolute() => p = t,
+            Ok(t) => p = p.parent().map_or(t.clone(), |d| d.join(&t)),
+            Err(_) => break,
+        }
+    }
+    p
+}
+
+/// A fresh temporary file beside `target`, created exclusively (a stale
+/// file, link or FIFO of that name is never opened), with a name no other
+/// process picks: `.NAME.PID.N.tmp`.
+pub(crate) fn create_temp_beside(
+    target: &std::path::Path,
+) -> std::io::Result<(std::path::PathBuf, std::fs::File)> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = target
+        .file_name()
+        .map_or_else(|| "gradsync".into(), |n| n.to_string_lossy().into_owned());
+    let dir = target
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    loop {
+        let tmp = dir.join(format!(
+            ".{name}.{}.{}.tmp",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+        {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Write `bytes` to `path` through a temporary file beside it (synced)
+/// and a rename, so that a full disk or a crash leaves the old file whole
+/// (and no temporary file behind on an error). A symlink keeps pointing
+/// to the file, which is what is replaced. A target that exists and is
+/// not a regular file is refused: the rename would replace it (a device
+/// node, when run as root). Errors are the I/O error's text (the caller
+/// names the file).
 pub(crate) fn write_replacing(path: &std::path::Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write;
     if let Some(kind) = special_file(path) {
         return Err(format!("not a regular file ({kind})"));
     }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    let target = write_target(path);
+    let (tmp, mut f) = create_temp_beside(&target).map_err(|e| e.to_string())?;
+    let r = f
+        .write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, &target));
     r.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         e.to_string()
@@ -259,6 +313,27 @@ mod tests {
         write_replacing(&f, b"old").unwrap();
         write_replacing(&f, b"new").unwrap();
         assert_eq!(std::fs::read(&f).unwrap(), b"new");
+        // Through a symlink: the link stays, its target gets the bytes.
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink("p.json", &link).unwrap();
+        write_replacing(&link, b"via link").unwrap();
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(std::fs::read(&f).unwrap(), b"via link");
+        // A stale FIFO where an old build put its temporary file is never
+        // opened (it would block).
+        let stale = dir.join("p.json.tmp");
+        if std::process::Command::new("mkfifo")
+            .arg(&stale)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            write_replacing(&f, b"again").unwrap();
+            assert_eq!(std::fs::read(&f).unwrap(), b"again");
+            std::fs::remove_file(&stale).unwrap();
+        }
         let missing = dir.join("no/such/dir/p.json");
         assert!(write_replacing(&missing, b"x").is_err());
         let left: Vec<_> = std::fs::read_dir(&dir)

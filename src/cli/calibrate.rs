@@ -69,41 +69,24 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
 }
 
 /// Fails now, naming the file, if the profile cannot be written to `out`
-/// (rather than after minutes of measuring). Leaves an existing file as it
+/// (rather than after minutes of measuring): it is written through a
+/// temporary file beside its target and a rename (`Profile::save`), so
+/// this creates and removes one such file. Leaves an existing file as it
 /// is and no new file behind.
 pub(super) fn check_writable(out: &std::path::Path, flag: &str) -> Result<()> {
     // Opening a FIFO blocks (rank 0 alone, its peers waiting), and the
-    // profile is written by a rename that would replace a special file.
+    // rename would replace a special file.
     if let Some(kind) = crate::error::special_file(out) {
         return Err(Error::file(
             out,
             format!("{flag}: cannot write the profile: not a regular file ({kind})"),
         ));
     }
-    let existed = out.exists();
-    // A dangling symlink: the open below creates its target, and that
-    // file (not the link) is the one to remove again.
-    let link = !existed && std::fs::symlink_metadata(out).is_ok();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(out)
+    let target = crate::error::write_target(out);
+    let (tmp, _) = crate::error::create_temp_beside(&target)
         .map_err(|e| Error::file(out, format!("{flag}: cannot write the profile: {e}")))?;
-    if !existed {
-        let created = if link {
-            std::fs::canonicalize(out)
-                .map_err(|e| Error::file(out, format!("{flag}: cannot resolve the link: {e}")))?
-        } else {
-            out.to_path_buf()
-        };
-        std::fs::remove_file(&created).map_err(|e| {
-            Error::file(
-                &created,
-                format!("{flag}: cannot remove the test file: {e}"),
-            )
-        })?;
-    }
-    Ok(())
+    std::fs::remove_file(&tmp)
+        .map_err(|e| Error::file(&tmp, format!("{flag}: cannot remove the test file: {e}")))
 }
 
 /// The rank-local input phase of `calibrate`: the flags as options,

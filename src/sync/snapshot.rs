@@ -229,6 +229,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     .into(),
             ));
         }
+        // Magic and version first (bytes 0..12): an older format's payload
+        // would otherwise fail the full decode as "truncated".
+        if payload.len() >= 12 {
+            if payload[..8] != MAGIC {
+                return Err(Error::Snapshot("not a gradsync snapshot".into()));
+            }
+            let version = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes"));
+            if version != SNAPSHOT_VERSION {
+                return Err(Error::Snapshot(format!(
+                    "format version {version} (this build reads {SNAPSHOT_VERSION})"
+                )));
+            }
+        }
         let snap: Snapshot = options(payload.len() as u64)
             .deserialize(payload)
             .map_err(|e| {
@@ -362,9 +375,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         self.step = snap.step;
-        // The restored run goes on: its later snapshots restore together
-        // with the ones just loaded.
-        self.run = snap.run;
+        // A new branch of the restored run: the loaded identity mixed with
+        // this job's (alike on every rank). Two jobs restored from the same
+        // files then write different identities, so a mix of their later
+        // snapshots is refused too.
+        self.run = super::table::fnv(
+            super::table::fnv(super::table::FNV_OFFSET, &snap.run.to_le_bytes()),
+            &self.run.to_le_bytes(),
+        );
     }
 
     /// Write the snapshot to `path` (atomically: a temporary file renamed

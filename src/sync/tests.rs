@@ -2623,8 +2623,7 @@ fn snapshots_of_different_runs_are_refused_everywhere() {
         })
     };
     let (a, b) = (run(0), run(7));
-    let res = LocalComm::run(2, |c| {
-        let rank = c.rank();
+    let engine = |c: LocalComm| {
         let mut s = GradSync::with_transport(
             c,
             Config {
@@ -2634,52 +2633,69 @@ fn snapshots_of_different_runs_are_refused_everywhere() {
         )
         .expect("engine");
         s.register("d", &[16]).expect("dense");
+        s
+    };
+    let res = LocalComm::run(2, |c| {
+        let rank = c.rank();
+        let mut s = engine(c);
         let mixed = if rank == 0 { &a[0] } else { &b[1] };
-        let e = s.restore_bytes(mixed).expect_err("runs differ").to_string();
-        s.restore_bytes(&a[rank]).expect("one run");
-        let mut g = grad(rank, 2, 0, 16);
-        s.sync(&mut [&mut g[..]]).expect("sync");
-        // Saved after the restore: the loaded run's identity.
-        let later = s.snapshot_bytes().expect("snapshot");
-        let pair = if rank == 0 { later } else { a[rank].clone() };
-        let e2 = s
-            .restore_bytes(&pair)
-            .expect_err("steps differ")
-            .to_string();
-        (e, e2)
+        s.restore_bytes(mixed).expect_err("runs differ").to_string()
     });
-    for (r, (e, e2)) in res.iter().enumerate() {
+    for (r, e) in res.iter().enumerate() {
         assert!(
             e.contains("snapshots from different steps or runs"),
             "rank {r}: {e}"
         );
-        // Same run, steps 3 and 2: refused for the step, not the run.
-        assert!(
-            e2.contains("is at step 3 of run") || e2.contains("is at step 2 of run"),
-            "rank {r}: {e2}"
-        );
     }
-    // And the restored run's own later snapshots restore together.
+    // Two jobs restored from the same files, one step each: their step-3
+    // snapshots are of different runs (each job is a branch of its own).
+    let branch = || {
+        LocalComm::run(2, |c| {
+            let rank = c.rank();
+            let mut s = engine(c);
+            s.restore_bytes(&a[rank]).expect("one run");
+            let mut g = grad(rank, 2, 0, 16);
+            s.sync(&mut [&mut g[..]]).expect("sync");
+            s.snapshot_bytes().expect("snapshot")
+        })
+    };
+    let (x, y) = (branch(), branch());
     let res = LocalComm::run(2, |c| {
         let rank = c.rank();
-        let mut s = GradSync::with_transport(
-            c,
-            Config {
-                momentum: 0.9,
-                ..cfg()
-            },
-        )
-        .expect("engine");
-        s.register("d", &[16]).expect("dense");
-        s.restore_bytes(&a[rank]).expect("restore");
-        let mut g = grad(rank, 2, 0, 16);
-        s.sync(&mut [&mut g[..]]).expect("sync");
-        let later = s.snapshot_bytes().expect("snapshot");
-        s.restore_bytes(&later).map(|()| s.step)
+        let mut s = engine(c);
+        let mixed = if rank == 0 { &x[0] } else { &y[1] };
+        let e = s
+            .restore_bytes(mixed)
+            .expect_err("branches differ")
+            .to_string();
+        // One branch's own snapshots restore together.
+        s.restore_bytes(&x[rank]).map(|()| (e, s.step))
     });
-    for r in res {
-        assert_eq!(r.expect("later snapshots of the restored run"), 3);
+    for (r, got) in res.into_iter().enumerate() {
+        let (e, step) = got.expect("one branch restores");
+        assert!(
+            e.contains("snapshots from different steps or runs"),
+            "rank {r}: {e}"
+        );
+        assert_eq!(step, 3, "rank {r}");
     }
+    // A format-3 file (no run identity; a valid checksum) is named by its
+    // version, not reported as truncated.
+    let mut old = a[0][..a[0].len() - 4 - 8].to_vec();
+    old[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let crc = crc32fast::hash(&old);
+    old.extend_from_slice(&crc.to_le_bytes());
+    let res = LocalComm::run(1, |c| {
+        engine(c)
+            .restore_bytes(&old)
+            .expect_err("format 3")
+            .to_string()
+    });
+    assert!(
+        res[0].contains("format version 3 (this build reads 4)"),
+        "{}",
+        res[0]
+    );
 }
 
 /// A table with nothing to exchange (no layers, or only empty dense ones)
