@@ -122,16 +122,18 @@ class GradSync:
         momentum: float = 0.9,
         nesterov: bool = False,
         warmup_steps: int = 0,
-        nonfinite: str = "error",
+        nonfinite: Optional[str] = None,
         **options: Any,
     ) -> None:
         try:
             opts: Dict[str, Any] = dict(options)
             if "non_finite" in opts:
                 # The engine's own spelling of ``nonfinite``: one of the two.
-                if nonfinite != "error":
+                if nonfinite is not None:
                     raise ValueError("give nonfinite or non_finite, not both")
                 nonfinite = opts.pop("non_finite")
+            if nonfinite is None:
+                nonfinite = "error"
             opts.update(momentum=momentum, nesterov=nesterov, nonfinite=nonfinite)
             for k, v in opts.items():
                 # JSON has no NaN or infinity: name the option, not the encoder.
@@ -226,7 +228,9 @@ class GradSync:
         (a ``RuntimeWarning`` says so), so this rank never refuses a step
         its peers are already in.
         """
-        return self._engine.wait(_arrays(grads))
+        # Read-only views stay: the engine's error names why (a legacy
+        # DLPack import); wait has no path for raw tensors.
+        return self._engine.wait(_arrays(grads, writable=False))
 
     def fail_step(self, reason: Any) -> None:
         """Take part in this step with an error found on this rank, so that no peer waits.
@@ -255,7 +259,10 @@ class GradSync:
         """Restore the state written by :meth:`save_snapshot` (collective).
 
         A missing or corrupt file on one rank, or files from different
-        steps, fail every rank with ``gradsync.Error`` and change no engine.
+        steps or different runs (each job that creates or restores an
+        engine writes its own run identity), fail every rank with
+        ``gradsync.Error`` and change no engine. A step this rank kept after
+        its :meth:`wait` raised is finished first, with a ``RuntimeWarning``.
         """
         self._engine.load_snapshot(path)
 
@@ -343,8 +350,24 @@ def _dlpack_view(x: Any, writable: bool = True) -> Any:
             v = _np.from_dlpack(x)
         except Exception:  # noqa: BLE001 - the engine reports it
             return x
-        return x if writable and not v.flags.writeable else v
+        if writable and not v.flags.writeable and not _versioned_dlpack(x):
+            # numpy marks every import of a legacy (unversioned) capsule
+            # read-only; the engine's importer takes those in place. A
+            # versioned producer's read-only flag is its own: kept.
+            return x
+        return v
     return x
+
+
+def _versioned_dlpack(x: Any) -> bool:
+    """Whether ``x.__dlpack__`` takes ``max_version`` (DLPack 1.0 and later)."""
+    import inspect
+
+    try:
+        params = inspect.signature(x.__dlpack__).parameters
+    except (TypeError, ValueError):
+        return True  # cannot tell: keep the read-only view (the safe side)
+    return "max_version" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _plain(o: Any) -> Any:

@@ -240,8 +240,7 @@ fn readable<'py>(
         .map(|(i, a)| {
             a.try_readonly().map_err(|e| {
                 Bad::Value(format!(
-                    "{what} {i} shares memory with an array that is being written \
-                     (a gradient this call writes in place?) ({e})"
+                    "{what} {i} cannot be read: its memory is being written ({e})"
                 ))
             })
         })
@@ -356,7 +355,6 @@ impl PyGradSync {
             .enumerate()
             .map(|(i, (a, (name, shape)))| check_array(a, what, i, name, shape))
             .collect::<Result<_, _>>()?;
-        no_overlap(&arrays, what)?;
         Ok(arrays)
     }
 
@@ -373,36 +371,54 @@ impl PyGradSync {
     }
 }
 
-/// Refuse arrays whose memory overlaps: each layer's result is written in
-/// place, so one layer's would overwrite another's. numpy's borrow flags
-/// see overlaps only between views of one base; arrays that reach the same
-/// memory through different owners (DLPack imports, `np.frombuffer` of a
-/// memoryview, `__array_interface__` wrappers) are caught here, by address.
-fn no_overlap(arrays: &[Bound<'_, PyArrayDyn<f32>>], what: &str) -> Result<(), Bad> {
-    let mut spans: Vec<(usize, usize, usize)> = arrays
+/// Refuse arrays written in place (`written`: the gradients of `sync` and
+/// `wait`) whose memory overlaps another array of the call (`read`: the
+/// weights): one layer's result would overwrite another's, or a weight
+/// change under its read. numpy's borrow flags see overlaps only between
+/// views of one base; arrays that reach the same memory through different
+/// owners (DLPack imports, `np.frombuffer` of a memoryview,
+/// `__array_interface__` wrappers) are caught here, by address. Arrays
+/// that are only read may overlap each other.
+fn no_overlap(
+    written: &[Bound<'_, PyArrayDyn<f32>>],
+    read: &[Bound<'_, PyArrayDyn<f32>>],
+) -> Result<(), Bad> {
+    // (start, end, written?, index)
+    let span = |a: &Bound<'_, PyArrayDyn<f32>>| {
+        let start = a.data() as usize;
+        (start, start + a.len() * std::mem::size_of::<f32>())
+    };
+    let mut spans: Vec<(usize, usize, bool, usize)> = written
         .iter()
         .enumerate()
-        .filter(|(_, a)| a.len() > 0)
-        .map(|(i, a)| {
-            let start = a.data() as usize;
-            (start, start + a.len() * std::mem::size_of::<f32>(), i)
-        })
+        .map(|(i, a)| (span(a), true, i))
+        .chain(read.iter().enumerate().map(|(i, a)| (span(a), false, i)))
+        .filter(|((s, e), _, _)| e > s)
+        .map(|((s, e), w, i)| (s, e, w, i))
         .collect();
     spans.sort_unstable();
-    // Sorted by start: an overlap, if any, shows between a span and the
-    // furthest-reaching span before it.
-    let mut reach: Option<(usize, usize)> = None;
-    for &(start, end, i) in &spans {
-        if let Some((e0, j)) = reach {
-            if start < e0 {
-                let (a, b) = (i.min(j), i.max(j));
-                return Err(Bad::Value(format!(
-                    "{what}s {a} and {b} share memory: gradsync writes each layer's result in place"
-                )));
-            }
+    let name = |w: bool, i: usize| format!("{} {i}", if w { "gradient" } else { "weight" });
+    // Sorted by start, an overlapping pair shows when its later-starting
+    // array is reached: against the furthest-reaching array before it if
+    // that one is written, else against the furthest-reaching written one.
+    // (end, written?, index) of the furthest-reaching array so far, and
+    // of the furthest-reaching written one.
+    type Reach = Option<(usize, bool, usize)>;
+    let (mut any, mut wr): (Reach, Reach) = (None, None);
+    for &(start, end, w, i) in &spans {
+        let hit = if w { any } else { wr };
+        if let Some((_, w0, j)) = hit.filter(|&(e0, _, _)| start < e0) {
+            return Err(Bad::Value(format!(
+                "{} and {} share memory: gradsync writes each layer's result in place",
+                name(w0, j),
+                name(w, i)
+            )));
         }
-        if reach.is_none_or(|(e0, _)| end > e0) {
-            reach = Some((end, i));
+        if any.is_none_or(|(e0, _, _)| end > e0) {
+            any = Some((end, w, i));
+        }
+        if w && wr.is_none_or(|(e0, _, _)| end > e0) {
+            wr = Some((end, w, i));
         }
     }
     Ok(())
@@ -582,6 +598,9 @@ impl PyGradSync {
             Ok(a) => a.unwrap_or_default(),
             Err(bad) => return Err(self.fail(py, bad)),
         };
+        if let Err(bad) = no_overlap(&arrays, &warrays) {
+            return Err(self.fail(py, bad));
+        }
         let mut guards = match writable(&arrays) {
             Ok(g) => g,
             Err(bad) => return Err(self.fail(py, bad)),
@@ -660,6 +679,7 @@ impl PyGradSync {
         let arrays = self
             .check_list(grads, "gradient")
             .map_err(|b| b.raise(None))?;
+        no_overlap(&arrays, &[]).map_err(|b| b.raise(None))?;
         let mut guards = writable(&arrays).map_err(|b| b.raise(None))?;
         let mut slices: Vec<&mut [f32]> = guards
             .iter_mut()

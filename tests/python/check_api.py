@@ -623,6 +623,38 @@ for how, alias in [
     pair = [buf[0:8], alias()] if rank == last else [np.zeros(8, np.float32), np.zeros(8, np.float32)]
     e = expect_error(lambda: al.sync(pair), None, f"overlapping arrays ({how})")
     ok(isinstance(e, ValueError if rank == last else gradsync.Error) and "share memory" in str(e), f"{how} alias: {e}")
+# start() only reads: overlapping inputs are fine there.
+al.start([buf[0:8], buf[4:12]])
+al.wait([np.zeros(8, np.float32), np.zeros(8, np.float32)])
+# A weight that reaches a gradient's memory through another owner.
+wo = gradsync.GradSync(comm, momentum=0.0, weight_decay=1e-4)
+wo.register("a", (8,), strategy="dense")
+wg = [np.ones(8, np.float32)]
+ww = [np.frombuffer(memoryview(wg[0]), dtype=np.float32)] if rank == last else [np.ones(8, np.float32)]
+e = expect_error(lambda: wo.sync(wg, weights=ww), None, "a weight over a gradient")
+ok("weight 0 and gradient 0 share memory" in str(e), f"weight over gradient: {e}")
+wo.close()
+
+
+# A legacy DLPack producer (no max_version): numpy imports it read-only, so
+# the engine's own importer takes it, in place.
+class Legacy:
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+lgs = gradsync.GradSync(comm, momentum=0.0)
+lgs.register("a", (8,), strategy="dense")
+lx = np.full(8, float(rank + 1), np.float32)
+lgs.sync([Legacy(lx)])
+ok(np.allclose(lx, sum(r + 1 for r in range(p)) / p), f"legacy DLPack tensor synced in place: {lx}")
+lgs.close()
 # Sequences other than lists (UserList, deque) carry tensors to start().
 import collections
 
@@ -641,6 +673,8 @@ for kw, needle in [
     ok(needle in str(e), f"{kw}: {e}")
 nf = gradsync.GradSync(comm, non_finite="propagate")
 nf.close()
+e = expect_error(lambda: gradsync.GradSync(comm, nonfinite="error", non_finite="propagate"), None, "both, one default-valued")
+ok("not both" in str(e), f"both spellings: {e}")
 e = expect_error(lambda: gradsync.GradSync(comm, nonfinite="propagate", non_finite="error"), None, "both spellings")
 ok("not both" in str(e), f"both spellings: {e}")
 # allreduce: "auto" is no algorithm of a call; a list is named as a list.
