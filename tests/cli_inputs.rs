@@ -559,7 +559,11 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
     assert_fails_with(
         &job,
         "sparse-allreduce overflow",
-        &["--profile: its constants price", "not a finite time"],
+        &[
+            "--profile",
+            "alpha-huge.json: its constants price",
+            "not a finite time",
+        ],
     );
     assert_agreed(&job, "sparse-allreduce overflow");
     // model-check likewise needs a network (it printed a 395× error).

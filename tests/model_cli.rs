@@ -480,11 +480,31 @@ fn file_errors_name_the_file_entry_and_field() {
         ] {
             let (ok, _, err) = gradsync(&args);
             assert!(
-                !ok && err.contains("/dev/zero") && err.contains("larger than"),
+                !ok && err.contains("/dev/zero") && err.contains("not a regular file (a device)"),
                 "{args:?}: {err}"
             );
         }
     }
+    // A regular file past the size limit (a sparse one: no disk used).
+    let huge = std::env::temp_dir().join(format!("gs-huge-{}.json", std::process::id()));
+    std::fs::File::create(&huge)
+        .and_then(|f| f.set_len((64 << 20) + 1))
+        .expect("sparse file");
+    let h = huge.to_str().unwrap();
+    let (ok, _, err) = gradsync(&[
+        "predict",
+        "--elements",
+        "10",
+        "--ranks",
+        "4",
+        "--profile",
+        h,
+    ]);
+    std::fs::remove_file(&huge).ok();
+    assert!(
+        !ok && err.contains(h) && err.contains("larger than"),
+        "{err}"
+    );
     // A codec's wire bytes per element out of range (it panicked `plan`:
     // a NaN message size) and a negative fit: errors naming the field.
     for (name, field, want) in [

@@ -5,7 +5,7 @@
 //! The engine (`gradsync_fuzz::engine`, one rank over `LocalComm`) is built
 //! once; every run starts from the same state (after two steps).
 //!
-//! Snapshot files end in a CRC-32 of their payload (format 3), which a
+//! Snapshot files end in a CRC-32 of their payload (format 3 and later), which a
 //! mutated input almost never matches. So the fuzzer's input is the
 //! *payload*: the target appends its valid CRC and fuzzes the parser and
 //! the validation behind the checksum (the checksum itself is covered by

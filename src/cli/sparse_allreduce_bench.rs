@@ -47,6 +47,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
 
 /// The model's time of `algo` (one of [`ALGOS`]) for `k` pairs of `n`.
 fn predicted(
+    path: &std::path::Path,
     prof: &Profile,
     algo: &str,
     n: usize,
@@ -62,7 +63,8 @@ fn predicted(
     let t = cost::sparse_collective(prof, id, n, k, p, l, None)?;
     if !t.is_finite() {
         return Err(Error::InvalidArgument(format!(
-            "--profile: its constants price {algo} of {n} elements at {t} s (not a finite time)"
+            "--profile {}: its constants price {algo} of {n} elements at {t} s (not a finite time)",
+            path.display()
         )));
     }
     Ok(t)
@@ -129,7 +131,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 .map(|name| {
                     profile
                         .as_ref()
-                        .map(|prof| predicted(prof, name, n, pairs_of(density, n), p, per_node))
+                        .map(|prof| {
+                            let path = a.profile.as_deref().unwrap_or(std::path::Path::new(""));
+                            predicted(path, prof, name, n, pairs_of(density, n), p, per_node)
+                        })
                         .transpose()
                 })
                 .collect::<Result<Vec<_>>>()
