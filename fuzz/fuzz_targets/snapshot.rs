@@ -57,6 +57,10 @@ fuzz_target!(|payload: &[u8]| {
                 f.engine
                     .restore_bytes(&f.baseline)
                     .expect("baseline restores");
+                // The baseline's state again, under a new run identity (a
+                // restore starts a branch of the run): the bytes to compare
+                // later refusals against.
+                f.baseline = f.engine.snapshot_bytes().expect("snapshot");
             }
         }
     });

@@ -2599,31 +2599,12 @@ fn snapshots_from_different_steps_are_refused_everywhere() {
 /// Snapshots of two runs at the same step (rank 1's from another job)
 /// passed every check, and the dense layers' momentum drifted apart with no
 /// error: the run's identity, agreed at creation and kept in the file, is
-/// compared with the step. A restored run keeps the identity it loaded, so
-/// its own later snapshots restore together with those.
+/// compared with the step. A restore starts a branch of the loaded run
+/// (its identity mixed with the restoring job's), so two jobs restored
+/// from the same files write different identities.
 #[test]
 fn snapshots_of_different_runs_are_refused_everywhere() {
-    let run = |seed: usize| {
-        LocalComm::run(2, move |c| {
-            let rank = c.rank();
-            let mut s = GradSync::with_transport(
-                c,
-                Config {
-                    momentum: 0.9,
-                    ..cfg()
-                },
-            )
-            .expect("engine");
-            s.register("d", &[16]).expect("dense");
-            for step in 0..2 {
-                let mut g = grad(rank + seed, step, 0, 16);
-                s.sync(&mut [&mut g[..]]).expect("sync");
-            }
-            s.snapshot_bytes().expect("snapshot")
-        })
-    };
-    let (a, b) = (run(0), run(7));
-    let engine = |c: LocalComm| {
+    fn engine(c: LocalComm) -> GradSync<LocalComm> {
         let mut s = GradSync::with_transport(
             c,
             Config {
@@ -2634,7 +2615,19 @@ fn snapshots_of_different_runs_are_refused_everywhere() {
         .expect("engine");
         s.register("d", &[16]).expect("dense");
         s
+    }
+    let run = |seed: usize| {
+        LocalComm::run(2, move |c| {
+            let rank = c.rank();
+            let mut s = engine(c);
+            for step in 0..2 {
+                let mut g = grad(rank + seed, step, 0, 16);
+                s.sync(&mut [&mut g[..]]).expect("sync");
+            }
+            s.snapshot_bytes().expect("snapshot")
+        })
     };
+    let (a, b) = (run(0), run(7));
     let res = LocalComm::run(2, |c| {
         let rank = c.rank();
         let mut s = engine(c);
