@@ -399,38 +399,24 @@ unsafe fn mut_slices<'a>(
 /// overwrite another's, differently on the rank that passed them (its
 /// replicas drift apart with `GS_OK`). `spans`: (address, floats).
 fn no_overlap(eng: &gs_engine, what: &str, spans: &[(usize, usize)]) -> Result<(), String> {
-    let mut order: Vec<(usize, usize, usize)> = spans
+    let bytes: Vec<(usize, usize, bool)> = spans
         .iter()
-        .enumerate()
-        .filter(|(_, &(_, n))| n > 0)
-        .map(|(i, &(a, n))| (a, a.saturating_add(n.saturating_mul(4)), i))
+        .map(|&(a, n)| (a, n.saturating_mul(4), true))
         .collect();
-    order.sort_unstable();
-    // Sorted by start: an overlap shows against the furthest-reaching
-    // array before it.
-    let mut reach: Option<(usize, usize)> = None;
-    for &(start, end, i) in &order {
-        if let Some((e0, j)) = reach {
-            if start < e0 {
-                let (a, b) = (i.min(j), i.max(j));
-                let name = |k: usize| {
-                    eng.sync
-                        .layer(LayerId(k))
-                        .map_or_else(String::new, |(nm, _, _)| format!(" (layer {nm:?})"))
-                };
-                return Err(format!(
-                    "{what}: grads[{a}]{} and grads[{b}]{} overlap (each layer's result is \
-                     written in place)",
-                    name(a),
-                    name(b)
-                ));
-            }
-        }
-        if reach.is_none_or(|(e0, _)| end > e0) {
-            reach = Some((end, i));
-        }
-    }
-    Ok(())
+    let Some((a, b)) = gradsync_engine::sync::first_overlap(&bytes) else {
+        return Ok(());
+    };
+    let name = |k: usize| {
+        eng.sync
+            .layer(LayerId(k))
+            .map_or_else(String::new, |(nm, _, _)| format!(" (layer {nm:?})"))
+    };
+    Err(format!(
+        "{what}: grads[{a}]{} and grads[{b}]{} overlap (each layer's result is written in \
+         place)",
+        name(a),
+        name(b)
+    ))
 }
 
 unsafe fn mut_slice<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {

@@ -270,18 +270,13 @@ impl crate::PyGradSync {
             ));
         }
         // In place: no two gradients may share memory.
-        let mut spans: Vec<(usize, usize, usize)> = out
+        let spans: Vec<(usize, usize, bool)> = out
             .iter()
-            .enumerate()
-            .filter(|(_, t)| t.len > 0)
-            .map(|(i, t)| (t.ptr as usize, t.ptr as usize + 4 * t.len, i))
+            .map(|t| (t.ptr as usize, 4 * t.len, true))
             .collect();
-        spans.sort_unstable();
-        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        if let Some((a, b)) = gradsync::sync::first_overlap(&spans) {
             return Err(Bad::Value(format!(
-                "gradients {} and {} share memory: gradsync writes each in place",
-                w[0].2.min(w[1].2),
-                w[0].2.max(w[1].2)
+                "gradients {a} and {b} share memory: gradsync writes each in place"
             )));
         }
         Ok(out)

@@ -373,55 +373,40 @@ impl PyGradSync {
 
 /// Refuse arrays written in place (`written`: the gradients of `sync` and
 /// `wait`) whose memory overlaps another array of the call (`read`: the
-/// weights): one layer's result would overwrite another's, or a weight
-/// change under its read. numpy's borrow flags see overlaps only between
-/// views of one base; arrays that reach the same memory through different
-/// owners (DLPack imports, `np.frombuffer` of a memoryview,
-/// `__array_interface__` wrappers) are caught here, by address. Arrays
-/// that are only read may overlap each other.
+/// weights; [`gradsync::sync::first_overlap`]). numpy's borrow flags see
+/// overlaps only between views of one base; arrays that reach the same
+/// memory through different owners (DLPack imports, `np.frombuffer` of a
+/// memoryview, `__array_interface__` wrappers) are caught here, by address.
 fn no_overlap(
     written: &[Bound<'_, PyArrayDyn<f32>>],
     read: &[Bound<'_, PyArrayDyn<f32>>],
 ) -> Result<(), Bad> {
-    // (start, end, written?, index)
-    let span = |a: &Bound<'_, PyArrayDyn<f32>>| {
-        let start = a.data() as usize;
-        (start, start + a.len() * std::mem::size_of::<f32>())
+    let span = |a: &Bound<'_, PyArrayDyn<f32>>, w: bool| {
+        (a.data() as usize, a.len() * std::mem::size_of::<f32>(), w)
     };
-    let mut spans: Vec<(usize, usize, bool, usize)> = written
+    let spans: Vec<(usize, usize, bool)> = written
         .iter()
-        .enumerate()
-        .map(|(i, a)| (span(a), true, i))
-        .chain(read.iter().enumerate().map(|(i, a)| (span(a), false, i)))
-        .filter(|((s, e), _, _)| e > s)
-        .map(|((s, e), w, i)| (s, e, w, i))
+        .map(|a| span(a, true))
+        .chain(read.iter().map(|a| span(a, false)))
         .collect();
-    spans.sort_unstable();
-    let name = |w: bool, i: usize| format!("{} {i}", if w { "gradient" } else { "weight" });
-    // Sorted by start, an overlapping pair shows when its later-starting
-    // array is reached: against the furthest-reaching array before it if
-    // that one is written, else against the furthest-reaching written one.
-    // (end, written?, index) of the furthest-reaching array so far, and
-    // of the furthest-reaching written one.
-    type Reach = Option<(usize, bool, usize)>;
-    let (mut any, mut wr): (Reach, Reach) = (None, None);
-    for &(start, end, w, i) in &spans {
-        let hit = if w { any } else { wr };
-        if let Some((_, w0, j)) = hit.filter(|&(e0, _, _)| start < e0) {
-            return Err(Bad::Value(format!(
-                "{} and {} share memory: gradsync writes each layer's result in place",
-                name(w0, j),
-                name(w, i)
-            )));
-        }
-        if any.is_none_or(|(e0, _, _)| end > e0) {
-            any = Some((end, w, i));
-        }
-        if w && wr.is_none_or(|(e0, _, _)| end > e0) {
-            wr = Some((end, w, i));
-        }
-    }
-    Ok(())
+    let Some((a, b)) = gradsync::sync::first_overlap(&spans) else {
+        return Ok(());
+    };
+    let name = |k: usize| match k.checked_sub(written.len()) {
+        None => format!("gradient {k}"),
+        Some(w) => format!("weight {w}"),
+    };
+    // Name the weight first when a weight meets a gradient.
+    let (first, second) = if b >= written.len() && a < written.len() {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    Err(Bad::Value(format!(
+        "{} and {} share memory: gradsync writes each layer's result in place",
+        name(first),
+        name(second)
+    )))
 }
 
 fn stats_dict(py: Python<'_>, stats: &gradsync::sync::StepStats) -> PyResult<Py<PyAny>> {

@@ -629,5 +629,43 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
+/// The first pair of a call's buffers whose memory overlaps where at least
+/// one of the two is written in place, as indices into `spans` (address,
+/// bytes, written); empty buffers never overlap. For the bindings (C ABI,
+/// Python), which take the caller's buffers by address: one layer's result
+/// written over another's, or over a buffer still to be read, would leave
+/// that rank's replica different from its peers' without an error.
+/// Buffers that are only read may overlap each other.
+///
+/// ```
+/// use gradsync::sync::first_overlap;
+/// // The second buffer starts inside the first, which is written.
+/// assert_eq!(first_overlap(&[(0, 64, true), (32, 64, false)]), Some((0, 1)));
+/// // Two buffers that are only read may share memory.
+/// assert_eq!(first_overlap(&[(0, 64, false), (32, 64, false)]), None);
+/// ```
+pub fn first_overlap(spans: &[(usize, usize, bool)]) -> Option<(usize, usize)> {
+    let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
+    order.sort_unstable_by_key(|&i| spans[i].0);
+    let end = |i: usize| spans[i].0.saturating_add(spans[i].1);
+    // By start: a pair shows when its later-starting buffer is reached,
+    // against the furthest-reaching buffer before it (any, for a written
+    // one; a written one, for a read one).
+    let (mut any, mut written): (Option<usize>, Option<usize>) = (None, None);
+    for &i in &order {
+        let hit = if spans[i].2 { any } else { written };
+        if let Some(j) = hit.filter(|&j| spans[i].0 < end(j)) {
+            return Some((j.min(i), j.max(i)));
+        }
+        if any.is_none_or(|j| end(i) > end(j)) {
+            any = Some(i);
+        }
+        if spans[i].2 && written.is_none_or(|j| end(i) > end(j)) {
+            written = Some(i);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests;

@@ -45,6 +45,12 @@ struct Snapshot {
     run: u64,
 }
 
+/// Two values as one hash (FNV-1a of both, little-endian).
+fn mix(a: u64, b: u64) -> u64 {
+    use super::table::{fnv, FNV_OFFSET};
+    fnv(fnv(FNV_OFFSET, &a.to_le_bytes()), &b.to_le_bytes())
+}
+
 /// A fresh run identity: random (the standard library's per-process
 /// random hash keys, and the clock), never 0.
 pub(super) fn new_run_id() -> u64 {
@@ -197,10 +203,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // failure wins), so every rank runs the same collective.
         let (step, run) = local.as_ref().map_or((0, 0), |r| (r.snap.step, r.snap.run));
         let print = (
-            super::table::fnv(
-                super::table::fnv(super::table::FNV_OFFSET, &step.to_le_bytes()),
-                &run.to_le_bytes(),
-            ),
+            mix(step, run),
             format!(
                 "snapshots from different steps or runs: rank {}'s ({what}) is at step {step} \
                  of run {run:016x}, another rank's is not",
@@ -257,15 +260,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 };
                 Error::Snapshot(format!("corrupt or truncated: {why}"))
             })?;
-        if snap.magic != MAGIC {
-            return Err(Error::Snapshot("not a gradsync snapshot".into()));
-        }
-        if snap.version != SNAPSHOT_VERSION {
-            return Err(Error::Snapshot(format!(
-                "format version {} (this build reads {SNAPSHOT_VERSION})",
-                snap.version
-            )));
-        }
+        // (Magic and version were checked above: a payload shorter than
+        // 12 bytes does not decode.)
         if snap.step > MAX_STEP {
             return Err(Error::Snapshot(format!(
                 "step {} is past any run (at most {MAX_STEP}): corrupt",
@@ -379,10 +375,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // this job's (alike on every rank). Two jobs restored from the same
         // files then write different identities, so a mix of their later
         // snapshots is refused too.
-        self.run = super::table::fnv(
-            super::table::fnv(super::table::FNV_OFFSET, &snap.run.to_le_bytes()),
-            &self.run.to_le_bytes(),
-        );
+        self.run = mix(snap.run, self.run);
     }
 
     /// Write the snapshot to `path` (atomically: a temporary file renamed

@@ -735,28 +735,24 @@ fn bad_calls_are_errors() {
             assert!(e.to_string().contains(&format!("delay {delay}")), "{e}");
         });
     }
-    for auto_density in [0.0, -1.0, 5.0, f64::NAN] {
-        let bad = Config {
-            auto_density,
-            ..cfg()
-        };
+    let auto_density = [0.0, -1.0, 5.0, f64::NAN].map(|auto_density| Config {
+        auto_density,
+        ..cfg()
+    });
+    let weight_decay = [-0.1, f32::NAN, f32::INFINITY].map(|weight_decay| Config {
+        weight_decay,
+        ..cfg()
+    });
+    for (bad, needle) in auto_density
+        .into_iter()
+        .map(|c| (c, "auto_density"))
+        .chain(weight_decay.into_iter().map(|c| (c, "weight_decay")))
+    {
         LocalComm::run(1, |c| {
             let e = GradSync::with_transport(c, bad.clone())
                 .err()
                 .expect("refused");
-            assert!(e.to_string().contains("auto_density"), "{e}");
-        });
-    }
-    for weight_decay in [-0.1, f32::NAN, f32::INFINITY] {
-        let bad = Config {
-            weight_decay,
-            ..cfg()
-        };
-        LocalComm::run(1, |c| {
-            let e = GradSync::with_transport(c, bad.clone())
-                .err()
-                .expect("refused");
-            assert!(e.to_string().contains("weight_decay"), "{e}");
+            assert!(e.to_string().contains(needle), "{e}");
         });
     }
     let ok = Config {
@@ -2836,4 +2832,25 @@ fn bad_gradiveq_parameters_and_repeated_keys_fail_registration() {
             .map(|_| ())
     });
     assert!(res.iter().all(Result::is_ok), "{res:?}");
+}
+
+/// [`first_overlap`]: a written buffer meets any other, a read one only a
+/// written one, through a buffer that reaches past its neighbours too;
+/// empty buffers and touching ends never overlap.
+#[test]
+fn first_overlap_finds_written_pairs_only() {
+    // A long read buffer holds a short read one, then a written one.
+    let spans = [(0, 100, false), (10, 10, false), (50, 10, true)];
+    assert_eq!(first_overlap(&spans), Some((0, 2)));
+    // Only read buffers, nested: fine.
+    assert_eq!(first_overlap(&spans[..2]), None);
+    // Written buffers that touch end to start, and an empty one inside.
+    let spans = [(0, 8, true), (8, 8, true), (4, 0, true)];
+    assert_eq!(first_overlap(&spans), None);
+    // The same buffer twice, written: found, indices in order.
+    assert_eq!(
+        first_overlap(&[(64, 8, true), (0, 8, true), (64, 8, true)]),
+        Some((0, 2))
+    );
+    assert_eq!(first_overlap(&[]), None);
 }
