@@ -228,22 +228,40 @@ pub(crate) fn create_temp_beside(
     }
 }
 
+/// Where [`write_replacing`] writes `path` (a symlink's target) and the
+/// permission bits the new file gets (the replaced file's), or why it
+/// must not: a special file (the rename would replace a device node, as
+/// root) or a read-only file (`>` would refuse it too, as a user; a
+/// write-protected profile or snapshot is one somebody meant to keep).
+pub(crate) fn replace_target(
+    path: &std::path::Path,
+) -> Result<(std::path::PathBuf, Option<std::fs::Permissions>), String> {
+    if let Some(kind) = special_file(path) {
+        return Err(format!("not a regular file ({kind})"));
+    }
+    let target = write_target(path);
+    let keep = std::fs::metadata(&target).ok().map(|m| m.permissions());
+    if keep.as_ref().is_some_and(|perm| perm.readonly()) {
+        return Err("the file is read-only (no write permission bit); not replaced".into());
+    }
+    Ok((target, keep))
+}
+
 /// Write `bytes` to `path` through a temporary file beside it (synced)
 /// and a rename, so that a full disk or a crash leaves the old file whole
 /// (and no temporary file behind on an error). A symlink keeps pointing
 /// to the file, which is what is replaced. A target that exists and is
 /// not a regular file is refused: the rename would replace it (a device
-/// node, when run as root). Errors are the I/O error's text (the caller
-/// names the file).
+/// node, when run as root). A replaced file's permission bits are kept;
+/// a read-only one is refused.
+/// Errors are the I/O error's text (the caller names the file).
 pub(crate) fn write_replacing(path: &std::path::Path, bytes: &[u8]) -> Result<(), String> {
     use std::io::Write;
-    if let Some(kind) = special_file(path) {
-        return Err(format!("not a regular file ({kind})"));
-    }
-    let target = write_target(path);
+    let (target, keep) = replace_target(path)?;
     let (tmp, mut f) = create_temp_beside(&target).map_err(|e| e.to_string())?;
     let r = f
         .write_all(bytes)
+        .and_then(|()| keep.map_or(Ok(()), |perm| f.set_permissions(perm)))
         .and_then(|()| f.sync_all())
         .and_then(|()| std::fs::rename(&tmp, &target));
     r.map_err(|e| {
@@ -311,8 +329,17 @@ mod tests {
         assert!(e.contains("a device"), "{e}");
         let f = dir.join("p.json");
         write_replacing(&f, b"old").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
         write_replacing(&f, b"new").unwrap();
         assert_eq!(std::fs::read(&f).unwrap(), b"new");
+        let mode = std::fs::metadata(&f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640, "the replaced file keeps its mode");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o444)).unwrap();
+        let e = write_replacing(&f, b"lost").unwrap_err();
+        assert!(e.contains("read-only"), "{e}");
+        assert_eq!(std::fs::read(&f).unwrap(), b"new");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
         // Through a symlink: the link stays, its target gets the bytes.
         let link = dir.join("link.json");
         std::os::unix::fs::symlink("p.json", &link).unwrap();

@@ -74,15 +74,10 @@ fn parse_densities(s: &str) -> Result<Vec<f64>> {
 /// this creates and removes one such file. Leaves an existing file as it
 /// is and no new file behind.
 pub(super) fn check_writable(out: &std::path::Path, flag: &str) -> Result<()> {
-    // Opening a FIFO blocks (rank 0 alone, its peers waiting), and the
-    // rename would replace a special file.
-    if let Some(kind) = crate::error::special_file(out) {
-        return Err(Error::file(
-            out,
-            format!("{flag}: cannot write the profile: not a regular file ({kind})"),
-        ));
-    }
-    let target = crate::error::write_target(out);
+    // Opening a FIFO blocks (rank 0 alone, its peers waiting), the rename
+    // would replace a special file, and a read-only file is kept.
+    let (target, _) = crate::error::replace_target(out)
+        .map_err(|e| Error::file(out, format!("{flag}: cannot write the profile: {e}")))?;
     let (tmp, _) = crate::error::create_temp_beside(&target)
         .map_err(|e| Error::file(out, format!("{flag}: cannot write the profile: {e}")))?;
     std::fs::remove_file(&tmp)

@@ -108,6 +108,13 @@ fn all_finite(x: &[f32]) -> bool {
     x.iter().fold(true, |a, v| a & v.is_finite())
 }
 
+/// Whether this step's input is finite: the gradient, and the weights
+/// where weight decay reads them (unused weights are not checked: a NaN
+/// there changes nothing gradsync computes).
+fn input_finite(g: &[f32], w: Option<&[f32]>, p: &StepParams) -> bool {
+    all_finite(g) && (p.wd == 0.0 || w.is_none_or(all_finite))
+}
+
 #[allow(clippy::needless_range_loop)] // index loops over several parallel arrays
 impl Layer {
     /// The momentum-corrected local direction of `g_eff` (updates `U`):
@@ -135,7 +142,7 @@ impl Layer {
     fn local_step(&mut self, g: &[f32], w: Option<&[f32]>, p: &StepParams) {
         let t = Instant::now();
         self.dir.resize(self.n, 0.0);
-        if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
+        if !input_finite(g, w, p) {
             self.dir.fill(f32::NAN);
             self.non_finite = true;
         } else if p.momentum == 0.0 {
@@ -165,7 +172,7 @@ impl Layer {
         want: Option<f64>,
     ) -> Result<()> {
         let t0 = Instant::now();
-        if !all_finite(g) || w.is_some_and(|w| !all_finite(w)) {
+        if !input_finite(g, w, p) {
             self.non_finite = true;
             self.unit.clear();
             self.stats.pack_s = t0.elapsed().as_secs_f64();
@@ -368,7 +375,7 @@ impl Layer {
     ) -> bool {
         const BLOCK: usize = 4096;
         let t = Instant::now();
-        if p.delay && (!all_finite(g) || w.is_some_and(|w| !all_finite(w))) {
+        if p.delay && !input_finite(g, w, p) {
             // With `delay > 1` the momentum is applied here, before the
             // exchange: a non-finite gradient must not reach `U` or `acc`.
             // The NaN contribution makes the sum non-finite on every rank,

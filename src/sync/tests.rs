@@ -420,6 +420,59 @@ fn non_finite_gradients_follow_the_policy() {
     }
 }
 
+/// Weights are input only where weight decay reads them: NaN weights
+/// change nothing without it (the step equals one without weights), and
+/// with it they void the step on every rank like a NaN gradient, naming
+/// the layer and the rank.
+#[test]
+fn non_finite_weights_matter_only_with_weight_decay() {
+    for wd in [0.0f32, 0.1] {
+        let res = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let config = Config {
+                weight_decay: wd,
+                ..cfg()
+            };
+            let mut s = GradSync::with_transport(c, config).expect("engine");
+            s.register("d", &[8]).expect("dense");
+            s.register_with("s", &[400], Strategy::rgc(0.05))
+                .expect("sparse");
+            let mut d = grad(rank, 0, 0, 8);
+            let mut g = grad(rank, 0, 1, 400);
+            let wd_ = vec![0.5f32; 8];
+            let mut ws = vec![0.5f32; 400];
+            if rank == 1 {
+                ws[7] = f32::NAN;
+            }
+            let r = s
+                .sync_with_weights(&mut [&mut d[..], &mut g[..]], &[&wd_[..], &ws[..]])
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            (r, d, g)
+        });
+        let plain = LocalComm::run(3, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            s.register("d", &[8]).expect("dense");
+            s.register_with("s", &[400], Strategy::rgc(0.05))
+                .expect("sparse");
+            let mut d = grad(rank, 0, 0, 8);
+            let mut g = grad(rank, 0, 1, 400);
+            s.sync(&mut [&mut d[..], &mut g[..]]).expect("step");
+            (d, g)
+        });
+        for ((r, d, g), (pd, pg)) in res.iter().zip(&plain) {
+            if wd == 0.0 {
+                r.as_ref().expect("unused NaN weights are no error");
+                assert_eq!((d, g), (pd, pg), "the same step as without weights");
+            } else {
+                let e = r.as_ref().expect_err("every rank fails");
+                assert!(e.contains("\"s\"") && e.contains("rank 1"), "{e}");
+            }
+        }
+    }
+}
+
 /// A dense layer's NaN/Inf makes its sum non-finite on every rank; the
 /// status words name the lowest rank whose input was non-finite (one rank:
 /// itself), and a sum that overflowed from finite inputs names none.
