@@ -439,7 +439,7 @@ fn non_finite_weights_matter_only_with_weight_decay() {
                 .expect("sparse");
             let mut d = grad(rank, 0, 0, 8);
             let mut g = grad(rank, 0, 1, 400);
-            let wd_ = vec![0.5f32; 8];
+            let wd_ = [0.5f32; 8];
             let mut ws = vec![0.5f32; 400];
             if rank == 1 {
                 ws[7] = f32::NAN;
