@@ -388,9 +388,20 @@ def predict(
     Give ``profile`` (a ``gradsync calibrate`` file), or ``alpha`` (seconds)
     and ``bandwidth`` (bytes/s). Other keywords: ``gamma_reduce``,
     ``gamma_unpack``, ``select_cost``, ``select_fixed``, ``select_method``,
-    ``gradiveq_ratio``, ``strategies`` (a list of names). Returns
+    ``gradiveq_ratio``, ``strategies`` (a list of names), and the
+    two-level model's ``ranks_per_node`` (block placement; the node-aware
+    strategies are priced only when it is below ``ranks``),
+    ``inter_alpha`` (seconds) and ``inter_bandwidth`` (bytes/s) for the
+    link between nodes (default: the profile's ``inter_node``), ``fill``
+    (a measured fill ratio in (0, 1]). Errors name these keywords. Returns
     ``{"elements", "bytes", "ranks", "density", "strategies": [{"name",
     "seconds", "wire_bytes"}, ...], "choice"}``.
+
+    >>> import gradsync
+    >>> r = gradsync.predict(10**6, 64, alpha=5e-6, bandwidth=1e10,
+    ...                      ranks_per_node=8, inter_alpha=2e-5, inter_bandwidth=1.25e8)
+    >>> "sparse-hierarchical" in [s["name"] for s in r["strategies"]]
+    True
     """
     return _gradsync.predict(
         elements, ranks, density, _os.fspath(profile) if profile is not None else None, **model

@@ -872,7 +872,8 @@ fn allreduce(
 #[pyfunction]
 #[pyo3(signature = (elements, ranks, density=0.001, profile=None, alpha=None, bandwidth=None,
     gamma_reduce=None, gamma_unpack=None, select_cost=None, select_fixed=None,
-    select_method="trimmed", gradiveq_ratio=8.0, strategies=None))]
+    select_method="trimmed", gradiveq_ratio=8.0, strategies=None, ranks_per_node=None,
+    inter_alpha=None, inter_bandwidth=None, fill=None))]
 #[allow(clippy::too_many_arguments)]
 fn predict(
     py: Python<'_>,
@@ -889,6 +890,10 @@ fn predict(
     select_method: &str,
     gradiveq_ratio: f64,
     strategies: Option<Vec<String>>,
+    ranks_per_node: Option<u64>,
+    inter_alpha: Option<f64>,
+    inter_bandwidth: Option<f64>,
+    fill: Option<f64>,
 ) -> PyResult<Py<PyAny>> {
     if profile.is_some() && (alpha.is_some() || bandwidth.is_some()) {
         return Err(PyValueError::new_err(
@@ -911,17 +916,47 @@ fn predict(
         select_method: select_method.to_string(),
         gradiveq_ratio,
         strategies: strategies.unwrap_or_default().join(","),
-        ranks_per_node: None,
-        inter_alpha: None,
-        inter_bandwidth: None,
-        fill: None,
+        ranks_per_node,
+        inter_alpha,
+        inter_bandwidth,
+        fill,
     };
     let rec = m
         .profile()
         .and_then(|p| gradsync::cli::predict_record(&p, &m, elements, ranks, density))
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        .map_err(|e| PyValueError::new_err(python_flags(&e.to_string())))?;
     let v = serde_json::to_value(&rec).map_err(|e| Error::new_err(e.to_string()))?;
     json_to_py(py, &v)
+}
+
+/// The command line's flags in a model error, as this module's keywords
+/// (`--ranks-per-node` → `ranks_per_node=`): the same checks serve both.
+fn python_flags(msg: &str) -> String {
+    // Longest first: `--ranks-per-node` before `--ranks`.
+    const FLAGS: [&str; 17] = [
+        "--inter-bandwidth",
+        "--ranks-per-node",
+        "--gradiveq-ratio",
+        "--select-method",
+        "--gamma-reduce",
+        "--gamma-unpack",
+        "--select-fixed",
+        "--select-cost",
+        "--inter-alpha",
+        "--strategies",
+        "--bandwidth",
+        "--elements",
+        "--density",
+        "--profile",
+        "--alpha",
+        "--ranks",
+        "--fill",
+    ];
+    let mut out = msg.to_string();
+    for flag in FLAGS {
+        out = out.replace(flag, &format!("{}=", flag[2..].replace('-', "_")));
+    }
+    out
 }
 
 /// `MPI_Get_library_version` of the MPI library this extension is linked with.

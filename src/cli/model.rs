@@ -85,6 +85,22 @@ impl ModelArgs {
             p.gamma_unpack = g;
             p.gamma_unpack_curve.clear();
         }
+        // clap checks these for the command line; the Python binding
+        // fills the same struct from keywords.
+        if self.ranks_per_node == Some(0) {
+            return Err(Error::InvalidArgument(
+                "--ranks-per-node 0: must be at least 1".into(),
+            ));
+        }
+        if (self.inter_alpha.is_some() || self.inter_bandwidth.is_some())
+            && self.ranks_per_node.is_none()
+        {
+            return Err(Error::InvalidArgument(
+                "--inter-alpha and --inter-bandwidth need --ranks-per-node (the link between \
+                 nodes is only used when ranks are placed on several nodes)"
+                    .into(),
+            ));
+        }
         if self.inter_alpha.is_some() || self.inter_bandwidth.is_some() {
             let mut e = p.inter_node.clone().unwrap_or(cost::NetLevel {
                 alpha: p.alpha,

@@ -462,6 +462,23 @@ hv.close()
 # An unknown selection method is an error, not a free selection.
 e = expect_error(lambda: gradsync.predict(elements=10**6, ranks=4, density=0.001, alpha=1e-5, bandwidth=1e9, select_method="zzz"), None, "predict with an unknown selection method")
 ok("zzz" in str(e), f"select_method error: {e}")
+# The two-level model from Python, as `gradsync predict --ranks-per-node`:
+# the node-aware strategies appear only when ranks span nodes, a slow link
+# between nodes costs the dense allreduce more, and errors name keywords.
+net = dict(elements=10**6, ranks=16, density=0.001, alpha=5e-6, bandwidth=1e10)
+one = gradsync.predict(**net)
+two = gradsync.predict(**net, ranks_per_node=4, inter_alpha=2e-5, inter_bandwidth=1.25e8)
+secs = lambda r: {s["name"]: s["seconds"] for s in r["strategies"]}
+ok("sparse-hierarchical" in secs(two) and secs(two)["dense-rabenseifner"] > 5 * secs(one)["dense-rabenseifner"],
+   f"two-level predict: {secs(one)} vs {secs(two)}")
+ok(secs(gradsync.predict(**net, ranks_per_node=4, inter_alpha=2e-5, inter_bandwidth=1.25e8, fill=0.5))["sparse-allreduce"]
+   < secs(two)["sparse-allreduce"], "a fill ratio below independent selections makes the sparse allreduce cheaper")
+for kw, needle in [(dict(ranks_per_node=0), "ranks_per_node= 0"),
+                   (dict(inter_alpha=1e-5), "ranks_per_node="),
+                   (dict(ranks_per_node=4, fill=1.5), "fill= 1.5"),
+                   (dict(strategies=["zzz"]), "strategies=")]:
+    e = expect_error(lambda: gradsync.predict(**net, **kw), None, f"predict with {kw}")
+    ok(isinstance(e, ValueError) and needle in str(e) and "--" not in str(e), f"predict {kw}: {e}")
 
 # Mismatched layer tables fail on every rank.
 t = gradsync.GradSync(comm)
