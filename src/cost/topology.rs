@@ -19,7 +19,8 @@
 //!
 //! | algorithm | partners at step `i` | source |
 //! |---|---|---|
-//! | Rabenseifner, recursive-doubling allgather | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
+//! | Rabenseifner | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
+//! | allgather (the allgatherv) | `r ⊕ 2^i` for a power of two; otherwise Bruck's `r − 2^i` (send) and `r + 2^i` (receive) | Thakur et al. §4.1; [`crate::dense::allgatherv`] |
 //! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`]) | Thakur et al. §4.3 |
 //! | sparse allreduce (split and reduce) | round `s`: `r → r + s` | Ok-Topk; [`crate::sparse::allreduce`] |
 //!
@@ -135,7 +136,7 @@ pub struct Burst {
 impl NetLevel {
     /// β at a message of `m` bytes.
     pub fn beta_at(&self, m: f64) -> f64 {
-        super::curve_at(&self.beta_curve, self.beta, m)
+        super::curve_time_at(&self.beta_curve, self.beta, m)
     }
 
     /// How much slower a two-way exchange moves each byte than one-way
@@ -250,7 +251,7 @@ impl<'a> Net<'a> {
         match &self.prof.inter_node {
             Some(e) if c > 0 && self.l < self.p => {
                 let beta = if oneway && !e.oneway_curve.is_empty() {
-                    super::curve_at(&e.oneway_curve, e.beta, m)
+                    super::curve_time_at(&e.oneway_curve, e.beta, m)
                 } else {
                     e.beta_at(m)
                 };
@@ -276,6 +277,10 @@ enum Sched {
     Doubling,
     /// Pairwise exchange `r → r + s`, `s = 1 … p − 1`.
     Pairwise,
+    /// Bruck's allgather (the allgatherv for `p` not a power of two): at
+    /// distance `d = 1, 2, 4, … < p`, `r` sends to `r − d` and receives
+    /// from `r + d`.
+    Bruck,
 }
 
 /// Crossing counts by schedule, ranks and ranks per node.
@@ -334,6 +339,12 @@ fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
             out
         }
         Sched::Pairwise => (1..p).map(|s| pairwise_crossing(p, l, s)).collect(),
+        // A node's ranks sending to r − d are as many as those receiving
+        // from r + d: the shift by d and by p − d cross alike.
+        Sched::Bruck => std::iter::successors(Some(1usize), |d| d.checked_mul(2))
+            .take_while(|&d| d < p)
+            .map(|d| pairwise_crossing(p, l, d))
+            .collect(),
     }
 }
 
@@ -457,17 +468,20 @@ fn allgather_in(net: &Net, m: f64) -> f64 {
     if p <= 1 || m <= 0.0 {
         return 0.0;
     }
-    let cross = crossings(Sched::Doubling, p, net.l);
+    // Recursive doubling (XOR partners) for a power of two, Bruck's
+    // (partners at distance d) otherwise: step i moves min(2^i, p − 2^i)
+    // blocks either way ([`crate::dense::allgatherv`]).
+    let sched = if p.is_power_of_two() {
+        Sched::Doubling
+    } else {
+        Sched::Bruck
+    };
+    let cross = crossings(sched, p, net.l);
     let mut t = 0.0;
     let mut q = 1usize;
-    for &c in &cross[..cross.len() - 1] {
+    for &c in &cross[..cross.len() - usize::from(sched == Sched::Doubling)] {
         t += net.step(q.min(p - q) as f64 * m, c);
         q *= 2;
-    }
-    if !p.is_power_of_two() {
-        // The fold: odd ranks hand their block in, and get all back.
-        let c = cross[cross.len() - 1];
-        t += net.step(m, c) + net.step(p as f64 * m, c);
     }
     t
 }

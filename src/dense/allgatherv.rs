@@ -1,12 +1,19 @@
 //! Allgatherv of variable-length byte messages: every rank ends with every
 //! rank's message, in rank order. Empty messages are fine.
 //!
-//! The recursive-doubling algorithm works for any `p`: with the same fold as
-//! Rabenseifner's allreduce, odd ranks among the first `2r` hand their message
-//! to their even partner, the `2^⌊lg p⌋` remaining ranks double their gathered
-//! range each step (a contiguous run of real ranks, so it is exchanged in place
-//! in the output buffer), and the even ranks finally send the whole result to
-//! their partners. Message lengths are gathered the same way first.
+//! `p` a power of two: recursive doubling (Thakur–Rabenseifner–Gropp §4.1):
+//! each step exchanges the gathered range with the partner at XOR distance
+//! `2^i`, a contiguous run of ranks, in place in the output buffer. Any
+//! other `p`: Bruck's algorithm (Bruck et al. 1997; Thakur et al. §4.1's
+//! choice for non-powers of two): at distance `d = 1, 2, 4, …` rank `r`
+//! sends the `min(d, p − d)` messages it holds, `r … r + d − 1`, to
+//! `r − d` and receives `r + d …` from `r + d`, in a scratch buffer in
+//! rank-relative order that one rotation puts in rank order at the end.
+//! Both take `⌈lg p⌉` steps and move `(p − 1)·m` bytes into each rank (the
+//! fold of the first `2r` ranks into pairs, which this used before for
+//! non-powers of two, moved about `2(p − 1)·m`: half the messages twice,
+//! then the whole result once more). Message lengths are gathered the same
+//! way first.
 
 use super::{Fold, TAG_ALLGATHERV as TAG};
 use crate::comm::{Elem, Transport};
@@ -17,7 +24,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllgathervAlgo {
-    /// Recursive doubling with the non-power-of-two fold (any transport).
+    /// Recursive doubling for a power of two ranks, Bruck's algorithm for
+    /// any other number (any transport; module docs).
     #[serde(rename = "recdbl")]
     RecursiveDoubling,
     /// The MPI library's own `MPI_Allgatherv` (only on [`MpiComm`](crate::comm::MpiComm)).
@@ -57,6 +65,8 @@ pub struct Gathered {
     pub displs: Vec<usize>,
     counts_u64: Vec<u64>,
     counts: Vec<usize>,
+    /// Bruck's rank-relative scratch (non-powers of two), kept for reuse.
+    scratch: Vec<u8>,
 }
 
 impl Gathered {
@@ -106,7 +116,8 @@ pub fn allgatherv_with<C: Transport>(
     out.counts_u64[rank] = mine.len() as u64;
     out.displs.clear();
     out.displs.extend(0..=p);
-    recdbl_inplace(comm, &mut out.counts_u64, &out.displs)?;
+    let mut scratch = Vec::new();
+    gather_inplace(comm, &mut out.counts_u64, &out.displs, &mut scratch)?;
     // 2. Displacements and the payload.
     out.displs.clear();
     out.displs.push(0);
@@ -129,7 +140,7 @@ pub fn allgatherv_with<C: Transport>(
     match algo {
         AllgathervAlgo::RecursiveDoubling => {
             out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
-            recdbl_inplace(comm, &mut out.data, &out.displs)
+            gather_inplace(comm, &mut out.data, &out.displs, &mut out.scratch)
         }
         AllgathervAlgo::Mpi => {
             out.counts.clear();
@@ -141,6 +152,66 @@ pub fn allgatherv_with<C: Transport>(
                 })?
         }
     }
+}
+
+/// Allgather in place (module docs): rank `i`'s block
+/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`; `scratch`
+/// is Bruck's buffer when `p` is not a power of two.
+fn gather_inplace<C: Transport, T: Elem>(
+    comm: &C,
+    buf: &mut [T],
+    displs: &[usize],
+    scratch: &mut Vec<T>,
+) -> Result<()> {
+    if comm.size().is_power_of_two() {
+        recdbl_inplace(comm, buf, displs)
+    } else {
+        bruck_inplace(comm, buf, displs, scratch)
+    }
+}
+
+/// Bruck's allgather in place, for any `p` (module docs).
+fn bruck_inplace<C: Transport, T: Elem>(
+    comm: &C,
+    buf: &mut [T],
+    displs: &[usize],
+    tmp: &mut Vec<T>,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    if p == 1 {
+        return Ok(());
+    }
+    let total = displs[p];
+    // rel[j]: where the message of rank (rank + j) mod p starts in `tmp`.
+    let mut rel = Vec::with_capacity(p + 1);
+    rel.push(0usize);
+    for j in 0..p {
+        let i = (rank + j) % p;
+        rel.push(rel[j] + displs[i + 1] - displs[i]);
+    }
+    tmp.clear();
+    tmp.resize(total, T::zeroed());
+    tmp[..rel[1]].copy_from_slice(&buf[displs[rank]..displs[rank + 1]]);
+    let mut d = 1;
+    while d < p {
+        // Held: relative messages 0..d. Send the first s to rank - d (they
+        // are its d..d+s), receive rank + d's first s as our d..d+s.
+        let s = d.min(p - d);
+        let (held, rest) = tmp.split_at_mut(rel[d]);
+        comm.sendrecv(
+            &held[..rel[s]],
+            (rank + p - d) % p,
+            &mut rest[..rel[d + s] - rel[d]],
+            (rank + d) % p,
+            TAG,
+        )?;
+        d *= 2;
+    }
+    // Relative order is rank, rank + 1, …, p − 1, 0, …, rank − 1.
+    let head = total - displs[rank];
+    buf[displs[rank]..].copy_from_slice(&tmp[..head]);
+    buf[..displs[rank]].copy_from_slice(&tmp[head..]);
+    Ok(())
 }
 
 /// Recursive-doubling allgather in place: rank `i`'s block

@@ -1981,7 +1981,7 @@ fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
                     assert_eq!(gs.fill_estimate, None, "{at}");
                     // The first step prices independent selections; later
                     // ones the measured fill (random data: about the same).
-                    let want = if p >= 4 { "allreduce" } else { "allgather" };
+                    let want = if p >= 3 { "allreduce" } else { "allgather" };
                     assert_eq!(cs.sparse_exchange, want, "{at}");
                     let red = cs.sparse_exchange == "allreduce";
                     let reduced: Vec<bool> = ca[t].1.iter().map(|u| u.0).collect();

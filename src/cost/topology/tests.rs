@@ -36,6 +36,50 @@ fn crossings_follow_the_partner_schedules() {
     assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
     // One node: nothing crosses.
     assert!(crossings(Sched::Pairwise, 5, 8).iter().all(|&c| c == 0));
+    // Bruck's allgather on 3 nodes of 2: at distance 1 one rank a node
+    // (0 -> 5, 2 -> 1, 4 -> 3) crosses, at 2 and 4 both.
+    assert_eq!(*crossings(Sched::Bruck, 6, 2), vec![1, 2, 2]);
+}
+
+/// The allgatherv for `p` not a power of two is Bruck's: `⌈lg p⌉` steps of
+/// `min(d, p − d)` blocks, `(p − 1)·m` in all (the fold it replaced moved
+/// about twice that, and the two-level model charged only half of it, so a
+/// 127-rank job came out cheaper than 64 ranks). With one rank per node
+/// and equal levels it is the one-level closed form, and across nodes it
+/// never gets cheaper with more ranks.
+#[test]
+fn the_allgather_is_bruck_for_any_p_and_grows_with_p() {
+    let pr = prof(Some((1e-6, 5e9)));
+    for p in [2usize, 3, 5, 6, 7, 12, 96, 127, 128, 129] {
+        for m in [8.0, 4096.0, 1e6] {
+            let a = allgather(&net(&pr, p, 1), m);
+            let b = crate::cost::ceil_lg(p) * pr.alpha + (p as f64 - 1.0) * m * pr.beta;
+            assert!(rel(a, b) < 1e-12, "p={p} m={m}: {a} vs {b}");
+        }
+    }
+    let slow = prof(Some((2e-5, 1.25e8)));
+    let mut last = 0.0;
+    for p in 2..=300usize {
+        let t = allgather(&net(&slow, p, 1), 1e5);
+        assert!(
+            t >= last,
+            "one rank a node: p={p} costs {t}, p-1 cost {last}"
+        );
+        last = t;
+    }
+    // Several ranks a node: recursive doubling keeps its first steps inside
+    // the nodes and Bruck's does not, so 15 ranks may cost more than 16,
+    // but never less than the power of two below them.
+    for l in [4usize, 8] {
+        for p in 2..=300usize {
+            let below = 1usize << (usize::BITS - 1 - p.leading_zeros());
+            let (t, t2) = (
+                allgather(&net(&slow, p, l), 1e5),
+                allgather(&net(&slow, below, l), 1e5),
+            );
+            assert!(t >= t2, "l={l}: p={p} costs {t}, {below} ranks {t2}");
+        }
+    }
 }
 
 #[test]
@@ -477,4 +521,22 @@ fn the_burst_credit_is_spent_once_per_collective() {
     });
     let e = pr.validate().unwrap_err().to_string();
     assert!(e.contains("inter_node.burst.bytes = -1"), "{e}");
+}
+
+/// A burst credit slower than the link's sustained rate is no credit: the
+/// model would ignore it without a word, so the profile is refused.
+#[test]
+fn a_burst_slower_than_the_link_is_refused() {
+    let mut pr = prof(Some((2e-5, 1.25e8)));
+    let burst = |beta| {
+        Some(Burst {
+            bytes: 262144.0,
+            beta,
+        })
+    };
+    pr.inter_node.as_mut().expect("inter").burst = burst(1e-6);
+    let e = pr.validate().expect_err("slower credit").to_string();
+    assert!(e.contains("inter_node.burst.beta"), "{e}");
+    pr.inter_node.as_mut().expect("inter").burst = burst(1e-9);
+    pr.validate().expect("a faster credit");
 }
