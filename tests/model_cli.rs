@@ -869,7 +869,8 @@ fn crossover_reports_a_band_and_checks_max_bytes() {
     for (max, plot, want) in [
         ("0", false, "at least one f32 element"),
         ("6", false, "multiple of 4"),
-        ("4", true, "at least 64 B"),
+        ("4", true, "at least 128 B"),
+        ("64", true, "at least 128 B"),
     ] {
         let mut args = vec![
             "crossover",
@@ -1160,4 +1161,125 @@ fn unwritable_standard_output_is_an_error_not_a_panic() {
         err.contains("standard output") && !err.contains("panicked"),
         "{err}"
     );
+}
+
+/// Found by a hostile review of the model CLI: `scale` with every swept
+/// count inside one node (its `--inter-*` ignored) is refused as `plan`
+/// refuses it; a key given twice in a layers file is an error naming it;
+/// `plan` on one rank with no costs prints a speedup of 1, not NaN (JSON
+/// null); `--inter-bandwidth` drops the profile's burst credit (the
+/// measured link's token bucket made a 100 Mbit/s link as fast as 1 Gbit/s
+/// for the first 262 KB).
+#[test]
+fn model_cli_review_findings() {
+    let d = std::env::temp_dir().join(format!("gradsync-review-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let prof = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/scale/profile-2x2-1gbit-burst.json"
+    );
+    let layers = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/layers/resnet50.json");
+    let (ok, _, err) = gradsync(&[
+        "scale",
+        "--layers",
+        layers,
+        "--ranks",
+        "8..64",
+        "--ranks-per-node",
+        "128",
+        "--inter-bandwidth",
+        "1",
+        "--profile",
+        prof,
+    ]);
+    assert!(!ok && err.contains("--ranks-per-node 128"), "{err}");
+    let dup = d.join("dup.json");
+    std::fs::write(&dup, r#"[{"name": "a", "name": "b", "elements": 1}]"#).unwrap();
+    let (ok, _, err) = gradsync(&[
+        "plan",
+        "--layers",
+        dup.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--alpha",
+        "1e-5",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(
+        !ok && err.contains("duplicate field `name`") && err.contains("dup.json"),
+        "{err}"
+    );
+    let dup2 = d.join("dup2.json");
+    std::fs::write(
+        &dup2,
+        r#"{"layers": [], "layers": [{"name": "a", "elements": 9}]}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = gradsync(&[
+        "plan",
+        "--layers",
+        dup2.to_str().unwrap(),
+        "--ranks",
+        "8",
+        "--alpha",
+        "1e-5",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(!ok && err.contains("duplicate field `layers`"), "{err}");
+    let (ok, out, err) = gradsync(&[
+        "plan",
+        "--layers",
+        layers,
+        "--ranks",
+        "1",
+        "--alpha",
+        "1e-5",
+        "--bandwidth",
+        "1e9",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["speedup"].as_f64(), Some(1.0), "{out}");
+    let secs = |extra: &[&str]| -> f64 {
+        let mut a = vec![
+            "predict",
+            "--bytes",
+            "256K",
+            "--ranks",
+            "16",
+            "--ranks-per-node",
+            "4",
+            "--profile",
+            prof,
+            "--json",
+            "--strategies",
+            "dense-rabenseifner",
+        ];
+        a.extend(extra);
+        let (ok, out, err) = gradsync(&a);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        v["strategies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == "dense-rabenseifner")
+            .unwrap()["seconds"]
+            .as_f64()
+            .unwrap()
+    };
+    let (slow, fast) = (
+        secs(&["--inter-bandwidth", "1.25e7"]),
+        secs(&["--inter-bandwidth", "1.25e8"]),
+    );
+    // 256 KiB over 16 ranks: the crossing steps move ~100 KB a rank, with
+    // 4 ranks on a link; 10x the bandwidth is far more than 2x the time.
+    assert!(
+        slow > 5.0 * fast,
+        "100 Mbit/s {slow} s vs 1 Gbit/s {fast} s"
+    );
+    std::fs::remove_dir_all(&d).ok();
 }

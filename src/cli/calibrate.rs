@@ -121,12 +121,12 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             return;
         }
         if pr.finished {
-            eprintln!();
+            errln!();
             return;
         }
         let w = 30;
         let filled = (pr.fraction * w as f64) as usize;
-        eprint!(
+        err!(
             "\r{:<14} [{}{}] {:>3.0}% round {}, {:.1} s   ",
             pr.phase,
             "#".repeat(filled),
@@ -154,7 +154,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
         },
     )?;
     if comm.rank() == 0 {
-        eprintln!(
+        errln!(
             "calibrate: alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s), gamma_reduce {:.3e} s/B, gamma_unpack {:.3e} s/B, {nrounds} rounds -> {}",
             alpha,
             beta,
@@ -171,7 +171,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
                     b.beta
                 )
             });
-            eprintln!(
+            errln!(
                 "calibrate: between nodes alpha {:.3e} s, beta {:.3e} s/B ({:.2} GB/s){burst}",
                 e.alpha,
                 e.beta,

@@ -577,7 +577,7 @@ pub(super) fn run(a: &CodecsArgs) -> Result<i32> {
     if failed.is_empty() {
         Ok(0)
     } else {
-        eprintln!(
+        errln!(
             "gradsync: codecs: {} of {} codecs failed ({}); see their rows",
             failed.len(),
             configs.len(),

@@ -301,7 +301,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         max_over_ranks(comm, &mut bad);
         if bad[0] > 0.0 {
             if rank == 0 {
-                eprintln!(
+                errln!(
                     "gradiveq check: close to centralized {close}, same compressor {same_compressor}, same result {same_result}"
                 );
             }

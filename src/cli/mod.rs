@@ -13,6 +13,24 @@ macro_rules! outln {
     }};
 }
 
+/// `eprintln!` that ignores a closed or full stderr (`eprintln!` panics
+/// there, which would turn an error exit into a panic: exit 101, or an
+/// `MPI_Abort` under mpirun).
+macro_rules! errln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
+/// `eprint!`, likewise ([`errln`]).
+macro_rules! err {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
 /// `print!`, likewise ([`outln`]).
 macro_rules! out {
     ($($t:tt)*) => {{
@@ -102,7 +120,7 @@ pub fn main() -> i32 {
             // (mpirun sees the exit status) before MPI is up: say which.
             if e.use_stderr() {
                 if let Some(rank) = launcher_rank() {
-                    eprintln!(
+                    errln!(
                         "gradsync: rank {rank} (from the launcher's environment): bad arguments:"
                     );
                 }
@@ -120,14 +138,14 @@ pub fn main() -> i32 {
     };
     if let Some(r) = no_mpi {
         return r.unwrap_or_else(|e| {
-            eprintln!("gradsync: {e}");
+            errln!("gradsync: {e}");
             1
         });
     }
     // Serialized: the engine's progress thread may communicate while the
     // main thread computes (`bench --op sparse --overlap`).
     let Some((universe, _)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
-        eprintln!("gradsync: MPI was already initialized");
+        errln!("gradsync: MPI was already initialized");
         return 2;
     };
     let world = universe.world();
@@ -139,7 +157,7 @@ pub fn main() -> i32 {
             // model, `crate::failure`): no peer is left in a collective, so
             // finalizing is safe. One rank prints it for the job.
             if world.rank() == 0 {
-                eprintln!("gradsync: {e}");
+                errln!("gradsync: {e}");
             }
             1
         }
@@ -189,7 +207,7 @@ fn launcher_rank() -> Option<String> {
 /// `MPI_Abort` on `MPI_COMM_WORLD` after printing `msg` with this rank.
 fn abort_world(world: &SimpleCommunicator, msg: &str) -> ! {
     use mpi::raw::AsRaw;
-    eprintln!(
+    errln!(
         "gradsync: rank {} of {}: {msg}; aborting the job (MPI_Abort)",
         world.rank(),
         world.size()
@@ -212,7 +230,7 @@ fn install_abort_on_panic() {
                 unsafe { mpi::ffi::MPI_Comm_rank(mpi::ffi::RSMPI_COMM_WORLD, &mut r) };
                 r
             };
-            eprintln!("gradsync: rank {rank}: panic; aborting the job (MPI_Abort)");
+            errln!("gradsync: rank {rank}: panic; aborting the job (MPI_Abort)");
             // SAFETY: as above; MPI_Abort ends every process of the job.
             unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70) };
         }
@@ -276,9 +294,50 @@ pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Ve
         .collect()
 }
 
+/// A plot's tick label: at most three significant digits, `0.3` and
+/// `6e-4` rather than plotters' `0.30000000000000004` and
+/// `0.0006000000000000001`.
+pub(crate) fn tick_label(v: f64) -> String {
+    let trim = |s: &str| -> String {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    let a = v.abs();
+    if a == 0.0 || !a.is_finite() {
+        return format!("{v}");
+    }
+    if (0.01..10_000.0).contains(&a) {
+        let digits = (2 - a.log10().floor() as i32).clamp(0, 4) as usize;
+        trim(&format!("{v:.digits$}"))
+    } else {
+        let s = format!("{v:.2e}");
+        let (mant, exp) = s.split_once('e').expect("an exponent");
+        format!("{}e{exp}", trim(mant))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn tick_labels_are_short() {
+        for (v, want) in [
+            (0.30000000000000004, "0.3"),
+            (0.0006000000000000001, "6e-4"),
+            (9.999999999999999e-6, "1e-5"),
+            (1.5e-3, "1.5e-3"),
+            (64.0, "64"),
+            (1024.0, "1024"),
+            (12.3456, "12.3"),
+            (1048576.0, "1.05e6"),
+            (0.0, "0"),
+        ] {
+            assert_eq!(tick_label(v), want, "{v}");
+        }
+    }
     #[test]
     fn sizes_parse_with_binary_suffixes() {
         assert_eq!(parse_size("4K").unwrap(), 4096);

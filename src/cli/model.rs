@@ -126,6 +126,8 @@ impl ModelArgs {
                 e.beta = 1.0 / bw;
                 e.beta_curve.clear();
                 e.oneway_curve.clear();
+                // The measured link's token bucket is not this link's.
+                e.burst = None;
             }
             p.inter_node = Some(e);
         }
@@ -171,6 +173,24 @@ impl ModelArgs {
 
     /// `--ranks-per-node` past `ranks` would put every rank on one node
     /// and drop the `--inter-*` level without a word (it was clamped).
+    /// [`Self::check_rpn`], and `--ranks` and `--density` in range, the
+    /// errors naming the flags (the model's own checks name only values).
+    pub fn check_point(&self, ranks: usize, density: f64) -> Result<()> {
+        if ranks == 0 {
+            return Err(Error::InvalidArgument(
+                "--ranks 0: must be at least 1".into(),
+            ));
+        }
+        if !(density > 0.0 && density <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "--density {density}: must lie in (0, 1]"
+            )));
+        }
+        self.check_rpn(ranks)
+    }
+
+    /// `--ranks-per-node` no more than `ranks` (the job's ranks, or the
+    /// most that a sweep prices).
     pub fn check_rpn(&self, ranks: usize) -> Result<()> {
         match self.rpn() {
             Some(l) if l > ranks => Err(Error::InvalidArgument(format!(
@@ -315,7 +335,7 @@ pub fn predict_record(
 pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
     let prof = a.model.profile()?;
     let n = elements(a.elements, &a.bytes)?;
-    a.model.check_rpn(a.ranks)?;
+    a.model.check_point(a.ranks, a.density)?;
     let r = predict_record(&prof, &a.model, n, a.ranks, a.density)?;
     if a.json {
         outln!("{}", serde_json::to_string(&r)?);
@@ -400,7 +420,35 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
         },
         _ => return Err(bad(format!("not a layers file; {SHAPE}"))),
     };
+    // A key given twice ("name", "elements", "layers"): the parsed object
+    // keeps the last silently; serde's derive names it.
+    {
+        use serde::de::IgnoredAny;
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)] // only parsed, for serde's duplicate-field check
+        struct Entry {
+            name: Option<IgnoredAny>,
+            elements: Option<IgnoredAny>,
+        }
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Wrapped {
+            layers: Vec<Entry>,
+        }
+        let r = if v.is_array() {
+            serde_json::from_slice::<Vec<Entry>>(&bytes).map(drop)
+        } else {
+            serde_json::from_slice::<Wrapped>(&bytes).map(drop)
+        };
+        // Other shape errors are named better by the checks below.
+        if let Err(e) = r.map_err(|e| e.to_string()) {
+            if e.starts_with("duplicate field") {
+                return Err(bad(format!("{e} (a key given twice)")));
+            }
+        }
+    }
     let mut out = Vec::with_capacity(entries.len());
+    let mut seen = std::collections::HashMap::with_capacity(entries.len());
     for (i, e) in entries.iter().enumerate() {
         let Value::Object(o) = e else {
             return Err(bad(format!(
@@ -432,7 +480,7 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
                 "{at}: field \"name\" must be non-empty without control characters"
             )));
         }
-        if let Some(j) = out.iter().position(|l: &LayerSpec| l.name == name) {
+        if let Some(j) = seen.insert(name.clone(), i) {
             return Err(bad(format!(
                 "{at}: the same name as layer {j} (names must be unique)"
             )));
@@ -502,7 +550,8 @@ pub struct PlanRecord {
     pub all_sparse_s: f64,
     /// Predicted step as planned.
     pub planned_total_s: f64,
-    /// `dense_total_s / planned_total_s`.
+    /// `dense_total_s / planned_total_s` (1 when both are 0: one rank
+    /// with no local costs).
     pub speedup: f64,
     /// Bytes each rank sends in the planned step.
     pub wire_bytes: f64,
@@ -606,7 +655,11 @@ pub fn plan_record(
         dense_total_s: dense.seconds,
         all_sparse_s: sparse.seconds,
         planned_total_s: plan.seconds,
-        speedup: dense.seconds / plan.seconds,
+        speedup: if plan.seconds > 0.0 {
+            dense.seconds / plan.seconds
+        } else {
+            1.0
+        },
         wire_bytes: plan.wire_bytes,
         choices,
     })
@@ -618,7 +671,7 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
     for l in &layers {
         layer_bytes(l.elements).map_err(Error::InvalidArgument)?;
     }
-    a.model.check_rpn(a.ranks)?;
+    a.model.check_point(a.ranks, a.density)?;
     let out = plan_record(&prof, &a.model, &layers, a.ranks, a.density)?;
     if a.json {
         outln!("{}", serde_json::to_string(&out)?);
@@ -722,7 +775,7 @@ pub struct CrossoverRecord {
 
 pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
     let prof = a.model.profile()?;
-    a.model.check_rpn(a.ranks)?;
+    a.model.check_point(a.ranks, a.density)?;
     if let Some(p) = &a.plot {
         check_svg_path(p)?;
     }
@@ -758,9 +811,10 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
             a.max_bytes
         )));
     }
-    if a.plot.is_some() && max_b < 64 {
+    if a.plot.is_some() && max_b < 128 {
         return Err(Error::InvalidArgument(format!(
-            "--max-bytes {} with --plot: at least 64 B (the plot starts at 16 elements)",
+            "--max-bytes {} with --plot: at least 128 B (the plot's lines join sizes \
+             from 16 elements, by powers of two: two at least)",
             a.max_bytes
         )));
     }
@@ -926,7 +980,11 @@ fn plot(
     let xmax = (4 * max_n) as f64;
     let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let title = format!("predicted synchronization time, p = {p}, density = {d}");
+    let title = format!(
+        "predicted synchronization time, p = {p}{}, density = {d}",
+        m.rpn()
+            .map_or_else(String::new, |l| format!(" ({l} per node)"))
+    );
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -941,6 +999,8 @@ fn plot(
         .configure_mesh()
         .x_desc("layer size (bytes)")
         .y_desc("seconds")
+        .x_label_formatter(&|v| super::tick_label(*v))
+        .y_label_formatter(&|v| super::tick_label(*v))
         .draw()
         .map_err(|e| err(&e))?;
     let colors = [

@@ -259,6 +259,11 @@ pub(super) fn run(a: &ScaleArgs) -> Result<i32> {
     }
     let layers = read_layers(&a.layers)?;
     let ranks = parse_ranks(&a.ranks)?;
+    // Every swept count on one node would price nothing between nodes
+    // (--inter-* ignored): as predict, plan and crossover refuse it.
+    if let Some(&most) = ranks.iter().max() {
+        a.model.check_point(most, a.density)?;
+    }
     let rec = scale_record(&prof, &a.model, &layers, &ranks, a.density)?;
     if let Some(path) = &a.plot {
         plot(&rec, &a.layers, path)?;
@@ -328,6 +333,8 @@ fn plot(rec: &ScaleRecord, layers: &std::path::Path, path: &std::path::Path) -> 
         .configure_mesh()
         .x_desc("ranks")
         .y_desc("seconds per step")
+        .x_label_formatter(&|v| format!("{}", v.round()))
+        .y_label_formatter(&|v| super::tick_label(*v))
         .draw()
         .map_err(|e| err(&e))?;
     let colors = [

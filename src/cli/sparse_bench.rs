@@ -421,7 +421,7 @@ fn starved(comm: &MpiComm, s: &GradSync, steps: u64) -> bool {
         .map(|l| format!("{:?} ({} steps)", l.name, l.starved_steps))
         .collect();
     if !names.is_empty() {
-        eprintln!(
+        errln!(
             "gradsync bench: rank {}: layer {} sent nothing while its residual grew: it starves",
             comm.rank(),
             names.join(", ")

@@ -384,9 +384,14 @@ impl<C: Communicator> Transport for MpiComm<C> {
     }
 
     fn abort(&self, code: i32, msg: &str) -> ! {
-        eprintln!(
+        // Not eprintln!: it panics on a closed stderr, and a panic here
+        // would leave the peers waiting instead of ending the job.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr().lock(),
             "gradsync: rank {} of {}: {msg}; aborting the job (MPI_Abort, code {code})",
-            self.rank, self.size
+            self.rank,
+            self.size
         );
         // SAFETY: `raw` is this transport's live communicator; MPI_Abort
         // does not return when it succeeds.

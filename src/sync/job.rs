@@ -540,7 +540,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         match &self.comm {
             Some(comm) => comm.abort(1, msg),
             None => {
-                eprintln!("gradsync: {msg}; the transport is lost, exiting");
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr().lock(),
+                    "gradsync: {msg}; the transport is lost, exiting"
+                );
                 std::process::exit(1)
             }
         }
