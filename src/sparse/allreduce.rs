@@ -12,13 +12,14 @@
 //! Beside the fused allgather of [`super`] (every rank receives every
 //! rank's unit, `(p−1)·(8k+4)` bytes per rank, O(k·p)), this costs O(k):
 //!
-//! 1. **Agreement** (one 40-byte recursive-doubling max): a failure of one
+//! 1. **Agreement** (one 56-byte recursive-doubling max): a failure of one
 //!    rank's arguments (an index `≥ n`, index and value slices of different
 //!    lengths, an output of the wrong length) becomes
 //!    [`Error::RankFailed`] naming that rank on every rank (through
 //!    [`crate::failure::agree`]), different `n` becomes
-//!    [`Error::SizeMismatch`] and different balancing options
-//!    [`Error::ArgumentMismatch`], on every rank alike.
+//!    [`Error::SizeMismatch`] and different options (balancing,
+//!    reselection, the allgatherv algorithm) [`Error::ArgumentMismatch`],
+//!    on every rank alike.
 //! 2. **Region boundaries** ([`Balance`]): `[0, n)` is cut into `p`
 //!    regions, region `j` owned by rank `j`. [`Balance::Sampled`] (the
 //!    default) balances them by the global distribution of the selected
@@ -172,8 +173,9 @@ pub fn sparse_allreduce<C: Transport>(
         n,
         &[(fp, &|| {
             format!(
-                "sparse allreduce balance/reselect options differ across ranks (this rank: {:?}, reselect {:?})",
-                opts.balance, opts.reselect
+                "sparse allreduce options differ across ranks: balance, reselect or the allgatherv \
+                 (this rank: {:?}, reselect {:?}, allgatherv {})",
+                opts.balance, opts.reselect, opts.gather.name()
             )
         })],
     )?;
@@ -480,7 +482,7 @@ fn sampled_bounds<C: Transport>(
     let mut samples: Vec<(u32, f64)> = Vec::new();
     for r in 0..p {
         let m = g.message(r);
-        if m.len() < 8 || (m.len() - 8) % 4 != 0 || m.len() - 8 > 4 * per_rank {
+        if m.len() < 8 || (m.len() - 8) % 4 != 0 || m.len() - 8 > per_rank.saturating_mul(4) {
             return Err(peer(r, format!("{}-byte index sample", m.len())));
         }
         let kr = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
@@ -548,8 +550,11 @@ fn decode_region(
                     ),
                 ));
             }
+            // `+ 0.0`: a sum of −0.0 contributions reads +0.0, as the
+            // allgather's adds into a cleared output and the node-aware
+            // path give it (bit for bit the same result on every path).
             for (o, c) in out[range].iter_mut().zip(body.chunks_exact(4)) {
-                *o = f(c);
+                *o = f(c) + 0.0;
             }
             Ok((nnz, true))
         }
@@ -574,7 +579,7 @@ fn decode_region(
                     ));
                 }
                 prev = Some(i);
-                out[i] = f(cv);
+                out[i] = f(cv) + 0.0;
             }
             Ok((nnz, false))
         }

@@ -294,6 +294,27 @@ fn nan_and_inf_pass_through() {
     }
 }
 
+/// A sum of −0.0 contributions is +0.0, in sparse and in dense regions
+/// (the allgather and the node-aware path add into a cleared output and
+/// give +0.0; the regions were copied as sent and gave −0.0).
+#[test]
+fn negative_zero_sums_read_positive_zero() {
+    for delta in [1.0, 0.0] {
+        let out = LocalComm::run(3, |c| {
+            let mut out = vec![f32::NAN; 10];
+            let opts = SparseAllreduceOptions {
+                delta,
+                ..Default::default()
+            };
+            sparse_allreduce(&c, 10, &[3, 7], &[-0.0, -0.0], &mut out, &opts).expect("ok");
+            out
+        });
+        for o in out {
+            assert!(o.iter().all(|x| x.to_bits() == 0), "delta {delta}: {o:?}");
+        }
+    }
+}
+
 /// Run a failing call on every rank, then a good one (the communicator
 /// must still work); returns the failing call's errors.
 fn errors(p: usize, f: impl Fn(&LocalComm) -> Result<SparseAllreduceReport> + Sync) -> Vec<Error> {
