@@ -1193,41 +1193,33 @@ fn model_cli_review_findings() {
         prof,
     ]);
     assert!(!ok && err.contains("--ranks-per-node 128"), "{err}");
-    let dup = d.join("dup.json");
-    std::fs::write(&dup, r#"[{"name": "a", "name": "b", "elements": 1}]"#).unwrap();
-    let (ok, _, err) = gradsync(&[
-        "plan",
-        "--layers",
-        dup.to_str().unwrap(),
-        "--ranks",
-        "8",
-        "--alpha",
-        "1e-5",
-        "--bandwidth",
-        "1e9",
-    ]);
-    assert!(
-        !ok && err.contains("duplicate field `name`") && err.contains("dup.json"),
-        "{err}"
-    );
-    let dup2 = d.join("dup2.json");
-    std::fs::write(
-        &dup2,
-        r#"{"layers": [], "layers": [{"name": "a", "elements": 9}]}"#,
-    )
-    .unwrap();
-    let (ok, _, err) = gradsync(&[
-        "plan",
-        "--layers",
-        dup2.to_str().unwrap(),
-        "--ranks",
-        "8",
-        "--alpha",
-        "1e-5",
-        "--bandwidth",
-        "1e9",
-    ]);
-    assert!(!ok && err.contains("duplicate field `layers`"), "{err}");
+    for (file, text, want) in [
+        (
+            "dup.json",
+            r#"[{"name": "a", "name": "b", "elements": 1}]"#,
+            "duplicate field `name`",
+        ),
+        (
+            "dup2.json",
+            r#"{"layers": [], "layers": [{"name": "a", "elements": 9}]}"#,
+            "duplicate field `layers`",
+        ),
+    ] {
+        let path = d.join(file);
+        std::fs::write(&path, text).unwrap();
+        let (ok, _, err) = gradsync(&[
+            "plan",
+            "--layers",
+            path.to_str().unwrap(),
+            "--ranks",
+            "8",
+            "--alpha",
+            "1e-5",
+            "--bandwidth",
+            "1e9",
+        ]);
+        assert!(!ok && err.contains(want) && err.contains(file), "{err}");
+    }
     let (ok, out, err) = gradsync(&[
         "plan",
         "--layers",

@@ -15,7 +15,7 @@
 //! then the whole result once more). Message lengths are gathered the same
 //! way first.
 
-use super::{Fold, TAG_ALLGATHERV as TAG};
+use super::TAG_ALLGATHERV as TAG;
 use crate::comm::{Elem, Transport};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -214,38 +214,22 @@ fn bruck_inplace<C: Transport, T: Elem>(
     Ok(())
 }
 
-/// Recursive-doubling allgather in place: rank `i`'s block
-/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`.
+/// Recursive-doubling allgather in place, `p` a power of two: rank `i`'s
+/// block `buf[displs[i]..displs[i+1]]` is already filled on rank `i`; at
+/// distance `mask` the ranks exchange the gathered runs `[lo, lo + mask)`.
 fn recdbl_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
-    if p == 1 {
-        return Ok(());
-    }
-    let f = Fold::new(p);
+    debug_assert!(p.is_power_of_two(), "{p} ranks: Bruck's algorithm's");
     let range = |first: usize, end: usize| displs[first]..displs[end];
-    if rank < 2 * f.r {
-        if rank % 2 == 1 {
-            comm.send(&buf[range(rank, rank + 1)], rank - 1, TAG)?;
-            comm.recv(buf, rank - 1, TAG)?;
-            return Ok(());
-        }
-        let r = range(rank + 1, rank + 2);
-        comm.recv(&mut buf[r], rank + 1, TAG)?;
-    }
-    let vr = f.vrank(rank).expect("odd folded ranks returned above");
     let mut mask = 1;
-    while mask < f.p2 {
-        let my_lo = vr & !(mask - 1);
+    while mask < p {
+        let my_lo = rank & !(mask - 1);
         let peer_lo = my_lo ^ mask;
-        let peer = f.real(vr ^ mask);
-        let mine = range(f.real(my_lo), f.real(my_lo + mask));
-        let theirs = range(f.real(peer_lo), f.real(peer_lo + mask));
+        let mine = range(my_lo, my_lo + mask);
+        let theirs = range(peer_lo, peer_lo + mask);
         let (s, r) = super::split_ref_mut(buf, mine, theirs);
-        comm.sendrecv(s, peer, r, peer, TAG)?;
+        comm.sendrecv(s, rank ^ mask, r, rank ^ mask, TAG)?;
         mask <<= 1;
-    }
-    if rank < 2 * f.r {
-        comm.send(buf, rank + 1, TAG)?;
     }
     Ok(())
 }
