@@ -7,7 +7,7 @@
 //!   communicator ([`MpiComm`](comm::MpiComm)) and in process
 //!   ([`LocalComm`](comm::LocalComm)) for tests.
 //! * [`dense`]: verified dense collectives: Rabenseifner and ring allreduce,
-//!   recursive-doubling allgatherv.
+//!   allgatherv (recursive doubling, or Bruck's for `p` not a power of two).
 //! * [`select`]: communication-set selection for sparse codecs (exact,
 //!   trimmed top-k, threshold binary search with reuse; RedSync §5.2).
 //! * [`codec`]: the papers' compression codecs under one contract.

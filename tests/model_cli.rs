@@ -1204,6 +1204,11 @@ fn model_cli_review_findings() {
             r#"{"layers": [], "layers": [{"name": "a", "elements": 9}]}"#,
             "duplicate field `layers`",
         ),
+        (
+            "dup3.json",
+            r#"{"layers": 5, "layers": [{"name": "a", "elements": 9}]}"#,
+            "duplicate field `layers`",
+        ),
     ] {
         let path = d.join(file);
         std::fs::write(&path, text).unwrap();

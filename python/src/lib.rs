@@ -923,7 +923,10 @@ fn predict(
     };
     let rec = m
         .profile()
-        .and_then(|p| gradsync::cli::predict_record(&p, &m, elements, ranks, density))
+        .and_then(|p| {
+            m.check_point(ranks, density)?;
+            gradsync::cli::predict_record(&p, &m, elements, ranks, density)
+        })
         .map_err(|e| PyValueError::new_err(python_flags(&e.to_string())))?;
     let v = serde_json::to_value(&rec).map_err(|e| Error::new_err(e.to_string()))?;
     json_to_py(py, &v)
@@ -952,9 +955,23 @@ fn python_flags(msg: &str) -> String {
         "--ranks",
         "--fill",
     ];
+    // Whole flags only: not inside a longer word or flag.
+    let part = |c: char| c.is_alphanumeric() || c == '-' || c == '_';
     let mut out = msg.to_string();
     for flag in FLAGS {
-        out = out.replace(flag, &format!("{}=", flag[2..].replace('-', "_")));
+        let keyword = format!("{}=", flag[2..].replace('-', "_"));
+        let mut from = 0;
+        while let Some(i) = out[from..].find(flag).map(|i| i + from) {
+            let end = i + flag.len();
+            let before = out[..i].chars().next_back().is_some_and(part);
+            let after = out[end..].chars().next().is_some_and(part);
+            if before || after {
+                from = end;
+            } else {
+                out.replace_range(i..end, &keyword);
+                from = i + keyword.len();
+            }
+        }
     }
     out
 }

@@ -294,9 +294,9 @@ pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Ve
         .collect()
 }
 
-/// A plot's tick label: at most three significant digits, `0.3` and
-/// `6e-4` rather than plotters' `0.30000000000000004` and
-/// `0.0006000000000000001`.
+/// A plot's tick label: three significant digits (whole numbers up to
+/// 9999 in full), `0.3` and `6e-4` rather than plotters'
+/// `0.30000000000000004` and `0.0006000000000000001`.
 pub(crate) fn tick_label(v: f64) -> String {
     let trim = |s: &str| -> String {
         if s.contains('.') {

@@ -173,8 +173,9 @@ impl ModelArgs {
 
     /// `--ranks-per-node` past `ranks` would put every rank on one node
     /// and drop the `--inter-*` level without a word (it was clamped).
-    /// [`Self::check_rpn`], and `--ranks` and `--density` in range, the
-    /// errors naming the flags (the model's own checks name only values).
+    /// `--ranks` at least 1, `--density` in (0, 1] and [`Self::check_rpn`],
+    /// the errors naming the flags (the model's own checks name only
+    /// values).
     pub fn check_point(&self, ranks: usize, density: f64) -> Result<()> {
         if ranks == 0 {
             return Err(Error::InvalidArgument(
@@ -432,13 +433,22 @@ pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
         }
         #[derive(serde::Deserialize)]
         #[allow(dead_code)]
+        struct Top {
+            layers: Option<IgnoredAny>,
+        }
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
         struct Wrapped {
             layers: Vec<Entry>,
         }
+        // The top level first, whatever its values' types
+        // ({"layers": 5, "layers": [...]}), then the entries.
         let r = if v.is_array() {
             serde_json::from_slice::<Vec<Entry>>(&bytes).map(drop)
         } else {
-            serde_json::from_slice::<Wrapped>(&bytes).map(drop)
+            serde_json::from_slice::<Top>(&bytes)
+                .and_then(|_| serde_json::from_slice::<Wrapped>(&bytes))
+                .map(drop)
         };
         // Other shape errors are named better by the checks below.
         if let Err(e) = r.map_err(|e| e.to_string()) {
@@ -655,10 +665,10 @@ pub fn plan_record(
         dense_total_s: dense.seconds,
         all_sparse_s: sparse.seconds,
         planned_total_s: plan.seconds,
-        speedup: if plan.seconds > 0.0 {
-            dense.seconds / plan.seconds
-        } else {
+        speedup: if dense.seconds == 0.0 && plan.seconds == 0.0 {
             1.0
+        } else {
+            dense.seconds / plan.seconds
         },
         wire_bytes: plan.wire_bytes,
         choices,

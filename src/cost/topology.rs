@@ -271,9 +271,9 @@ impl<'a> Net<'a> {
 /// Which partner schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Sched {
-    /// Recursive halving/doubling after the fold (Rabenseifner, the
-    /// allgatherv): entry `i` is step `i`'s crossing count; the last entry
-    /// is the fold's.
+    /// Recursive halving/doubling after the fold (Rabenseifner; the
+    /// allgatherv when `p` is a power of two, no fold): entry `i` is step
+    /// `i`'s crossing count; the last entry is the fold's.
     Doubling,
     /// Pairwise exchange `r → r + s`, `s = 1 … p − 1`.
     Pairwise,
@@ -456,7 +456,8 @@ pub(crate) fn hierarchical(net: &Net, bytes: f64) -> f64 {
     intra + rabenseifner_nodes(net, shard, net.nodes(), s)
 }
 
-/// The recursive-doubling allgather of `m` bytes per rank (no unpacking).
+/// The allgatherv of `m` bytes per rank (recursive doubling, or Bruck's
+/// for `p` not a power of two; no unpacking).
 pub(crate) fn allgather(net: &Net, m: f64) -> f64 {
     net.refill();
     allgather_in(net, m)

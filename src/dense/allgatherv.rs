@@ -6,9 +6,9 @@
 //! `2^i`, a contiguous run of ranks, in place in the output buffer. Any
 //! other `p`: Bruck's algorithm (Bruck et al. 1997; Thakur et al. §4.1's
 //! choice for non-powers of two): at distance `d = 1, 2, 4, …` rank `r`
-//! sends the `min(d, p − d)` messages it holds, `r … r + d − 1`, to
-//! `r − d` and receives `r + d …` from `r + d`, in a scratch buffer in
-//! rank-relative order that one rotation puts in rank order at the end.
+//! sends the first `s = min(d, p − d)` messages it holds, `r … r + s − 1`, to
+//! `r − d` and receives `r + d …` from `r + d`, in the output buffer in
+//! rank-relative order, which one rotation puts in rank order at the end.
 //! Both take `⌈lg p⌉` steps and move `(p − 1)·m` bytes into each rank (the
 //! fold of the first `2r` ranks into pairs, which this used before for
 //! non-powers of two, moved about `2(p − 1)·m`: half the messages twice,
@@ -65,8 +65,6 @@ pub struct Gathered {
     pub displs: Vec<usize>,
     counts_u64: Vec<u64>,
     counts: Vec<usize>,
-    /// Bruck's rank-relative scratch (non-powers of two), kept for reuse.
-    scratch: Vec<u8>,
 }
 
 impl Gathered {
@@ -116,8 +114,7 @@ pub fn allgatherv_with<C: Transport>(
     out.counts_u64[rank] = mine.len() as u64;
     out.displs.clear();
     out.displs.extend(0..=p);
-    let mut scratch = Vec::new();
-    gather_inplace(comm, &mut out.counts_u64, &out.displs, &mut scratch)?;
+    gather_inplace(comm, &mut out.counts_u64, &out.displs)?;
     // 2. Displacements and the payload.
     out.displs.clear();
     out.displs.push(0);
@@ -140,7 +137,7 @@ pub fn allgatherv_with<C: Transport>(
     match algo {
         AllgathervAlgo::RecursiveDoubling => {
             out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
-            gather_inplace(comm, &mut out.data, &out.displs, &mut out.scratch)
+            gather_inplace(comm, &mut out.data, &out.displs)
         }
         AllgathervAlgo::Mpi => {
             out.counts.clear();
@@ -155,49 +152,37 @@ pub fn allgatherv_with<C: Transport>(
 }
 
 /// Allgather in place (module docs): rank `i`'s block
-/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`; `scratch`
-/// is Bruck's buffer when `p` is not a power of two.
-fn gather_inplace<C: Transport, T: Elem>(
-    comm: &C,
-    buf: &mut [T],
-    displs: &[usize],
-    scratch: &mut Vec<T>,
-) -> Result<()> {
+/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`.
+fn gather_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
     if comm.size().is_power_of_two() {
         recdbl_inplace(comm, buf, displs)
     } else {
-        bruck_inplace(comm, buf, displs, scratch)
+        bruck_inplace(comm, buf, displs)
     }
 }
 
-/// Bruck's allgather in place, for any `p` (module docs).
-fn bruck_inplace<C: Transport, T: Elem>(
-    comm: &C,
-    buf: &mut [T],
-    displs: &[usize],
-    tmp: &mut Vec<T>,
-) -> Result<()> {
+/// Bruck's allgather in place, for any `p` (module docs): `buf` holds the
+/// messages in rank-relative order (this rank's first) while it runs, and
+/// one rotation puts them in rank order.
+fn bruck_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
     if p == 1 {
         return Ok(());
     }
-    let total = displs[p];
-    // rel[j]: where the message of rank (rank + j) mod p starts in `tmp`.
+    // rel[j]: where the message of rank (rank + j) mod p starts.
     let mut rel = Vec::with_capacity(p + 1);
     rel.push(0usize);
     for j in 0..p {
         let i = (rank + j) % p;
         rel.push(rel[j] + displs[i + 1] - displs[i]);
     }
-    tmp.clear();
-    tmp.resize(total, T::zeroed());
-    tmp[..rel[1]].copy_from_slice(&buf[displs[rank]..displs[rank + 1]]);
+    buf.copy_within(displs[rank]..displs[rank + 1], 0);
     let mut d = 1;
     while d < p {
-        // Held: relative messages 0..d. Send the first s to rank - d (they
-        // are its d..d+s), receive rank + d's first s as our d..d+s.
+        // Held: relative messages 0..d. Send the first s to rank − d
+        // (they are its d..d+s), receive rank + d's first s as our d..d+s.
         let s = d.min(p - d);
-        let (held, rest) = tmp.split_at_mut(rel[d]);
+        let (held, rest) = buf.split_at_mut(rel[d]);
         comm.sendrecv(
             &held[..rel[s]],
             (rank + p - d) % p,
@@ -208,9 +193,7 @@ fn bruck_inplace<C: Transport, T: Elem>(
         d *= 2;
     }
     // Relative order is rank, rank + 1, …, p − 1, 0, …, rank − 1.
-    let head = total - displs[rank];
-    buf[displs[rank]..].copy_from_slice(&tmp[..head]);
-    buf[..displs[rank]].copy_from_slice(&tmp[head..]);
+    buf[..displs[p]].rotate_right(displs[rank]);
     Ok(())
 }
 

@@ -10,8 +10,9 @@
 //!   `2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ`, optionally pipelined in chunks so the
 //!   reduction of one chunk overlaps the transfer of the next.
 //! * [`allgatherv`]: variable-length byte messages gathered on every rank
-//!   (the sparse layer's building block), by recursive doubling for any `p` or
-//!   through `MPI_Allgatherv`.
+//!   (the sparse layer's building block), by recursive doubling (a power of
+//!   two ranks), Bruck's algorithm (any other number) or through
+//!   `MPI_Allgatherv`.
 //!
 //! Every allreduce validates by default that all ranks passed the same length
 //! (one 16-byte collective); on a mismatch every rank returns

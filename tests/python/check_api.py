@@ -475,9 +475,11 @@ ok(secs(gradsync.predict(**net, ranks_per_node=4, inter_alpha=2e-5, inter_bandwi
    < secs(two)["sparse-allreduce"], "a fill ratio below independent selections makes the sparse allreduce cheaper")
 for kw, needle in [(dict(ranks_per_node=0), "ranks_per_node= 0"),
                    (dict(inter_alpha=1e-5), "ranks_per_node="),
+                   (dict(ranks_per_node=32), "ranks_per_node= 32 is more than ranks= 16"),
+                   (dict(density=0.0), "density= 0"),
                    (dict(ranks_per_node=4, fill=1.5), "fill= 1.5"),
                    (dict(strategies=["zzz"]), "strategies=")]:
-    e = expect_error(lambda: gradsync.predict(**net, **kw), None, f"predict with {kw}")
+    e = expect_error(lambda: gradsync.predict(**{**net, **kw}), None, f"predict with {kw}")
     ok(isinstance(e, ValueError) and needle in str(e) and "--" not in str(e), f"predict {kw}: {e}")
 
 # Mismatched layer tables fail on every rank.
