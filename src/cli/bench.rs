@@ -26,7 +26,7 @@ pub struct BenchArgs {
     /// and MPI_Allreduce).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
-    /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|all.
+    /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|node|all.
     #[arg(long, default_value = "all")]
     pub algo: String,
     /// Message sizes in bytes, K/M/G = powers of 1024 (allgatherv: per rank).
@@ -122,7 +122,7 @@ pub struct BenchArgs {
     /// (L_t, at least 2).
     #[arg(long, default_value_t = 100)]
     pub lt: usize,
-    /// `--op sparse`: allgatherv of the fused messages: recdbl or mpi.
+    /// `--op sparse`: allgatherv of the fused messages: recdbl, mpi or node.
     #[arg(long, default_value = "recdbl")]
     pub allgather: String,
     /// `--op sparse-allreduce`: also time (and with `--check` verify) the
@@ -441,8 +441,12 @@ fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
         "allgatherv" => Ok((
             DenseOp::Allgatherv(parse_algos(
                 &a.algo,
-                vec![AllgathervAlgo::RecursiveDoubling, AllgathervAlgo::Mpi],
-                "recdbl, mpi",
+                vec![
+                    AllgathervAlgo::RecursiveDoubling,
+                    AllgathervAlgo::Mpi,
+                    AllgathervAlgo::Node,
+                ],
+                "recdbl, mpi, node",
             )?),
             parse_sizes("--sizes", &a.sizes, 1)?,
         )),

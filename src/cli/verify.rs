@@ -287,7 +287,11 @@ fn allgatherv_cases(comm: &MpiComm, n: usize, rep: &mut Report) -> Result<()> {
     let expected: Vec<u8> = (0..p)
         .flat_map(|r| (0..len_of(r)).map(move |i| byte(r, i)))
         .collect();
-    for algo in [AllgathervAlgo::RecursiveDoubling, AllgathervAlgo::Mpi] {
+    for algo in [
+        AllgathervAlgo::RecursiveDoubling,
+        AllgathervAlgo::Mpi,
+        AllgathervAlgo::Node,
+    ] {
         let (ok, detail) = match allgatherv(comm, &mine, algo) {
             Err(e) => (false, format!("error: {e}")),
             Ok(g) => {

@@ -26,6 +26,9 @@ pub const SPARSE_ALLREDUCE: Tag = 17;
 /// The hierarchical sparse allreduce ([`crate::sparse::hierarchical`]):
 /// its agreement, the node's gather of pairs and broadcast of node units.
 pub const SPARSE_HIERARCHICAL: Tag = 18;
+/// The node-aware allgatherv ([`crate::dense::AllgathervAlgo::Node`]):
+/// the node's messages into its leader and the result down its node.
+pub const NODE_ALLGATHERV: Tag = 19;
 /// The engine's layer-table and options agreement.
 pub const TABLE: Tag = 21;
 /// The failure model's agreement ([`crate::failure::agree`]).
@@ -39,7 +42,7 @@ pub const CALIBRATE_PINGPONG: Tag = 77;
 pub const CALIBRATE_EXCHANGE: Tag = 78;
 
 /// Every tag above, for the distinctness test.
-pub const ALL: [Tag; 14] = [
+pub const ALL: [Tag; 15] = [
     BARRIER,
     VALIDATE,
     RABENSEIFNER,
@@ -49,6 +52,7 @@ pub const ALL: [Tag; 14] = [
     QSGD_RING,
     SPARSE_ALLREDUCE,
     SPARSE_HIERARCHICAL,
+    NODE_ALLGATHERV,
     TABLE,
     AGREE,
     GPU_STAGING,

@@ -14,10 +14,16 @@
 //! non-powers of two, moved about `2(p − 1)·m`: half the messages twice,
 //! then the whole result once more). Message lengths are gathered the same
 //! way first.
+//!
+//! [`AllgathervAlgo::Node`] runs the node-aware version on a job that
+//! spans several nodes ([`node`]): one rank per node crosses the network.
+
+mod node;
 
 use super::TAG_ALLGATHERV as TAG;
 use crate::comm::{Elem, Transport};
 use crate::{Error, Result};
+pub(crate) use node::node_gather_inplace;
 use serde::{Deserialize, Serialize};
 
 /// Which allgatherv implementation to run.
@@ -30,6 +36,11 @@ pub enum AllgathervAlgo {
     RecursiveDoubling,
     /// The MPI library's own `MPI_Allgatherv` (only on [`MpiComm`](crate::comm::MpiComm)).
     Mpi,
+    /// Node-aware ([`node`]): gather to each node's leader, the leaders'
+    /// allgatherv, a broadcast inside each node, by the transport's node
+    /// map ([`Transport::node_ids`]). The flat `recdbl` where the map is
+    /// unknown (in process), one node, or one rank per node.
+    Node,
 }
 
 impl AllgathervAlgo {
@@ -38,6 +49,7 @@ impl AllgathervAlgo {
         match self {
             Self::RecursiveDoubling => "recdbl",
             Self::Mpi => "mpi",
+            Self::Node => "node",
         }
     }
 }
@@ -48,8 +60,9 @@ impl std::str::FromStr for AllgathervAlgo {
         match s {
             "recdbl" | "recursive-doubling" => Ok(Self::RecursiveDoubling),
             "mpi" => Ok(Self::Mpi),
+            "node" => Ok(Self::Node),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allgatherv algorithm {s:?} (recdbl, mpi)"
+                "unknown allgatherv algorithm {s:?} (recdbl, mpi, node)"
             ))),
         }
     }
@@ -138,6 +151,13 @@ pub fn allgatherv_with<C: Transport>(
         AllgathervAlgo::RecursiveDoubling => {
             out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
             gather_inplace(comm, &mut out.data, &out.displs)
+        }
+        AllgathervAlgo::Node => {
+            out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
+            match comm.node_ids() {
+                Some(nodes) => node_gather_inplace(comm, &nodes, &mut out.data, &out.displs),
+                None => gather_inplace(comm, &mut out.data, &out.displs),
+            }
         }
         AllgathervAlgo::Mpi => {
             out.counts.clear();

@@ -21,7 +21,7 @@
 //! Hot paths are allocation-free given a [`Workspace`]: the `_with` variants take
 //! one and reuse its buffer across calls.
 
-mod allgatherv;
+pub(crate) mod allgatherv;
 pub mod hierarchical;
 mod rabenseifner;
 mod ring;

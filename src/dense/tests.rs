@@ -491,3 +491,90 @@ proptest! {
         }
     }
 }
+
+/// The node-aware allgatherv against the flat one's expected bytes, for
+/// node maps in blocks (in place), interleaved and uneven (through the
+/// scratch buffer), with one node and with one rank per node (the flat
+/// fallback), empty and uneven messages included.
+#[test]
+fn node_allgatherv_equals_the_flat_result_for_any_node_map() {
+    let maps: Vec<Vec<usize>> = vec![
+        vec![0],
+        vec![0, 0],
+        vec![0, 1],
+        vec![0, 0, 1, 1],
+        vec![0, 1, 0, 1],
+        vec![0, 0, 2, 2, 4, 4],
+        vec![7, 3, 7, 3, 7, 3],
+        vec![0, 0, 0, 1, 1],
+        vec![5, 1, 1, 5, 9, 1, 5],
+        vec![0, 1, 2, 3, 4],
+        vec![4; 6],
+        vec![0, 0, 0, 0, 1, 2, 2, 3, 3, 3],
+    ];
+    for nodes in &maps {
+        let p = nodes.len();
+        for lens in [
+            vec![0; p],
+            (0..p).map(|r| r * 5 + 1).collect::<Vec<_>>(),
+            (0..p).map(|r| (r * 37) % 5).collect(),
+        ] {
+            let expected: Vec<u8> = (0..p)
+                .flat_map(|r| (0..lens[r]).map(move |i| (r * 31 + i) as u8))
+                .collect();
+            let out = LocalComm::run(p, |c| {
+                let r = c.rank();
+                let mut displs = vec![0usize];
+                for l in &lens {
+                    displs.push(displs[displs.len() - 1] + l);
+                }
+                let mut buf = vec![0xEEu8; displs[p]];
+                for i in 0..lens[r] {
+                    buf[displs[r] + i] = (r * 31 + i) as u8;
+                }
+                allgatherv::node_gather_inplace(&c, nodes, &mut buf, &displs).unwrap();
+                buf
+            });
+            for (r, got) in out.iter().enumerate() {
+                assert_eq!(got, &expected, "nodes={nodes:?} lens={lens:?} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn node_allgatherv_refuses_a_map_of_the_wrong_length() {
+    let out = LocalComm::run(2, |c| {
+        let mut buf = vec![0u8; 2];
+        allgatherv::node_gather_inplace(&c, &[0, 0, 1], &mut buf, &[0, 1, 2])
+    });
+    for r in out {
+        let e = r.unwrap_err().to_string();
+        assert!(
+            e.contains("node map of 3 ranks for a communicator of 2"),
+            "{e}"
+        );
+    }
+}
+
+/// `AllgathervAlgo::Node` on a transport that knows no node map (in
+/// process) is the flat allgatherv.
+#[test]
+fn node_algo_without_a_node_map_is_the_flat_allgatherv() {
+    let out = LocalComm::run(3, |c| {
+        allgatherv(
+            &c,
+            &vec![c.rank() as u8; c.rank() + 1],
+            AllgathervAlgo::Node,
+        )
+        .unwrap()
+    });
+    for g in out {
+        assert_eq!(g.data, vec![0, 1, 1, 2, 2, 2]);
+    }
+    assert_eq!(
+        "node".parse::<AllgathervAlgo>().unwrap(),
+        AllgathervAlgo::Node
+    );
+    assert_eq!(AllgathervAlgo::Node.name(), "node");
+}

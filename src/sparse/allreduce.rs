@@ -405,6 +405,7 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
     words.push(match opts.gather {
         AllgathervAlgo::RecursiveDoubling => 1,
         AllgathervAlgo::Mpi => 2,
+        AllgathervAlgo::Node => 3,
     });
     words.iter().fold(crate::failure::FNV_OFFSET, |h, w| {
         crate::failure::fnv(h, &w.to_le_bytes())

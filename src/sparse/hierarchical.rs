@@ -138,6 +138,7 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
     let algo = match opts.gather {
         AllgathervAlgo::RecursiveDoubling => 1u64,
         AllgathervAlgo::Mpi => 2,
+        AllgathervAlgo::Node => 3,
     };
     agree_args(
         comm,
