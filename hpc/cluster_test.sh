@@ -11,7 +11,8 @@
 #      once (the incoming side of a link is shaped too);
 #   4. 2 hosts x 1 rank, 1gbit, MTU 9000: the rate within 25 % (CPU-bound here);
 #   5. with --delay where the kernel has netem (skipped with the reason if not);
-#   6. `gradsync bench --check` on 2 x 2 (when target/release/gradsync exists);
+#   6. `gradsync bench --check` on 2 x 2, and the node-aware allgatherv on
+#      3 x 2 and 2 x 2 (when target/release/gradsync exists);
 #      the node-aware allreduce (3 x 2, 4 x 1, 2 x 2) and the sparse
 #      allreduces, hierarchical and flat (2 x 2, 3 x 2, 4 x 1), against
 #      MPI_Allreduce (when the examples are built);
@@ -134,6 +135,17 @@ if [ -x "$BIN" ]; then
   run "bench 2x2" --hosts 2 --ranks-per-host 2 --link 1gbit -- "$BIN" bench --op allreduce --sizes 64K,1M --iters 3 --warmup 1 --check
   [ "$run_rc" = 0 ] || fail "gradsync bench --check on 2 x 2 exited $run_rc" "$WORK/bench 2x2.log"
   say "gradsync bench --op allreduce --check on 2 hosts x 2 ranks: passed"
+  # The node-aware allgatherv (MPI's node map of the hosts) against
+  # MPI_Allgatherv, and the flat one, on 3 x 2 and 2 x 2.
+  for hr in "3 2" "2 2"; do
+    read -r h r <<<"$hr"
+    run "allgatherv ${h}x$r" --hosts "$h" --ranks-per-host "$r" --link 1gbit -- "$BIN" bench --op allgatherv --algo recdbl,node --sizes 1,64K,1M --iters 2 --warmup 1 --check --json
+    log="$WORK/allgatherv ${h}x$r.log"
+    [ "$run_rc" = 0 ] || fail "gradsync bench --op allgatherv --check on $h x $r exited $run_rc" "$log"
+    oks=$(grep -c '"check":"ok"' "$log" || true)
+    [ "$oks" = 6 ] || fail "allgatherv on $h x $r: $oks checks ok, not 6" "$log"
+  done
+  say "node-aware and flat allgatherv = MPI_Allgatherv on 3 x 2 and 2 x 2"
 else
   say "gradsync bench on the cluster: skipped, no $BIN (cargo build --release)"
 fi

@@ -106,7 +106,9 @@ class GradSync:
         :meth:`sync`), ``clip_norm``, ``delay``, ``warmup`` (a density
         schedule, ``{"warmup": "density", "schedule": [...], "steps_per_stage": n}``),
         ``allreduce`` (``"rabenseifner"``, ``"ring"``, ``"mpi"``, ``"hierarchical"``),
-        ``allgather`` (``"recdbl"``, ``"mpi"``), ``sparse_exchange``
+        ``allgather`` (``"auto"``, the default: with ``profile`` the cost
+        model's choice of ``"recdbl"`` or the node-aware ``"node"`` each
+        step; ``"recdbl"``, ``"node"``, ``"mpi"``), ``sparse_exchange``
         (``"allgather"``, or ``"allreduce"``: the RGC and quantized RGC
         layers by one O(k) sparse allreduce instead of the fused
         allgatherv, same results; ``"hierarchical"``: the node-aware

@@ -122,8 +122,10 @@ pub struct BenchArgs {
     /// (L_t, at least 2).
     #[arg(long, default_value_t = 100)]
     pub lt: usize,
-    /// `--op sparse`: allgatherv of the fused messages: recdbl, mpi or node.
-    #[arg(long, default_value = "recdbl")]
+    /// `--op sparse` and `sparse-allreduce`: allgatherv of the fused
+    /// messages: auto (the engine's choice by --profile; recdbl without
+    /// one), recdbl, mpi or node.
+    #[arg(long, default_value = "auto")]
     pub allgather: String,
     /// `--op sparse-allreduce`: also time (and with `--check` verify) the
     /// hierarchical sparse allreduce with MPI's node map
@@ -402,7 +404,7 @@ enum DenseOp {
     Allgatherv(Vec<AllgathervAlgo>),
 }
 
-fn parse_algos<T: std::str::FromStr<Err = Error>>(
+fn parse_algos<T: std::str::FromStr<Err = Error> + PartialEq>(
     algo: &str,
     all: Vec<T>,
     known: &str,
@@ -410,7 +412,15 @@ fn parse_algos<T: std::str::FromStr<Err = Error>>(
     let v = if algo.trim() == "all" {
         all
     } else {
-        parse_list(algo, str::parse).map_err(|e| flag_error(format!("--algo {algo:?}"), e))?
+        let v: Vec<T> =
+            parse_list(algo, str::parse).map_err(|e| flag_error(format!("--algo {algo:?}"), e))?;
+        // `auto` parses (the engine's per-step choice) but is no algorithm.
+        if v.iter().any(|x| !all.contains(x)) {
+            return Err(Error::InvalidArgument(format!(
+                "--algo {algo:?}: bench runs {known} (or all); \"auto\" is the engine's per-step choice"
+            )));
+        }
+        v
     };
     if v.is_empty() {
         return Err(Error::InvalidArgument(format!(

@@ -4,7 +4,10 @@
 //! allreduce ([`crate::sparse::allreduce`], default options), the fused
 //! allgatherv of RedSync units `[len | indices | values]` followed by the
 //! scatter-add of every rank's unit (today's sparse path), and
-//! `MPI_Allreduce` of the dense layer (the baseline). With
+//! `MPI_Allreduce` of the dense layer (the baseline). The allgatherv is
+//! `--allgather`'s; `auto` (the default) runs what the engine's `auto`
+//! would: the model's choice of `recdbl` or `node` with `--profile` (so
+//! the prediction prices the algorithm that ran), `recdbl` without. With
 //! `--hierarchical` also the hierarchical sparse allreduce
 //! ([`crate::sparse::hierarchical`], MPI's node map from
 //! [`MpiComm::node_ids`]), as algo `hierarchical-sparse-allreduce`.
@@ -30,7 +33,7 @@ const ALGOS: [&str; 3] = [
     "hierarchical-sparse-allreduce",
 ];
 
-type Inputs = (Vec<usize>, f64, Option<Profile>);
+type Inputs = (Vec<usize>, f64, Option<Profile>, AllgathervAlgo);
 
 fn inputs(a: &BenchArgs) -> Result<Inputs> {
     check_common(a)?;
@@ -38,10 +41,15 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         Some(p) => Some(Profile::load(p).map_err(|e| flag_error("--profile", e))?),
         None => None,
     };
+    let allgather: AllgathervAlgo = a
+        .allgather
+        .parse()
+        .map_err(|e| flag_error(format!("--allgather {:?}", a.allgather), e))?;
     Ok((
         parse_sizes("--bytes", a.bytes_or_default(), 4)?,
         a.density.unwrap_or(0.001),
         profile,
+        allgather,
     ))
 }
 
@@ -75,9 +83,16 @@ fn pairs_of(density: f64, n: usize) -> usize {
     ((density * n as f64).round() as usize).clamp(usize::from(n > 0), n)
 }
 
-/// Fused-allgatherv path: gather `[k u32 | idx | val]` units, scatter-add.
-fn fused(comm: &MpiComm, unit: &[u8], g: &mut Gathered, out: &mut [f32]) -> Result<()> {
-    allgatherv_with(comm, unit, AllgathervAlgo::RecursiveDoubling, g)?;
+/// Fused-allgatherv path: gather `[k u32 | idx | val]` units by `algo`,
+/// scatter-add.
+fn fused(
+    comm: &MpiComm,
+    algo: AllgathervAlgo,
+    unit: &[u8],
+    g: &mut Gathered,
+    out: &mut [f32],
+) -> Result<()> {
+    allgatherv_with(comm, unit, algo, g)?;
     out.fill(0.0);
     for r in 0..g.len() {
         let m = g.message(r);
@@ -97,19 +112,21 @@ fn fused(comm: &MpiComm, unit: &[u8], g: &mut Gathered, out: &mut [f32]) -> Resu
 }
 
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    let (sizes, density, profile) = agree_inputs(comm, inputs(a), |(sizes, density, prof)| {
-        let mut m = common_must_match(a);
-        m.push(("--bytes", format!("{sizes:?}")));
-        m.push(("--density", density.to_string()));
-        m.push(("--hierarchical", a.hierarchical.to_string()));
-        m.push((
-            "--profile",
-            prof.as_ref().map_or_else(String::new, |p| {
-                serde_json::to_string(p).unwrap_or_default()
-            }),
-        ));
-        m
-    })?;
+    let (sizes, density, profile, allgather) =
+        agree_inputs(comm, inputs(a), |(sizes, density, prof, allgather)| {
+            let mut m = common_must_match(a);
+            m.push(("--allgather", allgather.name().to_string()));
+            m.push(("--bytes", format!("{sizes:?}")));
+            m.push(("--density", density.to_string()));
+            m.push(("--hierarchical", a.hierarchical.to_string()));
+            m.push((
+                "--profile",
+                prof.as_ref().map_or_else(String::new, |p| {
+                    serde_json::to_string(p).unwrap_or_default()
+                }),
+            ));
+            m
+        })?;
     let (rank, p) = (comm.rank(), comm.size());
     let opts = SparseAllreduceOptions::default();
     // MPI's node map (collective the first time: every rank asks, or none).
@@ -160,6 +177,22 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         for (&i, &v) in idx.iter().zip(&val) {
             dense[i as usize] = v;
         }
+        // `--allgather auto` (the default): what the engine's `auto` runs,
+        // the model's choice with `--profile` (the algorithm it prices),
+        // recursive doubling without one.
+        let gather = match (allgather, &profile) {
+            (AllgathervAlgo::Auto, Some(prof)) => {
+                cost::choose_allgatherv(prof, (4 + 8 * k) as f64, p, per_node)?.algo
+            }
+            (AllgathervAlgo::Auto, None) => AllgathervAlgo::RecursiveDoubling,
+            (a, _) => a,
+        };
+        if rank == 0 && allgather == AllgathervAlgo::Auto && profile.is_some() {
+            errln!(
+                "gradsync bench: {bytes} bytes: fused-allgatherv runs the {} allgatherv (--allgather auto: the model's choice)",
+                gather.name()
+            );
+        }
         let mut unit = Vec::with_capacity(4 + 8 * k);
         unit.extend_from_slice(&(k as u32).to_le_bytes());
         idx.iter()
@@ -179,7 +212,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             checks.push(if a.check {
                 match k {
                     0 => sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())?,
-                    1 => fused(comm, &unit, &mut g, &mut out)?,
+                    1 => fused(comm, gather, &unit, &mut g, &mut out)?,
                     _ => {
                         hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
                             .map(|_| ())?
@@ -205,7 +238,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             1 => timed(comm, || {
                 sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())
             }),
-            2 => timed(comm, || fused(comm, &unit, &mut g, &mut out)),
+            2 => timed(comm, || fused(comm, gather, &unit, &mut g, &mut out)),
             _ => timed(comm, || {
                 hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
                     .map(|_| ())

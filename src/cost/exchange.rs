@@ -4,12 +4,15 @@
 //! allgatherv, Ok-Topk's sparse allreduce, or the node-aware one; issue
 //! #15) and which algorithm runs the fused dense allreduce under
 //! `allreduce = "auto"` (Rabenseifner, the ring, or the hierarchical
-//! allreduce). Every input is the same on every rank, so every rank runs
-//! the same collective; near-ties ([`NEAR_TIE`]) go to the simpler one.
+//! allreduce), and which allgatherv carries the fused message under
+//! `allgather = "auto"` (recursive doubling/Bruck's, or the node-aware
+//! one). Every input is the same on every rank, so every rank runs the
+//! same collective; near-ties ([`NEAR_TIE`]) go to the simpler one.
 
 use super::step::{check, dense_group, sparse_group, Sizes, StepQuery, MAX_RANKS};
-use super::topology::Net;
+use super::topology::{self, Net};
 use super::{Profile, StrategyId};
+use crate::dense::AllgathervAlgo;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -205,6 +208,79 @@ pub fn choose_dense_allreduce(
     })
 }
 
+/// The choice of [`choose_allgatherv`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllgathervChoice {
+    /// `recdbl` (recursive doubling, Bruck's for `p` not a power of two)
+    /// or `node` (the node-aware allgatherv).
+    pub algo: AllgathervAlgo,
+    /// Predicted seconds of every candidate, in that order (`node` only
+    /// when the job spans several nodes with several ranks on one).
+    pub predictions: Vec<(AllgathervAlgo, f64)>,
+}
+
+/// The fastest allgatherv for the engine's fused message of `bytes` per
+/// rank (`sync::Config::allgather = "auto"`): the flat one (recursive
+/// doubling, Bruck's for `p` not a power of two) or, when the job spans
+/// several nodes with several ranks on one (`ranks_per_node < p`, a
+/// profile with [`Profile::inter_node`]), the node-aware one
+/// ([`crate::dense::AllgathervAlgo::Node`]), priced as
+/// [`plan_step`](super::plan_step) prices the fused allgatherv. Every
+/// input must be the same on every rank (the engine passes the step's
+/// fused message size, the communicator's size and its node map), so
+/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`]) go to the
+/// flat one.
+///
+/// ```
+/// use gradsync::cost::{choose_allgatherv, NetLevel, Profile};
+/// use gradsync::dense::AllgathervAlgo;
+/// // Shared memory at 1 µs and 5 GB/s inside a node, 20 µs and 125 MB/s between.
+/// let mut prof = Profile::from_network(1e-6, 5e9, 0.0, 0.0).unwrap();
+/// prof.inter_node = Some(NetLevel { alpha: 20e-6, beta: 8e-9, beta_curve: vec![],
+///                                   oneway_curve: vec![], burst: None });
+/// // 4 nodes of 8 ranks, 1 MB a rank: one rank per node crosses.
+/// let c = choose_allgatherv(&prof, 1e6, 32, Some(8)).unwrap();
+/// assert_eq!(c.algo, AllgathervAlgo::Node);
+/// // One node: nothing to be node-aware about.
+/// let c = choose_allgatherv(&prof, 1e6, 8, Some(8)).unwrap();
+/// assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling);
+/// ```
+pub fn choose_allgatherv(
+    prof: &Profile,
+    bytes: f64,
+    p: usize,
+    ranks_per_node: Option<usize>,
+) -> Result<AllgathervChoice> {
+    if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "an allgatherv of {bytes} bytes a rank on {p} ranks"
+        )));
+    }
+    if let Some(l) = ranks_per_node.filter(|&l| l == 0) {
+        return Err(Error::InvalidArgument(format!("{l} ranks per node")));
+    }
+    let net = Net::new(prof, p, ranks_per_node, None);
+    let predictions = allgatherv_candidates(&net, bytes);
+    Ok(AllgathervChoice {
+        algo: cheapest(&predictions),
+        predictions,
+    })
+}
+
+/// The allgatherv's candidates for `m` bytes a rank at `net`'s placement
+/// and their prices: the flat one always, the node-aware one with two
+/// levels.
+pub(super) fn allgatherv_candidates(net: &Net, m: f64) -> Vec<(AllgathervAlgo, f64)> {
+    let mut c = vec![(
+        AllgathervAlgo::RecursiveDoubling,
+        topology::allgather(net, m),
+    )];
+    if net.two_level() && net.l > 1 {
+        c.push((AllgathervAlgo::Node, topology::allgather_node(net, m)));
+    }
+    c
+}
+
 /// How close two predictions must be to count as a tie in
 /// [`choose_sparse_exchange`] and [`choose_dense_allreduce`]:
 /// 2 %, far inside the model's error (docs/benchmarks.md measures it at
@@ -218,7 +294,7 @@ pub const NEAR_TIE: f64 = 0.02;
 /// with fewer phases and less local work runs. (ResNet-50's exchange at
 /// 2 × 2 and density 0.001 is priced 8.02 ms as the allgatherv and 7.96
 /// as the node-aware allreduce; the node-aware step measured 8–15 % slower.)
-pub(super) fn cheapest(predictions: &[(StrategyId, f64)]) -> StrategyId {
+pub(super) fn cheapest<T: Copy>(predictions: &[(T, f64)]) -> T {
     let best = predictions
         .iter()
         .map(|c| c.1)

@@ -74,7 +74,8 @@ pub use calibrate::{
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use exchange::{
-    choose_dense_allreduce, choose_sparse_exchange, ExchangeChoice, ExchangeQuery, NEAR_TIE,
+    choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, AllgathervChoice,
+    ExchangeChoice, ExchangeQuery, NEAR_TIE,
 };
 pub use step::{
     plan_step, predict_step, sparse_collective, GroupKind, GroupPlan, LayerKind, LayerPlan,
@@ -885,6 +886,18 @@ pub fn codec_wire_bytes(codec: &str, n: usize, d: f64) -> Option<f64> {
         .ok()?
         .with_density(d.clamp(1e-12, 1.0))
         .wire_bytes(n)
+}
+
+/// Wire bytes of a data-dependent codec's message for `n` elements: the
+/// profile's measured bytes per element for it, else its nominal ones
+/// (as the step model prices such a layer).
+pub fn nominal_wire_bytes(prof: &Profile, codec: &str, n: usize) -> f64 {
+    let b = prof
+        .codecs
+        .get(codec)
+        .and_then(|f| f.bytes_per_element)
+        .unwrap_or_else(|| nominal_bytes_per_element(codec));
+    12.0 + b * n as f64
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile

@@ -369,7 +369,11 @@ pub(super) fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
         _ => {
             let m = s.sparse + FUSED_HEADER_LEN as f64;
             if net.two_level() {
-                topology::allgather(net, m)
+                // The allgatherv `allgather = "auto"` runs: the cheaper of
+                // the flat and the node-aware one.
+                let c = super::exchange::allgatherv_candidates(net, m);
+                let pick = super::exchange::cheapest(&c);
+                c.iter().find(|x| x.0 == pick).map_or(0.0, |x| x.1)
             } else {
                 ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
             }

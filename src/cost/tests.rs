@@ -942,6 +942,12 @@ mod exchange {
         assert!(choose_sparse_exchange(&pr, &qq).is_err());
     }
 
+    /// Across slow nodes of 8 ranks, 32 ranks: with independent selections
+    /// the fused allgatherv goes node-aware (its node blocks cross the link
+    /// once, as the node-aware sparse allreduce's units do: the two are
+    /// within the near-tie, and the simpler one runs); with overlapping
+    /// selections the node-aware sparse allreduce's merged units are
+    /// smaller and it wins.
     #[test]
     fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         let pr = two_level();
@@ -950,6 +956,17 @@ mod exchange {
             ..q(4_000_000, 40_000.0, 32)
         };
         let c = choose_sparse_exchange(&pr, &qq).unwrap();
+        let gather = pred(&c, StrategyId::SparseAllgather);
+        let hier = pred(&c, StrategyId::SparseHierarchical);
+        assert!(gather <= hier * (1.0 + NEAR_TIE), "{c:?}");
+        let ag = crate::cost::choose_allgatherv(&pr, qq.message_bytes, 32, Some(8)).unwrap();
+        assert_eq!(ag.algo, crate::dense::AllgathervAlgo::Node, "{ag:?}");
+        assert!(ag.predictions[1].1 < ag.predictions[0].1 / 4.0, "{ag:?}");
+        let overlapping = ExchangeQuery {
+            fill: Some(1.0 / 32.0),
+            ..qq.clone()
+        };
+        let c = choose_sparse_exchange(&pr, &overlapping).unwrap();
         assert_eq!(c.id, StrategyId::SparseHierarchical, "{c:?}");
         // The same job on one node (nodes unknown): never hierarchical.
         let one = ExchangeQuery {

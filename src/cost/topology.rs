@@ -31,6 +31,11 @@
 //!   smallest node's ranks), Rabenseifner among the `H` nodes on each
 //!   shard of `N/S` bytes with all `S` shards crossing at once (`c = S`),
 //!   the ring allgather inside the node;
+//! * the node-aware allgatherv ([`crate::dense::AllgathervAlgo::Node`]):
+//!   `L − 1` messages into the node's leader, the leaders' allgather of
+//!   the `L·m`-byte node blocks over the `H` nodes (one rank per node
+//!   crosses), a binomial broadcast of the `p·m`-byte result inside the
+//!   node ([`allgather_node`]);
 //! * `sparse-allreduce` ([`crate::sparse::sparse_allreduce`]): its
 //!   agreement and sample allgather (`2⌈lg p⌉·α`), `p − 1` rounds of
 //!   pairwise exchange (two messages each: the count, then `k/p` pairs of
@@ -485,6 +490,28 @@ fn allgather_in(net: &Net, m: f64) -> f64 {
         q *= 2;
     }
     t
+}
+
+/// The node-aware allgatherv of `m` bytes per rank
+/// ([`crate::dense::AllgathervAlgo::Node`]): the `L − 1` other ranks of a
+/// node send their message to its leader (one after another), the leaders
+/// allgather the node blocks of `L·m` bytes (one rank per node crosses),
+/// and each leader sends the `p·m`-byte result down a binomial tree over
+/// its node. One node, or one rank per node: the flat [`allgather`].
+pub(crate) fn allgather_node(net: &Net, m: f64) -> f64 {
+    let p = net.p;
+    if p <= 1 || m <= 0.0 {
+        return 0.0;
+    }
+    let (_, l) = node_sizes(net);
+    if !net.two_level() || l <= 1 {
+        return allgather(net, m);
+    }
+    net.refill();
+    let gather_in = (l as f64 - 1.0) * net.step(m, 0);
+    let leaders = allgather_nodes(net, l as f64 * m, net.nodes());
+    let bcast = ceil_lg(l) * net.step(p as f64 * m, 0);
+    gather_in + leaders + bcast
 }
 
 /// Recursive doubling among `h` nodes, one rank per node (the leaders).

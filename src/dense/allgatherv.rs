@@ -27,12 +27,13 @@ pub(crate) use node::node_gather_inplace;
 use serde::{Deserialize, Serialize};
 
 /// Which allgatherv implementation to run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllgathervAlgo {
     /// Recursive doubling for a power of two ranks, Bruck's algorithm for
     /// any other number (any transport; module docs).
     #[serde(rename = "recdbl")]
+    #[default]
     RecursiveDoubling,
     /// The MPI library's own `MPI_Allgatherv` (only on [`MpiComm`](crate::comm::MpiComm)).
     Mpi,
@@ -41,6 +42,12 @@ pub enum AllgathervAlgo {
     /// map ([`Transport::node_ids`]). The flat `recdbl` where the map is
     /// unknown (in process), one node, or one rank per node.
     Node,
+    /// The engine's choice for each step's fused message
+    /// (`sync::Config::allgather`, its default): the cost model's cheaper
+    /// of `recdbl` and `node` ([`crate::cost::choose_allgatherv`]) with a
+    /// profile, `recdbl` without one. Not an algorithm of its own: a
+    /// direct call with it is an error.
+    Auto,
 }
 
 impl AllgathervAlgo {
@@ -50,6 +57,7 @@ impl AllgathervAlgo {
             Self::RecursiveDoubling => "recdbl",
             Self::Mpi => "mpi",
             Self::Node => "node",
+            Self::Auto => "auto",
         }
     }
 }
@@ -61,8 +69,9 @@ impl std::str::FromStr for AllgathervAlgo {
             "recdbl" | "recursive-doubling" => Ok(Self::RecursiveDoubling),
             "mpi" => Ok(Self::Mpi),
             "node" => Ok(Self::Node),
+            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allgatherv algorithm {s:?} (recdbl, mpi, node)"
+                "unknown allgatherv algorithm {s:?} (recdbl, mpi, node, auto)"
             ))),
         }
     }
@@ -120,6 +129,36 @@ pub fn allgatherv_with<C: Transport>(
     algo: AllgathervAlgo,
     out: &mut Gathered,
 ) -> Result<()> {
+    match algo {
+        AllgathervAlgo::Node => {
+            let nodes = comm.node_ids();
+            allgatherv_nodes_with(comm, mine, nodes.as_deref(), out)
+        }
+        _ => gather_with(comm, mine, algo, None, out),
+    }
+}
+
+/// The node-aware [`allgatherv_with`] by the node map `nodes` (the same on
+/// every rank: the engine's agreed map), the flat one without it.
+pub(crate) fn allgatherv_nodes_with<C: Transport>(
+    comm: &C,
+    mine: &[u8],
+    nodes: Option<&[usize]>,
+    out: &mut Gathered,
+) -> Result<()> {
+    gather_with(comm, mine, AllgathervAlgo::Node, nodes, out)
+}
+
+fn gather_with<C: Transport>(
+    comm: &C,
+    mine: &[u8],
+    algo: AllgathervAlgo,
+    nodes: Option<&[usize]>,
+    out: &mut Gathered,
+) -> Result<()> {
+    if algo == AllgathervAlgo::Auto {
+        return Err(auto_refused());
+    }
     let (rank, p) = (comm.rank(), comm.size());
     // 1. Lengths: one u64 per rank, gathered by the same algorithm.
     out.counts_u64.clear();
@@ -154,11 +193,12 @@ pub fn allgatherv_with<C: Transport>(
         }
         AllgathervAlgo::Node => {
             out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
-            match comm.node_ids() {
-                Some(nodes) => node_gather_inplace(comm, &nodes, &mut out.data, &out.displs),
+            match nodes {
+                Some(nodes) => node_gather_inplace(comm, nodes, &mut out.data, &out.displs),
                 None => gather_inplace(comm, &mut out.data, &out.displs),
             }
         }
+        AllgathervAlgo::Auto => Err(auto_refused()),
         AllgathervAlgo::Mpi => {
             out.counts.clear();
             out.counts
@@ -169,6 +209,12 @@ pub fn allgatherv_with<C: Transport>(
                 })?
         }
     }
+}
+
+fn auto_refused() -> Error {
+    Error::InvalidArgument(
+        "allgatherv algorithm \"auto\" is the engine's per-step choice (sync::Config::allgather); name recdbl, mpi or node".into(),
+    )
 }
 
 /// Allgather in place (module docs): rank `i`'s block

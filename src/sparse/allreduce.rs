@@ -406,6 +406,7 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
         AllgathervAlgo::RecursiveDoubling => 1,
         AllgathervAlgo::Mpi => 2,
         AllgathervAlgo::Node => 3,
+        AllgathervAlgo::Auto => 4,
     });
     words.iter().fold(crate::failure::FNV_OFFSET, |h, w| {
         crate::failure::fnv(h, &w.to_le_bytes())

@@ -139,6 +139,7 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
         AllgathervAlgo::RecursiveDoubling => 1u64,
         AllgathervAlgo::Mpi => 2,
         AllgathervAlgo::Node => 3,
+        AllgathervAlgo::Auto => 4,
     };
     agree_args(
         comm,

@@ -200,7 +200,13 @@ pub struct Config {
     pub warmup: Warmup,
     /// Communicate every `delay` steps (SBC's communication delay; 1 = every step).
     pub delay: u64,
-    /// Allgatherv of the fused sparse messages.
+    /// Allgatherv of the fused sparse messages: `auto` (default: with
+    /// [`Config::profile`] the cost model's cheaper of `recdbl` and the
+    /// node-aware `node` for each step's message, which only a job across
+    /// several nodes with several ranks on one can make `node`; `recdbl`
+    /// without a profile), `recdbl`, `node` or `mpi`
+    /// ([`AllgathervAlgo`]). The sparse allreduces' own allgatherv is the
+    /// configured one, `recdbl` under `auto`.
     pub allgather: AllgathervAlgo,
     /// Allreduce of the fused dense buffer.
     pub allreduce: AllreduceAlgo,
@@ -240,7 +246,7 @@ impl Default for Config {
             clip_norm: None,
             warmup: Warmup::None,
             delay: 1,
-            allgather: AllgathervAlgo::RecursiveDoubling,
+            allgather: AllgathervAlgo::Auto,
             allreduce: AllreduceAlgo::Rabenseifner,
             non_finite: NonFinitePolicy::Error,
             overlap: true,

@@ -220,6 +220,66 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.plan.allreduce = algo;
     }
 
+    /// `allgather = "auto"`: this step's allgatherv of the fused message,
+    /// the cost model's cheaper of the flat and the node-aware one
+    /// ([`crate::cost::choose_allgatherv`]) for the message's nominal size
+    /// (each fused layer's codec at this step's density, the sizes the
+    /// step model prices; a data-dependent codec at the profile's measured
+    /// bytes per element, else its nominal ones), the communicator's size
+    /// and the node map: alike on every rank. Without a profile, or without
+    /// a fused message, recursive doubling. Logged when the choice changes.
+    pub(super) fn resolve_allgather(&mut self) {
+        use crate::dense::AllgathervAlgo;
+        if self.cfg.allgather != AllgathervAlgo::Auto || !self.plan.gather {
+            return;
+        }
+        let Some(prof) = self.cfg.profile.as_ref() else {
+            return;
+        };
+        let mut bytes = crate::sparse::FUSED_HEADER_LEN as f64;
+        for &id in &self.plan.sparse.ids {
+            let i = id as usize;
+            let n = self.table[i].n;
+            let unit = self.layers[i].codec.as_deref().map_or(0.0, |c| {
+                let config = match self.plan.layers[i].density {
+                    Some(d) => c.config().with_density(d.clamp(1e-12, 1.0)),
+                    None => c.config(),
+                };
+                config
+                    .wire_bytes(n)
+                    .unwrap_or_else(|| crate::cost::nominal_wire_bytes(prof, &config.name(), n))
+            });
+            bytes += unit + TOC_ENTRY_LEN as f64;
+        }
+        let choice = crate::cost::choose_allgatherv(prof, bytes, self.size, self.ranks_per_node());
+        let algo = match &choice {
+            Ok(c) => c.algo,
+            Err(e) => {
+                log::warn!(
+                    "gradsync: step {}: allgather auto: {e}; using recursive doubling",
+                    self.step
+                );
+                AllgathervAlgo::RecursiveDoubling
+            }
+        };
+        if self.auto_allgather != Some(algo) {
+            if let Ok(c) = &choice {
+                log::info!(
+                    "gradsync: step {}: allgather auto chose {} for {bytes} bytes a rank: {}",
+                    self.step,
+                    algo.name(),
+                    c.predictions
+                        .iter()
+                        .map(|(a, s)| format!("{} {:.1} us", a.name(), s * 1e6))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            self.auto_allgather = Some(algo);
+        }
+        self.plan.allgather = algo;
+    }
+
     /// The fill ratio estimated from the previous steps (module
     /// docs of `exchange.rs`), `None` before any.
     pub fn fill_estimate(&self) -> Option<f64> {

@@ -46,7 +46,8 @@ use super::plan::{Mode, StepPlan};
 use super::{Config, GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::dense::{
-    allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered, ReduceOp, Workspace,
+    allgatherv::allgatherv_nodes_with, allreduce_with, AllgathervAlgo, AllreduceAlgo,
+    AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
 use crate::sparse::{
     failure_text, fused_allgather, hierarchical_sparse_allreduce, sparse_allreduce, write_failed,
@@ -113,6 +114,8 @@ pub(super) struct Job {
     /// This rank's own failure in the local phase (error text).
     pub(super) local_failed: Option<String>,
     pub(super) gather_algo: Option<AllgathervAlgo>,
+    /// The allgatherv inside the sparse allreduces this step.
+    pub(super) reduce_gather_algo: AllgathervAlgo,
     pub(super) reduce_algo: Option<AllreduceAlgo>,
     pub(super) allgather_s: f64,
     pub(super) allreduce_s: f64,
@@ -175,7 +178,12 @@ impl Job {
             let algo = self
                 .gather_algo
                 .unwrap_or(AllgathervAlgo::RecursiveDoubling);
-            fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
+            if algo == AllgathervAlgo::Node && !self.nodes.is_empty() {
+                // The engine's agreed node map, the one its model priced.
+                allgatherv_nodes_with(comm, &self.fused, Some(&self.nodes), &mut self.gathered)?;
+            } else {
+                fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
+            }
             self.allgather_s = t.elapsed().as_secs_f64();
             // The common path only looks at each message's magic.
             let g = &self.gathered;
@@ -236,9 +244,7 @@ impl Job {
         if self.do_sparse {
             let t = Instant::now();
             let opts = SparseAllreduceOptions {
-                gather: self
-                    .gather_algo
-                    .unwrap_or(AllgathervAlgo::RecursiveDoubling),
+                gather: self.reduce_gather_algo,
                 ..SparseAllreduceOptions::default()
             };
             self.sp_out.resize(self.sp_n, 0.0);
@@ -628,7 +634,13 @@ impl Job {
         self.do_gvq = plan.rings;
         self.do_reduce = plan.reduce;
         self.gvq_s = 0.0;
-        self.gather_algo = Some(cfg.allgather);
+        self.gather_algo = Some(plan.allgather);
+        // The sparse allreduces' own allgatherv: the configured one, flat
+        // under `auto` (which chooses for the fused message's size).
+        self.reduce_gather_algo = match cfg.allgather {
+            AllgathervAlgo::Auto => AllgathervAlgo::RecursiveDoubling,
+            a => a,
+        };
         self.reduce_algo = Some(plan.allreduce);
         self.allgather_s = 0.0;
         self.allreduce_s = 0.0;

@@ -221,6 +221,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     auto_exchange: Option<SparseExchange>,
     /// The last algorithm `allreduce = "auto"` chose (to log changes).
     auto_allreduce: Option<crate::dense::AllreduceAlgo>,
+    /// The last algorithm `allgather = "auto"` chose (to log changes).
+    auto_allgather: Option<crate::dense::AllgathervAlgo>,
     /// This step's reduced group's nominal load (`exchange.rs`).
     step_load: exchange::Load,
 }
@@ -295,6 +297,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             fill_estimate: None,
             auto_exchange: None,
             auto_allreduce: None,
+            auto_allgather: None,
             step_load: exchange::Load::default(),
         };
         match s.agree(valid.map(|()| table_hash), String::new) {
@@ -356,6 +359,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             })?;
             s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
             s.nodes = Some(nodes);
+        }
+        if let Some(nodes) = &s.nodes {
+            // The map `allgather = "auto"` prices the node-aware allgatherv
+            // with is the one it runs on.
+            s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
         }
         Ok(s)
     }
@@ -493,6 +501,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.resolve_exchange();
         // `allreduce = "auto"`: this step's dense algorithm (exchange.rs).
         self.resolve_allreduce();
+        // `allgather = "auto"`: this step's allgatherv (exchange.rs).
+        self.resolve_allgather();
         for l in &mut self.layers {
             l.begin_step();
         }

@@ -203,6 +203,11 @@ pub(super) struct StepPlan {
     /// `allreduce = "auto"` Rabenseifner until the engine resolves it by
     /// the dense group's size ([`crate::cost::choose_dense_allreduce`]).
     pub(super) allreduce: crate::dense::AllreduceAlgo,
+    /// The allgatherv of the fused message this step: the configured
+    /// algorithm; with `allgather = "auto"` recursive doubling until the
+    /// engine resolves it by the message's nominal size
+    /// ([`crate::cost::choose_allgatherv`]).
+    pub(super) allgather: crate::dense::AllgathervAlgo,
     /// Compress / step the non-dense layers in parallel (rayon).
     pub(super) parallel_local: bool,
     /// Unpack the layers in parallel (rayon).
@@ -313,6 +318,10 @@ pub(super) fn plan_step_into(
     };
     plan.allreduce = match cfg.allreduce {
         crate::dense::AllreduceAlgo::Auto => crate::dense::AllreduceAlgo::Rabenseifner,
+        a => a,
+    };
+    plan.allgather = match cfg.allgather {
+        crate::dense::AllgathervAlgo::Auto => crate::dense::AllgathervAlgo::RecursiveDoubling,
         a => a,
     };
     // A step with GradiVeQ layers and no fused message carries its status

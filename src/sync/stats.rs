@@ -89,6 +89,10 @@ pub struct StepStats {
     /// model's choice for the step's dense group); empty when the step ran
     /// no dense allreduce.
     pub allreduce: String,
+    /// The algorithm of this step's fused allgatherv (`recdbl`, `node`,
+    /// `mpi`; with `allgather = "auto"` the cost model's choice for the
+    /// step's message); empty when the step ran no allgatherv.
+    pub allgather: String,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
     /// Unpacking, seconds.
@@ -135,6 +139,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if self.plan.reduce && self.plan.communicates {
             allreduce.push_str(self.plan.allreduce.name());
         }
+        let mut allgather = std::mem::take(&mut self.last.allgather);
+        allgather.clear();
+        if self.plan.gather && self.plan.communicates {
+            allgather.push_str(self.plan.allgather.name());
+        }
         layer_stats.resize_with(self.layers.len(), LayerStats::default);
         for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
             d.clone_from(&l.stats);
@@ -159,6 +168,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             sparse_exchange: exchange,
             fill_estimate: self.fill_estimate,
             allreduce,
+            allgather,
             gradiveq_s: job.gvq_s,
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,

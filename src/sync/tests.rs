@@ -4,6 +4,7 @@
 use super::*;
 use crate::codec::CodecConfig;
 use crate::comm::LocalComm;
+use crate::dense::AllgathervAlgo;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
@@ -2407,14 +2408,26 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
             let (g, _) = &gather[r][t];
             let (a, st) = &nodes[r][t];
             assert_eq!(g, a, "{at}: results");
-            assert_eq!(st.sparse_exchange, "hierarchical", "{at}");
+            // Node-aware: the sparse allreduce, or the fused allgatherv
+            // (`allgather = "auto"`) with its node blocks.
             assert!(
-                st.sparse_reduce_nnz > 0 && st.fill_estimate.is_some(),
+                st.sparse_exchange == "hierarchical"
+                    || (st.sparse_exchange == "allgather" && st.allgather == "node"),
+                "{at}: {} / {}",
+                st.sparse_exchange,
+                st.allgather
+            );
+            // The fill is measured either way (the allgatherv's unpacking
+            // counts it); a sparse allreduce reports its result's indices.
+            assert!(st.fill_estimate.is_some(), "{at}");
+            assert!(
+                st.sparse_reduce_nnz > 0 || st.sparse_exchange == "allgather",
                 "{at}"
             );
             let (o, st1) = &one[r][t];
             assert_eq!(g, o, "{at}: one node");
             assert_ne!(st1.sparse_exchange, "hierarchical", "{at}: one node");
+            assert_ne!(st1.allgather, "node", "{at}: one node");
         }
     }
 }
@@ -2906,4 +2919,74 @@ fn first_overlap_finds_written_pairs_only() {
         Some((0, 2))
     );
     assert_eq!(first_overlap(&[]), None);
+}
+
+/// Issue #15: `allgather = "auto"` (the default) runs the node-aware
+/// allgatherv for the fused message where the cost model prices it below
+/// the flat one (2 nodes of 3 ranks, a slow link; QSGD layers, which only
+/// the fused allgatherv carries), with bitwise the results of `recdbl`;
+/// on one node, and without a profile, it is `recdbl`.
+#[test]
+fn auto_allgather_goes_node_aware_across_slow_nodes() {
+    let mut prof = crate::cost::Profile::from_network(3e-6, 2.5e9, 0.0, 0.0).expect("profile");
+    prof.inter_node = Some(crate::cost::NetLevel {
+        alpha: 3e-5,
+        beta: 1.0 / 1.25e8,
+        beta_curve: Vec::new(),
+        oneway_curve: Vec::new(),
+        burst: None,
+    });
+    let qsgd = || Strategy::Sparse {
+        codec: "qsgd:bits=4".parse().expect("codec"),
+        density: None,
+    };
+    let table = vec![
+        ("bias", 10, Strategy::Dense),
+        ("w", 60_000, qsgd()),
+        ("v", 7, qsgd()),
+    ];
+    let run = |allgather: AllgathervAlgo, per: usize, profile: bool| {
+        let cfg = Config {
+            allgather,
+            profile: profile.then(|| prof.clone()),
+            ..cfg()
+        };
+        let table = table.clone();
+        LocalComm::run(6, move |c| {
+            let rank = c.rank();
+            let mut s =
+                GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
+            for (n, len, st) in &table {
+                s.register_with(n, &[*len], st.clone()).expect("register");
+            }
+            let mut out = Vec::new();
+            for step in 0..2u64 {
+                let mut g: Vec<Vec<f32>> = table
+                    .iter()
+                    .enumerate()
+                    .map(|(l, (name, n, _))| exchange_grad(false, rank, step, l, name, *n))
+                    .collect();
+                let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+                let st = s.sync(&mut v).expect("sync").clone();
+                out.push((g, st.allgather));
+            }
+            out
+        })
+    };
+    let flat = run(AllgathervAlgo::RecursiveDoubling, 3, true);
+    let auto = run(AllgathervAlgo::Auto, 3, true);
+    let one = run(AllgathervAlgo::Auto, 6, true);
+    let bare = run(AllgathervAlgo::Auto, 3, false);
+    for r in 0..6 {
+        for t in 0..2 {
+            let at = format!("rank {r} step {t}");
+            assert_eq!(flat[r][t].1, "recdbl", "{at}");
+            assert_eq!(auto[r][t].1, "node", "{at}");
+            assert_eq!(one[r][t].1, "recdbl", "{at}: one node");
+            assert_eq!(bare[r][t].1, "recdbl", "{at}: no profile");
+            for other in [&auto, &one, &bare] {
+                assert_eq!(flat[r][t].0, other[r][t].0, "{at}: results");
+            }
+        }
+    }
 }

@@ -540,3 +540,57 @@ fn a_burst_slower_than_the_link_is_refused() {
     pr.inter_node.as_mut().expect("inter").burst = burst(1e-9);
     pr.validate().expect("a faster credit");
 }
+
+/// The node-aware allgatherv's closed form at 3 nodes of 2 (no burst):
+/// one message into the leader, Bruck's two steps among the 3 leaders
+/// with one 2m-byte node block each, one broadcast round of the 6m-byte
+/// result; and on one node or one rank per node, the flat allgatherv.
+#[test]
+fn the_node_aware_allgather_is_its_phases() {
+    let (a, b, ai, bi) = (1e-6, 1.0 / 5e9, 3e-5, 1.0 / 1.25e8);
+    let pr = prof(Some((ai, 1.0 / bi)));
+    let m = 1e5;
+    let want = (a + m * b) + 2.0 * (ai + 2.0 * m * bi) + (a + 6.0 * m * b);
+    assert!(rel(allgather_node(&net(&pr, 6, 2), m), want) < 1e-12);
+    // It moves a third of the flat one's bytes across each link here.
+    assert!(allgather_node(&net(&pr, 6, 2), m) < allgather(&net(&pr, 6, 2), m) / 1.5);
+    for (p, l) in [(6, 6), (6, 1), (5, 8)] {
+        let n = net(&pr, p, l);
+        assert_eq!(allgather_node(&n, m), allgather(&n, m), "p={p} l={l}");
+    }
+    assert_eq!(allgather_node(&net(&pr, 1, 1), m), 0.0);
+    assert_eq!(allgather_node(&net(&pr, 6, 2), 0.0), 0.0);
+}
+
+#[test]
+fn the_allgatherv_choice_checks_its_inputs_and_lists_its_candidates() {
+    use crate::cost::choose_allgatherv;
+    use crate::dense::AllgathervAlgo;
+    let pr = prof(Some((3e-5, 1.25e8)));
+    for (bytes, p, l) in [
+        (f64::NAN, 4, None),
+        (-1.0, 4, None),
+        (10.0, 0, None),
+        (10.0, 4, Some(0)),
+    ] {
+        assert!(
+            choose_allgatherv(&pr, bytes, p, l).is_err(),
+            "{bytes} {p} {l:?}"
+        );
+    }
+    // One node, unknown nodes, a one-level profile: recdbl alone.
+    for (pr, l) in [(&pr, Some(8)), (&pr, None), (&prof(None), Some(2))] {
+        let c = choose_allgatherv(pr, 1e6, 8, l).unwrap();
+        assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling);
+        assert_eq!(c.predictions.len(), 1);
+    }
+    // Several nodes of several ranks: both, and the node-aware one wins
+    // on this slow link.
+    let c = choose_allgatherv(&pr, 1e6, 8, Some(2)).unwrap();
+    assert_eq!(c.predictions.len(), 2);
+    assert_eq!(c.algo, AllgathervAlgo::Node, "{c:?}");
+    // A link as fast as shared memory: the flat one (fewer phases).
+    let fast = prof(Some((1e-6, 5e9)));
+    let c = choose_allgatherv(&fast, 1e6, 8, Some(2)).unwrap();
+    assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling, "{c:?}");
+}
