@@ -61,7 +61,8 @@ fn fail(msg: String) -> ! {
 }
 
 /// The engine's options of every check: the defaults, or with
-/// `--node-aware` the node-aware dense allreduce and sparse exchange.
+/// `--node-aware` the node-aware dense allreduce, sparse exchange and
+/// allgatherv of the fused message.
 /// `--auto` the cost model's per-step choices of both (a latency-free
 /// profile: the ring where Rabenseifner pays its fold, the reducing sparse
 /// exchanges where they move fewer bytes).
@@ -70,6 +71,7 @@ fn base_cfg() -> Config {
         Config {
             allreduce: AllreduceAlgo::Hierarchical,
             sparse_exchange: SparseExchange::Hierarchical,
+            allgather: gradsync::dense::AllgathervAlgo::Node,
             ..Config::default()
         }
     } else if std::env::args().any(|a| a == "--auto") {

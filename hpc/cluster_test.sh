@@ -247,7 +247,7 @@ if [ -x "$ENGINE" ]; then
     [ "$(grep -E '^STEP [23] ' "$full")" = "$(grep -E '^STEP [23] ' "$WORK/engine run load ${h}x$r.log")" ] ||
       fail "engine_check run --node-aware on $h x $r: restored steps 2-3 differ from the uninterrupted run" "$full"
   done
-  say "engine checks (codecs, stateful run, snapshot restore) with the node-aware dense and sparse paths, and codecs with both auto, on 2 x 2, 3 x 2"
+  say "engine checks (codecs, stateful run, snapshot restore) with the node-aware dense, sparse and allgatherv paths, and codecs with both auto, on 2 x 2, 3 x 2"
 else
   say "engine exchange on the cluster: skipped, no $ENGINE (cargo build --release --examples)"
 fi

@@ -161,7 +161,14 @@ const OP_FLAGS: &[(&str, &[&str])] = &[
     ),
     (
         "sparse-allreduce",
-        &["bytes", "density", "profile", "hierarchical", "check"],
+        &[
+            "bytes",
+            "density",
+            "profile",
+            "hierarchical",
+            "allgather",
+            "check",
+        ],
     ),
     (
         "gradiveq",

@@ -53,7 +53,10 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
     ))
 }
 
-/// The model's time of `algo` (one of [`ALGOS`]) for `k` pairs of `n`.
+/// The model's time of `algo` (one of [`ALGOS`]) for `k` pairs of `n`,
+/// the fused allgatherv by `gather`'s algorithm (`auto`: the model's
+/// choice).
+#[allow(clippy::too_many_arguments)]
 fn predicted(
     path: &std::path::Path,
     prof: &Profile,
@@ -62,13 +65,15 @@ fn predicted(
     k: usize,
     p: usize,
     l: Option<usize>,
+    gather: AllgathervAlgo,
 ) -> Result<f64> {
     let id = match algo {
         "sparse-allreduce" => StrategyId::SparseAllreduce,
         "fused-allgatherv" => StrategyId::SparseAllgather,
         _ => StrategyId::SparseHierarchical,
     };
-    let t = cost::sparse_collective(prof, id, n, k, p, l, None)?;
+    let gather = (gather != AllgathervAlgo::Auto).then_some(gather);
+    let t = cost::sparse_collective_by(prof, id, n, k, p, l, None, gather)?;
     if !t.is_finite() {
         return Err(Error::InvalidArgument(format!(
             "--profile {}: its constants price {algo} of {n} elements at {t} s (not a finite time)",
@@ -150,7 +155,16 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                         .as_ref()
                         .map(|prof| {
                             let path = a.profile.as_deref().unwrap_or(std::path::Path::new(""));
-                            predicted(path, prof, name, n, pairs_of(density, n), p, per_node)
+                            predicted(
+                                path,
+                                prof,
+                                name,
+                                n,
+                                pairs_of(density, n),
+                                p,
+                                per_node,
+                                allgather,
+                            )
                         })
                         .transpose()
                 })

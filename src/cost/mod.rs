@@ -78,8 +78,8 @@ pub use exchange::{
     ExchangeChoice, ExchangeQuery, NEAR_TIE,
 };
 pub use step::{
-    plan_step, predict_step, sparse_collective, GroupKind, GroupPlan, LayerKind, LayerPlan,
-    StepLayer, StepPlan, StepQuery, MAX_RANKS,
+    plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,
+    LayerKind, LayerPlan, StepLayer, StepPlan, StepQuery, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
 

@@ -390,6 +390,10 @@ pub(super) fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
 /// layers' local phase), [`StrategyId::SparseAllreduce`] or
 /// [`StrategyId::SparseHierarchical`] (their own clearing and summing
 /// included). `fill`: the measured fill ratio, as [`StepQuery::fill`].
+/// The fused allgatherv is priced as `allgather = "auto"` runs it (the
+/// cheaper of the flat and the node-aware one,
+/// [`choose_allgatherv`](super::choose_allgatherv));
+/// [`sparse_collective_by`] names it.
 pub fn sparse_collective(
     prof: &Profile,
     id: StrategyId,
@@ -398,6 +402,24 @@ pub fn sparse_collective(
     p: usize,
     ranks_per_node: Option<usize>,
     fill: Option<f64>,
+) -> Result<f64> {
+    sparse_collective_by(prof, id, n, k, p, ranks_per_node, fill, None)
+}
+
+/// [`sparse_collective`] with the fused allgatherv's algorithm named:
+/// `Some(Node)` the node-aware one, `Some` of any other the flat one
+/// (recursive doubling or Bruck's; `mpi` is priced as that), `None` the
+/// choice of `allgather = "auto"`. The sparse allreduces ignore it.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_collective_by(
+    prof: &Profile,
+    id: StrategyId,
+    n: usize,
+    k: usize,
+    p: usize,
+    ranks_per_node: Option<usize>,
+    fill: Option<f64>,
+    gather: Option<crate::dense::AllgathervAlgo>,
 ) -> Result<f64> {
     use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
     if !matches!(id, SparseAllgather | SparseAllreduce | SparseHierarchical) {
@@ -416,7 +438,17 @@ pub fn sparse_collective(
         sparse: 8.0 * k as f64,
         sparse_n: n as f64,
     };
-    let comm = sparse_group(&net, id, s);
+    let comm = match gather {
+        Some(algo) if id == StrategyId::SparseAllgather && p > 1 && net.two_level() => {
+            let m = s.sparse + FUSED_HEADER_LEN as f64;
+            if algo == crate::dense::AllgathervAlgo::Node {
+                topology::allgather_node(&net, m)
+            } else {
+                topology::allgather(&net, m)
+            }
+        }
+        _ => sparse_group(&net, id, s),
+    };
     Ok(if id == StrategyId::SparseAllgather && p > 1 {
         comm + p as f64 * (s.sparse + 4.0) * prof.gamma_unpack_at(4.0 * n as f64)
             + topology::clear(prof, n as f64)

@@ -594,3 +594,35 @@ fn the_allgatherv_choice_checks_its_inputs_and_lists_its_candidates() {
     let c = choose_allgatherv(&fast, 1e6, 8, Some(2)).unwrap();
     assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling, "{c:?}");
 }
+
+/// `sparse_collective_by` prices the fused allgatherv by the named
+/// algorithm; `None` (and `sparse_collective`) is `auto`'s cheaper one.
+#[test]
+fn the_fused_collective_is_priced_by_its_allgatherv() {
+    use crate::cost::{sparse_collective, sparse_collective_by};
+    use crate::dense::AllgathervAlgo;
+    let pr = prof(Some((3e-5, 1.25e8)));
+    let (n, k) = (16_000_000, 16_000);
+    let by = |g| {
+        sparse_collective_by(&pr, StrategyId::SparseAllgather, n, k, 6, Some(2), None, g)
+            .expect("priced")
+    };
+    let (flat, node, auto) = (
+        by(Some(AllgathervAlgo::RecursiveDoubling)),
+        by(Some(AllgathervAlgo::Node)),
+        by(None),
+    );
+    assert!(node < flat, "{node} {flat}");
+    assert_eq!(auto, node);
+    assert_eq!(
+        sparse_collective(&pr, StrategyId::SparseAllgather, n, k, 6, Some(2), None).unwrap(),
+        auto
+    );
+    assert_eq!(by(Some(AllgathervAlgo::Mpi)), flat);
+    // One level: every algorithm is the closed form.
+    let one = |g| {
+        sparse_collective_by(&pr, StrategyId::SparseAllgather, n, k, 6, None, None, g)
+            .expect("priced")
+    };
+    assert_eq!(one(Some(AllgathervAlgo::Node)), one(None));
+}
