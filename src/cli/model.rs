@@ -603,6 +603,7 @@ pub fn step_query(
         allowed: m.allowed(prof)?,
         ranks_per_node: m.rpn(),
         fill: m.fill,
+        allgather: crate::dense::AllgathervAlgo::Auto,
     })
 }
 

@@ -72,8 +72,7 @@ fn predicted(
         "fused-allgatherv" => StrategyId::SparseAllgather,
         _ => StrategyId::SparseHierarchical,
     };
-    let gather = (gather != AllgathervAlgo::Auto).then_some(gather);
-    let t = cost::sparse_collective_by(prof, id, n, k, p, l, None, gather)?;
+    let t = cost::sparse_collective_by(prof, id, n, k, p, l, None, Some(gather))?;
     if !t.is_finite() {
         return Err(Error::InvalidArgument(format!(
             "--profile {}: its constants price {algo} of {n} elements at {t} s (not a finite time)",
@@ -142,11 +141,27 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     };
     let per_node = crate::comm::ranks_per_node(&nodes);
     let algos = &ALGOS[..if a.hierarchical { 3 } else { 2 }];
+    // `--allgather auto` (the default): what the engine's `auto` runs,
+    // the model's choice for each size's unit with `--profile` (the
+    // algorithm its prediction then prices), recursive doubling without.
+    let gathers = sizes
+        .iter()
+        .map(|&bytes| match (allgather, &profile) {
+            (AllgathervAlgo::Auto, Some(prof)) => {
+                let k = pairs_of(density, bytes / 4);
+                Ok(cost::choose_allgatherv(prof, (4 + 8 * k) as f64, p, per_node)?.algo)
+            }
+            (AllgathervAlgo::Auto, None) => Ok(AllgathervAlgo::RecursiveDoubling),
+            (a, _) => Ok(a),
+        })
+        .collect::<Result<Vec<_>>>();
+    let gathers = agree(comm, gathers)?;
     // Priced before anything is measured: a profile that cannot price
     // this run fails it at once, on every rank alike.
     let preds = sizes
         .iter()
-        .map(|&bytes| {
+        .zip(&gathers)
+        .map(|(&bytes, &gather)| {
             let n = bytes / 4;
             algos
                 .iter()
@@ -163,7 +178,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                                 pairs_of(density, n),
                                 p,
                                 per_node,
-                                allgather,
+                                gather,
                             )
                         })
                         .transpose()
@@ -191,16 +206,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         for (&i, &v) in idx.iter().zip(&val) {
             dense[i as usize] = v;
         }
-        // `--allgather auto` (the default): what the engine's `auto` runs,
-        // the model's choice with `--profile` (the algorithm it prices),
-        // recursive doubling without one.
-        let gather = match (allgather, &profile) {
-            (AllgathervAlgo::Auto, Some(prof)) => {
-                cost::choose_allgatherv(prof, (4 + 8 * k) as f64, p, per_node)?.algo
-            }
-            (AllgathervAlgo::Auto, None) => AllgathervAlgo::RecursiveDoubling,
-            (a, _) => a,
-        };
+        let gather = gathers[si];
         if rank == 0 && allgather == AllgathervAlgo::Auto && profile.is_some() {
             errln!(
                 "gradsync bench: {bytes} bytes: fused-allgatherv runs the {} allgatherv (--allgather auto: the model's choice)",

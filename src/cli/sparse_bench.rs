@@ -296,6 +296,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
     let mut parts: [Vec<f64>; 4] = Default::default();
     let mut wire = 0usize;
     let mut sent = 0.0;
+    let mut ran_gather = String::new();
     let mut waits = Vec::new();
     let mut steps = 0u64;
     let mut times = time_interleaved(comm, a.iters, a.warmup, 2, |k| {
@@ -332,6 +333,9 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
             parts[2].push(st.allgather_s);
             parts[3].push(st.unpack_s);
             wire = st.fused_bytes;
+            if !st.allgather.is_empty() {
+                ran_gather.clone_from(&st.allgather);
+            }
             sent = st.layers.iter().map(|l| l.density).sum::<f64>() / st.layers.len() as f64;
             Ok(t)
         }
@@ -380,7 +384,13 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
         pack_s: med_parts[1],
         allgather_s: med_parts[2],
         unpack_s: med_parts[3],
-        allgather: inp.allgather.name().into(),
+        // What ran (`auto` resolves each step; the last step's), else
+        // the configured name (one rank: no allgatherv).
+        allgather: if ran_gather.is_empty() {
+            inp.allgather.name().into()
+        } else {
+            ran_gather
+        },
         overlap: a.overlap,
         compute_s: a.compute_ms / 1e3,
         wait_s: wait[0],

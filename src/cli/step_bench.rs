@@ -236,6 +236,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         gradiveq_ratio: 8.0,
         ranks_per_node: inp.ranks_per_node,
         fill: None,
+        allgather: crate::dense::AllgathervAlgo::Auto,
         allowed: allowed.clone(),
     };
     let plan = cost::plan_step(prof, &q, &model::step_layers(&inp.layers))?;
@@ -338,6 +339,7 @@ fn uniform(
                 gradiveq_ratio: 8.0,
                 ranks_per_node: inp.ranks_per_node,
                 fill: None,
+                allgather: crate::dense::AllgathervAlgo::Auto,
                 allowed: Vec::new(),
             };
             let table = model::step_layers(&inp.layers);

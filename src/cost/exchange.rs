@@ -41,6 +41,9 @@ pub struct ExchangeQuery {
     /// Fill ratio `ρ = F/(p·k)` measured by earlier steps; `None`:
     /// independent selections ([`super::topology`]).
     pub fill: Option<f64>,
+    /// The fused message's allgatherv ([`StepQuery::allgather`]): how the
+    /// fused allgatherv candidate is priced.
+    pub allgather: AllgathervAlgo,
     /// Each of those layers' elements and the bytes it adds to the
     /// message (summing to `n` and `message_bytes`). The fused allgatherv
     /// adds a layer's received pairs into that layer's own output, so its
@@ -103,6 +106,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         allowed: Vec::new(),
         ranks_per_node: q.ranks_per_node,
         fill: q.fill,
+        allgather: q.allgather,
     };
     check(&sq)?;
     let net = Net::of(prof, &sq);
@@ -251,9 +255,9 @@ pub fn choose_allgatherv(
     p: usize,
     ranks_per_node: Option<usize>,
 ) -> Result<AllgathervChoice> {
-    if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
+    if p == 0 || p > MAX_RANKS || !(bytes >= 0.0 && bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
-            "an allgatherv of {bytes} bytes a rank on {p} ranks"
+            "an allgatherv of {bytes} bytes a rank on {p} ranks (1..={MAX_RANKS})"
         )));
     }
     if let Some(l) = ranks_per_node.filter(|&l| l == 0) {

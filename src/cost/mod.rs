@@ -925,6 +925,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         allowed: Vec::new(),
         ranks_per_node: q.ranks_per_node,
         fill: q.fill,
+        allgather: crate::dense::AllgathervAlgo::Auto,
     };
     step::check(&sq)?;
     let preds: Vec<Prediction> = StrategyId::ALL

@@ -103,6 +103,11 @@ pub struct StepQuery {
     /// (from earlier steps); `None`: independent selections
     /// ([`super::topology`]).
     pub fill: Option<f64>,
+    /// The allgatherv of the fused sparse message (`sync::Config::allgather`):
+    /// `Auto` prices the cheaper of the flat and the node-aware one, as the
+    /// engine's `auto` runs it; `Node` the node-aware one; any other the
+    /// flat one (`mpi` priced as that).
+    pub allgather: crate::dense::AllgathervAlgo,
 }
 
 /// The three kinds of group of a step.
@@ -369,11 +374,7 @@ pub(super) fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
         _ => {
             let m = s.sparse + FUSED_HEADER_LEN as f64;
             if net.two_level() {
-                // The allgatherv `allgather = "auto"` runs: the cheaper of
-                // the flat and the node-aware one.
-                let c = super::exchange::allgatherv_candidates(net, m);
-                let pick = super::exchange::cheapest(&c);
-                c.iter().find(|x| x.0 == pick).map_or(0.0, |x| x.1)
+                topology::fused_allgather(net, m)
             } else {
                 ceil_lg(p) * prof.alpha + (p as f64 - 1.0) * m * allgather_beta(prof, m, p)
             }
@@ -407,9 +408,10 @@ pub fn sparse_collective(
 }
 
 /// [`sparse_collective`] with the fused allgatherv's algorithm named:
-/// `Some(Node)` the node-aware one, `Some` of any other the flat one
-/// (recursive doubling or Bruck's; `mpi` is priced as that), `None` the
-/// choice of `allgather = "auto"`. The sparse allreduces ignore it.
+/// `Some(Node)` the node-aware one, `Some(Auto)` or `None` the choice of
+/// `allgather = "auto"`, `Some` of any other the flat one (recursive
+/// doubling or Bruck's; `mpi` is priced as that). The sparse allreduces
+/// ignore it.
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_collective_by(
     prof: &Profile,
@@ -432,23 +434,14 @@ pub fn sparse_collective_by(
             "a sparse collective of {k} pairs of {n} elements on {p} ranks"
         )));
     }
-    let net = Net::new(prof, p, ranks_per_node, fill);
+    let net = Net::new(prof, p, ranks_per_node, fill)
+        .with_gather(gather.unwrap_or(crate::dense::AllgathervAlgo::Auto));
     let s = Sizes {
         dense: 0.0,
         sparse: 8.0 * k as f64,
         sparse_n: n as f64,
     };
-    let comm = match gather {
-        Some(algo) if id == StrategyId::SparseAllgather && p > 1 && net.two_level() => {
-            let m = s.sparse + FUSED_HEADER_LEN as f64;
-            if algo == crate::dense::AllgathervAlgo::Node {
-                topology::allgather_node(&net, m)
-            } else {
-                topology::allgather(&net, m)
-            }
-        }
-        _ => sparse_group(&net, id, s),
-    };
+    let comm = sparse_group(&net, id, s);
     Ok(if id == StrategyId::SparseAllgather && p > 1 {
         comm + p as f64 * (s.sparse + 4.0) * prof.gamma_unpack_at(4.0 * n as f64)
             + topology::clear(prof, n as f64)
@@ -543,7 +536,10 @@ fn marginal(net: &Net, open: Open, s: Sizes, o: &Option_) -> f64 {
             };
             let mut after = s;
             after.add(o, 1.0);
-            sparse_group(net, algo, after) - before
+            // Never negative: `auto`'s allgatherv switches to the node-aware
+            // one within the near-tie, so a larger message can price up to
+            // 2 % below a smaller one there.
+            (sparse_group(net, algo, after) - before).max(0.0)
         }
         GroupKind::Gradiveq => 0.0,
     };

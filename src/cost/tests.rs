@@ -385,6 +385,7 @@ fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
         gradiveq_ratio: 8.0,
         ranks_per_node: None,
         fill: None,
+        allgather: crate::dense::AllgathervAlgo::Auto,
         allowed: allowed.to_vec(),
     }
 }
@@ -716,6 +717,7 @@ mod exchange {
             p,
             ranks_per_node: None,
             fill: None,
+            allgather: crate::dense::AllgathervAlgo::Auto,
             layers: Vec::new(),
         }
     }
@@ -799,6 +801,7 @@ mod exchange {
                             allowed: Vec::new(),
                             ranks_per_node: l,
                             fill,
+                            allgather: crate::dense::AllgathervAlgo::Auto,
                         };
                         let plan = predict_step(&pr, &sq, &layers, &[StrategyId::SparseAllgather])
                             .expect("plan");
@@ -968,6 +971,27 @@ mod exchange {
         };
         let c = choose_sparse_exchange(&pr, &overlapping).unwrap();
         assert_eq!(c.id, StrategyId::SparseHierarchical, "{c:?}");
+        // An engine configured with the flat allgatherv is priced with it:
+        // its L = 8 ranks a node pull 8 times the bytes through the link.
+        let flat = ExchangeQuery {
+            allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+            ..qq.clone()
+        };
+        let c = choose_sparse_exchange(&pr, &flat).unwrap();
+        assert_eq!(c.id, StrategyId::SparseHierarchical, "{c:?}");
+        assert!(
+            pred(&c, StrategyId::SparseAllgather) > 4.0 * gather,
+            "{c:?}"
+        );
+        let node = ExchangeQuery {
+            allgather: crate::dense::AllgathervAlgo::Node,
+            ..qq.clone()
+        };
+        let c = choose_sparse_exchange(&pr, &node).unwrap();
+        assert!(
+            rel(pred(&c, StrategyId::SparseAllgather), gather) < 1e-12,
+            "{c:?}"
+        );
         // The same job on one node (nodes unknown): never hierarchical.
         let one = ExchangeQuery {
             ranks_per_node: None,

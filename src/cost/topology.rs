@@ -167,6 +167,8 @@ pub(crate) struct Net<'a> {
     pub l: usize,
     /// Measured fill ratio of the sparse allreduces, if any.
     pub fill: Option<f64>,
+    /// The fused message's allgatherv ([`StepQuery::allgather`]).
+    pub gather: crate::dense::AllgathervAlgo,
     /// Bytes of the link's [`Burst`] credit the current collective has not
     /// spent yet (each collective's entry point refills it).
     credit: Cell<f64>,
@@ -175,7 +177,12 @@ pub(crate) struct Net<'a> {
 impl<'a> Net<'a> {
     /// The placement of `q` (one node without `ranks_per_node`).
     pub fn of(prof: &'a Profile, q: &StepQuery) -> Self {
-        Self::new(prof, q.p, q.ranks_per_node, q.fill)
+        Self::new(prof, q.p, q.ranks_per_node, q.fill).with_gather(q.allgather)
+    }
+
+    /// The same placement with the fused message's allgatherv `gather`.
+    pub fn with_gather(self, gather: crate::dense::AllgathervAlgo) -> Self {
+        Net { gather, ..self }
     }
 
     /// `p` ranks, `ranks_per_node` per node (one node without it).
@@ -190,6 +197,7 @@ impl<'a> Net<'a> {
             p,
             l: ranks_per_node.unwrap_or(p).max(1),
             fill,
+            gather: crate::dense::AllgathervAlgo::Auto,
             credit: Cell::new(0.0),
         }
     }
@@ -512,6 +520,23 @@ pub(crate) fn allgather_node(net: &Net, m: f64) -> f64 {
     let leaders = allgather_nodes(net, l as f64 * m, net.nodes());
     let bcast = ceil_lg(l) * net.step(p as f64 * m, 0);
     gather_in + leaders + bcast
+}
+
+/// The fused message's allgatherv of `m` bytes per rank, by
+/// [`Net::gather`]: the node-aware one, the flat one, or (`Auto`) the
+/// cheaper of the two as `allgather = "auto"` chooses it
+/// ([`crate::cost::choose_allgatherv`]).
+pub(crate) fn fused_allgather(net: &Net, m: f64) -> f64 {
+    use crate::dense::AllgathervAlgo;
+    match net.gather {
+        AllgathervAlgo::Node => allgather_node(net, m),
+        AllgathervAlgo::Auto => {
+            let c = super::exchange::allgatherv_candidates(net, m);
+            let pick = super::exchange::cheapest(&c);
+            c.iter().find(|x| x.0 == pick).map_or(0.0, |x| x.1)
+        }
+        _ => allgather(net, m),
+    }
 }
 
 /// Recursive doubling among `h` nodes, one rank per node (the leaders).

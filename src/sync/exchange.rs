@@ -115,6 +115,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             p: self.size,
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
+            allgather: self.cfg.allgather,
             layers: std::mem::take(&mut self.step_load.layers),
         };
         let load = &self.step_load;

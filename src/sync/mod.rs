@@ -329,7 +329,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .profile
             .as_ref()
             .is_some_and(|p| p.inter_node.is_some());
-        if two_level || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical {
+        if two_level
+            || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical
+            || s.cfg.allgather == crate::dense::AllgathervAlgo::Node
+        {
             let comm = s.comm.as_ref().expect("transport held at creation");
             s.nodes = comm.node_ids();
         }

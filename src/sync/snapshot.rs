@@ -275,9 +275,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             )));
         }
         if snap.table_hash != self.table_hash || snap.layers.len() != self.layers.len() {
-            return Err(Error::Snapshot(
-                "written for another layer table or other options".into(),
-            ));
+            // The one option whose default changed under existing
+            // snapshots: they hash "allgather": "recdbl".
+            let hint = if self.cfg.allgather == crate::dense::AllgathervAlgo::Auto {
+                " (a snapshot written before \"allgather\" defaulted to \"auto\" loads with \"allgather\": \"recdbl\")"
+            } else {
+                ""
+            };
+            return Err(Error::Snapshot(format!(
+                "written for another layer table or other options{hint}"
+            )));
         }
         for s in &snap.layers {
             s.check_finite()?;

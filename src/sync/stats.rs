@@ -91,7 +91,8 @@ pub struct StepStats {
     pub allreduce: String,
     /// The algorithm of this step's fused allgatherv (`recdbl`, `node`,
     /// `mpi`; with `allgather = "auto"` the cost model's choice for the
-    /// step's message); empty when the step ran no allgatherv.
+    /// step's message; `recdbl` where `node` falls back to it: one node,
+    /// one rank per node); empty when the step ran no allgatherv.
     pub allgather: String,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
@@ -142,7 +143,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut allgather = std::mem::take(&mut self.last.allgather);
         allgather.clear();
         if self.plan.gather && self.plan.communicates {
-            allgather.push_str(self.plan.allgather.name());
+            // `node` where the nodes make no second level runs the flat one.
+            let flat = self.plan.allgather == crate::dense::AllgathervAlgo::Node
+                && self.ranks_per_node().is_none_or(|l| l <= 1);
+            allgather.push_str(if flat {
+                crate::dense::AllgathervAlgo::RecursiveDoubling.name()
+            } else {
+                self.plan.allgather.name()
+            });
         }
         layer_stats.resize_with(self.layers.len(), LayerStats::default);
         for (d, l) in layer_stats.iter_mut().zip(&self.layers) {

@@ -469,6 +469,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             gradiveq_ratio: 8.0,
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
+            allgather: self.cfg.allgather,
             allowed: self.auto_candidates(),
         };
         let plan = cost::plan_step(prof, &q, &table)?;

@@ -374,6 +374,40 @@ fn corrupt_or_foreign_snapshots_are_rejected_and_change_nothing() {
     });
 }
 
+/// A snapshot of other options is refused; under the default
+/// `"allgather": "auto"` the error says how a snapshot written under the
+/// earlier default (`recdbl`) loads, and it does load that way.
+#[test]
+fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
+    LocalComm::run(1, |c| {
+        let old = Config {
+            allgather: AllgathervAlgo::RecursiveDoubling,
+            ..full_cfg()
+        };
+        let mut s = GradSync::with_transport(c, old).expect("engine");
+        register_full(&mut s);
+        steps(&mut s, 0, 0, 2);
+        let snap = s.snapshot_bytes().expect("snapshot");
+        drop(s);
+        let c = LocalComm::create(1).pop().expect("one rank");
+        assert_eq!(full_cfg().allgather, AllgathervAlgo::Auto);
+        let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
+        register_full(&mut s);
+        let e = s.restore_bytes(&snap).unwrap_err().to_string();
+        assert!(e.contains("another layer table or other options"), "{e}");
+        assert!(e.contains("\"allgather\": \"recdbl\""), "{e}");
+        let c = LocalComm::create(1).pop().expect("one rank");
+        let old = Config {
+            allgather: AllgathervAlgo::RecursiveDoubling,
+            ..full_cfg()
+        };
+        let mut s = GradSync::with_transport(c, old).expect("engine");
+        register_full(&mut s);
+        s.restore_bytes(&snap)
+            .expect("restores with the earlier default");
+    });
+}
+
 #[test]
 fn non_finite_gradients_follow_the_policy() {
     for policy in [NonFinitePolicy::Error, NonFinitePolicy::Propagate] {
