@@ -2385,13 +2385,9 @@ impl crate::comm::Transport for Noded {
     }
 }
 
-/// Issue #15: with the ranks' nodes known and a two-level profile whose
-/// link between nodes is slow, `auto` runs the node-aware sparse
-/// allreduce (2 nodes of 2 ranks): the same results as the allgather
-/// engine (exactly, for integer gradients: the node-by-node sum is exact),
-/// the stats name it and measure the fill; on one node it never does.
-#[test]
-fn auto_exchange_goes_node_aware_across_slow_nodes() {
+/// A two-level profile: shared memory at 3 µs and 2.5 GB/s inside a node,
+/// a 1 Gbit/s link at 30 µs between nodes.
+fn slow_link_profile() -> crate::cost::Profile {
     let mut prof = crate::cost::Profile::from_network(3e-6, 2.5e9, 0.0, 0.0).expect("profile");
     prof.inter_node = Some(crate::cost::NetLevel {
         alpha: 3e-5,
@@ -2400,6 +2396,49 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
         oneway_curve: Vec::new(),
         burst: None,
     });
+    prof
+}
+
+/// `steps` synced steps of `table` under `cfg` on `p` in-process ranks
+/// placed `per` a node ([`Noded`]; `exchange_grad` gradients, integers
+/// with `int`): each rank's gradients after each step and its stats.
+fn run_on_nodes(
+    p: usize,
+    per: usize,
+    cfg: &Config,
+    table: &[(&'static str, usize, Strategy)],
+    steps: u64,
+    int: bool,
+) -> Vec<Vec<(Vec<Vec<f32>>, StepStats)>> {
+    LocalComm::run(p, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
+        for (n, len, st) in table {
+            s.register_with(n, &[*len], st.clone()).expect("register");
+        }
+        let mut out = Vec::new();
+        for step in 0..steps {
+            let mut g: Vec<Vec<f32>> = table
+                .iter()
+                .enumerate()
+                .map(|(l, (name, n, _))| exchange_grad(int, rank, step, l, name, *n))
+                .collect();
+            let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+            let st = s.sync(&mut v).expect("sync").clone();
+            out.push((g, st));
+        }
+        out
+    })
+}
+
+/// Issue #15: with the ranks' nodes known and a two-level profile whose
+/// link between nodes is slow, `auto` runs the node-aware sparse
+/// allreduce (2 nodes of 2 ranks): the same results as the allgather
+/// engine (exactly, for integer gradients: the node-by-node sum is exact),
+/// the stats name it and measure the fill; on one node it never does.
+#[test]
+fn auto_exchange_goes_node_aware_across_slow_nodes() {
+    let prof = slow_link_profile();
     let table = vec![
         ("bias", 10, Strategy::Dense),
         ("a", 20_000, Strategy::rgc(0.2)),
@@ -2411,27 +2450,7 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
             profile: Some(prof.clone()),
             ..cfg()
         };
-        let table = table.clone();
-        LocalComm::run(4, move |c| {
-            let rank = c.rank();
-            let mut s =
-                GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
-            for (n, len, st) in &table {
-                s.register_with(n, &[*len], st.clone()).expect("register");
-            }
-            let mut out = Vec::new();
-            for step in 0..3u64 {
-                let mut g: Vec<Vec<f32>> = table
-                    .iter()
-                    .enumerate()
-                    .map(|(l, (name, n, _))| exchange_grad(true, rank, step, l, name, *n))
-                    .collect();
-                let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
-                let st = s.sync(&mut v).expect("sync").clone();
-                out.push((g, st));
-            }
-            out
-        })
+        run_on_nodes(4, per, &cfg, &table, 3, true)
     };
     let gather = run(SparseExchange::Allgather, 2);
     let nodes = run(SparseExchange::Auto, 2);
@@ -2962,14 +2981,7 @@ fn first_overlap_finds_written_pairs_only() {
 /// on one node, and without a profile, it is `recdbl`.
 #[test]
 fn auto_allgather_goes_node_aware_across_slow_nodes() {
-    let mut prof = crate::cost::Profile::from_network(3e-6, 2.5e9, 0.0, 0.0).expect("profile");
-    prof.inter_node = Some(crate::cost::NetLevel {
-        alpha: 3e-5,
-        beta: 1.0 / 1.25e8,
-        beta_curve: Vec::new(),
-        oneway_curve: Vec::new(),
-        burst: None,
-    });
+    let prof = slow_link_profile();
     let qsgd = || Strategy::Sparse {
         codec: "qsgd:bits=4".parse().expect("codec"),
         density: None,
@@ -2985,27 +2997,14 @@ fn auto_allgather_goes_node_aware_across_slow_nodes() {
             profile: profile.then(|| prof.clone()),
             ..cfg()
         };
-        let table = table.clone();
-        LocalComm::run(6, move |c| {
-            let rank = c.rank();
-            let mut s =
-                GradSync::with_transport(Noded { inner: c, per }, cfg.clone()).expect("engine");
-            for (n, len, st) in &table {
-                s.register_with(n, &[*len], st.clone()).expect("register");
-            }
-            let mut out = Vec::new();
-            for step in 0..2u64 {
-                let mut g: Vec<Vec<f32>> = table
-                    .iter()
-                    .enumerate()
-                    .map(|(l, (name, n, _))| exchange_grad(false, rank, step, l, name, *n))
-                    .collect();
-                let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
-                let st = s.sync(&mut v).expect("sync").clone();
-                out.push((g, st.allgather));
-            }
-            out
-        })
+        run_on_nodes(6, per, &cfg, &table, 2, false)
+            .into_iter()
+            .map(|rank| {
+                rank.into_iter()
+                    .map(|(g, st)| (g, st.allgather))
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
     };
     let flat = run(AllgathervAlgo::RecursiveDoubling, 3, true);
     let auto = run(AllgathervAlgo::Auto, 3, true);
