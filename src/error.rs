@@ -9,7 +9,7 @@
 pub enum Error {
     /// Ranks passed buffers of different lengths to the same collective.
     /// Returned on *every* rank when validation is on.
-    #[error("size mismatch across ranks: this rank passed {local} elements, ranks passed between {min} and {max}")]
+    #[error("size mismatch across ranks: this rank passed {local} elements, ranks passed between {min} (rank {min_rank}) and {max} (rank {max_rank})")]
     SizeMismatch {
         /// Length passed on this rank.
         local: u64,
@@ -17,6 +17,10 @@ pub enum Error {
         min: u64,
         /// Largest length passed by any rank.
         max: u64,
+        /// The lowest rank that passed `min`.
+        min_rank: usize,
+        /// The lowest rank that passed `max`.
+        max_rank: usize,
     },
     /// A point-to-point message did not have the length the algorithm expected.
     #[error("message from rank {peer} (tag {tag}) has {got} elements, expected {expected}")]

@@ -152,18 +152,58 @@ pub(crate) fn agree_args<C: Transport>(
     }
     let (max, min) = (v[1], !v[2]);
     if min != max {
-        return Err(Error::SizeMismatch {
-            local: n as u64,
-            min,
-            max,
-        });
+        return Err(size_mismatch(comm, tag, n as u64, min, max)?);
     }
     for (i, (h, msg)) in prints.iter().enumerate() {
         if v[3 + 2 * i] != *h || !v[4 + 2 * i] != *h {
-            return Err(Error::ArgumentMismatch(msg()));
+            let odd = first_rank_differing(comm, tag, *h)?;
+            return Err(Error::ArgumentMismatch(format!(
+                "{} (rank {odd} passed other values than rank 0)",
+                msg()
+            )));
         }
     }
     Ok(())
+}
+
+/// [`Error::SizeMismatch`] naming the lowest rank that passed `min` and the
+/// lowest that passed `max` (collective, on a mismatch only: every rank
+/// has seen the same `min != max`, so every rank calls it; one more small
+/// max-allreduce on `tag`).
+pub(crate) fn size_mismatch<C: Transport>(
+    comm: &C,
+    tag: Tag,
+    local: u64,
+    min: u64,
+    max: u64,
+) -> Result<Error> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let flag = |hit: bool| if hit { (p - rank) as u64 } else { 0 };
+    let mut v = [flag(local == min), flag(local == max)];
+    small_allreduce_max(comm, &mut v, tag)?;
+    Ok(Error::SizeMismatch {
+        local,
+        min,
+        max,
+        min_rank: p - v[0] as usize,
+        max_rank: p - v[1] as usize,
+    })
+}
+
+/// The lowest rank whose `value` differs from rank 0's (collective, on a
+/// mismatch path only: two more small max-allreduces on `tag`). With the
+/// same value everywhere it returns 0.
+pub(crate) fn first_rank_differing<C: Transport>(comm: &C, tag: Tag, value: u64) -> Result<usize> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let mut first = [if rank == 0 { value } else { 0 }];
+    small_allreduce_max(comm, &mut first, tag)?;
+    let mut v = [if value != first[0] {
+        (p - rank) as u64
+    } else {
+        0
+    }];
+    small_allreduce_max(comm, &mut v, tag)?;
+    Ok(if v[0] == 0 { 0 } else { p - v[0] as usize })
 }
 
 /// FNV-1a of a node map (ids as u64 LE), for [`agree_args`].

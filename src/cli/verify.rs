@@ -322,9 +322,21 @@ fn mismatch(comm: &MpiComm, counts: &[usize], rep: &mut Report) -> Result<()> {
             let mut buf = vec![1.0f32; n + rank];
             let res = allreduce(comm, &mut buf, algo, &AllreduceOptions::default());
             let (ok, detail) = match res {
-                Err(Error::SizeMismatch { local, min, max }) => (
-                    local == (n + rank) as u64 && min == n as u64 && max == (n + p - 1) as u64,
-                    format!("SizeMismatch local={local} min={min} max={max}"),
+                Err(Error::SizeMismatch {
+                    local,
+                    min,
+                    max,
+                    min_rank,
+                    max_rank,
+                }) => (
+                    local == (n + rank) as u64
+                        && min == n as u64
+                        && max == (n + p - 1) as u64
+                        && min_rank == 0
+                        && max_rank == p - 1,
+                    format!(
+                        "SizeMismatch local={local} min={min} (rank {min_rank}) max={max} (rank {max_rank})"
+                    ),
                 ),
                 Err(e) => (false, format!("wrong error: {e}")),
                 Ok(()) => (false, "no error".into()),

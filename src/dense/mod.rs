@@ -295,11 +295,13 @@ pub fn validate_same_len<C: Transport>(comm: &C, len: usize) -> Result<()> {
     small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
     let (max, min) = (v[0], !v[1]);
     if min != max {
-        return Err(Error::SizeMismatch {
-            local: len as u64,
+        return Err(crate::failure::size_mismatch(
+            comm,
+            TAG_VALIDATE,
+            len as u64,
             min,
             max,
-        });
+        )?);
     }
     Ok(())
 }
@@ -373,21 +375,30 @@ pub fn allreduce_agreed<C: Transport>(
     let (a, o) = code(algo, op);
     let (max, min) = (v[1], !v[2]);
     if min != max {
-        return Err(Error::SizeMismatch { local: n, min, max });
+        return Err(crate::failure::size_mismatch(
+            comm,
+            TAG_VALIDATE,
+            n,
+            min,
+            max,
+        )?);
     }
-    let differs = |what: &str, here: String| {
+    // Every rank sees the same differing word, so every rank names the
+    // odd rank in the same extra collective.
+    let differs = |what: &str, here: String, code: u64| -> Result<()> {
+        let odd = crate::failure::first_rank_differing(comm, TAG_VALIDATE, code)?;
         Err(Error::ArgumentMismatch(format!(
-            "the {what} differs across ranks (this rank passed {here}): pass the same on every rank"
+            "the {what} differs across ranks (this rank passed {here}; rank {odd} passed other than rank 0): pass the same on every rank"
         )))
     };
     if v[3] != d || !v[4] != d {
-        return differs("buffer dtype", dname.to_string());
+        return differs("buffer dtype", dname.to_string(), d);
     }
     if v[5] != a || !v[6] != a {
-        return differs("allreduce algorithm", algo.name().to_string());
+        return differs("allreduce algorithm", algo.name().to_string(), a);
     }
     if v[7] != o || !v[8] != o {
-        return differs("reduce operation", format!("{op:?}").to_lowercase());
+        return differs("reduce operation", format!("{op:?}").to_lowercase(), o);
     }
     let opts = AllreduceOptions {
         op,

@@ -130,10 +130,16 @@ fn mismatch_is_reported_on_every_rank() {
             });
             for (r, (res, ok)) in out.into_iter().enumerate() {
                 match res {
-                    Err(Error::SizeMismatch { local, min, max }) => {
+                    Err(Error::SizeMismatch {
+                        local,
+                        min,
+                        max,
+                        min_rank,
+                        max_rank,
+                    }) => {
                         assert_eq!(
-                            (local, min, max),
-                            ((10 + r) as u64, 10, (10 + p - 1) as u64)
+                            (local, min, max, min_rank, max_rank),
+                            ((10 + r) as u64, 10, (10 + p - 1) as u64, 0, p - 1)
                         );
                     }
                     other => panic!("p={p} rank {r}: expected SizeMismatch, got {other:?}"),
@@ -373,10 +379,21 @@ fn allreduce_agreed_fails_every_rank_alike() {
                         let want = if case == 5 && p == 1 { 1.0 } else { sum };
                         assert_eq!(o, &Ok(want), "p={p} case={case}")
                     }
-                    2 => assert!(err().contains("size mismatch"), "rank {i}: {o:?}"),
-                    3 => assert!(err().contains("dtype differs"), "rank {i}: {o:?}"),
-                    4 => assert!(err().contains("algorithm differs"), "rank {i}: {o:?}"),
-                    _ => assert!(err().contains("operation differs"), "rank {i}: {o:?}"),
+                    // The last rank is the odd one: every rank names it.
+                    2 => assert!(
+                        err().contains("size mismatch")
+                            && err().contains(&format!("5 (rank 0) and 6 (rank {})", p - 1)),
+                        "rank {i}: {o:?}"
+                    ),
+                    _ => {
+                        let what = ["dtype", "algorithm", "operation"][case - 3];
+                        let e = err();
+                        assert!(e.contains(&format!("{what} differs")), "rank {i}: {e}");
+                        assert!(
+                            e.contains(&format!("rank {} passed other than rank 0", p - 1)),
+                            "rank {i}: {e}"
+                        );
+                    }
                 }
             }
         }
@@ -473,7 +490,7 @@ fn hierarchical_bad_inputs_are_errors() {
     });
     assert!(
         out.iter()
-            .all(|r| matches!(r, Err(Error::ArgumentMismatch(_)))),
+            .all(|r| matches!(r, Err(Error::ArgumentMismatch(m)) if m.contains("rank 1 passed other values than rank 0"))),
         "{out:?}"
     );
 }
