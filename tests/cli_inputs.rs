@@ -538,7 +538,11 @@ fn calibrate_refuses_one_rank_and_unwritable_out_before_measuring() {
             "3",
         ],
     );
-    assert_fails_with(&job, "model-check overflow", &["a predicted time is inf s"]);
+    assert_fails_with(
+        &job,
+        "model-check overflow",
+        &["the predicted time of strategy dense-rabenseifner is inf s"],
+    );
     assert_agreed(&job, "model-check overflow");
     assert!(job.elapsed < Duration::from_secs(8), "{:?}", job.elapsed);
     // The sparse-allreduce bench likewise (it printed predicted_s null).

@@ -933,7 +933,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         .map(|id| step::alone(prof, &sq, q.n, id, q.density))
         .collect();
     match preds.iter().find(|x| !step::sane(x.seconds)) {
-        Some(x) => Err(step::overflow(x.seconds)),
+        Some(x) => Err(step::overflow(&format!("strategy {}", x.name), x.seconds)),
         None => Ok(preds),
     }
 }

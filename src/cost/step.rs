@@ -908,15 +908,21 @@ fn total_seconds(net: &Net, open: Open, assign: &[Option_]) -> f64 {
 /// times (e.g. a bandwidth of 1e-300 B/s: `inf`, written as `null` in
 /// JSON beside a choice made among infinities).
 fn finite(plan: StepPlan) -> Result<StepPlan> {
-    if sane(plan.seconds)
-        && plan
-            .layers
-            .iter()
-            .all(|l| sane(l.marginal_s) && sane(l.alone_s))
-    {
-        Ok(plan)
-    } else {
-        Err(overflow(plan.seconds))
+    let bad = plan
+        .layers
+        .iter()
+        .find(|l| !(sane(l.marginal_s) && sane(l.alone_s)));
+    match bad {
+        None if sane(plan.seconds) => Ok(plan),
+        None => Err(overflow("the step", plan.seconds)),
+        Some(l) => Err(overflow(
+            &format!("layer {:?} ({})", l.name, l.choice.name()),
+            if sane(l.alone_s) {
+                l.marginal_s
+            } else {
+                l.alone_s
+            },
+        )),
     }
 }
 
@@ -926,11 +932,12 @@ pub(super) fn sane(seconds: f64) -> bool {
     seconds.is_finite() && seconds.abs() < 1e12
 }
 
-/// The error of a prediction that overflowed.
-pub(super) fn overflow(seconds: f64) -> Error {
+/// The error of a prediction (of `what`: a layer, a strategy) that
+/// overflowed.
+pub(super) fn overflow(what: &str, seconds: f64) -> Error {
     Error::InvalidArgument(format!(
-        "a predicted time is {seconds:.3e} s: the profile's constants (α, β, γ; --alpha, \
-         --bandwidth) overflow at this size"
+        "the predicted time of {what} is {seconds:.3e} s: the profile's constants (α, β, γ; \
+         --alpha, --bandwidth) overflow at this size"
     ))
 }
 
