@@ -869,8 +869,9 @@ pub fn predict_step(
     finite(describe(prof, q, layers, &assign))
 }
 
-/// The most ranks the model prices (2^24, past any machine built): its
-/// schedules are evaluated step by step, O(p) per prediction.
+/// The most ranks the model prices (2^24, past any machine built). Its
+/// schedules are evaluated in `O(lg p)` steps, the sparse allreduce's
+/// pairwise exchange in `O(L)` runs of equal steps (`L` ranks a node).
 pub const MAX_RANKS: usize = 1 << 24;
 
 /// Elements of the whole table (every layer's gradient is read each step,

@@ -250,6 +250,45 @@ impl<'a> Net<'a> {
         self.repeat(count, m, c, false)
     }
 
+    /// `count` rounds of two steps, `m1` then `m2` bytes, `c` ranks of a
+    /// node crossing: `count` times `step(m1, c) + step(m2, c)`, the
+    /// credit spent in that order, in O(1).
+    pub fn rounds(&self, count: usize, m1: f64, m2: f64, c: usize) -> f64 {
+        let left = self.credit.get();
+        self.credit.set(0.0);
+        let n = count as f64;
+        let base = self.steps(n, m1, c) + self.steps(n, m2, c);
+        self.credit.set(left);
+        let (Some(e), true) = (self.prof.inter_node.as_ref(), c > 0 && self.l < self.p) else {
+            return base;
+        };
+        let Some(burst) = e.burst else {
+            return base;
+        };
+        let (a, b) = (c as f64 * m1, c as f64 * m2);
+        let (da, db) = (
+            (e.beta_at(m1) - burst.beta).max(0.0),
+            (e.beta_at(m2) - burst.beta).max(0.0),
+        );
+        // Whole rounds on credit, then one round that spends the rest.
+        let whole = if a + b > 0.0 {
+            (left / (a + b)).floor().min(n)
+        } else {
+            n
+        };
+        let mut rest = (left - whole * (a + b)).max(0.0);
+        let mut off = whole * (a * da + b * db);
+        if whole < n {
+            let x = a.min(rest);
+            rest -= x;
+            let y = b.min(rest);
+            rest -= y;
+            off += x * da + y * db;
+        }
+        self.credit.set(rest);
+        base - off
+    }
+
     /// `count` steps of one-way traffic (each connection carries one
     /// direction: the ring), `c` ranks of a node crossing.
     pub fn steps_oneway(&self, count: f64, m: f64, c: usize) -> f64 {
@@ -288,8 +327,6 @@ enum Sched {
     /// allgatherv when `p` is a power of two, no fold): entry `i` is step
     /// `i`'s crossing count; the last entry is the fold's.
     Doubling,
-    /// Pairwise exchange `r → r + s`, `s = 1 … p − 1`.
-    Pairwise,
     /// Bruck's allgather (the allgatherv for `p` not a power of two): at
     /// distance `d = 1, 2, 4, … < p`, `r` sends to `r − d` and receives
     /// from `r + d`.
@@ -351,7 +388,6 @@ fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
             ));
             out
         }
-        Sched::Pairwise => (1..p).map(|s| pairwise_crossing(p, l, s)).collect(),
         // A node's ranks sending to r − d are as many as those receiving
         // from r + d: the shift by d and by p − d cross alike.
         Sched::Bruck => std::iter::successors(Some(1usize), |d| d.checked_mul(2))
@@ -359,6 +395,38 @@ fn compute(sched: Sched, p: usize, l: usize) -> Vec<usize> {
             .map(|d| pairwise_crossing(p, l, d))
             .collect(),
     }
+}
+
+/// The pairwise exchange's crossing counts (rank `r` sends to
+/// `(r + s) mod p`, `s = 1 … p − 1`) as runs `(steps, c)` in step order.
+/// Every node's count is flat (its size) for `s` in `[l, p − l]`, so one
+/// run covers that middle and at most `2l` steps lie outside it: O(l) runs
+/// where the list of counts had `p − 1` entries (ranks in the millions
+/// took seconds an evaluation).
+fn pairwise_runs(p: usize, l: usize) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut push = |n: usize, c: usize| match runs.last_mut() {
+        Some((k, c0)) if *c0 == c => *k += n,
+        _ => runs.push((n, c)),
+    };
+    if l >= p {
+        if p > 1 {
+            push(p - 1, 0);
+        }
+        return runs;
+    }
+    let mut s = 1;
+    while s < p {
+        if s >= l && s + l <= p {
+            let end = p - l;
+            push(end - s + 1, pairwise_crossing(p, l, s));
+            s = end + 1;
+        } else {
+            push(1, pairwise_crossing(p, l, s));
+            s += 1;
+        }
+    }
+    runs
 }
 
 /// Step `s` of the pairwise exchange (rank `r` sends to `(r + s) mod p`):
@@ -583,11 +651,10 @@ pub(crate) fn sparse_allreduce(net: &Net, n: f64, k: f64, rho: Option<f64>) -> f
     let pf = p as f64;
     let prof = net.prof;
     let agree = 2.0 * ceil_lg(p) * prof.alpha;
-    let cross = crossings(Sched::Pairwise, p, net.l);
     let per = 8.0 * k / pf;
-    let rounds: f64 = cross
-        .iter()
-        .map(|&c| net.step(8.0, c) + net.step(per, c))
+    let rounds: f64 = pairwise_runs(p, net.l)
+        .into_iter()
+        .map(|(n, c)| net.rounds(n, 8.0, per, c))
         .sum();
     let region = reduced_bytes(fill(n, k, p, rho) / pf, n / pf);
     let gather = allgather_in(net, region);

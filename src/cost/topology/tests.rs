@@ -33,9 +33,11 @@ fn crossings_follow_the_partner_schedules() {
     assert_eq!(*crossings(Sched::Doubling, 6, 2), vec![1, 2, 0]);
     // Pairwise r -> r + s on 2 nodes of 2: s = 1 and 3 cross once per
     // node, s = 2 twice.
-    assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
+    assert_eq!(pairwise_runs(4, 2), vec![(1, 1), (1, 2), (1, 1)]);
     // One node: nothing crosses.
-    assert!(crossings(Sched::Pairwise, 5, 8).iter().all(|&c| c == 0));
+    assert_eq!(pairwise_runs(5, 8), vec![(4, 0)]);
+    assert_eq!(pairwise_runs(5, 5), vec![(4, 0)]);
+    assert!(pairwise_runs(1, 1).is_empty());
     // Bruck's allgather on 3 nodes of 2: at distance 1 one rank a node
     // (0 -> 5, 2 -> 1, 4 -> 3) crosses, at 2 and 4 both.
     assert_eq!(*crossings(Sched::Bruck, 6, 2), vec![1, 2, 2]);
@@ -319,12 +321,12 @@ fn gamma_clear_curve_prices_the_clearing_by_output_size() {
 #[test]
 fn the_crossing_cache_stays_bounded_and_right() {
     for p in 2..(CACHE_MAX + 100) {
-        let c = crossings(Sched::Pairwise, p, 1);
-        assert_eq!(c.len(), p - 1);
+        let c = crossings(Sched::Bruck, p, 1);
+        assert_eq!(c.len(), ceil_lg(p) as usize);
     }
     assert!(SCHEDULES.with(|c| c.borrow().len()) <= CACHE_MAX);
     // Still the schedule after starting over.
-    assert_eq!(*crossings(Sched::Pairwise, 4, 2), vec![1, 2, 1]);
+    assert_eq!(*crossings(Sched::Bruck, 6, 2), vec![1, 2, 2]);
 }
 
 #[test]
@@ -469,6 +471,55 @@ fn pairwise_crossings_in_closed_form_equal_the_count() {
                 }
                 let want = count.iter().copied().max().unwrap_or(0);
                 assert_eq!(super::pairwise_crossing(p, l, s), want, "p {p} l {l} s {s}");
+            }
+        }
+    }
+}
+
+/// The pairwise schedule's runs expand to the step-by-step crossing
+/// counts, and the sparse allreduce priced run by run (`Net::rounds`)
+/// equals it priced step by step, burst credit included (spent part-way
+/// through a run, or lasting past several), on one node and across nodes.
+#[test]
+fn pairwise_runs_price_the_steps_one_by_one() {
+    for p in 1..=70usize {
+        for l in 1..=p + 2 {
+            let steps: Vec<usize> = pairwise_runs(p, l)
+                .into_iter()
+                .flat_map(|(n, c)| std::iter::repeat_n(c, n))
+                .collect();
+            let want: Vec<usize> = (1..p).map(|s| super::pairwise_crossing(p, l, s)).collect();
+            assert_eq!(steps, want, "p {p} l {l}");
+        }
+    }
+    let mut pr = prof(Some((20e-6, 0.125e9)));
+    for credit in [0.0, 100.0, 5e3, 262e3, 1e9] {
+        pr.inter_node.as_mut().unwrap().burst = (credit > 0.0).then_some(Burst {
+            bytes: credit,
+            beta: 1.0 / 1e9,
+        });
+        for (p, l) in [(2, 1), (4, 2), (7, 3), (16, 4), (33, 8), (64, 64), (100, 7)] {
+            for k in [1.0, 200.0, 40_000.0] {
+                let n = net(&pr, p, l);
+                n.refill();
+                let per = 8.0 * k / p as f64;
+                let one_by_one: f64 = (1..p)
+                    .map(|s| {
+                        let c = super::pairwise_crossing(p, l, s);
+                        n.step(8.0, c) + n.step(per, c)
+                    })
+                    .sum();
+                let left = n.credit.get();
+                n.refill();
+                let by_runs: f64 = pairwise_runs(p, l)
+                    .into_iter()
+                    .map(|(m, c)| n.rounds(m, 8.0, per, c))
+                    .sum();
+                assert!(
+                    rel(by_runs, one_by_one) < 1e-9,
+                    "p {p} l {l} k {k} credit {credit}: {by_runs} vs {one_by_one}"
+                );
+                assert!((n.credit.get() - left).abs() <= 1e-6 * credit.max(1.0));
             }
         }
     }
