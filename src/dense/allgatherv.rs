@@ -87,6 +87,9 @@ pub struct Gathered {
     pub displs: Vec<usize>,
     counts_u64: Vec<u64>,
     counts: Vec<usize>,
+    /// The node-aware allgatherv's staging buffer for node maps that are
+    /// not blocks of consecutive ranks (kept across calls).
+    scratch: Vec<u8>,
 }
 
 impl Gathered {
@@ -194,7 +197,9 @@ fn gather_with<C: Transport>(
         AllgathervAlgo::Node => {
             out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
             match nodes {
-                Some(nodes) => node_gather_inplace(comm, nodes, &mut out.data, &out.displs),
+                Some(nodes) => {
+                    node_gather_inplace(comm, nodes, &mut out.data, &out.displs, &mut out.scratch)
+                }
                 None => gather_inplace(comm, &mut out.data, &out.displs),
             }
         }

@@ -549,7 +549,10 @@ fn node_allgatherv_equals_the_flat_result_for_any_node_map() {
                 for i in 0..lens[r] {
                     buf[displs[r] + i] = (r * 31 + i) as u8;
                 }
-                allgatherv::node_gather_inplace(&c, nodes, &mut buf, &displs).unwrap();
+                // A scratch left over from a larger call, full of other bytes.
+                let mut scratch = vec![0xABu8; displs[p] + 17];
+                allgatherv::node_gather_inplace(&c, nodes, &mut buf, &displs, &mut scratch)
+                    .unwrap();
                 buf
             });
             for (r, got) in out.iter().enumerate() {
@@ -563,7 +566,7 @@ fn node_allgatherv_equals_the_flat_result_for_any_node_map() {
 fn node_allgatherv_refuses_a_map_of_the_wrong_length() {
     let out = LocalComm::run(2, |c| {
         let mut buf = vec![0u8; 2];
-        allgatherv::node_gather_inplace(&c, &[0, 0, 1], &mut buf, &[0, 1, 2])
+        allgatherv::node_gather_inplace(&c, &[0, 0, 1], &mut buf, &[0, 1, 2], &mut Vec::new())
     });
     for r in out {
         let e = r.unwrap_err().to_string();

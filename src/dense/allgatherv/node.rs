@@ -18,7 +18,8 @@
 //! lowest rank, a node's ranks in rank order). With ranks placed in blocks
 //! (`mpirun --map-by ppr:L:node`, Slurm's block distribution) that is rank
 //! order and the result lands in place; otherwise it is gathered in a
-//! scratch buffer and copied into rank order at the end.
+//! scratch buffer (the caller's, kept across calls: [`super::Gathered`])
+//! and copied into rank order at the end.
 
 use super::gather_inplace;
 use crate::comm::{tags, Elem, Group, Tag, Transport};
@@ -60,12 +61,14 @@ impl Nodes {
 /// `buf[displs[i]..displs[i + 1]]` is filled on rank `i`, and every block
 /// on every rank at the end. `nodes` is the same map on every rank
 /// ([`Transport::node_ids`]); with one node, or one rank per node, this is
-/// the flat [`gather_inplace`].
+/// the flat [`gather_inplace`]. `scratch` stages the result where the map
+/// is not in blocks (grown to the result's size, never shrunk).
 pub(crate) fn node_gather_inplace<C: Transport, T: Elem>(
     comm: &C,
     nodes: &[usize],
     buf: &mut [T],
     displs: &[usize],
+    scratch: &mut Vec<T>,
 ) -> Result<()> {
     let (rank, p) = (comm.rank(), comm.size());
     if nodes.len() != p {
@@ -87,17 +90,18 @@ pub(crate) fn node_gather_inplace<C: Transport, T: Elem>(
         at.push(at[at.len() - 1] + len(r));
     }
     let in_place = order.iter().enumerate().all(|(j, &r)| j == r);
-    let mut scratch = Vec::new();
     let stage: &mut [T] = if in_place {
         &mut buf[..displs[p]]
     } else {
-        scratch.resize(displs[p], T::zeroed());
+        if scratch.len() < displs[p] {
+            scratch.resize(displs[p], T::zeroed());
+        }
         let j = order
             .iter()
             .position(|&r| r == rank)
             .expect("every rank is in one node");
         scratch[at[j]..at[j + 1]].copy_from_slice(&buf[displs[rank]..displs[rank + 1]]);
-        &mut scratch
+        &mut scratch[..displs[p]]
     };
     // Node-major position of a node's first rank, and of each node block.
     let mut first = Vec::with_capacity(layout.members.len() + 1);
