@@ -23,7 +23,7 @@ use crate::cost::{self, Profile, StrategyId};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use crate::failure::{agree, agree_inputs};
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
-use crate::sparse::hierarchical::hierarchical_sparse_allreduce;
+use crate::sparse::hierarchical::{hierarchical_sparse_allreduce_with, HierarchicalWorkspace};
 use crate::{Error, Result};
 use rand::SeedableRng;
 
@@ -222,6 +222,8 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let mut reference = vec![0f32; n];
         let mut out = vec![0f32; n];
         let mut g = Gathered::default();
+        // The node-aware path keeps its buffers across calls, as the engine does.
+        let mut hws = HierarchicalWorkspace::default();
         let mpi = |dense: &[f32], reference: &mut [f32]| {
             comm.native_allreduce_sum(dense, reference)
                 .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
@@ -233,10 +235,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 match k {
                     0 => sparse_allreduce(comm, n, &idx, &val, &mut out, &opts).map(|_| ())?,
                     1 => fused(comm, gather, &unit, &mut g, &mut out)?,
-                    _ => {
-                        hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
-                            .map(|_| ())?
-                    }
+                    _ => hierarchical_sparse_allreduce_with(
+                        comm, n, &nodes, &idx, &val, &mut out, &opts, &mut hws,
+                    )
+                    .map(|_| ())?,
                 }
                 let bad = out
                     .iter()
@@ -260,8 +262,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             }),
             2 => timed(comm, || fused(comm, gather, &unit, &mut g, &mut out)),
             _ => timed(comm, || {
-                hierarchical_sparse_allreduce(comm, n, &nodes, &idx, &val, &mut out, &opts)
-                    .map(|_| ())
+                hierarchical_sparse_allreduce_with(
+                    comm, n, &nodes, &idx, &val, &mut out, &opts, &mut hws,
+                )
+                .map(|_| ())
             }),
         })?;
         let mpi_med = median(&mut times[0].clone());

@@ -131,6 +131,43 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
     out: &mut [f32],
     opts: &SparseAllreduceOptions,
 ) -> Result<HierarchicalSparseReport> {
+    hierarchical_sparse_allreduce_with(
+        comm,
+        n,
+        nodes,
+        indices,
+        values,
+        out,
+        opts,
+        &mut HierarchicalWorkspace::default(),
+    )
+}
+
+/// The buffers [`hierarchical_sparse_allreduce_with`] keeps from one call
+/// to the next (a workspace, as faer's): the bitset that counts the
+/// result's distinct indices (`n/8` bytes, all zero between calls: a call
+/// clears only the words it marked) and the leaders' gathered units. A
+/// fresh bitset each call cost `n/8` bytes of new pages and a pass over
+/// them, O(n) work in a collective whose other phases move O(k) pairs.
+#[derive(Debug, Default)]
+pub struct HierarchicalWorkspace {
+    seen: Vec<u64>,
+    gathered: Gathered,
+}
+
+/// [`hierarchical_sparse_allreduce`] with the buffers of `ws` (reuse one
+/// across calls: the engine keeps one per instance).
+#[allow(clippy::too_many_arguments)]
+pub fn hierarchical_sparse_allreduce_with<C: Transport>(
+    comm: &C,
+    n: usize,
+    nodes: &[usize],
+    indices: &[u32],
+    values: &[f32],
+    out: &mut [f32],
+    opts: &SparseAllreduceOptions,
+    ws: &mut HierarchicalWorkspace,
+) -> Result<HierarchicalSparseReport> {
     let (rank, p) = (comm.rank(), comm.size());
     // 1. Agreement on failures, n, the node map and the allgatherv.
     let local = check_local(rank, p, n, nodes, indices, values, out.len(), opts);
@@ -172,28 +209,66 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
         let merged = reduce_node(&node, n, pairs)?;
         let unit = encode_unit(&merged, n, opts.delta);
         phases[0] = t0.elapsed().as_secs_f64();
-        Some(exchange_units(comm, &layout.leaders, unit, opts.gather)?)
+        Some(exchange_units(
+            comm,
+            &layout.leaders,
+            unit,
+            opts.gather,
+            &mut ws.gathered,
+        )?)
     } else {
         send_pairs(&node, &pairs)?;
         None
     };
     // 4. The node's broadcast, then the sum of the node units.
-    let (counts, data) = broadcast(&node, layout.leaders.len(), n, mine)?;
+    let spare = std::mem::take(&mut ws.gathered.data);
+    let (counts, data) = broadcast(&node, layout.leaders.len(), n, mine, spare)?;
     phases[1] = t0.elapsed().as_secs_f64();
     out.fill(0.0);
     phases[2] = t0.elapsed().as_secs_f64();
-    let mut seen = vec![0u64; n.div_ceil(64)];
+    let words = n.div_ceil(64);
+    if ws.seen.len() < words {
+        ws.seen.resize(words, 0);
+    }
+    let seen = &mut ws.seen[..words];
     let mut report = HierarchicalSparseReport::default();
     let mut at = 0usize;
+    let mut added = Ok(());
     for (j, &c) in counts.iter().enumerate() {
         // The lengths were checked against the data in `broadcast`.
         let m = &data[at..at + c as usize];
         at += c as usize;
-        let (nnz, dense) = add_unit(m, layout.leaders[j], n, out, &mut seen)?;
-        report.node_nnz.push(nnz);
-        report.dense.push(dense);
+        match add_unit(m, layout.leaders[j], n, out, seen) {
+            Ok((nnz, dense, fresh)) => {
+                report.node_nnz.push(nnz);
+                report.dense.push(dense);
+                report.result_nnz += fresh;
+            }
+            Err(e) => {
+                added = Err(e);
+                break;
+            }
+        }
     }
-    report.result_nnz = seen.iter().map(|w| w.count_ones() as usize).sum();
+    // Back to all zero for the next call: the words the sparse units
+    // marked (a corrupt unit marks nothing), or all of them after a dense
+    // unit.
+    if report.dense.iter().any(|&d| d) {
+        seen.fill(0);
+    } else {
+        let mut at = 0usize;
+        for &c in &counts[..report.node_nnz.len()] {
+            let m = &data[at..at + c as usize];
+            at += c as usize;
+            let k = u32::from_le_bytes(m[4..8].try_into().expect("4 bytes")) as usize;
+            for w in m[8..8 + 4 * k].chunks_exact(4) {
+                seen[u32::from_le_bytes(w.try_into().expect("4 bytes")) as usize / 64] = 0;
+            }
+        }
+    }
+    added?;
+    // The units' buffer serves the next call (its allgatherv or receive).
+    ws.gathered.data = data;
     phases[3] = t0.elapsed().as_secs_f64();
     log::trace!(
         "hierarchical sparse allreduce: rank {rank}, seconds since the call: merged and encoded {:.4} (leaders), units received {:.4}, output cleared {:.4}, units added {:.4}",
@@ -363,29 +438,31 @@ fn exchange_units<C: Transport>(
     leaders: &[usize],
     unit: Vec<u8>,
     algo: AllgathervAlgo,
+    g: &mut Gathered,
 ) -> Result<(Vec<u64>, Vec<u8>)> {
     if leaders.len() == 1 {
         return Ok((vec![unit.len() as u64], unit));
     }
-    let mut g = Gathered::default();
     if leaders.len() == comm.size() {
-        allgatherv_with(comm, &unit, algo, &mut g)?;
+        allgatherv_with(comm, &unit, algo, g)?;
     } else {
         // A group has no MPI communicator of its own: recursive doubling.
         let group = Group::new(comm, leaders.to_vec())?;
-        allgatherv_with(&group, &unit, AllgathervAlgo::RecursiveDoubling, &mut g)?;
+        allgatherv_with(&group, &unit, AllgathervAlgo::RecursiveDoubling, g)?;
     }
     let counts = g.displs.windows(2).map(|w| (w[1] - w[0]) as u64).collect();
     Ok((counts, std::mem::take(&mut g.data)))
 }
 
 /// The leader's units down a binomial tree over its node: the `h` lengths,
-/// then the bytes. The leader passes `Some`, every other rank `None`.
+/// then the bytes. The leader passes `Some`, every other rank `None` and
+/// receives into `spare` (a buffer kept from an earlier call).
 fn broadcast<C: Transport>(
     node: &Group<C>,
     h: usize,
     n: usize,
     mine: Option<(Vec<u64>, Vec<u8>)>,
+    mut spare: Vec<u8>,
 ) -> Result<(Vec<u64>, Vec<u8>)> {
     let (li, l) = (node.rank(), node.size());
     let mut got = mine;
@@ -403,9 +480,10 @@ fn broadcast<C: Transport>(
                 );
                 node.abort(1, &format!("hierarchical sparse allreduce: {e}"))
             });
-            let mut data = vec![0u8; total];
-            node.recv(&mut data, src, TAG)?;
-            got = Some((counts, data));
+            spare.clear();
+            spare.resize(total, 0);
+            node.recv(&mut spare, src, TAG)?;
+            got = Some((counts, spare));
             break;
         }
         mask <<= 1;
@@ -437,14 +515,16 @@ fn units_len(counts: &[u64], n: usize) -> Option<usize> {
 /// Validate the unit `m` of the node led by `leader` and add it into `out`
 /// (length `n`), marking its indices in the bitset `seen`; returns
 /// (nnz, dense). Hostile bytes give [`Error::PeerMessage`], never a panic;
-/// `out` is left untouched then.
+/// `out` and `seen` are left untouched then. Also returns how many of its
+/// indices were not marked before (the growth of the result's distinct
+/// indices).
 pub(crate) fn add_unit(
     m: &[u8],
     leader: usize,
     n: usize,
     out: &mut [f32],
     seen: &mut [u64],
-) -> Result<(usize, bool)> {
+) -> Result<(usize, bool, usize)> {
     let bad = |reason: String| Err(peer(leader, format!("node unit: {reason}")));
     if out.len() != n || seen.len() < n.div_ceil(64) {
         return Err(Error::InvalidArgument(format!(
@@ -462,7 +542,12 @@ pub(crate) fn add_unit(
     if nnz > n {
         return bad(format!("{nnz} indices for n = {n}"));
     }
-    let mut mark = |i: usize| seen[i / 64] |= 1 << (i % 64);
+    let mut fresh = 0usize;
+    let mut mark = |i: usize| {
+        let (w, b) = (i / 64, 1u64 << (i % 64));
+        fresh += usize::from(seen[w] & b == 0);
+        seen[w] |= b;
+    };
     match kind {
         KIND_DENSE => {
             if body.len() != 4 * n {
@@ -475,7 +560,7 @@ pub(crate) fn add_unit(
                 }
                 *o += x;
             }
-            Ok((nnz, true))
+            Ok((nnz, true, fresh))
         }
         KIND_SPARSE => {
             if body.len() != 8 * nnz {
@@ -500,7 +585,7 @@ pub(crate) fn add_unit(
                 mark(i);
                 out[i] += f32::from_bits(word(cv));
             }
-            Ok((nnz, false))
+            Ok((nnz, false, fresh))
         }
         k => bad(format!("unknown kind {k}")),
     }

@@ -39,7 +39,10 @@
 pub mod allreduce;
 pub mod hierarchical;
 pub use allreduce::{sparse_allreduce, Balance, SparseAllreduceOptions, SparseAllreduceReport};
-pub use hierarchical::{hierarchical_sparse_allreduce, HierarchicalSparseReport};
+pub use hierarchical::{
+    hierarchical_sparse_allreduce, hierarchical_sparse_allreduce_with, HierarchicalSparseReport,
+    HierarchicalWorkspace,
+};
 
 use crate::codec::Codec;
 use crate::comm::Transport;

@@ -50,8 +50,8 @@ use crate::dense::{
     AllreduceOptions, Gathered, ReduceOp, Workspace,
 };
 use crate::sparse::{
-    failure_text, fused_allgather, hierarchical_sparse_allreduce, sparse_allreduce, write_failed,
-    write_fused, EntryKind, SparseAllreduceOptions,
+    failure_text, fused_allgather, hierarchical_sparse_allreduce_with, sparse_allreduce,
+    write_failed, write_fused, EntryKind, HierarchicalWorkspace, SparseAllreduceOptions,
 };
 use crate::{Error, Result};
 use std::sync::mpsc;
@@ -104,6 +104,8 @@ pub(super) struct Job {
     /// (gathered with the reduced layers' markers).
     pub(super) dn_bad_rank: Vec<Option<usize>>,
     pub(super) sparse_reduce_s: f64,
+    /// The node-aware sparse allreduce's buffers, kept across steps.
+    pub(super) hier_ws: HierarchicalWorkspace,
     /// Distinct indices of the sparse allreduce's result.
     pub(super) sparse_reduce_nnz: usize,
     /// With `auto` and the allgatherv: the nonzero elements of the
@@ -256,6 +258,7 @@ impl Job {
                 &self.sp_val,
                 &mut self.sp_out,
                 &opts,
+                &mut self.hier_ws,
             )?;
             self.sparse_reduce_s = t.elapsed().as_secs_f64();
         }
@@ -387,6 +390,7 @@ impl Job {
 /// of every rank's pairs `(idx, vals)` (indices in `[0, n)`) written into
 /// `out` (length `n`, overwritten), and the number of distinct indices of
 /// the result. At one rank: this rank's pairs, without communication.
+#[allow(clippy::too_many_arguments)]
 fn reduce_sparse<C: Transport>(
     comm: &C,
     (exchange, nodes): (SparseExchange, &[usize]),
@@ -395,6 +399,7 @@ fn reduce_sparse<C: Transport>(
     vals: &[f32],
     out: &mut [f32],
     opts: &SparseAllreduceOptions,
+    ws: &mut HierarchicalWorkspace,
 ) -> Result<usize> {
     if comm.size() == 1 {
         out.fill(0.0);
@@ -415,7 +420,8 @@ fn reduce_sparse<C: Transport>(
             Ok(report.region_nnz.iter().sum())
         }
         SparseExchange::Hierarchical => {
-            let report = hierarchical_sparse_allreduce(comm, n, nodes, idx, vals, out, opts)?;
+            let report =
+                hierarchical_sparse_allreduce_with(comm, n, nodes, idx, vals, out, opts, ws)?;
             Ok(report.result_nnz)
         }
         SparseExchange::Allgather | SparseExchange::Auto => Err(Error::InvalidArgument(format!(

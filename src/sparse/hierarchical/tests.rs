@@ -413,6 +413,65 @@ fn balance_is_ignored() {
     assert_eq!(out[1], [0.0, 0.0, 2.0]);
 }
 
+/// One workspace across calls of different `n`, sparse and dense node
+/// units and empty selections: the same results and distinct counts as a
+/// fresh workspace, and its bitset all zero after each call.
+#[test]
+fn a_workspace_reused_across_calls_gives_the_fresh_results() {
+    let calls: Vec<(usize, f64, usize)> = vec![
+        (100, 1.0, 5),
+        (1000, 1.0, 40),
+        (100, 0.0, 5),
+        (64, 1.0, 0),
+        (1000, 0.0, 300),
+        (130, 1.0, 7),
+    ];
+    let nodes = [0, 0, 1, 1, 1];
+    let got = LocalComm::run(5, |c| {
+        let mut ws = HierarchicalWorkspace::default();
+        let r = c.rank();
+        let mut all = Vec::new();
+        for &(n, delta, k) in &calls {
+            let idx: Vec<u32> = (0..k).map(|j| ((j * 13 + r * 7) % n) as u32).collect();
+            let val: Vec<f32> = (0..k).map(|j| (j + r) as f32).collect();
+            let opts = SparseAllreduceOptions {
+                delta,
+                ..Default::default()
+            };
+            let mut a = vec![0.0; n];
+            let ra = hierarchical_sparse_allreduce_with(
+                &c, n, &nodes, &idx, &val, &mut a, &opts, &mut ws,
+            )
+            .expect("reused");
+            assert!(
+                ws.seen.iter().all(|&w| w == 0),
+                "rank {r} n {n}: bitset not cleared"
+            );
+            let mut b = vec![0.0; n];
+            let rb = hierarchical_sparse_allreduce(&c, n, &nodes, &idx, &val, &mut b, &opts)
+                .expect("fresh");
+            all.push((a == b, ra == rb, ra.result_nnz));
+        }
+        all
+    });
+    for (r, calls_r) in got.iter().enumerate() {
+        for (i, &(same_out, same_report, _)) in calls_r.iter().enumerate() {
+            assert!(same_out && same_report, "rank {r} call {i}");
+        }
+    }
+    // Distinct indices: the union of every rank's selection.
+    for (i, &(n, _, k)) in calls.iter().enumerate() {
+        let mut u: Vec<usize> = (0..5)
+            .flat_map(|r| (0..k).map(move |j| (j * 13 + r * 7) % n))
+            .collect();
+        u.sort_unstable();
+        u.dedup();
+        if calls[i].1 > 0.0 {
+            assert_eq!(got[0][i].2, u.len(), "call {i}");
+        }
+    }
+}
+
 #[test]
 fn units_round_trip_and_corrupt_units_are_refused() {
     let n = 10;
@@ -421,9 +480,18 @@ fn units_round_trip_and_corrupt_units_are_refused() {
         let unit = encode_unit(&pairs, n, delta);
         let mut out = vec![1.0; n];
         let mut seen = vec![0u64; 1];
+        // A dense unit marks only its nonzero values: 2 of the 3.
         assert_eq!(
             add_unit(&unit, 0, n, &mut out, &mut seen).expect("valid"),
-            (3, dense)
+            (3, dense, if dense { 2 } else { 3 })
+        );
+        // The same unit again marks nothing new.
+        let mut again = vec![0.0; n];
+        assert_eq!(
+            add_unit(&unit, 0, n, &mut again, &mut seen)
+                .expect("valid")
+                .2,
+            0
         );
         assert_eq!(out, [1., 3., 1., 1., -2., 1., 1., 1., 1., 1.]);
         // The dense unit cannot tell the index 9 it carries (+0.0) apart.
@@ -482,7 +550,7 @@ proptest! {
             let mut out = vec![0.0; n];
             let mut seen = vec![0u64; n.div_ceil(64)];
             match add_unit(m, 3, n, &mut out, &mut seen) {
-                Ok((nnz, _)) => assert!(nnz <= n),
+                Ok((nnz, _, fresh)) => assert!(nnz <= n && fresh <= n),
                 Err(e) => assert!(matches!(e, Error::PeerMessage { rank: 3, .. }), "{e}"),
             }
         };
