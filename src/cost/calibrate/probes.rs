@@ -385,7 +385,8 @@ fn engine_probe(
 /// unit of `n/100` distinct sorted pairs (random indices) added into the
 /// output just cleared (untimed), as [`crate::sparse::hierarchical`] adds
 /// the node units after clearing its result, with its bitset of the
-/// result's indices. Returns the probe and the unit's bytes.
+/// result's indices (kept across calls, as in the collective's
+/// workspace). Returns the probe and the unit's bytes.
 pub(super) fn cold_add_probe(
     comm: &MpiComm,
     out: Rc<RefCell<Vec<f32>>>,
@@ -402,14 +403,18 @@ pub(super) fn cold_add_probe(
     let pairs: Vec<(u32, f32)> = idx.iter().map(|&i| (i, (i % 64) as f32 - 32.0)).collect();
     let unit = crate::sparse::hierarchical::encode_unit(&pairs, n, 1.0);
     let bytes = unit.len() as f64;
+    // The bitset is kept and cleared untimed, as the collective keeps it in
+    // its workspace (`HierarchicalWorkspace`) and clears only its marks.
     let probe = local_prep(
         comm,
-        out,
-        |out| out.borrow_mut().fill(0.0),
-        move |out| {
-            let mut seen = vec![0u64; n.div_ceil(64)];
-            crate::sparse::hierarchical::add_unit(&unit, 0, n, &mut out.borrow_mut(), &mut seen)?;
-            std::hint::black_box(&seen);
+        (out, vec![0u64; n.div_ceil(64)]),
+        |(out, seen)| {
+            out.borrow_mut().fill(0.0);
+            seen.fill(0);
+        },
+        move |(out, seen)| {
+            crate::sparse::hierarchical::add_unit(&unit, 0, n, &mut out.borrow_mut(), seen)?;
+            std::hint::black_box(&*seen);
             Ok(())
         },
     );
