@@ -370,7 +370,10 @@ def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum"
     (node-aware: within each node, then across nodes); ``op``: ``"sum"`` or
     ``"average"``. Lengths, dtypes and local errors are agreed first, so a
     mismatch or a bad array on one rank raises on every rank (as do an
-    ``algo`` or ``op`` that differ across ranks). The values are not
+    ``algo`` or ``op`` that differ across ranks), naming the rank: the
+    failing one, or the lowest that passed the smallest and the largest
+    length, or the lowest whose dtype, ``algo`` or ``op`` is not rank 0's.
+    The values are not
     inspected, as ``MPI_Allreduce`` does not inspect them: a NaN or Inf
     reaches every rank's result alike (``GradSync.sync`` checks gradients).
     ``"average"`` divides the sum by the number of ranks.
