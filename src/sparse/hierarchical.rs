@@ -145,10 +145,10 @@ pub fn hierarchical_sparse_allreduce<C: Transport>(
 
 /// The buffers [`hierarchical_sparse_allreduce_with`] keeps from one call
 /// to the next (a workspace, as faer's): the bitset that counts the
-/// result's distinct indices (`n/8` bytes, all zero between calls: a call
-/// clears only the words it marked) and the leaders' gathered units. A
-/// fresh bitset each call cost `n/8` bytes of new pages and a pass over
-/// them, O(n) work in a collective whose other phases move O(k) pairs.
+/// result's distinct indices (`n/8` bytes, all zero between calls) and the
+/// leaders' gathered units. A fresh bitset each call cost `n/8` bytes of
+/// new pages and a pass to count its bits; now the bits are counted as
+/// they are set and the bitset is zeroed in place.
 #[derive(Debug, Default)]
 pub struct HierarchicalWorkspace {
     seen: Vec<u64>,
@@ -250,22 +250,9 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
             }
         }
     }
-    // Back to all zero for the next call: the words the sparse units
-    // marked (a corrupt unit marks nothing), or all of them after a dense
-    // unit.
-    if report.dense.iter().any(|&d| d) {
-        seen.fill(0);
-    } else {
-        let mut at = 0usize;
-        for &c in &counts[..report.node_nnz.len()] {
-            let m = &data[at..at + c as usize];
-            at += c as usize;
-            let k = u32::from_le_bytes(m[4..8].try_into().expect("4 bytes")) as usize;
-            for w in m[8..8 + 4 * k].chunks_exact(4) {
-                seen[u32::from_le_bytes(w.try_into().expect("4 bytes")) as usize / 64] = 0;
-            }
-        }
-    }
+    // Back to all zero for the next call (after an error too): `n/8`
+    // bytes, 1/32 of the output cleared above.
+    seen.fill(0);
     added?;
     // The units' buffer serves the next call (its allgatherv or receive).
     ws.gathered.data = data;

@@ -403,18 +403,16 @@ pub(super) fn cold_add_probe(
     let pairs: Vec<(u32, f32)> = idx.iter().map(|&i| (i, (i % 64) as f32 - 32.0)).collect();
     let unit = crate::sparse::hierarchical::encode_unit(&pairs, n, 1.0);
     let bytes = unit.len() as f64;
-    // The bitset is kept and cleared untimed, as the collective keeps it in
-    // its workspace (`HierarchicalWorkspace`) and clears only its marks.
+    // The bitset is kept and zeroed after the add, as the collective keeps
+    // it in its workspace (`HierarchicalWorkspace`).
     let probe = local_prep(
         comm,
         (out, vec![0u64; n.div_ceil(64)]),
-        |(out, seen)| {
-            out.borrow_mut().fill(0.0);
-            seen.fill(0);
-        },
+        |(out, _)| out.borrow_mut().fill(0.0),
         move |(out, seen)| {
             crate::sparse::hierarchical::add_unit(&unit, 0, n, &mut out.borrow_mut(), seen)?;
             std::hint::black_box(&*seen);
+            seen.fill(0);
             Ok(())
         },
     );
