@@ -63,9 +63,10 @@ if ! "$VENV/bin/python" -c "import numpy, sklearn, maturin, mpi4py" >/dev/null 2
   "$VENV/bin/pip" install -q numpy scikit-learn "maturin>=1.16,<2"
   MPICC="$(command -v mpicc)" "$VENV/bin/pip" install -q --no-binary mpi4py "mpi4py>=3.1"
 fi
-# PyTorch is optional (gradsync.torch imports without it and its test skips
-# with a reason): GRADSYNC_WITH_TORCH=1 installs it into the environment
-# (several GB with its CUDA libraries; gradsync.torch uses CPU tensors).
+# PyTorch (the registry's wheel, used on the CPU here): GRADSYNC_WITH_TORCH=1
+# installs it into the environment (several GB with its CUDA libraries).
+# hpc/test.sh sets it, so every torch test runs there; hpc/demo.sh does not
+# need it, and gradsync.torch imports without it.
 if [ "${GRADSYNC_WITH_TORCH:-0}" = 1 ] && ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch into $VENV (GRADSYNC_WITH_TORCH=1)"
   "$VENV/bin/pip" install -q torch

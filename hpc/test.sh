@@ -8,7 +8,9 @@
 # sets seconds per target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-hpc/setup.sh
+# PyTorch too: the torch tests (DDP hook, DistributedOptimizer, half
+# precision) run here, none skipped (GRADSYNC_REQUIRE_TORCH=1 below).
+GRADSYNC_WITH_TORCH=1 hpc/setup.sh
 [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
 # The Python package, built from this tree into the environment setup made
 # (tests/python.rs runs it under mpirun; GRADSYNC_REQUIRE_PYTHON=1 makes a
@@ -17,7 +19,7 @@ VENV="$(realpath -m "${GRADSYNC_VENV:-$PWD/.venv}")"
 # maturin's build backend runs the `maturin` command from PATH (pip puts
 # nothing there without build isolation): the environment's own.
 PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
-export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1
+export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1 GRADSYNC_REQUIRE_TORCH=1
 # The engine's tests (unit, property, mpirun, Python, C examples), then the
 # C ABI crate's own (the header drift check).
 cargo test --release

@@ -22,8 +22,12 @@ PyTorch is imported when :class:`DistributedOptimizer` or
 :func:`broadcast_parameters` is used, which raise a clear ``ImportError``
 when it is missing.
 
-Gradients are ``float32``. CPU gradients are read and written in place
-through numpy views that share the tensors' memory (no copy). CUDA gradients
+Gradients are ``float32``, ``float16`` or ``bfloat16`` (several in one
+model is fine). float32 CPU gradients are read and written in place through
+numpy views that share the tensors' memory (no copy); half-precision ones go
+to the engine through DLPack, are summed, selected and kept as residuals in
+float32 and written back rounded once to their dtype (the bound is in
+``docs/pytorch.md``). CUDA gradients
 go to the engine as they are, through DLPack (a gradsync built with the cargo
 feature ``cuda``; otherwise the step fails on every rank naming the cause).
 :func:`broadcast_parameters` takes CPU tensors only.
@@ -36,7 +40,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import numpy as np
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters"]
+__all__ = ["DistributedOptimizer", "GradSyncHookState", "broadcast_parameters", "gradsync_hook"]
 
 Strategy = Union[str, Mapping[str, str], Callable[[str, Any], str]]
 
@@ -62,11 +66,15 @@ def _engine_view(torch: Any, name: str, t: Any, what: str) -> Any:
         raise TypeError(f"{what} of {name!r} is a sparse tensor: gradsync needs dense float32 tensors")
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"{what} of {name!r} is on {t.device}: gradsync takes CPU and CUDA tensors")
-    if t.dtype != torch.float32:
-        raise ValueError(f"{what} of {name!r} is {t.dtype}: gradsync synchronizes torch.float32 only")
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"{what} of {name!r} is {t.dtype}: gradsync synchronizes torch.float32, float16 and bfloat16"
+        )
     if not t.is_contiguous():
         raise ValueError(f"{what} of {name!r} is not contiguous")
-    if t.device.type == "cuda":
+    if t.device.type == "cuda" or t.dtype != torch.float32:
+        # Half precision: the engine imports the tensor through DLPack and
+        # steps it through a float32 workspace (numpy has no bfloat16).
         return t
     arr = t.detach().numpy().reshape(-1)  # shares memory: a view, never a copy
     if t.numel() and arr.__array_interface__["data"][0] != t.data_ptr():
@@ -102,6 +110,135 @@ def _agree(comm: Any, local_error: Optional[BaseException], count: int) -> None:
             "the ranks synchronize different numbers of parameters (those that require grad): "
             + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         )
+
+
+def _engine_for(
+    torch: Any,
+    named_parameters: Iterable[Tuple[str, Any]],
+    sync: Optional[Any],
+    strategy: Strategy,
+    gradsync_options: Dict[str, Any],
+    optimizer: Optional[Any] = None,
+    setup_error: Optional[BaseException] = None,
+) -> Tuple[Any, List[Tuple[str, Any]], bool]:
+    """The engine of :class:`DistributedOptimizer` and :class:`GradSyncHookState`
+    (collective): ``(sync, params, owns_sync)``, with ``params`` the
+    ``(name, tensor)`` pairs registered in order. A check that fails on one
+    rank (``setup_error`` included) fails every rank without a hang.
+    ``optimizer``'s parameters must all be among ``named_parameters``."""
+    import gradsync
+
+    try:
+        if setup_error is not None:
+            raise setup_error
+        if isinstance(named_parameters, Mapping):
+            named_parameters = named_parameters.items()
+        params: List[Tuple[str, Any]] = []
+        seen_ids: Dict[int, str] = {}
+        seen_names = set()
+        for item in named_parameters:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(
+                    "named_parameters must yield (name, tensor) pairs, e.g. model.named_parameters()"
+                )
+            name, p = item
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch.Tensor")
+            if name in seen_names:
+                raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
+            seen_names.add(name)
+            if not p.requires_grad or id(p) in seen_ids or p.numel() == 0:
+                continue
+            seen_ids[id(p)] = name
+            params.append((name, p))
+        missing = [
+            tuple(p.shape)
+            for group in (optimizer.param_groups if optimizer is not None else [])
+            for p in group["params"]
+            if p.requires_grad and p.numel() and id(p) not in seen_ids
+        ]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameter(s) of the optimizer (shapes {missing[:4]}) are not in "
+                "named_parameters: their gradients would not be synchronized and the ranks would diverge"
+            )
+    except Exception as e:  # noqa: BLE001
+        if sync is not None:
+            # A given engine: the agreement below carries this rank's
+            # error to every rank (the peers enter it too).
+            local_error: Optional[BaseException] = e
+            params = []
+        else:
+            # A check that failed on this rank only: still enter the
+            # collective the peers are entering now (the engine's
+            # set-up), so they fail too instead of waiting; then raise
+            # the original error here.
+            why = f"{type(e).__name__}: {e}"
+            try:
+                from mpi4py import MPI
+
+                gradsync._gradsync.GradSync(MPI.COMM_WORLD, "null", why)
+            except Exception as collective:  # noqa: BLE001
+                raise type(e)(f"{e} (raised on every rank: {collective})") from collective
+            raise
+    else:
+        local_error = None
+
+    if sync is None:
+        from mpi4py import MPI
+
+        opts = dict(gradsync_options)
+        opts.setdefault("momentum", 0.0)
+        sync = gradsync.GradSync(MPI.COMM_WORLD, **opts)
+        owns = True
+    else:
+        if gradsync_options and local_error is None:
+            local_error = TypeError(
+                "give either sync (an engine of your own) or gradsync options "
+                f"({', '.join(sorted(gradsync_options))}), not both"
+            )
+        owns = False
+
+    existing = sync.layers()
+    if existing and local_error is None:
+        ours = [(n, int(p.numel())) for n, p in params]
+        theirs = [(n, int(np.prod(s, dtype=np.int64))) for n, s, _ in existing]
+        if ours != theirs:
+            local_error = ValueError(
+                "the given sync engine already has a layer table that does not match the "
+                f"parameters: engine {theirs[:4]}..., parameters {ours[:4]}..."
+            )
+    # Every rank: one agreement on this rank's outcome and on how many
+    # parameters it synchronizes, before any registration. A rank whose
+    # check failed, or with fewer parameters (a frozen last layer),
+    # would otherwise return while its peers wait in a registration.
+    _agree(getattr(sync, "_comm", None), local_error, len(params))
+    if not existing:
+        for name, p in params:
+            try:
+                spec, mine = _strategy_of(strategy, name, p), None
+            except Exception as e:  # noqa: BLE001
+                # Register anyway with a spec that cannot parse: every
+                # rank's registration fails alike.
+                spec, mine = f"<{type(e).__name__}: {e}>", e
+            try:
+                sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=spec)
+            except Exception as collective:  # noqa: BLE001
+                if mine is not None:
+                    raise type(mine)(f"{mine} (raised on every rank: {collective})") from collective
+                raise
+
+    return sync, params, owns
+
+
+def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
+    if isinstance(strategy, str):
+        return strategy
+    if isinstance(strategy, Mapping):
+        return strategy.get(name, "auto")
+    if callable(strategy):
+        return strategy(name, p)
+    raise TypeError(f"strategy must be a string, a mapping or a callable, not {type(strategy).__name__}")
 
 
 class DistributedOptimizer:
@@ -171,108 +308,15 @@ class DistributedOptimizer:
         **gradsync_options: Any,
     ) -> None:
         torch = _import_torch()
-        import gradsync
-
         try:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-            if isinstance(named_parameters, Mapping):
-                named_parameters = named_parameters.items()
-            params: List[Tuple[str, Any]] = []
-            seen_ids: Dict[int, str] = {}
-            seen_names = set()
-            for item in named_parameters:
-                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                    raise TypeError(
-                        "named_parameters must yield (name, tensor) pairs, e.g. model.named_parameters()"
-                    )
-                name, p = item
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch.Tensor")
-                if name in seen_names:
-                    raise ValueError(f"parameter name {name!r} appears twice in named_parameters")
-                seen_names.add(name)
-                if not p.requires_grad or id(p) in seen_ids or p.numel() == 0:
-                    continue
-                seen_ids[id(p)] = name
-                params.append((name, p))
-            missing = [
-                tuple(p.shape)
-                for group in optimizer.param_groups
-                for p in group["params"]
-                if p.requires_grad and p.numel() and id(p) not in seen_ids
-            ]
-            if missing:
-                raise ValueError(
-                    f"{len(missing)} parameter(s) of the optimizer (shapes {missing[:4]}) are not in "
-                    "named_parameters: their gradients would not be synchronized and the ranks would diverge"
-                )
-        except Exception as e:  # noqa: BLE001
-            if sync is not None:
-                # A given engine: the agreement below carries this rank's
-                # error to every rank (the peers enter it too).
-                local_error: Optional[BaseException] = e
-                params = []
-            else:
-                # A check that failed on this rank only: still enter the
-                # collective the peers are entering now (the engine's
-                # set-up), so they fail too instead of waiting; then raise
-                # the original error here.
-                why = f"{type(e).__name__}: {e}"
-                try:
-                    from mpi4py import MPI
-
-                    gradsync._gradsync.GradSync(MPI.COMM_WORLD, "null", why)
-                except Exception as collective:  # noqa: BLE001
-                    raise type(e)(f"{e} (raised on every rank: {collective})") from collective
-                raise
-        else:
-            local_error = None
-
-        if sync is None:
-            from mpi4py import MPI
-
-            opts = dict(gradsync_options)
-            opts.setdefault("momentum", 0.0)
-            sync = gradsync.GradSync(MPI.COMM_WORLD, **opts)
-            self._owns_sync = True
-        else:
-            if gradsync_options and local_error is None:
-                local_error = TypeError(
-                    "give either sync (an engine of your own) or gradsync options "
-                    f"({', '.join(sorted(gradsync_options))}), not both"
-                )
-            self._owns_sync = False
-
-        existing = sync.layers()
-        if existing and local_error is None:
-            ours = [(n, int(p.numel())) for n, p in params]
-            theirs = [(n, int(np.prod(s, dtype=np.int64))) for n, s, _ in existing]
-            if ours != theirs:
-                local_error = ValueError(
-                    "the given sync engine already has a layer table that does not match the "
-                    f"parameters: engine {theirs[:4]}..., parameters {ours[:4]}..."
-                )
-        # Every rank: one agreement on this rank's outcome and on how many
-        # parameters it synchronizes, before any registration. A rank whose
-        # check failed, or with fewer parameters (a frozen last layer),
-        # would otherwise return while its peers wait in a registration.
-        _agree(getattr(sync, "_comm", None), local_error, len(params))
-        if not existing:
-            for name, p in params:
-                try:
-                    spec, mine = self._strategy(strategy, name, p), None
-                except Exception as e:  # noqa: BLE001
-                    # Register anyway with a spec that cannot parse: every
-                    # rank's registration fails alike.
-                    spec, mine = f"<{type(e).__name__}: {e}>", e
-                try:
-                    sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=spec)
-                except Exception as collective:  # noqa: BLE001
-                    if mine is not None:
-                        raise type(mine)(f"{mine} (raised on every rank: {collective})") from collective
-                    raise
-
+            setup_error: Optional[BaseException] = None
+        except Exception as e:  # noqa: BLE001 - carried into the collective set-up
+            setup_error = e
+        sync, params, self._owns_sync = _engine_for(
+            torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error
+        )
         self.optimizer = optimizer
         self.sync = sync
         self._params = params
@@ -281,13 +325,7 @@ class DistributedOptimizer:
 
     @staticmethod
     def _strategy(strategy: Strategy, name: str, p: Any) -> str:
-        if isinstance(strategy, str):
-            return strategy
-        if isinstance(strategy, Mapping):
-            return strategy.get(name, "auto")
-        if callable(strategy):
-            return strategy(name, p)
-        raise TypeError(f"strategy must be a string, a mapping or a callable, not {type(strategy).__name__}")
+        return _strategy_of(strategy, name, p)
 
     def sync_gradients(self) -> Dict[str, Any]:
         """Replace every registered parameter's ``.grad`` in place by its update direction.
@@ -398,6 +436,197 @@ class DistributedOptimizer:
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, {len(self._params)} parameters)"
+
+
+class GradSyncHookState:
+    """The state of :func:`gradsync_hook`, DDP's comm hook (in the shape of ``PowerSGDState``).
+
+    ::
+
+        ddp = torch.nn.parallel.DistributedDataParallel(model)      # gloo on CPU
+        state = gradsync.torch.GradSyncHookState(model.named_parameters(), strategy="auto", profile=None)
+        ddp.register_comm_hook(state, gradsync.torch.gradsync_hook)
+
+    ``GradSyncHookState(named_parameters, strategy="auto", profile=None,
+    sync=None, **gradsync_options)`` is collective over ``MPI.COMM_WORLD``
+    (or ``sync``'s communicator): every rank must build it with the same
+    parameters in the same order. Arguments as for
+    :class:`DistributedOptimizer`: the parameters that require grad are
+    registered with a :class:`gradsync.GradSync` engine (``profile`` is a
+    ``gradsync calibrate`` profile for ``strategy="auto"``), created with
+    ``momentum=0.0`` unless given.
+
+    How a step runs: DDP calls the hook once per bucket, in bucket order,
+    as the bucket's gradients become ready; the hook returns a
+    ``torch.futures.Future`` at once. When the last bucket of the step
+    arrives, the engine runs the step over every registered parameter on
+    the state's own thread (with the GIL released while it communicates)
+    and completes every bucket's future with its bucket, each gradient
+    replaced in place by the ranks' average (dense layers) or by the
+    averaged compressed update (sparse layers, with their residuals kept
+    by the engine). The result is the whole-step engine's
+    (:meth:`gradsync.GradSync.sync` on the same gradients), bit for bit.
+    Parameters are found by identity in each bucket, so DDP's bucket
+    rebuild after the first iteration changes nothing; a parameter that got
+    no gradient (``find_unused_parameters=True``) arrives as zeros, as DDP
+    fills it; under ``no_sync()`` DDP calls no hook and the gradients
+    accumulate locally, the next synchronized backward hands the sum.
+    CPU tensors of ``float32``, ``float16`` or ``bfloat16``; CUDA tensors
+    go through the engine's device path (a gradsync built with the cargo
+    feature ``cuda``; otherwise the step fails on every rank naming it).
+    Whatever fails on one rank (a parameter missing from the buckets, a
+    bad dtype, the engine's own errors) fails the step on every rank: each
+    bucket's future holds the error and DDP raises it from ``backward()``.
+
+    Momentum belongs to the torch optimizer here: DDP hands the averaged
+    gradients to it, and it applies its momentum (and weight decay, Adam's
+    moments) afterwards. RedSync's momentum *correction* (momentum
+    accumulated before compression, which keeps RGC at 0.1 % density close
+    to dense) needs the momentum inside gradsync: give the state
+    ``momentum=0.9`` and use the optimizer without momentum
+    (``torch.optim.SGD(params, lr)``); the hook's gradients are then update
+    directions. ``weight_decay`` is refused here (it needs the weights): use
+    the optimizer's.
+
+    Attributes: ``sync`` (the engine), ``last_stats`` (the last step's
+    stats), ``steps`` (synchronized steps so far), ``buckets`` (DDP's
+    buckets in the last step).
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[Tuple[str, Any]],
+        strategy: Strategy = "auto",
+        profile: Optional[Any] = None,
+        sync: Optional[Any] = None,
+        **gradsync_options: Any,
+    ) -> None:
+        import concurrent.futures
+        import threading
+
+        torch = _import_torch()
+        setup_error: Optional[BaseException] = None
+        if gradsync_options.get("weight_decay"):
+            setup_error = ValueError(
+                "GradSyncHookState: weight_decay needs the weights, which a DDP hook does not "
+                "see: give it to the torch optimizer instead"
+            )
+        opts = dict(gradsync_options)
+        if profile is not None:
+            opts["profile"] = profile
+        self.sync, params, self._owns_sync = _engine_for(
+            torch, named_parameters, sync, strategy, opts, None, setup_error
+        )
+        self._params = params
+        self._slot = {id(p): i for i, (_, p) in enumerate(params)}
+        # A parameter whose Python object DDP hands back anew: its memory.
+        self._slot_by_ptr = {p.data_ptr(): i for i, (_, p) in enumerate(params)}
+        self._pending: List[Tuple[Any, Any, List[Tuple[int, int, int]], Optional[str]]] = []
+        self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradsync-hook")
+        self.last_stats: Optional[Dict[str, Any]] = None
+        self.steps = 0
+        self.buckets = 0
+
+    def _add(self, bucket: Any) -> Any:
+        """Keep ``bucket`` for this step; its future, not yet completed."""
+        torch = _import_torch()
+        buf = bucket.buffer()
+        fut = torch.futures.Future(devices=[buf.device]) if buf.device.type == "cuda" else torch.futures.Future()
+        slots: List[Tuple[int, int, int]] = []
+        error = None
+        offset = 0
+        for p in bucket.parameters():
+            n = int(p.numel())
+            i = self._slot.get(id(p))
+            if i is None:
+                i = self._slot_by_ptr.get(p.data_ptr()) if n else None
+            if i is None:
+                error = error or (
+                    f"bucket {bucket.index()} holds a parameter of shape {tuple(p.shape)} that "
+                    "was not given to GradSyncHookState (pass model.named_parameters() of the "
+                    "module DDP wraps)"
+                )
+            else:
+                slots.append((i, offset, n))
+            offset += n
+        if error is None and offset != buf.numel():
+            error = f"bucket {bucket.index()}: {buf.numel()} elements for parameters of {offset}"
+        with self._lock:
+            self._pending.append((buf, fut, slots, error))
+        return fut
+
+    def _step(self) -> None:
+        """Run the step of the buckets kept so far (on the state's thread)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        try:
+            self._run(pending)
+        except BaseException as e:  # noqa: BLE001 - never leave DDP waiting on a future
+            for _, fut, _, _ in pending:
+                if not fut.done():
+                    fut.set_exception(e)
+
+    def _run(self, pending: List[Tuple[Any, Any, List[Tuple[int, int, int]], Optional[str]]]) -> None:
+        views: List[Any] = [None] * len(self._params)
+        error = next((e for _, _, _, e in pending if e is not None), None)
+        for buf, _, slots, _ in pending:
+            flat = buf.view(-1)
+            for i, off, n in slots:
+                if views[i] is not None and error is None:
+                    error = f"parameter {self._params[i][0]!r} is in two buckets"
+                views[i] = flat[off : off + n]
+        if error is None:
+            absent = [self._params[i][0] for i, v in enumerate(views) if v is None]
+            if absent:
+                error = (
+                    f"{len(absent)} parameter(s) got no bucket this step ({absent[:4]}): DDP "
+                    "synchronizes only parameters that require grad, as registered"
+                )
+        if error is None:
+            dtypes = {str(v.dtype) for v in views}
+            bad = dtypes - {"torch.float32", "torch.float16", "torch.bfloat16"}
+            if bad:
+                error = f"gradients of dtype {sorted(bad)}: gradsync takes float32, float16 and bfloat16"
+        try:
+            if error is not None:
+                self.sync.fail_step(f"gradsync_hook: {error}")  # raises on every rank
+            stats = self.sync.sync(views)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
+            for _, fut, _, _ in pending:
+                fut.set_exception(e)
+            return
+        self.last_stats = stats
+        self.buckets = len(pending)
+        self.steps += 1
+        for buf, fut, _, _ in pending:
+            fut.set_result(buf)
+
+    def close(self) -> None:
+        """Stop the state's thread and free the engine if the state created it."""
+        self._worker.shutdown(wait=True)
+        if self._owns_sync:
+            self.sync.close()
+
+    def __repr__(self) -> str:
+        return f"GradSyncHookState({len(self._params)} parameters, {self.steps} steps)"
+
+
+def gradsync_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: ``ddp_model.register_comm_hook(state, gradsync_hook)``.
+
+    (No annotations: DDP refuses a hook whose ``bucket`` is annotated with
+    anything but ``dist.GradBucket``, and this module imports without torch.)
+
+    Returns at once a ``torch.futures.Future`` that completes with the
+    bucket's averaged gradients when gradsync has synchronized the step
+    (see :class:`GradSyncHookState`). Never blocks: the step runs on the
+    state's thread once the step's last bucket has arrived.
+    """
+    fut = state._add(bucket)
+    if bucket.is_last():
+        state._worker.submit(state._step)
+    return fut
 
 
 def _bcast_buffer(torch: Any, name: str, t: Any) -> Any:

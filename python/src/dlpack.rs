@@ -1,6 +1,7 @@
-//! DLPack import for `GradSync.sync` (issue #16): gradients that are not
-//! numpy arrays but export `__dlpack__` / `__dlpack_device__` (PyTorch
-//! tensors, CuPy and JAX arrays), in place. CPU tensors go to the host
+//! DLPack import for `GradSync.sync`: gradients that are not all numpy
+//! float32 arrays but export `__dlpack__` / `__dlpack_device__` (PyTorch
+//! tensors, CuPy and JAX arrays, numpy float16 arrays), in place, in
+//! float32, float16 or bfloat16 (`GradSync::sync_mixed`). CPU tensors go to the host
 //! engine; CUDA tensors (with the `cuda` feature) to
 //! `GradSync::sync_device` through `gpu::BorrowedCuda`. The producer's
 //! stream is honoured as the DLPack protocol says: the capsule is asked
@@ -13,6 +14,7 @@
 //! is dropped (after the step).
 
 use crate::Bad;
+use gradsync::sync::Grad;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 use std::ffi::{c_void, CStr};
@@ -53,12 +55,40 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// One imported tensor: its `f32` data (`len` elements, compact) and
+/// The element types the engine takes ([`gradsync::sync::Grad`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    /// From a DLPack `(code, bits, lanes)`: float (2) 32 or 16, bfloat (4) 16.
+    fn from_dl(t: &DLDataType) -> Option<Dtype> {
+        match (t.code, t.bits, t.lanes) {
+            (2, 32, 1) => Some(Dtype::F32),
+            (2, 16, 1) => Some(Dtype::F16),
+            (4, 16, 1) => Some(Dtype::Bf16),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// One imported tensor: its data (`len` compact elements of `dtype`) and
 /// where it lives; its deleter runs on drop.
 pub(crate) struct Imported {
     managed: *mut DLManagedTensor,
-    pub ptr: *mut f32,
+    pub ptr: *mut u8,
     pub len: usize,
+    pub dtype: Dtype,
     /// `KDL_CPU` (pinned CUDA host memory too) or `KDL_CUDA`.
     pub device: i32,
 }
@@ -79,6 +109,29 @@ impl Drop for Imported {
 /// numpy's own path) and it exports `__dlpack__`.
 pub(crate) fn is_dlpack(obj: &Bound<'_, PyAny>) -> bool {
     obj.cast::<numpy::PyUntypedArray>().is_err() && obj.hasattr("__dlpack__").unwrap_or(false)
+}
+
+/// Whether a step's `grads` take the DLPack path: a list or tuple with a
+/// DLPack tensor ([`is_dlpack`]) or a numpy float16 array in it (numpy's
+/// own path takes float32 arrays only); for other iterables, whether the
+/// first item is a DLPack tensor (read without consuming a list).
+pub(crate) fn takes_dlpack(grads: &Bound<'_, PyAny>) -> bool {
+    use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
+    let half = |a: &Bound<'_, PyAny>| {
+        a.cast::<numpy::PyUntypedArray>()
+            .is_ok_and(|arr| arr.dtype().is_equiv_to(&numpy::dtype::<half::f16>(a.py())))
+    };
+    if let Ok(list) = grads.cast::<pyo3::types::PyList>() {
+        return list.iter().any(|a| is_dlpack(&a) || half(&a));
+    }
+    if let Ok(tuple) = grads.cast::<pyo3::types::PyTuple>() {
+        return tuple.iter().any(|a| is_dlpack(&a) || half(&a));
+    }
+    grads
+        .try_iter()
+        .ok()
+        .and_then(|mut it| it.next())
+        .is_some_and(|first| first.as_ref().is_ok_and(is_dlpack))
 }
 
 /// Import `obj` as gradient `i` of layer `name` (registered `shape`).
@@ -132,6 +185,7 @@ pub(crate) fn import(
         managed,
         ptr: std::ptr::null_mut(),
         len: 0,
+        dtype: Dtype::F32,
         device: if device == KDL_CUDA_HOST {
             KDL_CPU
         } else {
@@ -151,12 +205,12 @@ pub(crate) fn import(
             "{at} is on DLPack device type {device}: gradsync takes CPU and CUDA tensors"
         )));
     }
-    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (2, 32, 1) {
-        return Err(Bad::Type(format!(
-            "{at} must be float32, got DLPack dtype (code {}, bits {}, lanes {})",
+    imp.dtype = Dtype::from_dl(&t.dtype).ok_or_else(|| {
+        Bad::Type(format!(
+            "{at} must be float32, float16 or bfloat16, got DLPack dtype (code {}, bits {}, lanes {})",
             t.dtype.code, t.dtype.bits, t.dtype.lanes
-        )));
-    }
+        ))
+    })?;
     let ndim = usize::try_from(t.ndim).unwrap_or(usize::MAX);
     if ndim > 64 || (ndim > 0 && t.shape.is_null()) {
         return Err(Bad::Value(format!("{at}: {} dimensions", t.ndim)));
@@ -187,12 +241,13 @@ pub(crate) fn import(
         }
     }
     let base = (t.data as usize).wrapping_add(t.byte_offset as usize);
-    if n > 0 && (t.data.is_null() || base % std::mem::align_of::<f32>() != 0) {
+    if n > 0 && (t.data.is_null() || base % imp.dtype.size() != 0) {
         return Err(Bad::Value(format!(
-            "{at}: data pointer {base:#x} is not a float32 address"
+            "{at}: data pointer {base:#x} is not a {:?} address",
+            imp.dtype
         )));
     }
-    imp.ptr = base as *mut f32;
+    imp.ptr = base as *mut u8;
     imp.len = n;
     Ok(imp)
 }
@@ -214,17 +269,8 @@ impl crate::PyGradSync {
         let stats = if imported.first().is_some_and(|t| t.device == KDL_CUDA) {
             cuda_step(py, eng, &imported)
         } else {
-            let mut slices: Vec<&mut [f32]> = imported
-                .iter()
-                .map(|t| match t.len {
-                    0 => &mut [][..],
-                    // SAFETY: checked by `import`: `len` compact float32s
-                    // at `ptr`, alive until `imported` drops; distinct
-                    // tensors do not overlap (`import_all`).
-                    n => unsafe { std::slice::from_raw_parts_mut(t.ptr, n) },
-                })
-                .collect();
-            py.detach(|| eng.sync(&mut slices).cloned())
+            let mut grads: Vec<Grad<'_>> = imported.iter().map(host_grad).collect();
+            py.detach(|| eng.sync_mixed(&mut grads).cloned())
         }
         .map_err(crate::engine_err)?;
         drop(g);
@@ -257,9 +303,15 @@ impl crate::PyGradSync {
         }
         let mut out = Vec::with_capacity(items.len());
         for (i, (a, (name, shape))) in items.iter().zip(layers.iter()).enumerate() {
-            if !is_dlpack(a) {
+            if !a.hasattr("__dlpack__").unwrap_or(false) {
+                let ty = a
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default();
                 return Err(Bad::Type(format!(
-                    "gradient {i} (layer {name:?}) is not a DLPack tensor, but gradient 0 is: pass all numpy arrays or all tensors"
+                    "gradient {i} (layer {name:?}) is a {ty}: gradients must be numpy arrays or \
+                     DLPack tensors of float32, float16 or bfloat16"
                 )));
             }
             out.push(import(a, "gradient", i, name, shape)?);
@@ -272,7 +324,7 @@ impl crate::PyGradSync {
         // In place: no two gradients may share memory.
         let spans: Vec<(usize, usize, bool)> = out
             .iter()
-            .map(|t| (t.ptr as usize, 4 * t.len, true))
+            .map(|t| (t.ptr as usize, t.dtype.size() * t.len, true))
             .collect();
         if let Some((a, b)) = gradsync::sync::first_overlap(&spans) {
             return Err(Bad::Value(format!(
@@ -280,6 +332,26 @@ impl crate::PyGradSync {
             )));
         }
         Ok(out)
+    }
+}
+
+/// A CPU tensor's elements as the engine's [`Grad`] of its dtype.
+fn host_grad(t: &Imported) -> Grad<'_> {
+    macro_rules! slice {
+        ($ty:ty) => {
+            match t.len {
+                0 => &mut [][..],
+                // SAFETY: checked by `import`: `len` compact elements of
+                // `dtype` at `ptr`, aligned, alive until the `Imported`
+                // drops; distinct tensors do not overlap (`import_all`).
+                n => unsafe { std::slice::from_raw_parts_mut(t.ptr.cast::<$ty>(), n) },
+            }
+        };
+    }
+    match t.dtype {
+        Dtype::F32 => Grad::F32(slice!(f32)),
+        Dtype::F16 => Grad::F16(slice!(half::f16)),
+        Dtype::Bf16 => Grad::Bf16(slice!(half::bf16)),
     }
 }
 
@@ -294,6 +366,13 @@ fn cuda_step(
         .iter()
         .enumerate()
         .map(|(i, t)| {
+            if t.dtype != Dtype::F32 {
+                return Err(gradsync::Error::InvalidArgument(format!(
+                    "gradient {i} is a {:?} CUDA tensor: the device path takes float32 \
+                     (half-precision gradients are taken on the CPU)",
+                    t.dtype
+                )));
+            }
             // SAFETY: checked by `import`; the producer made its work
             // visible on the legacy default stream (`stream=1`), the
             // null `producer` here.

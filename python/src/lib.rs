@@ -185,8 +185,13 @@ fn check_array<'py>(
             Ok(d) => format!("a {ty} of dtype {d}"),
             Err(_) => format!("a {ty}"),
         };
+        let want = if what == "gradient" {
+            "a numpy float32 or float16 array (or a DLPack tensor of float32, float16 or bfloat16)"
+        } else {
+            "a numpy float32 array"
+        };
         Bad::Type(format!(
-            "{what} {i} (layer {name:?}) must be a numpy float32 array, got {got}"
+            "{what} {i} (layer {name:?}) must be {want}, got {got}"
         ))
     })?;
     if !arr.is_c_contiguous() {
@@ -570,10 +575,8 @@ impl PyGradSync {
         grads: &Bound<'_, PyAny>,
         weights: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        if let Some(first) = grads.try_iter().ok().and_then(|mut it| it.next()) {
-            if first.as_ref().is_ok_and(dlpack::is_dlpack) {
-                return self.sync_dlpack(py, grads, weights);
-            }
+        if dlpack::takes_dlpack(grads) {
+            return self.sync_dlpack(py, grads, weights);
         }
         let arrays = match self.check_list(grads, "gradient") {
             Ok(a) => a,

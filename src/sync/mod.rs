@@ -133,7 +133,8 @@
 //! (layer state and Algorithm 4), `job.rs` (progress job and thread),
 //! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
 //! `exchange.rs` (the per-step exchange of `auto`, the fill estimate),
-//! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings);
+//! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings),
+//! `mixed.rs` (float16 and bfloat16 gradients through float32 workspaces);
 //! this file holds the engine, its constructors and the step script.
 
 mod config;
@@ -141,6 +142,7 @@ mod device;
 mod exchange;
 mod job;
 mod layer;
+mod mixed;
 mod options;
 mod plan;
 mod snapshot;
@@ -149,6 +151,7 @@ mod table;
 mod unpack;
 
 pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup, MAX_DELAY};
+pub use mixed::Grad;
 pub use snapshot::SNAPSHOT_VERSION;
 pub use stats::{DeviceStats, LayerStats, StepStats};
 pub use table::LayerId;
@@ -225,6 +228,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     auto_allgather: Option<crate::dense::AllgathervAlgo>,
     /// This step's reduced group's nominal load (`exchange.rs`).
     step_load: exchange::Load,
+    /// Float32 workspaces of half-precision gradients (`mixed.rs`).
+    widened: Vec<Vec<f32>>,
 }
 
 /// What `start` tells `wait` about the step.
@@ -299,6 +304,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             auto_allreduce: None,
             auto_allgather: None,
             step_load: exchange::Load::default(),
+            widened: Vec::new(),
         };
         match s.agree(valid.map(|()| table_hash), String::new) {
             // Every rank is here: name what differs (one more collective).

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Check gradsync's DDP comm hook and half-precision gradients under mpirun.
+
+    hpc/mpirun.sh -np 3 .venv/bin/python -m mpi4py tests/python/check_torch_hook.py
+
+Needs PyTorch (prints ``SKIP: ...`` on rank 0 and exits 0 without it; the
+test runner refuses that skip where torch must be installed). Checks, each
+printing a line on rank 0:
+
+(a) DDP over gloo with ``gradsync_hook`` (dense, rgc, auto; several buckets,
+    so DDP's bucket rebuild after the first iteration is crossed) gives the
+    parameters, bit for bit, of a plain model whose gradients go through the
+    whole-step engine (``GradSync.sync``) with the same options;
+(b) ``no_sync()`` gradient accumulation, and ``find_unused_parameters=True``
+    with a branch unused on some steps, equal that reference too;
+(c) a bfloat16 model under DDP and a float16 model under
+    ``DistributedOptimizer``: each gradient is the float32 engine's result on
+    the widened gradients rounded once to its dtype (bit for bit), and within
+    the bound of ``docs/pytorch.md`` of a float64 average; a table mixing
+    numpy float16 and float32 arrays likewise;
+(d) a hook input that differs on one rank (a parameter missing from its
+    buckets; a float64 bucket) fails every rank's futures within seconds,
+    naming the rank, and the next step works.
+"""
+
+import copy
+import socket
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+last = size - 1
+
+try:
+    import torch
+except ImportError:
+    if rank == 0:
+        print("SKIP: torch is not installed (the DDP hook is tested where torch is importable)")
+    sys.exit(0)
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import gradsync  # noqa: E402
+import gradsync.torch as gst  # noqa: E402
+
+torch.set_num_threads(1)
+port = None
+if rank == 0:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+port = comm.bcast(port, root=0)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+
+
+def say(text: str) -> None:
+    comm.Barrier()
+    if rank == 0:
+        print(text, flush=True)
+
+
+class Net(nn.Module):
+    """Convolution and linear layers; fc1 (36 864 weights) is large enough
+    for ``auto`` to make it sparse without a profile."""
+
+    def __init__(self, side: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc1 = nn.Linear(4 * 6 * 6, 256)
+        self.fc2 = nn.Linear(256, 10)
+        # A branch used only on some steps (find_unused_parameters=True).
+        self.side = nn.Linear(256, 10) if side else None
+
+    def forward(self, x, use_side: bool = False):
+        h = F.relu(self.fc1(F.relu(self.conv(x)).flatten(1)))
+        out = self.fc2(h)
+        return out + self.side(h) if use_side else out
+
+
+def batch(step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own shard
+    x = torch.randn(8, 1, 8, 8, generator=g).to(dtype)
+    y = torch.randint(0, 10, (8,), generator=g)
+    return x, y
+
+
+def bits(t):
+    return t.detach().reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    return all(torch.equal(bits(p), bits(q)) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def reference_engine(model, strategy, **options):
+    eng = gradsync.GradSync(comm, momentum=0.0, **options)
+    for name, p in model.named_parameters():
+        eng.register(name, tuple(p.shape), strategy=strategy)
+    return eng
+
+
+def reference_sync(eng, model):
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    eng.sync(grads)
+
+
+def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, **options):
+    torch.manual_seed(5)
+    model = Net(side=find_unused)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=cap_mb, find_unused_parameters=find_unused)
+    state = gst.GradSyncHookState(model.named_parameters(), strategy=strategy, **options)
+    ddp.register_comm_hook(state, gst.gradsync_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=momentum)
+    return model, ddp, state, opt, ref, ref_opt, reference_engine(ref, strategy, **options)
+
+
+# --- (a) the hook equals the whole-step engine, bit for bit ---------------
+for strategy in ["dense", "rgc:density=0.05", "auto"]:
+    model, ddp, state, opt, ref, ref_opt, eng = ddp_pair(strategy)
+    for step in range(6):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        reference_sync(eng, ref)
+        ref_opt.step()
+        assert same_bits(model, ref), f"(a) {strategy} step {step}: the hook differs from the whole-step engine"
+    assert state.steps == 6 and state.last_stats["step"] == 5, (state.steps, state.last_stats)
+    assert state.buckets > 1, f"(a) one bucket: the multi-bucket path was not crossed ({state.buckets})"
+    buckets = state.buckets
+    kinds = [layer[2] for layer in state.sync.layers()]
+    assert kinds == [layer[2] for layer in eng.layers()], kinds
+    if strategy == "auto":
+        assert any(k.startswith("rgc") for k in kinds) and "dense" in kinds, kinds
+    state.close()
+    eng.close()
+    say(f"(a) hook == whole-step engine, bit for bit, 6 steps: {strategy} (layers {kinds}, {buckets} buckets) OK")
+
+# --- (b) no_sync accumulation; find_unused_parameters ---------------------
+for strategy in ["dense", "rgc:density=0.05"]:
+    model, ddp, state, opt, ref, ref_opt, eng = ddp_pair(strategy)
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(3):  # two local backward passes, then a synchronized one
+            x, y = batch(10 * step + micro)
+            if micro < 2:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(x), y).backward()
+            else:
+                F.cross_entropy(ddp(x), y).backward()
+            F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        reference_sync(eng, ref)
+        ref_opt.step()
+        assert same_bits(model, ref), f"(b) no_sync {strategy} step {step}"
+    assert state.steps == 4
+    state.close()
+    eng.close()
+    say(f"(b) no_sync() accumulation over 3 micro-batches == reference, bit for bit: {strategy} OK")
+
+model, ddp, state, opt, ref, ref_opt, eng = ddp_pair("dense", find_unused=True, momentum=0.0)
+for step in range(5):
+    x, y = batch(step)
+    use_side = step % 2 == 1
+    opt.zero_grad()
+    F.cross_entropy(ddp(x, use_side), y).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(x, use_side), y).backward()
+    reference_sync(eng, ref)
+    ref_opt.step()
+    assert same_bits(model, ref), f"(b) find_unused_parameters step {step}"
+state.close()
+eng.close()
+say("(b) find_unused_parameters=True, a branch unused on even steps == reference, bit for bit OK")
+
+# --- (c) bfloat16 and float16 ----------------------------------------------
+U = {torch.bfloat16: (2.0**-8, 2.0**-134), torch.float16: (2.0**-11, 2.0**-25)}
+
+
+def check_half(name, got, local, engine_f32):
+    """got: this rank's synchronized gradient (half); local: this rank's own
+    gradient before; engine_f32: the float32 engine's result on the widened
+    local gradients."""
+    dtype = got.dtype
+    want = engine_f32.to(dtype)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"(c) {name}: not the float32 result rounded once"
+    xs = np.stack(comm.allgather(local.double().numpy().reshape(-1)))
+    reference = xs.mean(axis=0)
+    u = 2.0**-24
+    gamma = size * u / (1 - size * u)
+    e = gamma * np.abs(xs).sum(axis=0) / size
+    uh, eta = U[dtype]
+    bound = uh * (np.abs(reference) + e) + e + eta
+    err = np.abs(got.double().numpy().reshape(-1) - reference)
+    assert (err <= bound).all(), f"(c) {name}: error {err.max()} above the bound"
+    return float((err / bound).max())
+
+
+# bfloat16 model under DDP with the hook.
+torch.manual_seed(6)
+model = Net().to(torch.bfloat16)
+plain = copy.deepcopy(model)
+ddp = DDP(model, bucket_cap_mb=0.05)
+state = gst.GradSyncHookState(model.named_parameters(), strategy="dense")
+ddp.register_comm_hook(state, gst.gradsync_hook)
+f32_eng = reference_engine(model, "dense")
+worst = 0.0
+for step in range(3):
+    x, y = batch(step, torch.bfloat16)
+    model.zero_grad()
+    plain.zero_grad()
+    F.cross_entropy(ddp(x).float(), y).backward()
+    F.cross_entropy(plain(x).float(), y).backward()
+    local = [p.grad.clone() for p in plain.parameters()]
+    wide = [g.float().contiguous() for g in local]
+    f32_eng.sync(wide)
+    for (name, p), g, w in zip(model.named_parameters(), local, wide):
+        worst = max(worst, check_half(f"bf16 {name}", p.grad, g, w))
+    with torch.no_grad():  # keep both models equal for the next step
+        for p, q in zip(model.parameters(), plain.parameters()):
+            p -= 0.05 * p.grad
+            q.copy_(p)
+state.close()
+f32_eng.close()
+say(f"(c) bfloat16 under DDP: float32 result rounded once, bit for bit; largest error {worst:.2f} of the bound OK")
+
+# float16 model under DistributedOptimizer.
+torch.manual_seed(7)
+model = Net().half()
+gst.broadcast_parameters(model.state_dict())
+opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), strategy="dense")
+f32_eng = reference_engine(model, "dense")
+worst = 0.0
+for step in range(3):
+    x, y = batch(step, torch.float16)
+    opt.zero_grad()
+    F.cross_entropy(model(x).float(), y).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    wide = [g.float().contiguous() for g in local]
+    f32_eng.sync(wide)
+    opt.synchronize()
+    for (name, p), g, w in zip(model.named_parameters(), local, wide):
+        worst = max(worst, check_half(f"fp16 {name}", p.grad, g, w))
+    with opt.skip_synchronize():
+        opt.step()
+opt.close()
+f32_eng.close()
+say(f"(c) float16 under DistributedOptimizer: rounded once, bit for bit; largest error {worst:.2f} of the bound OK")
+
+# numpy float16 beside float32 in one table, and a bfloat16 tensor with them.
+eng = gradsync.GradSync(comm, momentum=0.0)
+f32 = gradsync.GradSync(comm, momentum=0.0)
+for e in (eng, f32):
+    e.register("h", (500,), strategy="dense")
+    e.register("f", (300,), strategy="dense")
+    e.register("b", (40000,), strategy="rgc:density=0.01")
+rng = np.random.default_rng(rank)
+h = rng.standard_normal(500).astype(np.float16)
+f = rng.standard_normal(300).astype(np.float32)
+b = torch.from_numpy(rng.standard_normal(40000).astype(np.float32)).to(torch.bfloat16)
+wide = [h.astype(np.float32), f.copy(), b.float().numpy().copy()]
+f32.sync(wide)
+eng.sync([h, f, b])
+assert np.array_equal(h.view(np.int16), wide[0].astype(np.float16).view(np.int16)), "(c) numpy float16"
+assert np.array_equal(f.view(np.int32), wide[1].view(np.int32)), "(c) float32 beside float16"
+assert torch.equal(b.view(torch.int16), torch.from_numpy(wide[2]).to(torch.bfloat16).view(torch.int16)), "(c) bfloat16 rgc"
+eng.close()
+f32.close()
+say("(c) numpy float16 + float32 + torch bfloat16 (rgc) in one table: the float32 step rounded once OK")
+
+
+# --- (d) a hook input that differs on one rank -----------------------------
+class FakeBucket:
+    """What DDP hands the hook (``GradBucket``'s methods the hook uses)."""
+
+    def __init__(self, index, params, last_bucket, dtype=torch.float32, drop=None):
+        self.params = [p for p in params if p is not drop]
+        self.buf = torch.cat([torch.full((p.numel(),), float(rank + 1)) for p in self.params]).to(dtype)
+        self.i, self.last = index, last_bucket
+
+    def buffer(self):
+        return self.buf
+
+    def parameters(self):
+        return self.params
+
+    def is_last(self):
+        return self.last
+
+    def index(self):
+        return self.i
+
+
+torch.manual_seed(8)
+model = Net()
+state = gst.GradSyncHookState(model.named_parameters(), strategy="dense")
+params = list(model.parameters())
+for what, odd in [("a parameter missing from its buckets", {"drop": params[0]}),
+                  ("a float64 bucket", {"dtype": torch.float64})]:
+    mine = odd if rank == last else {}
+    t0 = time.monotonic()
+    futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False, **mine)),
+            gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
+    while not all(f.done() for f in futs):
+        assert time.monotonic() - t0 < 60, f"(d) {what}: a future did not complete in 60 s"
+        time.sleep(0.01)
+    for fut in futs:
+        try:
+            fut.wait()
+        except Exception as e:  # noqa: BLE001
+            assert f"rank {last}" in str(e), f"(d) {what}: the error does not name rank {last}: {e}"
+        else:
+            raise AssertionError(f"(d) {what}: rank {rank}'s future completed without the error")
+    say(f"(d) {what} on rank {last}: every rank's futures failed in {time.monotonic() - t0:.2f} s naming it OK")
+
+# The next step works, and averages.
+futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False)), gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
+out = torch.cat([f.wait() for f in futs])
+assert torch.all(out == (size + 1) / 2), out
+state.close()
+say("(d) the next step averages OK")
+
+dist.destroy_process_group()
+say("check_torch_hook: OK")
