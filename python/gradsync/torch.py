@@ -120,12 +120,15 @@ def _engine_for(
     gradsync_options: Dict[str, Any],
     optimizer: Optional[Any] = None,
     setup_error: Optional[BaseException] = None,
+    overlap: Optional[Tuple[float, int]] = None,
 ) -> Tuple[Any, List[Tuple[str, Any]], bool]:
     """The engine of :class:`DistributedOptimizer` and :class:`GradSyncHookState`
     (collective): ``(sync, params, owns_sync)``, with ``params`` the
     ``(name, tensor)`` pairs registered in order. A check that fails on one
     rank (``setup_error`` included) fails every rank without a hang.
-    ``optimizer``'s parameters must all be among ``named_parameters``."""
+    ``optimizer``'s parameters must all be among ``named_parameters``.
+    ``overlap=(bucket_cap_mb, backward_passes_per_step)``: one engine per
+    bucket (:mod:`gradsync._overlap`) where every rank can overlap."""
     import gradsync
 
     try:
@@ -213,22 +216,76 @@ def _engine_for(
     # check failed, or with fewer parameters (a frozen last layer),
     # would otherwise return while its peers wait in a registration.
     _agree(getattr(sync, "_comm", None), local_error, len(params))
+    if owns and overlap is not None:
+        bucketed = _bucketed(torch, sync, params, strategy, gradsync_options, overlap)
+        if bucketed is not None:
+            return bucketed, params, owns
     if not existing:
-        for name, p in params:
-            try:
-                spec, mine = _strategy_of(strategy, name, p), None
-            except Exception as e:  # noqa: BLE001
-                # Register anyway with a spec that cannot parse: every
-                # rank's registration fails alike.
-                spec, mine = f"<{type(e).__name__}: {e}>", e
-            try:
-                sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=spec)
-            except Exception as collective:  # noqa: BLE001
-                if mine is not None:
-                    raise type(mine)(f"{mine} (raised on every rank: {collective})") from collective
-                raise
-
+        _register_all(sync, params, strategy)
     return sync, params, owns
+
+
+def _register_all(sync: Any, params: List[Tuple[str, Any]], strategy: Strategy) -> None:
+    """Register ``params`` on ``sync`` in order (collective); a strategy
+    that fails on one rank fails every rank's registration alike."""
+    for name, p in params:
+        try:
+            spec, mine = _strategy_of(strategy, name, p), None
+        except Exception as e:  # noqa: BLE001
+            # Register anyway with a spec that cannot parse: every
+            # rank's registration fails alike.
+            spec, mine = f"<{type(e).__name__}: {e}>", e
+        try:
+            sync.register(name, tuple(p.shape) if p.dim() else (1,), strategy=spec)
+        except Exception as collective:  # noqa: BLE001
+            if mine is not None:
+                raise type(mine)(f"{mine} (raised on every rank: {collective})") from collective
+            raise
+
+
+def _bucketed(
+    torch: Any,
+    sync: Any,
+    params: List[Tuple[str, Any]],
+    strategy: Strategy,
+    options: Dict[str, Any],
+    overlap: Tuple[float, int],
+) -> Optional[Any]:
+    """The bucketed engines of an overlapping optimizer (collective over the
+    engine's communicator, entered by every rank), or ``None`` when some rank
+    cannot overlap (every rank then keeps the whole-step engine ``sync``,
+    which has no layers yet; rank 0 says why once in a warning)."""
+    from gradsync import _overlap
+
+    cap_mb, passes = overlap
+    opts = dict(options)
+    opts.setdefault("momentum", 0.0)
+    refusal = _overlap.overlap_refusal(torch, params, opts)
+    reasons = sync._comm.allgather(refusal)
+    refused = [(r, why) for r, why in enumerate(reasons) if why is not None]
+    if refused:
+        if sync.rank == 0:
+            import warnings
+
+            r, why = refused[0]
+            warnings.warn(
+                f"gradsync.torch.DistributedOptimizer: no overlap (rank {r}: {why}); "
+                "synchronizing the whole step in step()",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return None
+    import gradsync
+
+    comm = sync._comm
+    sync.close()
+    buckets = _overlap.cut_buckets(params, int(cap_mb * 2**20))
+    engines = []
+    for ids in buckets:
+        eng = gradsync.GradSync(comm, **opts)
+        _register_all(eng, [params[i] for i in ids], strategy)
+        engines.append(eng)
+    return _overlap.BucketedSync(torch, engines, buckets, params, passes)
 
 
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
@@ -245,7 +302,8 @@ class DistributedOptimizer:
     """Wrap a PyTorch optimizer so that ``step()`` first synchronizes the gradients with gradsync.
 
     ``DistributedOptimizer(optimizer, named_parameters, sync=None,
-    strategy="auto", **gradsync_options)``, collective over the engine's
+    strategy="auto", overlap=True, bucket_cap_mb=25.0,
+    backward_passes_per_step=1, **gradsync_options)``, collective over the engine's
     communicator (``MPI.COMM_WORLD`` unless ``sync`` is given): every rank
     must construct it with the same parameters in the same order.
 
@@ -266,6 +324,26 @@ class DistributedOptimizer:
         the parameters are registered on it; if it has, its table must list
         exactly these parameters (names and element counts) in this order.
         Do not combine it with ``gradsync_options``.
+    overlap:
+        ``True`` (the default): synchronize while backward runs, as Horovod
+        does. The parameters are cut into buckets of up to ``bucket_cap_mb``
+        (reverse registration order, as backward produces them), each with
+        its own engine; a hook on every parameter starts a bucket's
+        communication as soon as all its gradients are accumulated, and
+        ``step()`` waits only for what is still in flight. Each layer's
+        result is the whole-step engine's, bit for bit (dense, sparse,
+        auto without a profile). Falls back to the whole step, with a
+        ``RuntimeWarning`` on rank 0 naming why, where a rank cannot
+        overlap: MPI below ``MPI_THREAD_MULTIPLE``, ``clip_norm``,
+        ``weight_decay``, ``delay > 1``, gradients that are not float32 on
+        the CPU, or a ``sync`` of your own (see :mod:`gradsync._overlap`).
+        ``False``: today's whole step inside ``step()``.
+    bucket_cap_mb:
+        Bucket size with overlap (25, DDP's default).
+    backward_passes_per_step:
+        Gradient accumulation with overlap: a bucket starts when each of its
+        gradients has been accumulated this many times (the sum is
+        averaged over the ranks, not divided by the passes).
     strategy:
         The registration strategy: one string for every parameter
         (``"auto"``, ``"dense"``, ``"rgc:density=0.001"``, ...), a mapping
@@ -305,18 +383,29 @@ class DistributedOptimizer:
         named_parameters: Iterable[Tuple[str, Any]],
         sync: Optional[Any] = None,
         strategy: Strategy = "auto",
+        overlap: bool = True,
+        bucket_cap_mb: float = 25.0,
+        backward_passes_per_step: int = 1,
         **gradsync_options: Any,
     ) -> None:
         torch = _import_torch()
         try:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+            if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+                raise ValueError(f"backward_passes_per_step must be an int >= 1, not {backward_passes_per_step!r}")
+            if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+                raise ValueError(f"bucket_cap_mb must be a positive number, not {bucket_cap_mb!r}")
+            if backward_passes_per_step > 1 and not overlap:
+                raise ValueError("backward_passes_per_step counts gradients with per-parameter hooks: it needs overlap=True")
             setup_error: Optional[BaseException] = None
         except Exception as e:  # noqa: BLE001 - carried into the collective set-up
             setup_error = e
+        bucketing = (float(bucket_cap_mb), int(backward_passes_per_step)) if overlap and sync is None else None
         sync, params, self._owns_sync = _engine_for(
-            torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error
+            torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error, bucketing
         )
+        self.overlap = not hasattr(sync, "register")  # the bucketed engines
         self.optimizer = optimizer
         self.sync = sync
         self._params = params
@@ -337,6 +426,10 @@ class DistributedOptimizer:
         views sharing their memory (no copy). Returns the step's stats (also
         kept in ``last_stats``).
         """
+        if self.overlap:
+            stats = self.sync.finish()
+            self.last_stats = stats
+            return stats
         torch = _import_torch()
         views: List[Any] = []
         error: Optional[BaseException] = None
@@ -406,7 +499,17 @@ class DistributedOptimizer:
         return loss
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad``.
+
+        With overlap, an error (``RuntimeError``, on this rank) while a bucket
+        is in flight or a gradient was counted since the last step: zeroing
+        would race with the communication. Call :meth:`step` or
+        :meth:`synchronize` first."""
+        if self.overlap and self.sync.in_flight():
+            raise RuntimeError(
+                "gradsync: zero_grad() was called after backward() but before step() or "
+                "synchronize(): gradients are being synchronized in the background"
+            )
         self.optimizer.zero_grad(*args, **kwargs)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -20,7 +20,12 @@ printing a line on rank 0:
     numpy float16 and float32 arrays likewise;
 (d) a hook input that differs on one rank (a parameter missing from its
     buckets; a float64 bucket) fails every rank's futures within seconds,
-    naming the rank, and the next step works.
+    naming the rank, and the next step works;
+(e) the overlapping ``DistributedOptimizer`` (several buckets, one and two
+    backward passes per step) gives the whole-step engine's parameters bit
+    for bit (dense, rgc with gradsync's momentum, auto), starts buckets
+    before backward reaches the first layer, and refuses ``zero_grad()``
+    while buckets are in flight.
 """
 
 import copy
@@ -100,7 +105,8 @@ def same_bits(a, b) -> bool:
 
 
 def reference_engine(model, strategy, **options):
-    eng = gradsync.GradSync(comm, momentum=0.0, **options)
+    options.setdefault("momentum", 0.0)
+    eng = gradsync.GradSync(comm, **options)
     for name, p in model.named_parameters():
         eng.register(name, tuple(p.shape), strategy=strategy)
     return eng
@@ -245,7 +251,8 @@ say(f"(c) bfloat16 under DDP: float32 result rounded once, bit for bit; largest 
 torch.manual_seed(7)
 model = Net().half()
 gst.broadcast_parameters(model.state_dict())
-opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), strategy="dense")
+opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               strategy="dense", overlap=False)  # float16: the whole step
 f32_eng = reference_engine(model, "dense")
 worst = 0.0
 for step in range(3):
@@ -285,6 +292,48 @@ eng.close()
 f32.close()
 say("(c) numpy float16 + float32 + torch bfloat16 (rgc) in one table: the float32 step rounded once OK")
 
+
+# --- (e) the overlapping DistributedOptimizer --------------------------------
+for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9}), ("auto", {})]:
+    for passes in (1, 2):
+        torch.manual_seed(9)
+        model = Net()
+        ref = copy.deepcopy(model)
+        opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                       strategy=strategy, bucket_cap_mb=0.05, backward_passes_per_step=passes,
+                                       **options)
+        assert opt.overlap and len(opt.sync.buckets) > 1, (opt.overlap, getattr(opt.sync, "buckets", None))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        eng = reference_engine(ref, strategy, **options)
+        early = []
+        model.conv.weight.register_hook(lambda g: early.append(sum(opt.sync._started)))
+        for step in range(5):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(passes):
+                x, y = batch(100 * step + micro)
+                F.cross_entropy(model(x), y).backward()
+                F.cross_entropy(ref(x), y).backward()
+            if step == 0:
+                try:
+                    opt.zero_grad()
+                except RuntimeError as e:
+                    assert "before step()" in str(e), e
+                else:
+                    raise AssertionError("(e) zero_grad() with buckets in flight did not raise")
+            opt.step()
+            reference_sync(eng, ref)
+            ref_opt.step()
+            assert same_bits(model, ref), f"(e) overlap {strategy} passes={passes} step {step}"
+        assert [r[2] for r in opt.sync.layers()] == [r[2] for r in eng.layers()]
+        # Buckets were in flight before backward reached the first layer.
+        assert min(early[passes - 1 :: passes]) >= 1, early
+        nb = len(opt.sync.buckets)
+        opt.close()
+        eng.close()
+        say(f"(e) overlapping DistributedOptimizer == whole-step engine, bit for bit: {strategy} "
+            f"{options or ''} backward_passes_per_step={passes} ({nb} buckets, "
+            f"{min(early[passes - 1 :: passes])}+ started before backward reached the first layer) OK")
 
 # --- (d) a hook input that differs on one rank -----------------------------
 class FakeBucket:
