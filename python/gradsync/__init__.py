@@ -172,6 +172,16 @@ class GradSync:
         """
         return self._engine.register(name, shape, strategy)
 
+    def complete_table(self) -> None:
+        """Declare the layer table complete now (collective; the first step does it otherwise).
+
+        Runs the check that every rank registered the same layers and, with
+        ``strategy="auto"``, the cost model's plan (``layers()`` then shows
+        the choices). Call it where several engines' first steps may start
+        in orders that differ across ranks. No layer can be registered after.
+        """
+        self._engine.complete_table()
+
     def sync(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
         """One step: replace each gradient (in place) by its layer's update direction.
 

@@ -81,7 +81,7 @@ class BucketedSync:
     """
 
     def __init__(self, torch: Any, engines: List[Any], buckets: List[List[int]],
-                 params: List[Tuple[str, Any]], passes: int) -> None:
+                 params: List[Tuple[str, Any]], passes: int, param_hooks: bool = True) -> None:
         self._torch = torch
         self.engines = engines
         self.buckets = buckets
@@ -95,7 +95,7 @@ class BucketedSync:
         self._last: Dict[str, Any] = {}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(params)
-        ]
+        ] if param_hooks else []
 
     # -- the hooks -------------------------------------------------------
     def _hook(self, i: int) -> Any:
@@ -171,7 +171,7 @@ class BucketedSync:
     def _merge(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
         by_layer: Dict[int, Any] = {}
         for b, s in enumerate(stats):
-            for i, layer in zip(self.buckets[b], s.get("layers", [])):
+            for i, layer in zip(self.buckets[b], (s or {}).get("layers", [])):
                 by_layer[i] = layer
         out = dict(stats[0]) if stats else {}
         out["layers"] = [by_layer[i] for i in sorted(by_layer)]
@@ -229,3 +229,110 @@ class BucketedSync:
             h.remove()
         for e in self.engines:
             e.close()
+
+
+class HookSchedule:
+    """The DDP comm hook's overlap (:class:`gradsync.torch.GradSyncHookState`).
+
+    The registered parameters are cut into gradsync's own buckets (as for the
+    optimizer), fixed for the run, so that DDP's bucket rebuild changes no
+    engine's table. As each DDP bucket arrives (:meth:`add`, on the autograd
+    thread), its gradients are noted; a gradsync bucket whose gradients have
+    all arrived starts at once (compression here, its collectives on its
+    progress thread). The state's worker thread waits, for each DDP bucket in
+    order, for the gradsync buckets holding its parameters (their results are
+    written into DDP's bucket buffers) and then completes that bucket's
+    future; the step's last DDP bucket starts whatever has not started
+    (a parameter that never arrived fails its gradsync bucket on every rank)
+    and its future waits for every gradsync bucket, carrying the step's first
+    error.
+    """
+
+    def __init__(self, bucketed: BucketedSync) -> None:
+        import threading
+
+        self.bs = bucketed
+        self._threading = threading
+        self._reset()
+
+    def _reset(self) -> None:
+        n, nb = len(self.bs._params), len(self.bs.buckets)
+        self.views: List[Any] = [None] * n
+        self.ready = [0] * nb
+        self.started = [self._threading.Event() for _ in range(nb)]
+        self.waited = [False] * nb
+        self.errors: List[Optional[BaseException]] = [None] * nb
+        self.stats: List[Any] = [None] * nb
+        self.problem: Optional[str] = None
+        self.ddp_buckets = 0
+
+    def add(self, buf: Any, slots: List[Tuple[int, int, int]], error: Optional[str], last: bool) -> List[int]:
+        """Note one DDP bucket (autograd thread); start the gradsync buckets it
+        completes. Returns the gradsync buckets its future waits for."""
+        if error is not None and self.problem is None:
+            self.problem = error
+        self.ddp_buckets += 1
+        flat = buf.view(-1)
+        touched = set()
+        for i, off, n in slots:
+            b = self.bs._bucket_of[i]
+            touched.add(b)
+            if self.views[i] is None:
+                self.ready[b] += 1
+            self.views[i] = flat[off : off + n]
+            if self.ready[b] == len(self.bs.buckets[b]) and not self.started[b].is_set():
+                self._start(b)
+        if last:
+            for b in range(len(self.bs.buckets)):
+                if not self.started[b].is_set():
+                    self._start(b)
+            return list(range(len(self.bs.buckets)))
+        return sorted(touched)
+
+    def _start(self, b: int) -> None:
+        views = [self.views[i] for i in self.bs.buckets[b]]
+        absent = [self.bs._params[i][0] for i, v in zip(self.bs.buckets[b], views) if v is None]
+        why = self.problem
+        if why is None and absent:
+            why = (
+                f"{len(absent)} parameter(s) got no DDP bucket this step ({absent[:4]}): DDP "
+                "synchronizes only parameters that require grad, as registered"
+            )
+        try:
+            if why is not None:
+                self.bs.engines[b].fail_step(f"gradsync_hook: {why}")  # raises on every rank
+            else:
+                self.bs.engines[b].start(views)
+        except Exception as e:  # noqa: BLE001 - reaches the futures
+            self.errors[b] = e
+        finally:
+            self.started[b].set()
+
+    def finish(self, fut: Any, buf: Any, wait_for: List[int], last: bool, state: Any) -> None:
+        """Complete ``fut`` (worker thread) once the gradsync buckets
+        ``wait_for`` are done; the last DDP bucket's call ends the step."""
+        try:
+            for b in wait_for:
+                self.started[b].wait()
+                if self.waited[b]:
+                    continue
+                self.waited[b] = True
+                if self.errors[b] is None:
+                    try:
+                        self.stats[b] = self.bs.engines[b].wait([self.views[i] for i in self.bs.buckets[b]])
+                    except Exception as e:  # noqa: BLE001
+                        self.errors[b] = e
+            error = next((self.errors[b] for b in wait_for if self.errors[b] is not None), None)
+            if last:
+                if error is None:
+                    self.bs._last = self.bs._merge(self.stats)
+                    state.last_stats = self.bs._last
+                    state.steps += 1
+                    state.buckets = self.ddp_buckets
+                self._reset()
+        except BaseException as e:  # noqa: BLE001 - never leave DDP waiting
+            error = e
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(buf)

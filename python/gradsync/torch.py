@@ -120,14 +120,14 @@ def _engine_for(
     gradsync_options: Dict[str, Any],
     optimizer: Optional[Any] = None,
     setup_error: Optional[BaseException] = None,
-    overlap: Optional[Tuple[float, int]] = None,
+    overlap: Optional[Tuple[float, int, bool]] = None,
 ) -> Tuple[Any, List[Tuple[str, Any]], bool]:
     """The engine of :class:`DistributedOptimizer` and :class:`GradSyncHookState`
     (collective): ``(sync, params, owns_sync)``, with ``params`` the
     ``(name, tensor)`` pairs registered in order. A check that fails on one
     rank (``setup_error`` included) fails every rank without a hang.
     ``optimizer``'s parameters must all be among ``named_parameters``.
-    ``overlap=(bucket_cap_mb, backward_passes_per_step)``: one engine per
+    ``overlap=(bucket_cap_mb, backward_passes_per_step, param_hooks)``: one engine per
     bucket (:mod:`gradsync._overlap`) where every rank can overlap."""
     import gradsync
 
@@ -249,7 +249,7 @@ def _bucketed(
     params: List[Tuple[str, Any]],
     strategy: Strategy,
     options: Dict[str, Any],
-    overlap: Tuple[float, int],
+    overlap: Tuple[float, int, bool],
 ) -> Optional[Any]:
     """The bucketed engines of an overlapping optimizer (collective over the
     engine's communicator, entered by every rank), or ``None`` when some rank
@@ -257,7 +257,7 @@ def _bucketed(
     which has no layers yet; rank 0 says why once in a warning)."""
     from gradsync import _overlap
 
-    cap_mb, passes = overlap
+    cap_mb, passes, param_hooks = overlap
     opts = dict(options)
     opts.setdefault("momentum", 0.0)
     refusal = _overlap.overlap_refusal(torch, params, opts)
@@ -269,8 +269,8 @@ def _bucketed(
 
             r, why = refused[0]
             warnings.warn(
-                f"gradsync.torch.DistributedOptimizer: no overlap (rank {r}: {why}); "
-                "synchronizing the whole step in step()",
+                f"gradsync.torch: no overlap (rank {r}: {why}); "
+                "synchronizing the whole step at once",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -284,8 +284,11 @@ def _bucketed(
     for ids in buckets:
         eng = gradsync.GradSync(comm, **opts)
         _register_all(eng, [params[i] for i in ids], strategy)
+        # Now, in bucket order on every rank: the buckets' first steps may
+        # start in orders that differ across ranks.
+        eng.complete_table()
         engines.append(eng)
-    return _overlap.BucketedSync(torch, engines, buckets, params, passes)
+    return _overlap.BucketedSync(torch, engines, buckets, params, passes, param_hooks)
 
 
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
@@ -401,7 +404,9 @@ class DistributedOptimizer:
             setup_error: Optional[BaseException] = None
         except Exception as e:  # noqa: BLE001 - carried into the collective set-up
             setup_error = e
-        bucketing = (float(bucket_cap_mb), int(backward_passes_per_step)) if overlap and sync is None else None
+        bucketing = (
+            (float(bucket_cap_mb), int(backward_passes_per_step), True) if overlap and sync is None else None
+        )
         sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error, bucketing
         )
@@ -551,23 +556,29 @@ class GradSyncHookState:
         ddp.register_comm_hook(state, gradsync.torch.gradsync_hook)
 
     ``GradSyncHookState(named_parameters, strategy="auto", profile=None,
-    sync=None, **gradsync_options)`` is collective over ``MPI.COMM_WORLD``
-    (or ``sync``'s communicator): every rank must build it with the same
-    parameters in the same order. Arguments as for
-    :class:`DistributedOptimizer`: the parameters that require grad are
-    registered with a :class:`gradsync.GradSync` engine (``profile`` is a
-    ``gradsync calibrate`` profile for ``strategy="auto"``), created with
-    ``momentum=0.0`` unless given.
+    sync=None, overlap=True, bucket_cap_mb=25.0, **gradsync_options)`` is
+    collective over ``MPI.COMM_WORLD`` (or ``sync``'s communicator): every
+    rank must build it with the same parameters in the same order. Arguments
+    as for :class:`DistributedOptimizer`: the parameters that require grad
+    are registered with gradsync (``profile`` is a ``gradsync calibrate``
+    profile for ``strategy="auto"``), with ``momentum=0.0`` unless given.
 
     How a step runs: DDP calls the hook once per bucket, in bucket order,
     as the bucket's gradients become ready; the hook returns a
-    ``torch.futures.Future`` at once. When the last bucket of the step
-    arrives, the engine runs the step over every registered parameter on
-    the state's own thread (with the GIL released while it communicates)
-    and completes every bucket's future with its bucket, each gradient
-    replaced in place by the ranks' average (dense layers) or by the
-    averaged compressed update (sparse layers, with their residuals kept
-    by the engine). The result is the whole-step engine's
+    ``torch.futures.Future`` at once. With ``overlap=True`` (the default)
+    the parameters are cut into gradsync's own buckets of up to
+    ``bucket_cap_mb`` (reverse registration order, fixed for the run, one
+    engine each); a gradsync bucket starts as soon as DDP has handed all its
+    gradients (compression on the autograd thread, its collectives on its
+    progress thread), so the communication overlaps the rest of backward,
+    and each DDP bucket's future completes, on the state's thread, when the
+    gradsync buckets holding its parameters are done (see
+    :class:`gradsync._overlap.HookSchedule`; the same fall-backs as the
+    optimizer's overlap, plus half-precision gradients). Without overlap the
+    engine runs the whole step when the last bucket arrives. Either way each
+    gradient is replaced in place by the ranks' average (dense layers) or
+    by the averaged compressed update (sparse layers, with their residuals
+    kept by the engine), and the result is the whole-step engine's
     (:meth:`gradsync.GradSync.sync` on the same gradients), bit for bit.
     Parameters are found by identity in each bucket, so DDP's bucket
     rebuild after the first iteration changes nothing; a parameter that got
@@ -602,6 +613,8 @@ class GradSyncHookState:
         strategy: Strategy = "auto",
         profile: Optional[Any] = None,
         sync: Optional[Any] = None,
+        overlap: bool = True,
+        bucket_cap_mb: float = 25.0,
         **gradsync_options: Any,
     ) -> None:
         import concurrent.futures
@@ -617,9 +630,17 @@ class GradSyncHookState:
         opts = dict(gradsync_options)
         if profile is not None:
             opts["profile"] = profile
+        if setup_error is None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            setup_error = ValueError(f"bucket_cap_mb must be a positive number, not {bucket_cap_mb!r}")
+        bucketing = (float(bucket_cap_mb), 1, False) if overlap and sync is None else None
         self.sync, params, self._owns_sync = _engine_for(
-            torch, named_parameters, sync, strategy, opts, None, setup_error
+            torch, named_parameters, sync, strategy, opts, None, setup_error, bucketing
         )
+        self.overlap = not hasattr(self.sync, "register")  # the bucketed engines
+        if self.overlap:
+            from gradsync import _overlap
+
+            self._schedule = _overlap.HookSchedule(self.sync)
         self._params = params
         self._slot = {id(p): i for i, (_, p) in enumerate(params)}
         # A parameter whose Python object DDP hands back anew: its memory.
@@ -632,7 +653,22 @@ class GradSyncHookState:
         self.buckets = 0
 
     def _add(self, bucket: Any) -> Any:
-        """Keep ``bucket`` for this step; its future, not yet completed."""
+        """Take ``bucket`` (autograd thread); its future, not yet completed."""
+        buf, fut, slots, error = self._parse(bucket)
+        last = bucket.is_last()
+        if self.overlap:
+            wait_for = self._schedule.add(buf, slots, error, last)
+            self._worker.submit(self._schedule.finish, fut, buf, wait_for, last, self)
+            return fut
+        with self._lock:
+            self._pending.append((buf, fut, slots, error))
+        if last:
+            self._worker.submit(self._step)
+        return fut
+
+    def _parse(self, bucket: Any) -> Tuple[Any, Any, List[Tuple[int, int, int]], Optional[str]]:
+        """``bucket``'s buffer, a new future, its parameters' ``(index,
+        offset, elements)`` and what is wrong with it (``None``)."""
         torch = _import_torch()
         buf = bucket.buffer()
         fut = torch.futures.Future(devices=[buf.device]) if buf.device.type == "cuda" else torch.futures.Future()
@@ -655,9 +691,7 @@ class GradSyncHookState:
             offset += n
         if error is None and offset != buf.numel():
             error = f"bucket {bucket.index()}: {buf.numel()} elements for parameters of {offset}"
-        with self._lock:
-            self._pending.append((buf, fut, slots, error))
-        return fut
+        return buf, fut, slots, error
 
     def _step(self) -> None:
         """Run the step of the buckets kept so far (on the state's thread)."""
@@ -726,10 +760,7 @@ def gradsync_hook(state, bucket):  # type: ignore[no-untyped-def]
     (see :class:`GradSyncHookState`). Never blocks: the step runs on the
     state's thread once the step's last bucket has arrived.
     """
-    fut = state._add(bucket)
-    if bucket.is_last():
-        state._worker.submit(state._step)
-    return fut
+    return state._add(bucket)
 
 
 def _bcast_buffer(torch: Any, name: str, t: Any) -> Any:

@@ -551,6 +551,14 @@ impl PyGradSync {
         Ok(id.0)
     }
 
+    /// Declare the layer table complete now (collective; otherwise the
+    /// first step does it): the table agreement and `auto`'s plan.
+    fn complete_table(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.collective(py)?;
+        let eng = g.as_mut().expect("checked open");
+        py.detach(|| eng.complete_table()).map_err(engine_err)
+    }
+
     /// Take part in this step carrying an error found on this rank (e.g. in
     /// the forward or backward pass), so that no peer waits: every rank's
     /// step fails alike; raises `gradsync.Error` here too.

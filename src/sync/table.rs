@@ -374,6 +374,37 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// Check once, before the first step, that every rank registered the
     /// same number of layers.
+    /// Declare the layer table complete now (collective): the check that
+    /// every rank registered the same table, and the plan of the `Auto`
+    /// layers, otherwise done by the first step. For callers that start
+    /// several engines' steps in an order that may differ across ranks
+    /// (the first `start` of each would block in this check). Idempotent;
+    /// no layer can be registered afterwards.
+    ///
+    /// ```
+    /// use gradsync::comm::LocalComm;
+    /// use gradsync::sync::{Config, GradSync};
+    /// let out = LocalComm::run(2, |c| {
+    ///     let mut e = GradSync::with_transport(c, Config::default()).unwrap();
+    ///     e.register("w", &[4]).unwrap();
+    ///     e.complete_table().unwrap();
+    ///     e.complete_table().unwrap(); // idempotent
+    ///     let late = e.register("b", &[2]).is_err();
+    ///     let mut w = [e.rank() as f32; 4];
+    ///     e.sync(&mut [&mut w[..]]).unwrap();
+    ///     (late, w[0])
+    /// });
+    /// assert_eq!(out[1], (true, 0.5));
+    /// ```
+    pub fn complete_table(&mut self) -> Result<()> {
+        if self.started.is_some() {
+            return Err(Error::InvalidArgument(
+                "complete_table between start and wait".into(),
+            ));
+        }
+        self.check_table()
+    }
+
     pub(super) fn check_table(&mut self) -> Result<()> {
         if self.table_checked {
             return Ok(());

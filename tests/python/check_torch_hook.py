@@ -121,12 +121,14 @@ def reference_sync(eng, model):
     eng.sync(grads)
 
 
-def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, **options):
+def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, overlap=True, **options):
     torch.manual_seed(5)
     model = Net(side=find_unused)
     ref = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=cap_mb, find_unused_parameters=find_unused)
-    state = gst.GradSyncHookState(model.named_parameters(), strategy=strategy, **options)
+    state = gst.GradSyncHookState(model.named_parameters(), strategy=strategy, bucket_cap_mb=cap_mb,
+                                  overlap=overlap, **options)
+    assert state.overlap == overlap, (state.overlap, overlap)
     ddp.register_comm_hook(state, gst.gradsync_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=momentum)
@@ -134,8 +136,8 @@ def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, **options):
 
 
 # --- (a) the hook equals the whole-step engine, bit for bit ---------------
-for strategy in ["dense", "rgc:density=0.05", "auto"]:
-    model, ddp, state, opt, ref, ref_opt, eng = ddp_pair(strategy)
+for strategy, overlap in [("dense", True), ("rgc:density=0.05", True), ("auto", True), ("dense", False), ("auto", False)]:
+    model, ddp, state, opt, ref, ref_opt, eng = ddp_pair(strategy, overlap=overlap)
     for step in range(6):
         x, y = batch(step)
         opt.zero_grad()
@@ -155,7 +157,9 @@ for strategy in ["dense", "rgc:density=0.05", "auto"]:
         assert any(k.startswith("rgc") for k in kinds) and "dense" in kinds, kinds
     state.close()
     eng.close()
-    say(f"(a) hook == whole-step engine, bit for bit, 6 steps: {strategy} (layers {kinds}, {buckets} buckets) OK")
+    ours = len(state.sync.buckets) if overlap else 1
+    say(f"(a) hook == whole-step engine, bit for bit, 6 steps: {strategy}, overlap={overlap} "
+        f"(layers {kinds}, {buckets} DDP buckets, {ours} gradsync buckets) OK")
 
 # --- (b) no_sync accumulation; find_unused_parameters ---------------------
 for strategy in ["dense", "rgc:density=0.05"]:
@@ -225,6 +229,7 @@ model = Net().to(torch.bfloat16)
 plain = copy.deepcopy(model)
 ddp = DDP(model, bucket_cap_mb=0.05)
 state = gst.GradSyncHookState(model.named_parameters(), strategy="dense")
+assert not state.overlap, "bfloat16 gradients: the hook falls back to the whole step"
 ddp.register_comm_hook(state, gst.gradsync_hook)
 f32_eng = reference_engine(model, "dense")
 worst = 0.0
@@ -359,32 +364,37 @@ class FakeBucket:
 
 torch.manual_seed(8)
 model = Net()
-state = gst.GradSyncHookState(model.named_parameters(), strategy="dense")
 params = list(model.parameters())
-for what, odd in [("a parameter missing from its buckets", {"drop": params[0]}),
-                  ("a float64 bucket", {"dtype": torch.float64})]:
-    mine = odd if rank == last else {}
-    t0 = time.monotonic()
-    futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False, **mine)),
+for overlap in (True, False):
+    state = gst.GradSyncHookState(model.named_parameters(), strategy="dense", overlap=overlap, bucket_cap_mb=0.05)
+    for what, odd in [("a parameter missing from its buckets", {"drop": params[0]}),
+                      ("a float64 bucket", {"dtype": torch.float64})]:
+        mine = odd if rank == last else {}
+        t0 = time.monotonic()
+        futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False, **mine)),
+                gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
+        while not all(f.done() for f in futs):
+            assert time.monotonic() - t0 < 60, f"(d) {what}: a future did not complete in 60 s"
+            time.sleep(0.01)
+        failed = []
+        for fut in futs:
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001
+                assert f"rank {last}" in str(e), f"(d) {what}: the error does not name rank {last}: {e}"
+                failed.append(fut)
+        # DDP raises from backward() when any future failed: every rank has
+        # one, and the step's last bucket always carries the step's error.
+        assert futs[-1] in failed, f"(d) {what}: rank {rank}'s last future completed without the error"
+        say(f"(d) overlap={overlap}: {what} on rank {last}: every rank's futures failed "
+            f"({len(failed)} of 2) in {time.monotonic() - t0:.2f} s naming it OK")
+    # The next step works, and averages.
+    futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False)),
             gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
-    while not all(f.done() for f in futs):
-        assert time.monotonic() - t0 < 60, f"(d) {what}: a future did not complete in 60 s"
-        time.sleep(0.01)
-    for fut in futs:
-        try:
-            fut.wait()
-        except Exception as e:  # noqa: BLE001
-            assert f"rank {last}" in str(e), f"(d) {what}: the error does not name rank {last}: {e}"
-        else:
-            raise AssertionError(f"(d) {what}: rank {rank}'s future completed without the error")
-    say(f"(d) {what} on rank {last}: every rank's futures failed in {time.monotonic() - t0:.2f} s naming it OK")
-
-# The next step works, and averages.
-futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False)), gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
-out = torch.cat([f.wait() for f in futs])
-assert torch.all(out == (size + 1) / 2), out
-state.close()
-say("(d) the next step averages OK")
+    out = torch.cat([f.wait() for f in futs])
+    assert torch.all(out == (size + 1) / 2), out
+    state.close()
+    say(f"(d) overlap={overlap}: the next step averages OK")
 
 dist.destroy_process_group()
 say("check_torch_hook: OK")
