@@ -182,6 +182,11 @@ class GradSync:
         """
         self._engine.complete_table()
 
+    def strategies(self) -> list:
+        """Every layer's strategy as a JSON string (``auto`` resolved once the
+        table is complete), which :meth:`register` takes as ``strategy``."""
+        return self._engine.strategies()
+
     def sync(self, grads: Sequence[Any], weights: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
         """One step: replace each gradient (in place) by its layer's update direction.
 

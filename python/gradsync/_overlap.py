@@ -19,13 +19,21 @@ dense layers averaged by Rabenseifner's allreduce (each element's sum is the
 same butterfly of the ranks' values, wherever it sits in the fused buffer),
 sparse layers exchanged by the fused allgatherv (each layer's units decoded
 and summed in rank order), per-layer momentum, residuals, warm-up and density
-schedules. Options whose result depends on the whole step are refused for
-overlap (the optimizer falls back to the whole step, saying why): local
-gradient clipping (the global norm), weight decay (needs the weights),
-``delay > 1``; so are half-precision or CUDA gradients and an MPI below
+schedules; ``auto``'s choices are the whole table's plan (made on a
+whole-table engine, read back with :meth:`gradsync.GradSync.strategies` and
+registered on the buckets' engines). Options whose result depends on the
+whole step or on the fused layout are refused for overlap (the optimizer or
+hook falls back to the whole step, rank 0 warning why): local gradient
+clipping (the global norm), weight decay (needs the weights), ``delay > 1``,
+an ``allreduce`` other than Rabenseifner's, a ``sparse_exchange`` other than
+the allgatherv; so are half-precision or CUDA gradients and an MPI below
 ``MPI_THREAD_MULTIPLE`` (the buckets' progress threads call MPI at once).
-With a ``profile``, ``auto``'s plan is made per bucket (its groups' α paid per
-bucket), which may choose differently from the whole table's plan.
+
+The last bucket (the first layers, whose gradients come last) is started by
+the step (the optimizer's ``step()``, the hook's last DDP bucket), never by a
+gradient hook: a failure a rank finds after backward (a closure that raises,
+a DDP bucket that does not match) still fails that bucket on every rank, so
+no rank applies a step its peers refused.
 """
 
 from __future__ import annotations
@@ -47,6 +55,12 @@ def overlap_refusal(torch: Any, params: List[Tuple[str, Any]], options: Dict[str
         return "weight_decay needs the weights (give it to the torch optimizer)"
     if int(options.get("delay", 1) or 1) != 1:
         return "delay > 1 (communication delay) runs on the whole step"
+    for key, exact in (("allreduce", "rabenseifner"), ("sparse_exchange", "allgather")):
+        if options.get(key, exact) != exact:
+            return (
+                f"{key} {options[key]!r}: its rounding depends on where a layer sits in the "
+                f"step's fused buffers (overlap keeps the whole step's results with {exact!r})"
+            )
     for name, p in params:
         if p.dtype != torch.float32 or p.device.type != "cpu":
             return f"parameter {name!r} is {p.dtype} on {p.device} (overlap takes float32 CPU gradients)"
@@ -110,7 +124,10 @@ class BucketedSync:
             if self._counts[i] == self._passes:
                 b = self._bucket_of[i]
                 self._ready[b] += 1
-                if self._ready[b] == len(self.buckets[b]):
+                # The last bucket (the first layers) waits for step(): a
+                # failure this rank finds after backward (a closure that
+                # raises) still fails it on every rank.
+                if self._ready[b] == len(self.buckets[b]) and b != len(self.buckets) - 1:
                     self._start(b)
 
         return hook
@@ -124,10 +141,15 @@ class BucketedSync:
             name, p = self._params[i]
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif p.grad.layout == torch.strided and not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()  # as the whole step does; in place from here on
             views.append(_engine_view(torch, name, p.grad, "the gradient"))
         return views
 
     def _start(self, b: int) -> None:
+        """Start bucket ``b``; its error (every rank's, the engine fails the
+        step alike) is kept for :meth:`finish`, never raised here (in a hook
+        it would escape ``backward()`` on this rank only)."""
         self._started[b] = True
         try:
             views = self._views(b)
@@ -137,7 +159,10 @@ class BucketedSync:
             except Exception as collective:  # noqa: BLE001
                 self._errors[b] = type(e)(f"{e} (raised on every rank: {collective})")
             return
-        self.engines[b].start(views)
+        try:
+            self.engines[b].start(views)
+        except Exception as e:  # noqa: BLE001 - the step failed on every rank
+            self._errors[b] = e
 
     # -- the step ---------------------------------------------------------
     def in_flight(self) -> bool:
@@ -156,7 +181,15 @@ class BucketedSync:
                 first = first or self._errors[b]
                 continue
             try:
-                stats.append(self.engines[b].wait(self._views(b)))
+                views = self._views(b)
+            except Exception as e:  # noqa: BLE001 - this rank's output arrays
+                # The bucket's step stays pending in its engine: its next
+                # start finishes it into scratch (with a RuntimeWarning), so
+                # this rank stays in step with its peers.
+                first = first or e
+                continue
+            try:
+                stats.append(self.engines[b].wait(views))
             except Exception as e:  # noqa: BLE001 - raised after every bucket is done
                 first = first or e
         self._counts = [0] * len(self._params)
@@ -280,7 +313,10 @@ class HookSchedule:
             if self.views[i] is None:
                 self.ready[b] += 1
             self.views[i] = flat[off : off + n]
-            if self.ready[b] == len(self.bs.buckets[b]) and not self.started[b].is_set():
+            # The last gradsync bucket waits for the step's last DDP bucket:
+            # a problem found in any DDP bucket still fails it on every rank.
+            held = b == len(self.bs.buckets) - 1 and not last
+            if self.ready[b] == len(self.bs.buckets[b]) and not self.started[b].is_set() and not held:
                 self._start(b)
         if last:
             for b in range(len(self.bs.buckets)):

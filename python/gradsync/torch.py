@@ -277,13 +277,18 @@ def _bucketed(
         return None
     import gradsync
 
+    # The whole table's plan (auto's choices priced over every layer, as the
+    # whole step makes them), read back and given to the buckets' engines.
+    _register_all(sync, params, strategy)
+    sync.complete_table()
+    specs = dict(zip((name for name, _ in params), sync.strategies()))
     comm = sync._comm
     sync.close()
     buckets = _overlap.cut_buckets(params, int(cap_mb * 2**20))
     engines = []
     for ids in buckets:
         eng = gradsync.GradSync(comm, **opts)
-        _register_all(eng, [params[i] for i in ids], strategy)
+        _register_all(eng, [params[i] for i in ids], lambda name, _p: specs[name])
         # Now, in bucket order on every rank: the buckets' first steps may
         # start in orders that differ across ranks.
         eng.complete_table()
@@ -338,8 +343,12 @@ class DistributedOptimizer:
         auto without a profile). Falls back to the whole step, with a
         ``RuntimeWarning`` on rank 0 naming why, where a rank cannot
         overlap: MPI below ``MPI_THREAD_MULTIPLE``, ``clip_norm``,
-        ``weight_decay``, ``delay > 1``, gradients that are not float32 on
-        the CPU, or a ``sync`` of your own (see :mod:`gradsync._overlap`).
+        ``weight_decay``, ``delay > 1``, an ``allreduce`` other than
+        ``"rabenseifner"`` or a ``sparse_exchange`` other than
+        ``"allgather"`` (their rounding depends on the fused layout),
+        gradients that are not float32 on the CPU (see
+        :mod:`gradsync._overlap`); a ``sync`` of your own is used whole,
+        without a warning.
         ``False``: today's whole step inside ``step()``.
     bucket_cap_mb:
         Bucket size with overlap (25, DDP's default).
@@ -371,13 +380,18 @@ class DistributedOptimizer:
                                    model.named_parameters(), momentum=0.9)
 
     Attributes: ``optimizer`` (the wrapped optimizer), ``sync`` (the
-    :class:`gradsync.GradSync` engine: ``sync.layers()``,
-    ``sync.save_snapshot(path)`` for its residuals and momentum),
-    ``last_stats`` (the last step's stats, or None).
+    :class:`gradsync.GradSync` engine, or with overlap the buckets' engines
+    behind the same calls: ``sync.layers()``, ``sync.step``,
+    ``sync.save_snapshot(path)`` for residuals and momentum, one file per
+    bucket), ``overlap`` (whether it overlaps), ``last_stats`` (the last
+    step's stats, or None).
 
-    Errors: a gradient that is not a dense CPU ``float32`` tensor raises
-    ``TypeError`` (CUDA, sparse) or ``ValueError`` (other dtypes) on its rank
-    and ``gradsync.Error`` on the others, without hanging them.
+    Errors: a gradient that is not a dense ``float32``, ``float16`` or
+    ``bfloat16`` tensor raises ``TypeError`` (sparse, other devices) or
+    ``ValueError`` (other dtypes) on its rank and ``gradsync.Error`` on the
+    others, without hanging them (with overlap, from ``step()``). CUDA
+    gradients take the engine's device path (float32 only; a gradsync built
+    with the cargo feature ``cuda``, else the step fails on every rank).
     """
 
     def __init__(
@@ -405,7 +419,9 @@ class DistributedOptimizer:
         except Exception as e:  # noqa: BLE001 - carried into the collective set-up
             setup_error = e
         bucketing = (
-            (float(bucket_cap_mb), int(backward_passes_per_step), True) if overlap and sync is None else None
+            (float(bucket_cap_mb), int(backward_passes_per_step), True)
+            if overlap and sync is None and setup_error is None
+            else None
         )
         sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error, bucketing
@@ -632,7 +648,7 @@ class GradSyncHookState:
             opts["profile"] = profile
         if setup_error is None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             setup_error = ValueError(f"bucket_cap_mb must be a positive number, not {bucket_cap_mb!r}")
-        bucketing = (float(bucket_cap_mb), 1, False) if overlap and sync is None else None
+        bucketing = (float(bucket_cap_mb), 1, False) if overlap and sync is None and setup_error is None else None
         self.sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, opts, None, setup_error, bucketing
         )
@@ -677,6 +693,8 @@ class GradSyncHookState:
         offset = 0
         for p in bucket.parameters():
             n = int(p.numel())
+            if n == 0:
+                continue  # not registered (nothing to synchronize); no room in the buffer
             i = self._slot.get(id(p))
             if i is None:
                 i = self._slot_by_ptr.get(p.data_ptr()) if n else None

@@ -185,8 +185,10 @@ fn check_array<'py>(
             Ok(d) => format!("a {ty} of dtype {d}"),
             Err(_) => format!("a {ty}"),
         };
+        // `sync` takes half precision (through DLPack); `start`/`wait`
+        // and weights take float32.
         let want = if what == "gradient" {
-            "a numpy float32 or float16 array (or a DLPack tensor of float32, float16 or bfloat16)"
+            "a numpy float32 array (sync also takes numpy float16 and DLPack tensors of float32, float16 or bfloat16)"
         } else {
             "a numpy float32 array"
         };
@@ -549,6 +551,16 @@ impl PyGradSync {
         let mut layers = self.layers.lock().map_err(|_| Error::new_err("poisoned"))?;
         Arc::make_mut(&mut layers).push((label, dims));
         Ok(id.0)
+    }
+
+    /// Every layer's strategy as JSON (`auto` resolved once the table is
+    /// complete), which `register` takes back.
+    fn strategies(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let g = self.engine(py)?;
+        let eng = g.as_ref().expect("checked open");
+        Ok((0..eng.num_layers())
+            .filter_map(|i| eng.layer_strategy(gradsync::sync::LayerId(i)))
+            .collect())
     }
 
     /// Declare the layer table complete now (collective; otherwise the

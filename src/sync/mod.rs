@@ -404,6 +404,36 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .map(|l| (l.name.as_str(), l.shape.as_slice(), &l.strategy))
     }
 
+    /// Layer `id`'s strategy as a JSON object that [`register_spec`](Self::register_spec)
+    /// takes back: after the table is complete
+    /// ([`complete_table`](Self::complete_table) or the first step), an
+    /// `auto` layer's resolved choice, so that other engines (the buckets
+    /// of an overlapped step) can be registered with the whole table's plan.
+    ///
+    /// ```
+    /// use gradsync::comm::LocalComm;
+    /// use gradsync::sync::{Config, GradSync, LayerId};
+    /// let out = LocalComm::run(1, |c| {
+    ///     let mut a = GradSync::with_transport(c, Config::default()).unwrap();
+    ///     a.register_spec("w", &[100_000], "rgc:density=0.01").unwrap();
+    ///     let json = a.layer_strategy(LayerId(0)).unwrap();
+    ///     drop(a);
+    ///     json
+    /// });
+    /// let back = LocalComm::run(1, |c| {
+    ///     let mut b = GradSync::with_transport(c, Config::default()).unwrap();
+    ///     b.register_spec("w", &[100_000], &out[0]).unwrap();
+    ///     b.layer_strategy(LayerId(0)).unwrap()
+    /// });
+    /// assert_eq!(back[0], out[0]); // the same strategy, density included
+    /// assert!(out[0].contains("0.01"));
+    /// ```
+    pub fn layer_strategy(&self, id: LayerId) -> Option<String> {
+        self.layers
+            .get(id.0)
+            .and_then(|l| serde_json::to_string(&l.strategy).ok())
+    }
+
     /// One synchronous step: `grads[i]` (layer `i`'s local gradient, in
     /// registration order) is replaced by the layer's update direction.
     pub fn sync(&mut self, grads: &mut [&mut [f32]]) -> Result<&StepStats> {

@@ -195,8 +195,19 @@ impl Strategy {
     /// `reuse`, `warmup`, `lt`, `lc`, `loss_threshold`, `qsgd_bits`,
     /// `qsgd_bucket`), or a codec string (`"rgc:density=0.001"`,
     /// `"3lc:s=1.75"`, `"qsgd:bits=4"`, ... as [`CodecConfig`] parses).
+    ///
+    /// A JSON object is a serialized [`Strategy`] (what
+    /// [`GradSync::layer_strategy`](super::GradSync::layer_strategy) gives
+    /// for a resolved layer), taken as it is.
     pub fn parse(spec: &str) -> Result<Strategy> {
         let spec = spec.trim();
+        if spec.starts_with('{') {
+            return serde_json::from_str(spec).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "strategy {spec:?} is not a serialized strategy: {e}"
+                ))
+            });
+        }
         let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
         match name.trim() {
             "" => Err(Error::InvalidArgument("empty strategy".into())),

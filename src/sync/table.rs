@@ -372,8 +372,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok((n, strategy, codec, h, label, gvq, auto))
     }
 
-    /// Check once, before the first step, that every rank registered the
-    /// same number of layers.
     /// Declare the layer table complete now (collective): the check that
     /// every rank registered the same table, and the plan of the `Auto`
     /// layers, otherwise done by the first step. For callers that start
@@ -405,6 +403,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.check_table()
     }
 
+    /// Check once, before the first step, that every rank registered the
+    /// same number of layers.
     pub(super) fn check_table(&mut self) -> Result<()> {
         if self.table_checked {
             return Ok(());

@@ -25,7 +25,10 @@ printing a line on rank 0:
     backward passes per step) gives the whole-step engine's parameters bit
     for bit (dense, rgc with gradsync's momentum, auto), starts buckets
     before backward reaches the first layer, and refuses ``zero_grad()``
-    while buckets are in flight.
+    while buckets are in flight;
+(f) a closure that raises on one rank after backward fails the overlapped
+    step on every rank; a non-contiguous gradient and a
+    zero-element parameter give the whole step's results.
 """
 
 import copy
@@ -339,6 +342,108 @@ for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9})
         say(f"(e) overlapping DistributedOptimizer == whole-step engine, bit for bit: {strategy} "
             f"{options or ''} backward_passes_per_step={passes} ({nb} buckets, "
             f"{min(early[passes - 1 :: passes])}+ started before backward reached the first layer) OK")
+
+# --- (f) the corners: a closure that raises after backward, a non-contiguous
+# gradient, a zero-element parameter --------------------
+torch.manual_seed(11)
+model = Net()
+opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               strategy="dense", bucket_cap_mb=0.05)
+assert opt.overlap
+
+
+def closure():
+    x, y = batch(7)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # every bucket but the last starts here
+    if rank == last:
+        raise RuntimeError("the closure failed after backward")
+    return 0.0
+
+
+before = [p.detach().clone() for p in model.parameters()]
+try:
+    opt.step(closure)
+except gradsync.Error as e:
+    assert rank != last and "the closure raised" in str(e), (rank, e)
+except RuntimeError as e:
+    assert rank == last and "failed after backward" in str(e), (rank, e)
+else:
+    raise AssertionError("(f) a closure that raised after backward did not fail the step on every rank")
+assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "(f) a failed step changed the weights"
+x, y = batch(8)
+opt.zero_grad()
+F.cross_entropy(model(x), y).backward()
+opt.step()  # the next step runs on every rank
+assert_same = comm.allgather(float(sum(p.double().sum() for p in model.parameters())))
+assert len(set(assert_same)) == 1, assert_same
+opt.close()
+say("(f) a closure that raises on one rank after backward fails the overlapped step on every rank OK")
+
+torch.manual_seed(12)
+model = Net()
+with torch.no_grad():  # a transposed (non-contiguous) parameter: its gradient is non-contiguous too
+    model.fc2.weight = nn.Parameter(model.fc2.weight.detach().t().contiguous().t())
+ref = copy.deepcopy(model)
+opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               strategy="dense", bucket_cap_mb=0.05)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+eng = reference_engine(ref, "dense")
+for step in range(3):
+    x, y = batch(step)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    noncontig = not ref.fc2.weight.grad.is_contiguous()  # the layout autograd gives (no hooks there)
+    opt.step()
+    for p in ref.parameters():
+        p.grad = p.grad.contiguous()
+    reference_sync(eng, ref)
+    ref_opt.step()
+    assert same_bits(model, ref), f"(f) channels_last step {step}"
+opt.close()
+eng.close()
+assert noncontig, "(f) the transposed parameter's gradient was contiguous: nothing tested"
+assert model.fc2.weight.grad.is_contiguous(), "(f) the overlapped path made it contiguous, in place"
+say("(f) a non-contiguous gradient (a transposed parameter), overlapped == whole step, bit for bit OK")
+
+
+class WithEmpty(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x, use_side: bool = False):
+        return super().forward(x) + self.empty.sum()
+
+
+for overlap in (True, False):
+    torch.manual_seed(13)
+    model = WithEmpty()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.05)
+    state = gst.GradSyncHookState(model.named_parameters(), strategy="dense", overlap=overlap, bucket_cap_mb=0.05)
+    ddp.register_comm_hook(state, gst.gradsync_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    eng = gradsync.GradSync(comm, momentum=0.0)
+    for name, p in ref.named_parameters():
+        if p.numel():
+            eng.register(name, tuple(p.shape), strategy="dense")
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        F.cross_entropy(ref(x), y).backward()
+        eng.sync([p.grad for p in ref.parameters() if p.numel()])
+        ref_opt.step()
+        assert same_bits(model, ref), f"(f) zero-element parameter, overlap={overlap}, step {step}"
+    state.close()
+    eng.close()
+say("(f) a zero-element parameter under DDP with the hook (overlap and not) == whole step OK")
 
 # --- (d) a hook input that differs on one rank -----------------------------
 class FakeBucket:
