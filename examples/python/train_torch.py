@@ -23,7 +23,8 @@ data, seed and hyper-parameters in every configuration:
   momentum correction) and SGD without it;
 * ``gradsync-opt``: ``gradsync.torch.DistributedOptimizer`` (overlapping),
   the same strategy and momentum;
-* ``gradsync-opt-whole``: the same without overlap (``overlap=False``).
+* ``gradsync-opt-whole``, ``gradsync-hook-whole``: the same without
+  overlap (``overlap=False``).
 
 Prints one JSON line on rank 0 with ``--json``: ``config``, ``ranks``,
 ``steps``, ``test_accuracy``, ``wall_s`` (training time, evaluation
@@ -49,7 +50,8 @@ from mpi4py import MPI
 
 import gradsync.torch as gst
 
-CONFIGS = ["ddp", "ddp-fp16", "ddp-powersgd", "noop", "gradsync-hook", "gradsync-opt", "gradsync-opt-whole"]
+CONFIGS = ["ddp", "ddp-fp16", "ddp-powersgd", "noop", "gradsync-hook", "gradsync-hook-whole", "gradsync-opt",
+           "gradsync-opt-whole"]
 
 
 class Net(nn.Module):
@@ -126,7 +128,7 @@ def main() -> None:
     torch_momentum = 0.0 if gradsync_momentum else args.momentum
     state = None
     bytes_per_step = 4 * n_params
-    if cfg.startswith("ddp") or cfg in ("noop", "gradsync-hook"):
+    if cfg.startswith("ddp") or cfg in ("noop", "gradsync-hook", "gradsync-hook-whole"):
         cap = 1000.0 if cfg == "ddp-powersgd" else args.bucket_cap_mb
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
         if cfg == "ddp-fp16":
@@ -147,9 +149,10 @@ def main() -> None:
 
             net.register_comm_hook(None, debugging_hooks.noop_hook)
             bytes_per_step = 0
-        elif cfg == "gradsync-hook":
+        elif cfg.startswith("gradsync-hook"):
             state = gst.GradSyncHookState(model.named_parameters(), strategy=args.strategy, profile=args.profile,
-                                          bucket_cap_mb=args.bucket_cap_mb, momentum=args.momentum)
+                                          bucket_cap_mb=args.bucket_cap_mb, momentum=args.momentum,
+                                          overlap=(cfg == "gradsync-hook"))
             net.register_comm_hook(state, gst.gradsync_hook)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=torch_momentum)
     else:
@@ -180,7 +183,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         times.append(dt)
         train_s += dt
-        stats = state.last_stats if cfg == "gradsync-hook" else getattr(opt, "last_stats", None)
+        stats = state.last_stats if cfg.startswith("gradsync-hook") else getattr(opt, "last_stats", None)
         if stats:
             sent.append(sum(layer.get("bytes_sent", 0) for layer in stats.get("layers", [])))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
