@@ -194,7 +194,10 @@ class GradSync:
         registered layer, in registration order, of the registered shape (or
         flat): numpy arrays, or CPU tensors of another library (PyTorch,
         JAX, ...) that support DLPack, used in place through a zero-copy
-        view. CUDA tensors (DLPack device type 2) need a gradsync built with
+        view. Half precision: numpy ``float16`` arrays and DLPack tensors of
+        ``float16`` or ``bfloat16`` (several dtypes in one table) are
+        widened into float32 workspaces, stepped in float32 and written back
+        rounded once to their dtype (the bound is in ``docs/pytorch.md``). CUDA tensors (DLPack device type 2) need a gradsync built with
         the cargo feature ``cuda`` (``maturin build --features cuda``): they
         are imported through DLPack with ``stream=1`` (the producer's pending
         work is ordered before gradsync's copies), staged through pinned host
