@@ -41,24 +41,14 @@ BATCH="${BATCH:-32}"
 CONFIGS="${CONFIGS:-ddp ddp-fp16 ddp-powersgd gradsync-hook gradsync-opt noop}"
 NETWORK="${NETWORK:-auto}"
 
+# shellcheck source=hpc/lib.sh
+. hpc/lib.sh
 echo "compare: building gradsync (release) and its Python package"
-cargo build --release --quiet
-PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
-"$PY" -c "import matplotlib" >/dev/null 2>&1 || "$VENV/bin/pip" install -q matplotlib
+gs_build
 
-can_netem() {
-  local s=""
-  if [ "$(id -u)" -ne 0 ]; then
-    sudo -n true 2>/dev/null || return 1
-    s=sudo
-  fi
-  local ns="gradsync-probe$$"
-  $s ip netns add "$ns" 2>/dev/null || return 1
-  $s ip netns del "$ns"
-}
 case "$NETWORK" in
   auto)
-    if can_netem; then NETWORK=emulated; else
+    if gs_can_netem; then NETWORK=emulated; else
       echo "compare: no network namespaces here (not root, no passwordless sudo): shared memory instead" >&2
       NETWORK=shm
     fi ;;
@@ -67,13 +57,7 @@ case "$NETWORK" in
 esac
 label="$NETWORK"
 [ "$NETWORK" = emulated ] && label="$RATE"
-launch() {
-  if [ "$NETWORK" = emulated ]; then
-    hpc/netem.sh --rate "$RATE" -- hpc/mpirun.sh -np "$NP" "$@"
-  else
-    hpc/mpirun.sh -np "$NP" "$@"
-  fi
-}
+launch() { gs_launch "$label" "$NP" "$@"; }
 
 rm -rf "$OUT"
 mkdir -p "$OUT"

@@ -35,41 +35,23 @@ DENSITY="${DENSITY:-0.001}"
 CONFIGS="${CONFIGS:-mpi-dense gradsync-dense auto rgc}"
 NETWORK="${NETWORK:-auto}"
 
+# shellcheck source=hpc/lib.sh
+. hpc/lib.sh
 echo "demo: building gradsync (release) and its Python package"
-cargo build --release --quiet
-# maturin's build backend runs the `maturin` command from PATH (pip puts
-# nothing there without build isolation): the environment's own.
-PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
-"$PY" -c "import matplotlib" >/dev/null 2>&1 || "$VENV/bin/pip" install -q matplotlib
+gs_build
 
 # The network: the emulated 1 Gbit/s link needs network namespaces (root or
 # passwordless sudo); without them, shared memory.
-can_netem() {
-  local s=""
-  if [ "$(id -u)" -ne 0 ]; then
-    sudo -n true 2>/dev/null || return 1
-    s=sudo
-  fi
-  local ns="gradsync-probe$$"
-  $s ip netns add "$ns" 2>/dev/null || return 1
-  $s ip netns del "$ns"
-}
 case "$NETWORK" in
   auto)
-    if can_netem; then NETWORK=1gbit; else
+    if gs_can_netem; then NETWORK=1gbit; else
       echo "demo: no network namespaces here (not root, no passwordless sudo): shared memory instead of the emulated 1 Gbit/s network" >&2
       NETWORK=shm
     fi ;;
   1gbit|shm) ;;
   *) echo "demo: NETWORK must be auto, 1gbit or shm (got \"$NETWORK\")" >&2; exit 2 ;;
 esac
-launch() {
-  if [ "$NETWORK" = 1gbit ]; then
-    hpc/netem.sh --rate 1gbit -- hpc/mpirun.sh -np "$NP" "$@"
-  else
-    hpc/mpirun.sh -np "$NP" "$@"
-  fi
-}
+launch() { gs_launch "$NETWORK" "$NP" "$@"; }
 
 rm -rf "$OUT"
 mkdir -p "$OUT"
