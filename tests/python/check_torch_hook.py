@@ -472,12 +472,16 @@ model = Net()
 params = list(model.parameters())
 for overlap in (True, False):
     state = gst.GradSyncHookState(model.named_parameters(), strategy="dense", overlap=overlap, bucket_cap_mb=0.05)
+    stranger = nn.Parameter(torch.zeros(3))
     for what, odd in [("a parameter missing from its buckets", {"drop": params[0]}),
-                      ("a float64 bucket", {"dtype": torch.float64})]:
+                      ("a float64 bucket", {"dtype": torch.float64}),
+                      ("an unregistered parameter in the last bucket", {"extra": stranger})]:
         mine = odd if rank == last else {}
         t0 = time.monotonic()
-        futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False, **mine)),
-                gst.gradsync_hook(state, FakeBucket(1, params[4:], True))]
+        first = {k: v for k, v in mine.items() if k != "extra"}
+        tail = params[4:] + ([mine["extra"]] if "extra" in mine else [])
+        futs = [gst.gradsync_hook(state, FakeBucket(0, params[:4], False, **first)),
+                gst.gradsync_hook(state, FakeBucket(1, tail, True))]
         while not all(f.done() for f in futs):
             assert time.monotonic() - t0 < 60, f"(d) {what}: a future did not complete in 60 s"
             time.sleep(0.01)
