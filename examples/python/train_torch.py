@@ -171,10 +171,13 @@ def main() -> None:
     per_step = args.batch * size
     times, curve, sent = [], [], []
     train_s = 0.0
+    order, order_epoch = None, -1
     comm.Barrier()
     for step in range(args.steps):
         epoch, k = divmod(step * per_step, n_train)
-        order = torch.randperm(n_train, generator=torch.Generator().manual_seed(1000 + epoch))
+        if epoch != order_epoch:  # one permutation an epoch
+            order = torch.randperm(n_train, generator=torch.Generator().manual_seed(1000 + epoch))
+            order_epoch = epoch
         idx = order[(torch.arange(per_step) + k) % n_train][rank * args.batch:(rank + 1) * args.batch]
         t0 = time.perf_counter()
         opt.zero_grad()

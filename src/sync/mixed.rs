@@ -119,9 +119,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
-/// `w` resized to `n` and filled by `fill`, as a slice.
+/// `w` resized to `n` and filled by `fill` (which writes every element),
+/// as a slice; a workspace of the right length is not cleared first.
 fn widen(w: &mut Vec<f32>, n: usize, fill: impl FnOnce(&mut [f32])) -> &mut [f32] {
-    w.clear();
     w.resize(n, 0.0);
     fill(&mut w[..]);
     &mut w[..]
