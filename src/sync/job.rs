@@ -43,7 +43,7 @@
 
 use super::layer::Layer;
 use super::plan::{Mode, StepPlan};
-use super::{Config, GradSync, SparseExchange};
+use super::{Config, SparseExchange};
 use crate::comm::Transport;
 use crate::dense::{
     allgatherv::allgatherv_nodes_with, allreduce_with, AllgathervAlgo, AllreduceAlgo,
@@ -54,7 +54,6 @@ use crate::sparse::{
     write_failed, write_fused, EntryKind, HierarchicalWorkspace, SparseAllreduceOptions,
 };
 use crate::{Error, Result};
-use std::sync::mpsc;
 use std::time::Instant;
 
 /// The high bit of a non-finite marker word: a dense layer's id, not a
@@ -127,8 +126,14 @@ pub(super) struct Job {
     pub(super) result: Option<Result<()>>,
     /// Between steps: a value that must be the same on every rank, what to
     /// say if it is not, and this rank's own outcome
-    /// ([`GradSync::agree_status`]).
+    /// ([`super::GradSync::agree_status`]).
     pub(super) print: Option<(u64, String, Result<()>)>,
+    /// In a step: the bucket's fingerprint (the step, its place in the
+    /// step, its layers, whether it is the last) and what it holds, agreed
+    /// before any collective whose size depends on it, so that ranks
+    /// that cut the step differently fail alike instead of exchanging
+    /// buffers of different lengths (`bucket.rs`).
+    pub(super) check: Option<(u64, String)>,
 }
 
 #[derive(Default)]
@@ -163,6 +168,18 @@ impl Job {
     }
 
     pub(super) fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        if let Some((h, what)) = self.check.take() {
+            if comm.size() > 1 {
+                let what = || what.clone();
+                crate::failure::agree_args(
+                    comm,
+                    crate::comm::tags::AGREE,
+                    Ok(()),
+                    0,
+                    &[(h, &what)],
+                )?;
+            }
+        }
         if let Some((h, what, local)) = self.print.take() {
             let what = || what.clone();
             return crate::failure::agree_args(
@@ -431,144 +448,6 @@ fn reduce_sparse<C: Transport>(
     }
 }
 
-pub(super) struct Worker<C> {
-    pub(super) jobs: mpsc::Sender<Box<Job>>,
-    pub(super) done: mpsc::Receiver<Box<Job>>,
-    pub(super) thread: std::thread::JoinHandle<C>,
-}
-
-impl<C: Transport + Send + 'static> GradSync<C> {
-    /// Agree on a rank-local outcome between steps (collective), on the
-    /// progress thread if there is one: one small max-allreduce that also
-    /// checks `print.0` is the same on every rank, plus the error texts
-    /// only when some rank failed ([`crate::failure::agree_args`]). Every
-    /// rank returns the same [`Error::RankFailed`] if any rank passed
-    /// `Err`, else [`Error::ArgumentMismatch`] with `print.1` if the values
-    /// differ.
-    pub(crate) fn agree_status(&mut self, local: Result<()>, print: (u64, String)) -> Result<()> {
-        if self.started.is_some() {
-            return Err(Error::InvalidArgument("not between start and wait".into()));
-        }
-        let mut job = self.job.take().expect("job buffers present when idle");
-        job.print = Some((print.0, print.1, local));
-        job.do_gather = false;
-        job.do_reduce = false;
-        job.do_gvq = false;
-        job.do_sparse = false;
-        job.step = None;
-        job.result = None;
-        let mut job = match &self.worker {
-            Some(w) => {
-                if let Err(mpsc::SendError(_)) = w.jobs.send(job) {
-                    panic!("gradsync: the progress thread has exited");
-                }
-                w.done
-                    .recv()
-                    .unwrap_or_else(|_| panic!("gradsync: the progress thread has exited"))
-            }
-            None => {
-                job.run(self.comm.as_ref().expect("transport held without a worker"));
-                job
-            }
-        };
-        let r = job.result.take().unwrap_or(Ok(()));
-        self.job = Some(job);
-        r
-    }
-
-    /// Start the progress thread if allowed; false when communication must
-    /// stay on this thread.
-    pub(super) fn ensure_worker(&mut self) -> bool {
-        if self.worker.is_some() {
-            return true;
-        }
-        let Some(comm) = self.comm.take() else {
-            return false;
-        };
-        if !comm.progress_thread_ok() {
-            if !self.warned_no_thread {
-                log::warn!(
-                    "gradsync: MPI threading level below MPI_THREAD_SERIALIZED; \
-                     communicating without overlap (initialize MPI with Threading::Serialized)"
-                );
-                self.warned_no_thread = true;
-            }
-            self.comm = Some(comm);
-            return false;
-        }
-        let (jtx, jrx) = mpsc::channel::<Box<Job>>();
-        let (dtx, drx) = mpsc::channel::<Box<Job>>();
-        let spawned = std::thread::Builder::new()
-            .name("gradsync-progress".into())
-            .spawn(move || {
-                while let Ok(mut job) = jrx.recv() {
-                    job.run(&comm);
-                    if dtx.send(job).is_err() {
-                        break;
-                    }
-                }
-                comm
-            });
-        match spawned {
-            Ok(thread) => {
-                self.worker = Some(Worker {
-                    jobs: jtx,
-                    done: drx,
-                    thread,
-                });
-                true
-            }
-            Err(e) => {
-                // The closure (and the transport) is lost only if spawn
-                // fails after taking it, which std does not do.
-                log::warn!("gradsync: cannot start the progress thread: {e}");
-                false
-            }
-        }
-    }
-}
-
-impl<C: Transport + Send + 'static> GradSync<C> {
-    /// Stop the progress thread (after its round, if one is in flight) and
-    /// take the transport back from it.
-    fn stop_worker(&mut self) {
-        if let Some(w) = self.worker.take() {
-            if self.in_flight {
-                // Let the round finish: its buffers are in use by MPI.
-                let _ = w.done.recv();
-            }
-            drop(w.jobs);
-            if let Ok(comm) = w.thread.join() {
-                self.comm = Some(comm);
-            }
-        }
-    }
-
-    /// End the whole job from this rank ([`Transport::abort`], `MPI_Abort`
-    /// over MPI) with `msg`: for a failure the other ranks can no longer
-    /// be told of in the same step.
-    pub(super) fn abort_job(&mut self, msg: &str) -> ! {
-        self.stop_worker();
-        match &self.comm {
-            Some(comm) => comm.abort(1, msg),
-            None => {
-                use std::io::Write as _;
-                let _ = writeln!(
-                    std::io::stderr().lock(),
-                    "gradsync: {msg}; the transport is lost, exiting"
-                );
-                std::process::exit(1)
-            }
-        }
-    }
-}
-
-impl<C: Transport + Send + 'static> Drop for GradSync<C> {
-    fn drop(&mut self) {
-        self.stop_worker();
-    }
-}
-
 impl Job {
     /// Pack the step as `plan` says: the dense status word after the fused
     /// dense buffer (filled by the local phase), this rank's fused sparse
@@ -657,66 +536,6 @@ impl Job {
             self.gathered.data.extend_from_slice(&self.fused);
             self.gathered.displs.clear();
             self.gathered.displs.extend([0, self.fused.len()]);
-        }
-    }
-}
-
-impl<C: Transport + Send + 'static> GradSync<C> {
-    /// Run the packed `job`'s collectives: on the progress thread when
-    /// overlap is on and allowed (true is returned; [`collect`](Self::collect)
-    /// gets the job back), else here. A step without any collective (a
-    /// delayed local step, one rank) only records `local`'s outcome, as
-    /// this rank's alone.
-    pub(super) fn communicate(&mut self, mut job: Box<Job>, local: &Result<()>) -> bool {
-        if !(job.do_gather || job.do_reduce || job.do_gvq || job.do_sparse) {
-            job.result = Some(match local {
-                Ok(()) => Ok(()),
-                // No exchange this step (one rank): the error is this
-                // rank's alone.
-                Err(e) => Err(Error::RankFailed {
-                    rank: self.rank,
-                    others: 0,
-                    failed: vec![self.rank],
-                    step: job.step,
-                    message: e.to_string(),
-                }),
-            });
-            self.job = Some(job);
-            return false;
-        }
-        if self.cfg.overlap && self.ensure_worker() {
-            let w = self.worker.as_ref().expect("worker just ensured");
-            if let Err(mpsc::SendError(job)) = w.jobs.send(job) {
-                // The progress thread is gone (it panicked): peers may
-                // be waiting for this rank's part of the step.
-                let comm = self.comm.as_ref();
-                drop(job);
-                let msg = "gradsync: the progress thread has exited";
-                match comm {
-                    Some(c) => c.abort(1, msg),
-                    None => panic!("{msg}"),
-                }
-            }
-            self.in_flight = true;
-            true
-        } else {
-            job.run(self.comm.as_ref().expect("transport held without a worker"));
-            self.job = Some(job);
-            false
-        }
-    }
-
-    /// The step's job back from the progress thread (blocking until its
-    /// round is done), or from this thread.
-    pub(super) fn collect(&mut self) -> Result<Box<Job>> {
-        if self.in_flight {
-            self.in_flight = false;
-            let w = self.worker.as_ref().expect("in-flight job has a worker");
-            w.done
-                .recv()
-                .map_err(|_| Error::Transport("progress thread has exited".into()))
-        } else {
-            Ok(self.job.take().expect("job buffers present"))
         }
     }
 }

@@ -11,7 +11,7 @@
 //! validating this rank's inputs. No policy and no communication here.
 
 use super::job::{GvqEntry, Job};
-use super::plan::Mode;
+use super::plan::{Mode, StepPlan};
 use super::{GradSync, LayerStats, Strategy};
 use crate::codec::Codec;
 use crate::comm::Transport;
@@ -483,13 +483,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// residual and momentum updates, selection and encoding), and fill the
     /// fused dense buffer and GradiVeQ inputs of `job`. An error here is
     /// this rank's alone; the caller still enters the step's collectives.
+    /// `plan` is the bucket's (the whole step's for a whole step): its
+    /// other layers (`Mode::Other`) are neither read nor touched, and
+    /// `grads` (and `weights`) are indexed by layer.
     pub(super) fn local_phase(
         &mut self,
+        plan: &StepPlan,
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
         job: &mut Job,
     ) -> Result<()> {
-        let plan = &self.plan;
         // Every element is written below (the dense layers tile the fused
         // buffer), so the buffer is only resized, not cleared: zeroing a
         // whole model's table cost one more pass over memory per step.
@@ -514,6 +517,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         for (i, l) in self.layers.iter().enumerate() {
+            if plan.layers[i].mode == Mode::Other {
+                continue;
+            }
             if grads[i].len() != l.n {
                 return Err(Error::InvalidArgument(format!(
                     "layer {:?}: gradient has {} elements, registered {}",
@@ -564,7 +570,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     l.local_step(grads[i], w, &params);
                     Ok(())
                 }
-                Mode::Dense | Mode::Gradiveq => Ok(()),
+                Mode::Dense | Mode::Gradiveq | Mode::Other => Ok(()),
             }
         };
         let r = if plan.parallel_local {

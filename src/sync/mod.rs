@@ -137,6 +137,7 @@
 //! `mixed.rs` (float16 and bfloat16 gradients through float32 workspaces);
 //! this file holds the engine, its constructors and the step script.
 
+mod bucket;
 mod config;
 mod device;
 mod exchange;
@@ -145,6 +146,7 @@ mod layer;
 mod mixed;
 mod options;
 mod plan;
+mod progress;
 mod snapshot;
 mod stats;
 mod table;
@@ -159,10 +161,11 @@ pub use table::LayerId;
 use crate::comm::{MpiComm, Transport};
 use crate::sparse::Entry;
 use crate::{Error, Result};
-use job::{Job, Worker};
+use bucket::{OpenStep, Part, StepState};
+use job::Job;
 use layer::Layer;
-use plan::{plan_step_into, LayerPlanInput, Mode, StepPlan};
-use std::time::Instant;
+use plan::{LayerPlanInput, Mode, StepPlan};
+use progress::{Progress, Runner};
 use table::{fnv, FNV_OFFSET};
 
 /// The per-step synchronization engine. See the [module docs](self).
@@ -183,8 +186,8 @@ use table::{fnv, FNV_OFFSET};
 /// assert_eq!(out[0], (100, 0.5));
 /// ```
 pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
-    comm: Option<C>,
-    worker: Option<Worker<C>>,
+    /// Who holds the transport and runs the collectives (`progress.rs`).
+    progress: Progress<C>,
     rank: usize,
     size: usize,
     cfg: Config,
@@ -206,13 +209,19 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// communicates no more and every later step returns this error.
     broken: Option<String>,
     step: u64,
-    job: Option<Box<Job>>,
-    in_flight: bool,
-    started: Option<StartInfo>,
-    entries: Vec<Entry>,
+    /// Between steps, or the open step's buckets (`bucket.rs`).
+    step_state: StepState,
+    /// Job buffers, bucket plans and a step's bookkeeping, kept across
+    /// steps.
+    // Boxed: a job moves to the progress thread and back by pointer.
+    #[allow(clippy::vec_box)]
+    spare: Vec<Box<Job>>,
+    spare_parts: Vec<Part>,
+    spare_step: Option<Box<OpenStep>>,
     rank_entries: Vec<Entry>,
     last: StepStats,
     warned_no_thread: bool,
+    warned_staged: bool,
     /// Every rank's node, when the configuration needs them (the
     /// node-aware collectives, a two-level profile for `Auto`,
     /// `sparse_exchange = "auto"`).
@@ -232,7 +241,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     widened: Vec<Vec<f32>>,
 }
 
-/// What `start` tells `wait` about the step.
+/// What the step's buckets tell `wait` about the step.
+#[derive(Default)]
 struct StartInfo {
     communicated: bool,
     overlapped: bool,
@@ -279,8 +289,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut s = GradSync {
             rank: comm.rank(),
             size: comm.size(),
-            comm: Some(comm),
-            worker: None,
+            progress: Progress::Inline(comm, Runner::default()),
             cfg,
             layers: Vec::new(),
             table: Vec::new(),
@@ -291,13 +300,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             auto_plan: None,
             broken: None,
             step: 0,
-            job: Some(Box::default()),
-            in_flight: false,
-            started: None,
-            entries: Vec::new(),
+            step_state: StepState::Idle,
+            spare: Vec::new(),
+            spare_parts: Vec::new(),
+            spare_step: None,
             rank_entries: Vec::new(),
             last: StepStats::default(),
             warned_no_thread: false,
+            warned_staged: false,
             nodes: None,
             fill_estimate: None,
             auto_exchange: None,
@@ -310,7 +320,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // Every rank is here: name what differs (one more collective).
             // Before any layer is registered the table is the options.
             Err(Error::TableMismatch(_)) => {
-                let comm = s.comm.as_ref().expect("transport held at creation");
+                let comm = s
+                    .progress
+                    .inline_comm()
+                    .expect("transport held at creation");
                 return Err(Error::ArgumentMismatch(crate::failure::option_differences(
                     comm, &json,
                 )?));
@@ -319,7 +332,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         // The run's identity: rank 0's draw, on every rank (8 bytes).
         {
-            let comm = s.comm.as_ref().expect("transport held at creation");
+            let comm = s
+                .progress
+                .inline_comm()
+                .expect("transport held at creation");
             let mut run = [if s.rank == 0 {
                 snapshot::new_run_id()
             } else {
@@ -339,7 +355,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical
             || s.cfg.allgather == crate::dense::AllgathervAlgo::Node
         {
-            let comm = s.comm.as_ref().expect("transport held at creation");
+            let comm = s
+                .progress
+                .inline_comm()
+                .expect("transport held at creation");
             s.nodes = comm.node_ids();
         }
         if s.cfg.sparse_exchange == SparseExchange::Auto
@@ -350,15 +369,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // were asked for above is decided by the agreed options, and a
             // transport answers alike on every rank.)
             if s.nodes.is_none() {
-                let comm = s.comm.as_ref().expect("transport held at creation");
+                let comm = s
+                    .progress
+                    .inline_comm()
+                    .expect("transport held at creation");
                 s.nodes = comm.node_ids();
-            }
-            if let Some(nodes) = &s.nodes {
-                s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
             }
         }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
-            let comm = s.comm.as_ref().expect("transport held at creation");
+            let comm = s
+                .progress
+                .inline_comm()
+                .expect("transport held at creation");
             let nodes = comm.node_ids().ok_or_else(|| {
                 Error::Unsupported(
                     "sparse_exchange \"hierarchical\" needs the ranks' nodes \
@@ -366,14 +388,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         .into(),
                 )
             })?;
-            s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
             s.nodes = Some(nodes);
         }
-        if let Some(nodes) = &s.nodes {
-            // The map `allgather = "auto"` prices the node-aware allgatherv
-            // with is the one it runs on.
-            s.job.as_mut().expect("job buffers present").nodes = nodes.clone();
-        }
+        // Every job carries `s.nodes` (`spare_job`): the map `allgather =
+        // "auto"` prices the node-aware allgatherv with is the one it runs
+        // on.
         Ok(s)
     }
 
@@ -493,10 +512,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
     }
 
-    /// Whether a step begun by [`start`](Self::start) still waits for its
+    /// Whether a step begun by [`start`](Self::start) (or a bucket,
+    /// [`submit_bucket`](Self::submit_bucket)) still waits for its
     /// [`wait`](Self::wait) on this rank.
     pub fn pending(&self) -> bool {
-        self.started.is_some()
+        matches!(self.step_state, StepState::Open(_))
     }
 
     /// Finish a pending step (see [`pending`](Self::pending)) into scratch
@@ -507,7 +527,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// who goes on to the next step: without it the next `start` would be
     /// refused on this rank alone while its peers wait in that step.
     pub fn discard_pending(&mut self) -> Result<bool> {
-        if self.started.is_none() {
+        if !self.pending() {
             return Ok(false);
         }
         let mut scratch: Vec<Vec<f32>> = self.layers.iter().map(|l| vec![0.0; l.n]).collect();
@@ -520,69 +540,27 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.start_impl(Ok((grads, Some(weights))))
     }
 
-    /// The step's gradients (and weights), or the caller's own failure.
-    /// The step script's first half: plan → local math → pack → communicate.
+    /// The step's gradients (and weights), or the caller's own failure:
+    /// the whole step as its one bucket (`bucket.rs`: plan → local math →
+    /// pack → communicate).
     #[allow(clippy::type_complexity)]
     fn start_impl(&mut self, input: Result<(&[&[f32]], Option<&[&[f32]]>)>) -> Result<()> {
-        if self.started.is_some() {
+        if self.pending() {
             // Local misuse; this rank's own round is still pending, so no
             // peer waits for this call.
             return Err(Error::InvalidArgument(
                 "start called twice without wait".into(),
             ));
         }
-        self.check_table()?;
-        let t_pack = Instant::now();
-        let step = self.step;
-        // 1. Plan: every per-step decision, alike on every rank (plan.rs).
-        plan_step_into(&mut self.plan, step, &self.cfg, self.size, &self.table);
-        // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
-        self.resolve_exchange();
-        // `allreduce = "auto"`: this step's dense algorithm (exchange.rs).
-        self.resolve_allreduce();
-        // `allgather = "auto"`: this step's allgatherv (exchange.rs).
-        self.resolve_allgather();
-        for l in &mut self.layers {
-            l.begin_step();
-        }
-        let mut job = self.job.take().expect("job buffers present when idle");
-        // 2. Local math (Algorithm 4, layer.rs). From here on this rank
-        // enters the step's collectives whatever happens, carrying a
-        // failure flag if this half failed, so no peer is left waiting
-        // (crate::failure).
-        let local = match input {
-            Ok((grads, weights)) => self
-                .local_phase(grads, weights, &mut job)
-                .and_then(|()| self.reduced_pairs(&mut job)),
-            Err(e) => {
-                job.dense.clear();
-                job.dense.resize(self.plan.dense.elems, 0.0);
-                Err(e)
-            }
-        };
-        if let Err(e) = &local {
-            log::debug!("gradsync: rank {} step {step}: {e}", self.rank);
-        }
-        // 3. Pack: the fused sparse message and the dense status word (job.rs).
-        job.pack(&self.plan, &self.layers, &self.cfg, &local);
-        let select_s: f64 = self.layers.iter().map(|l| l.stats.select_s).sum();
-        let pack_s = (t_pack.elapsed().as_secs_f64() - select_s).max(0.0);
-        // 4. Communicate: on the progress thread, or here (job.rs).
-        let overlapped = self.communicate(job, &local);
-        self.started = Some(StartInfo {
-            communicated: self.plan.communicates,
-            overlapped,
-            select_s,
-            pack_s,
-        });
-        Ok(())
+        let all: Vec<LayerId> = (0..self.layers.len()).map(LayerId).collect();
+        self.submit_impl(&all, input)
     }
 
-    /// This rank's pairs of the reduced layers into `job` (the end of the
-    /// local phase); on failure what this rank encoded goes back into its
-    /// residuals, as for any local failure.
-    fn reduced_pairs(&mut self, job: &mut Job) -> Result<()> {
-        let r = job.collect_pairs(&self.plan, &self.layers, self.size);
+    /// This rank's pairs of the bucket's reduced layers into `job` (the
+    /// end of the local phase); on failure what this rank encoded goes
+    /// back into its residuals, as for any local failure.
+    fn reduced_pairs(&mut self, plan: &StepPlan, job: &mut Job) -> Result<()> {
+        let r = job.collect_pairs(plan, &self.layers, self.size);
         if r.is_err() {
             for l in &mut self.layers {
                 l.rollback();
@@ -591,48 +569,22 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // What the layer puts into the sparse allreduce: 8 bytes a pair
             // (index, f32 value), whatever its unit's encoding (rgc-quant's
             // unit is its indices and one mean: 4 bytes a pair).
-            for (&id, &k) in self.plan.reduced.ids.iter().zip(&job.sp_layer_pairs) {
+            for (&id, &k) in plan.reduced.ids.iter().zip(&job.sp_layer_pairs) {
                 self.layers[id as usize].stats.bytes_sent = 8 * k;
             }
         }
         r
     }
 
-    /// Finish the step started by [`start`](Self::start): `out[i]` receives
-    /// layer `i`'s update direction. On [`Error::NonFinite`] every other
-    /// layer's result is still written.
+    /// Finish the step started by [`start`](Self::start) (or submitted in
+    /// buckets): `out[i]` receives layer `i`'s update direction. On
+    /// [`Error::NonFinite`] every other layer's result is still written.
     pub fn wait(&mut self, out: &mut [&mut [f32]]) -> Result<&StepStats> {
-        let info = self
-            .started
-            .take()
-            .ok_or_else(|| Error::InvalidArgument("wait without start".into()))?;
-        let t_wait = Instant::now();
-        let mut job = self.collect()?;
-        let wait_s = t_wait.elapsed().as_secs_f64();
-        let result = job.result.take().unwrap_or(Ok(()));
-        // 5. Unpack (unpack.rs).
-        let r = self.unpack(&mut job, out, result);
-        // Only a clean step measures the fill: a rank whose reduced layer
-        // was non-finite sent no pairs (every rank sees both alike: failures
-        // are collective, `sp_bad_rank` is gathered).
-        if r.is_ok() && job.sp_bad_rank.iter().all(Option::is_none) {
-            let nnz = if job.do_sparse {
-                Some(job.sparse_reduce_nnz)
-            } else {
-                job.probe_nnz
-            };
-            self.update_fill(nnz);
-        }
-        self.record_stats(&info, &job, wait_s);
-        self.job = Some(job);
-        // The round happened (every rank sees the same gathered bytes, so
-        // ranks fail alike): the counter advances with the state.
-        self.step += 1;
-        r?;
+        self.finish_impl(out)?;
         let s = &self.last;
         log::debug!(
-            "gradsync: step {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {} {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
-            s.step, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
+            "gradsync: step {} buckets {} select {:.3e}s pack {:.3e}s allgather {:.3e}s ({} B) allreduce {} {:.3e}s ({} B) sparse exchange {} {:.3e}s ({} nnz, fill estimate {:?}) unpack {:.3e}s wait {:.3e}s",
+            s.step, s.buckets, s.select_s, s.pack_s, s.allgather_s, s.fused_bytes, s.allreduce, s.allreduce_s, s.dense_bytes, s.sparse_exchange, s.sparse_reduce_s, s.sparse_reduce_nnz, s.fill_estimate, s.unpack_s, s.wait_s
         );
         for l in &s.layers {
             log::trace!("gradsync: step {} {l:?}", s.step);
@@ -716,5 +668,7 @@ pub fn first_overlap(spans: &[(usize, usize, bool)]) -> Option<(usize, usize)> {
     None
 }
 
+#[cfg(test)]
+mod bucket_tests;
 #[cfg(test)]
 mod tests;

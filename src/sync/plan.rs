@@ -54,6 +54,9 @@ pub(super) enum Mode {
     Sparse,
     /// A delayed step without communication: the local direction.
     Local,
+    /// In another bucket of the step (a bucket's plan only,
+    /// [`restrict_into`]).
+    Other,
 }
 
 /// How a registered layer is synchronized, as far as the planner cares.
@@ -305,6 +308,7 @@ pub(super) fn plan_step_into(
             }
             Mode::Gradiveq => plan.gradiveq.push(i, l.n),
             Mode::Local => plan.local.push(i, l.n),
+            Mode::Other => unreachable!("the whole step's plan has every layer"),
         }
         plan.layers.push(lp);
     }
@@ -377,8 +381,90 @@ pub(super) fn set_exchange(plan: &mut StepPlan, exchange: SparseExchange, ranks:
     set_reduce(plan, ranks);
 }
 
+/// The plan of one bucket of a step: `whole` (the step's plan, every
+/// per-step decision already taken: modes, densities, the exchange and
+/// the algorithms) restricted to the layers `members` (ascending), every
+/// other layer [`Mode::Other`]. The groups keep registration order and
+/// their offsets start at 0 in the bucket's own buffers; which
+/// collectives run is decided for the bucket as [`plan_step`] decides it
+/// for a whole step, so a bucket always carries the step's status (a
+/// bucket of one rank with nothing to exchange runs none). Pure, like
+/// [`plan_step`]: alike on every rank that cuts the step alike.
+pub(super) fn restrict_into(
+    part: &mut StepPlan,
+    whole: &StepPlan,
+    members: &[u32],
+    table: &[LayerPlanInput],
+    cfg: &Config,
+    ranks: usize,
+) {
+    debug_assert!(members.windows(2).all(|w| w[0] < w[1]));
+    part.step = whole.step;
+    part.communicates = whole.communicates;
+    part.dense_warmup = whole.dense_warmup;
+    part.stage_density = whole.stage_density;
+    part.delayed = whole.delayed;
+    part.allreduce = whole.allreduce;
+    part.allgather = whole.allgather;
+    part.layers.clear();
+    part.layers.resize(
+        whole.layers.len(),
+        LayerPlan {
+            mode: Mode::Other,
+            ..LayerPlan::default()
+        },
+    );
+    for g in [
+        &mut part.dense,
+        &mut part.sparse,
+        &mut part.reduced,
+        &mut part.gradiveq,
+        &mut part.local,
+    ] {
+        g.clear();
+    }
+    for &id in members {
+        let i = id as usize;
+        let n = table[i].n;
+        let mut lp = whole.layers[i];
+        match lp.mode {
+            Mode::Dense => {
+                lp.dense_off = part.dense.elems;
+                part.dense.push(i, n);
+            }
+            Mode::Sparse if lp.reduced => {
+                lp.reduce_off = part.reduced.elems;
+                part.reduced.push(i, n);
+            }
+            Mode::Sparse => part.sparse.push(i, n),
+            Mode::Gradiveq => part.gradiveq.push(i, n),
+            Mode::Local => part.local.push(i, n),
+            Mode::Other => {}
+        }
+        part.layers[i] = lp;
+    }
+    part.gather = !part.sparse.ids.is_empty() && ranks > 1;
+    part.rings = !part.gradiveq.ids.is_empty();
+    part.sparse_reduce = !part.reduced.ids.is_empty();
+    part.exchange = if part.sparse_reduce {
+        whole.exchange
+    } else {
+        SparseExchange::Allgather
+    };
+    set_reduce(part, ranks);
+    let non_dense = members.len() - part.dense.ids.len();
+    parallel_flags(part, cfg, non_dense);
+}
+
 /// Whether the local math and the unpacking run in parallel.
 fn plan_parallel(plan: &mut StepPlan, cfg: &Config) {
+    let non_dense = plan.layers.len() - plan.dense.ids.len();
+    parallel_flags(plan, cfg, non_dense);
+}
+
+/// [`plan_parallel`] for a plan whose layers outside its groups are
+/// `non_dense` (every layer of a whole step's).
+fn parallel_flags(plan: &mut StepPlan, cfg: &Config, non_dense: usize) {
     // Parallel only across two or more layers: one layer gains nothing,
     // and idle rayon workers spinning next to MPI's polling cost more than
     // they bring on a few cores.
@@ -389,7 +475,6 @@ fn plan_parallel(plan: &mut StepPlan, cfg: &Config) {
         .profile
         .as_ref()
         .is_none_or(|p| p.local_parallelism >= 1.0);
-    let non_dense = plan.layers.len() - plan.dense.ids.len();
     let sparse_elems = plan.sparse.elems + plan.reduced.elems;
     let sparse_layers = plan.sparse.ids.len() + plan.reduced.ids.len();
     plan.parallel_local = pays && non_dense >= 2 && sparse_elems >= cfg.parallel_min_elems;

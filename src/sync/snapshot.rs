@@ -114,7 +114,7 @@ fn options(limit: u64) -> impl Options {
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// The state as snapshot bytes.
     pub fn snapshot_bytes(&self) -> Result<Vec<u8>> {
-        if self.started.is_some() {
+        if self.pending() {
             return Err(Error::InvalidArgument(
                 "cannot snapshot between start and wait".into(),
             ));
@@ -185,7 +185,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         what: &str,
         parse: impl FnOnce(&Self) -> Result<Restored>,
     ) -> Result<()> {
-        if self.started.is_some() {
+        if self.pending() {
             // This rank's own step is pending: no peer waits for this call.
             return Err(Error::InvalidArgument(
                 "cannot restore between start and wait".into(),

@@ -2,8 +2,8 @@
 //! ([`StepStats`]) statistics, filled by the local phase, the progress job
 //! and the unpacking, returned by `sync`/`wait`.
 
-use super::job::Job;
-use super::{GradSync, StartInfo};
+use super::bucket::OpenStep;
+use super::GradSync;
 use crate::comm::Transport;
 use serde::Serialize;
 
@@ -51,6 +51,9 @@ pub struct StepStats {
     pub communicated: bool,
     /// Whether communication ran on the progress thread.
     pub overlapped: bool,
+    /// The step's buckets ([`GradSync::submit_bucket`]; 1 for a whole
+    /// step, 1 for a staged one).
+    pub buckets: usize,
     /// Per layer.
     pub layers: Vec<LayerStats>,
     /// Bytes of this rank's fused sparse message (0 when no layer is in it).
@@ -128,7 +131,18 @@ pub struct DeviceStats {
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// Fill [`last_stats`](GradSync::last_stats) from the layers' records and
     /// the step's job.
-    pub(super) fn record_stats(&mut self, info: &StartInfo, job: &Job, wait_s: f64) {
+    pub(super) fn record_stats(&mut self, st: &OpenStep, wait_s: f64) {
+        let info = &st.info;
+        // Sums over the step's buckets.
+        let jobs = || st.parts.iter().filter_map(|p| p.job.as_deref());
+        let sum = |f: fn(&super::job::Job) -> f64| jobs().map(f).sum::<f64>();
+        let fused_bytes = st
+            .parts
+            .iter()
+            .filter(|p| !p.plan.sparse.ids.is_empty())
+            .filter_map(|p| p.job.as_deref())
+            .map(|j| j.fused.len())
+            .sum();
         // Reuse the previous step's per-layer records (no allocation once
         // the names have been copied).
         let mut layer_stats = std::mem::take(&mut self.last.layers);
@@ -161,23 +175,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             communicated: info.communicated,
             overlapped: info.overlapped,
             layers: layer_stats,
-            fused_bytes: if self.plan.sparse.ids.is_empty() {
-                0
-            } else {
-                job.fused.len()
-            },
-            dense_bytes: 4 * job.dense_len,
+            buckets: st.parts.len(),
+            fused_bytes,
+            dense_bytes: 4 * jobs().map(|j| j.dense_len).sum::<usize>(),
             select_s: info.select_s,
             pack_s: info.pack_s,
-            allgather_s: job.allgather_s,
-            allreduce_s: job.allreduce_s,
-            sparse_reduce_s: job.sparse_reduce_s,
-            sparse_reduce_nnz: job.sparse_reduce_nnz,
+            allgather_s: sum(|j| j.allgather_s),
+            allreduce_s: sum(|j| j.allreduce_s),
+            sparse_reduce_s: sum(|j| j.sparse_reduce_s),
+            sparse_reduce_nnz: jobs().map(|j| j.sparse_reduce_nnz).sum(),
             sparse_exchange: exchange,
             fill_estimate: self.fill_estimate,
             allreduce,
             allgather,
-            gradiveq_s: job.gvq_s,
+            gradiveq_s: sum(|j| j.gvq_s),
             unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
             device: None,

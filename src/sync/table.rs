@@ -31,7 +31,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// passes `Err` still enters the collective: every rank then returns
     /// the same [`Error::RankFailed`] (the failure model, [`crate::failure`]).
     pub(super) fn agree(&mut self, h: Result<u64>, what: impl FnOnce() -> String) -> Result<()> {
-        let comm = self.comm.as_ref().ok_or_else(|| {
+        let comm = self.progress.inline_comm().ok_or_else(|| {
             Error::InvalidArgument("the layer table is fixed once steps have started".into())
         })?;
         let (rank, p) = (comm.rank(), comm.size());
@@ -208,7 +208,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         shape: &[usize],
         strategy: Result<Strategy>,
     ) -> Result<LayerId> {
-        if self.table_checked || self.started.is_some() || self.step > 0 || self.worker.is_some() {
+        if self.table_checked
+            || self.pending()
+            || self.step > 0
+            || matches!(self.progress, super::progress::Progress::Threaded(_))
+        {
             // Local misuse after the table was fixed (by the first step's
             // start, or a restore): no peer is in a registration collective
             // any more (they are in steps).
@@ -395,7 +399,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// assert_eq!(out[1], (true, 0.5));
     /// ```
     pub fn complete_table(&mut self) -> Result<()> {
-        if self.started.is_some() {
+        if self.pending() {
             return Err(Error::InvalidArgument(
                 "complete_table between start and wait".into(),
             ));

@@ -6,7 +6,7 @@
 //! correction, and the NaN/Inf policy. What each layer reads is fixed by
 //! the step's plan ([`plan`](super::plan)).
 
-use super::job::Job;
+use super::bucket::OpenStep;
 use super::layer::Layer;
 use super::plan::Mode;
 use super::{GradSync, NonFinitePolicy};
@@ -21,14 +21,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// script): `comm` is the outcome of the communication round.
     pub(super) fn unpack(
         &mut self,
-        job: &mut Job,
+        st: &mut OpenStep,
         out: &mut [&mut [f32]],
         comm: Result<()>,
     ) -> Result<()> {
         // GradiVeQ states go back to their layers whatever happened.
-        for e in &mut job.gvq {
-            if let Some(st) = e.state.take() {
-                self.layers[e.layer].gvq = Some(st);
+        for part in &mut st.parts {
+            let Some(job) = part.job.as_mut() else {
+                continue;
+            };
+            for e in &mut job.gvq {
+                if let Some(s) = e.state.take() {
+                    self.layers[e.layer].gvq = Some(s);
+                }
             }
         }
         if comm.is_err() {
@@ -65,12 +70,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 .get(id as usize)
                 .map_or_else(|| format!("#{id}"), |l| l.name.clone())
         };
-        // Parse every rank's fused message; entries[l * p + r].
-        let plan = &self.plan;
-        let ns = plan.sparse.ids.len();
-        if ns > 0 {
-            self.entries.clear();
-            self.entries.resize(
+        // Parse every rank's fused message of each bucket; entries[l * p + r].
+        for part in &mut st.parts {
+            let ns = part.plan.sparse.ids.len();
+            if ns == 0 {
+                continue;
+            }
+            let job = part.job.as_ref().expect("every bucket's job is back");
+            part.entries.clear();
+            part.entries.resize(
                 ns * p,
                 Entry {
                     layer: 0,
@@ -90,43 +98,54 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     job.gathered.message(r),
                     r,
                     self.step,
-                    &plan.sparse.ids,
+                    &part.plan.sparse.ids,
                     &names,
                     &mut self.rank_entries,
                 )?;
                 for (j, e) in self.rank_entries.iter().enumerate() {
-                    self.entries[j * p + r] = *e;
+                    part.entries[j * p + r] = *e;
                 }
             }
         }
+        let plan = &self.plan;
+        let parts = &st.parts;
+        let owner = &st.owner;
+        // Layer `i`'s bucket: its plan and its job.
+        let part_of = |i: usize| {
+            let part = &parts[owner[i] as usize];
+            (
+                &part.plan,
+                part.job.as_deref().expect("every bucket's job is back"),
+                &part.entries,
+            )
+        };
         let inv = 1.0 / p as f32;
         let rank = self.rank;
         let policy = self.cfg.non_finite;
         let params = (self.cfg.momentum, self.cfg.nesterov, plan.delayed);
-        let gathered = &job.gathered;
-        let entries = &self.entries;
-        let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
-        let reduced_pos = |i: usize| plan.reduced.ids.binary_search(&(i as u32)).ok();
         // `auto`'s group in the allgatherv: its unpacking counts the fill.
         let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
         let probed = |i: usize| probe_ids.binary_search(&(i as u32)).is_ok();
-        let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
-        let dense_bad_rank = &job.dn_bad_rank;
-        let dense = &job.dense;
-        let gvq = &job.gvq;
         // A delayed step without communication in which some rank's layer
         // was non-finite is void on every rank: every local layer's result
         // is NaN and no rank's state takes any of it (a loss scaler skips
         // the whole step on every rank, and the weights stay in step).
         let void = plan.layers.iter().enumerate().any(|(i, lp)| {
-            lp.mode == Mode::Local && (dense_bad_rank[i].is_some() || self.layers[i].non_finite)
+            lp.mode == Mode::Local
+                && (part_of(i).1.dn_bad_rank[i].is_some() || self.layers[i].non_finite)
         });
         // Per layer: its error, if any, and for a probed layer the nonzero
         // elements of its result (`None`: not counted).
         type Unpacked = (Option<Error>, Option<usize>);
         let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Unpacked> {
             let t = Instant::now();
+            let (plan, job, entries) = part_of(i);
             let lp = &plan.layers[i];
+            let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
+            let reduced_pos = |i: usize| plan.reduced.ids.binary_search(&(i as u32)).ok();
+            let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
+            let (dense, dense_bad_rank, gvq) = (&job.dense, &job.dn_bad_rank, &job.gvq);
+            let gathered = &job.gathered;
             let mut counted = None;
             let r = match lp.mode {
                 Mode::Local => {
@@ -220,6 +239,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         None
                     }
                 }
+                Mode::Other => unreachable!("a layer's own bucket plans it"),
                 Mode::Dense => {
                     let g = &dense[lp.dense_off..lp.dense_off + l.n];
                     if g.iter().any(|x| !x.is_finite()) {
@@ -276,8 +296,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             l.fill_stats(lp.mode);
         }
         // The fill of the probed group: every probed layer counted, or
-        // nothing is measured (a non-finite unit, a dense decode).
-        job.probe_nnz = if probe_ids.is_empty() {
+        // nothing is measured (a non-finite unit, a dense decode). Kept in
+        // the first bucket's job.
+        let probe_nnz = if probe_ids.is_empty() {
             None
         } else {
             probe_ids
@@ -285,6 +306,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 .map(|&i| unpacked[i as usize].1)
                 .sum::<Option<usize>>()
         };
+        for (k, part) in st.parts.iter_mut().enumerate() {
+            if let Some(job) = part.job.as_mut() {
+                job.probe_nnz = if k == 0 { probe_nnz } else { None };
+            }
+        }
         match unpacked.into_iter().find_map(|(e, _)| e) {
             Some(e) if policy == NonFinitePolicy::Error => Err(e),
             Some(e) => {
