@@ -658,3 +658,40 @@ fn the_mpirun_helper_ends_a_job_past_its_limit() {
         .collect();
     assert!(left.is_empty(), "ranks left: {left:?}");
 }
+
+/// A step in buckets (`GradSync::submit_bucket`) on real ranks: bitwise
+/// the whole step, dense layers within rounding of `MPI_Allreduce`.
+#[test]
+fn bucketed_steps_equal_the_whole_step_under_mpirun() {
+    let ex = example("bucket_check");
+    assert!(ex.exists(), "{} not built", ex.display());
+    for np in [1, 2, 3, 4] {
+        let (ok, out, err) = mpirun(np, &ex, &["equal"], Duration::from_secs(120));
+        assert!(ok, "np={np}: {err}\n{out}");
+        let oks = out
+            .lines()
+            .filter(|l| l.starts_with("OK buckets step") && l.contains("buckets=4"))
+            .count();
+        assert_eq!(oks, 4 * np, "np={np}:\n{out}");
+    }
+}
+
+/// One rank cutting the step into other buckets fails that step on every
+/// rank with the same error, within the time limit, and the next step runs.
+#[test]
+fn a_bucket_cut_that_differs_on_one_rank_fails_every_rank_under_mpirun() {
+    let ex = example("bucket_check");
+    for np in [2, 3] {
+        let (ok, out, err) = mpirun(np, &ex, &["differ"], Duration::from_secs(60));
+        assert!(ok, "np={np}: {err}\n{out}");
+        let errs: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("DIFFER rank "))
+            .map(|l| l.split_once(": ").map_or(l, |x| x.1))
+            .collect();
+        assert_eq!(errs.len(), np, "np={np}:\n{out}");
+        assert!(errs.iter().all(|e| e == &errs[0]), "np={np}:\n{out}");
+        assert!(errs[0].contains("buckets differ between ranks"), "{out}");
+        assert_eq!(out.matches("OK next step").count(), np, "{out}");
+    }
+}

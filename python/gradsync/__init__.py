@@ -252,6 +252,57 @@ class GradSync:
         # DLPack import); wait has no path for raw tensors.
         return self._engine.wait(_arrays(grads, writable=False))
 
+    def submit_bucket(self, layers: Sequence[int], grads: Sequence[Any],
+                      weights: Optional[Sequence[Any]] = None) -> None:
+        """Submit one bucket of this step: ``grads[j]`` is layer ``layers[j]``'s gradient.
+
+        The step in parts, as DDP and Horovod cut it: call it as soon as
+        backward has produced a bucket's gradients (any subset of the
+        layers not yet submitted this step, e.g. the last layers first).
+        Its compression runs here and its collectives on gradsync's
+        progress thread while backward goes on; the arrays are only read
+        and may be reused when it returns. Finish the step with
+        :meth:`finish_step`. The results equal :meth:`sync`'s of the whole
+        step bit for bit (``docs/pytorch.md`` says how, and which options
+        make the engine run the step at its last bucket instead). Every
+        rank must cut the step alike: if one rank cuts it otherwise, every
+        rank's :meth:`finish_step` raises ``gradsync.Error`` for that step.
+        A bad array fails the step on every rank (this rank raises here);
+        a layer index out of range or already submitted raises
+        ``ValueError`` here only.
+        """
+        g, w = self._bucket_inputs(layers, grads, weights)
+        self._engine.submit_bucket(list(layers), g, w)
+
+    def _bucket_inputs(self, layers: Any, grads: Any, weights: Any) -> Any:
+        try:
+            return _arrays(grads, writable=False), _arrays(weights, writable=False)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            self._engine.fail_bucket(list(layers), f"reading the arrays raised {type(e).__name__}: {e}")
+            raise e
+
+    def fail_bucket(self, layers: Sequence[int], reason: Any) -> None:
+        """Submit bucket ``layers`` carrying an error found on this rank.
+
+        Every rank's step then fails alike at :meth:`finish_step`, naming
+        this rank and ``reason``; the next step runs normally.
+        """
+        self._engine.fail_bucket(list(layers), reason)
+
+    def finish_step(self, grads: Sequence[Any]) -> Dict[str, Any]:
+        """Finish the step whose buckets were submitted, writing every layer's direction into ``grads``.
+
+        ``grads`` holds one array per registered layer, as for :meth:`wait`.
+        Layers never submitted fail the step on every rank. Returns the
+        step's stats (``buckets``: how many the step had).
+        """
+        return self._engine.finish_step(_arrays(grads, writable=False))
+
+    @property
+    def pending(self) -> bool:
+        """Whether a step was started (or has buckets) and is not finished."""
+        return self._engine.pending()
+
     def fail_step(self, reason: Any) -> None:
         """Take part in this step with an error found on this rank, so that no peer waits.
 

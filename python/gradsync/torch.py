@@ -251,10 +251,11 @@ def _bucketed(
     options: Dict[str, Any],
     overlap: Tuple[float, int, bool],
 ) -> Optional[Any]:
-    """The bucketed engines of an overlapping optimizer (collective over the
-    engine's communicator, entered by every rank), or ``None`` when some rank
-    cannot overlap (every rank then keeps the whole-step engine ``sync``,
-    which has no layers yet; rank 0 says why once in a warning)."""
+    """The engine ``sync`` with its layers registered, behind the buckets of
+    an overlapped step (collective over the engine's communicator, entered by
+    every rank), or ``None`` when some rank cannot overlap (every rank then
+    keeps the whole-step engine ``sync``, which has no layers yet; rank 0
+    says why once in a warning)."""
     from gradsync import _overlap
 
     cap_mb, passes, param_hooks = overlap
@@ -275,25 +276,12 @@ def _bucketed(
                 stacklevel=4,
             )
         return None
-    import gradsync
-
-    # The whole table's plan (auto's choices priced over every layer, as the
-    # whole step makes them), read back and given to the buckets' engines.
+    # One engine, one table: the buckets are parts of its step.
     _register_all(sync, params, strategy)
     sync.complete_table()
-    specs = dict(zip((name for name, _ in params), sync.strategies()))
-    comm = sync._comm
-    sync.close()
     buckets = _overlap.cut_buckets(params, int(cap_mb * 2**20))
-    engines = []
-    for ids in buckets:
-        eng = gradsync.GradSync(comm, **opts)
-        _register_all(eng, [params[i] for i in ids], lambda name, _p: specs[name])
-        # Now, in bucket order on every rank: the buckets' first steps may
-        # start in orders that differ across ranks.
-        eng.complete_table()
-        engines.append(eng)
-    return _overlap.BucketedSync(torch, engines, buckets, params, passes, param_hooks)
+    weights = bool(opts.get("weight_decay"))
+    return _overlap.BucketedSync(torch, sync, buckets, params, passes, param_hooks, weights)
 
 
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
@@ -335,20 +323,20 @@ class DistributedOptimizer:
     overlap:
         ``True`` (the default): synchronize while backward runs, as Horovod
         does. The parameters are cut into buckets of up to ``bucket_cap_mb``
-        (reverse registration order, as backward produces them), each with
-        its own engine; a hook on every parameter starts a bucket's
-        communication as soon as all its gradients are accumulated, and
-        ``step()`` waits only for what is still in flight. Each layer's
-        result is the whole-step engine's, bit for bit (dense, sparse,
-        auto without a profile). Falls back to the whole step, with a
-        ``RuntimeWarning`` on rank 0 naming why, where a rank cannot
-        overlap: MPI below ``MPI_THREAD_MULTIPLE``, ``clip_norm``,
-        ``weight_decay``, ``delay > 1``, an ``allreduce`` other than
-        ``"rabenseifner"`` or a ``sparse_exchange`` other than
-        ``"allgather"`` (their rounding depends on the fused layout),
-        gradients that are not float32 on the CPU (see
-        :mod:`gradsync._overlap`); a ``sync`` of your own is used whole,
-        without a warning.
+        (reverse registration order, as backward produces them), fixed for
+        the run, the parts of one engine's step
+        (:meth:`gradsync.GradSync.submit_bucket`); a hook on every parameter
+        submits a bucket as soon as all its gradients are accumulated (its
+        collectives run on the engine's progress thread), and ``step()``
+        waits only for what is still in flight. The result is the
+        whole-step engine's, bit for bit, for every strategy and option
+        (with ``clip_norm`` or an ``allreduce`` whose rounding depends on
+        the fused layout the engine runs the step when its last bucket
+        arrives). Falls back to the whole step, with a ``RuntimeWarning``
+        on rank 0 naming why, where a rank cannot overlap: MPI below
+        ``MPI_THREAD_SERIALIZED``, gradients that are not float32 on the
+        CPU (see :mod:`gradsync._overlap`); a ``sync`` of your own is used
+        whole, without a warning.
         ``False``: today's whole step inside ``step()``.
     bucket_cap_mb:
         Bucket size with overlap (25, DDP's default).
@@ -380,10 +368,9 @@ class DistributedOptimizer:
                                    model.named_parameters(), momentum=0.9)
 
     Attributes: ``optimizer`` (the wrapped optimizer), ``sync`` (the
-    :class:`gradsync.GradSync` engine, or with overlap the buckets' engines
+    :class:`gradsync.GradSync` engine, or with overlap its bucketed step
     behind the same calls: ``sync.layers()``, ``sync.step``,
-    ``sync.save_snapshot(path)`` for residuals and momentum, one file per
-    bucket), ``overlap`` (whether it overlaps), ``last_stats`` (the last
+    ``sync.save_snapshot(path)`` for residuals and momentum), ``overlap`` (whether it overlaps), ``last_stats`` (the last
     step's stats, or None).
 
     Errors: a gradient that is not a dense ``float32``, ``float16`` or
@@ -583,12 +570,12 @@ class GradSyncHookState:
     as the bucket's gradients become ready; the hook returns a
     ``torch.futures.Future`` at once. With ``overlap=True`` (the default)
     the parameters are cut into gradsync's own buckets of up to
-    ``bucket_cap_mb`` (reverse registration order, fixed for the run, one
-    engine each); a gradsync bucket starts as soon as DDP has handed all its
-    gradients (compression on the autograd thread, its collectives on its
-    progress thread), so the communication overlaps the rest of backward,
-    and each DDP bucket's future completes, on the state's thread, when the
-    gradsync buckets holding its parameters are done (see
+    ``bucket_cap_mb`` (reverse registration order, fixed for the run, the
+    parts of one engine's step); a gradsync bucket is submitted as soon as
+    DDP has handed all its gradients (compression on the autograd thread,
+    its collectives on the engine's progress thread), so the communication
+    overlaps the rest of backward, and every DDP bucket's future completes,
+    on the state's thread, when the step is done (see
     :class:`gradsync._overlap.HookSchedule`; the same fall-backs as the
     optimizer's overlap, plus half-precision gradients). Without overlap the
     engine runs the whole step when the last bucket arrives. Either way each
@@ -673,8 +660,8 @@ class GradSyncHookState:
         buf, fut, slots, error = self._parse(bucket)
         last = bucket.is_last()
         if self.overlap:
-            wait_for = self._schedule.add(buf, slots, error, last)
-            self._worker.submit(self._schedule.finish, fut, buf, wait_for, last, self)
+            if self._schedule.add(buf, fut, slots, error, last):
+                self._worker.submit(self._schedule.finish, self)
             return fut
         with self._lock:
             self._pending.append((buf, fut, slots, error))

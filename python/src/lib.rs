@@ -14,7 +14,7 @@
 //! `gradsync/__init__.py`; this module is what it calls.
 
 use gradsync::dense::{allreduce_agreed, AllreduceAlgo, AnyBuf, ReduceOp};
-use gradsync::sync::{Config, GradSync as Engine};
+use gradsync::sync::{Config, GradSync as Engine, LayerId};
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
@@ -365,6 +365,82 @@ impl PyGradSync {
         Ok(arrays)
     }
 
+    /// A bucket's layer ids (ints) and its arrays, checked against those
+    /// layers' shapes. Ids that are not ints or out of range are this
+    /// rank's misuse (`Err(Err)`: raised, nothing entered); bad arrays
+    /// are carried to every rank (`Err(Ok(bad))`, with the ids).
+    #[allow(clippy::type_complexity)]
+    fn check_bucket<'py>(
+        &self,
+        layers: &Bound<'py, PyAny>,
+        grads: &Bound<'py, PyAny>,
+        what: &str,
+    ) -> Result<(Vec<usize>, Vec<Bound<'py, PyArrayDyn<f32>>>), (Vec<usize>, Result<Bad, PyErr>)>
+    {
+        let table = Arc::clone(
+            &*self
+                .layers
+                .lock()
+                .map_err(|_| (vec![], Err(Error::new_err("poisoned"))))?,
+        );
+        let ids: Vec<usize> = layers
+            .try_iter()
+            .and_then(|it| {
+                it.map(|x| x?.extract::<usize>())
+                    .collect::<PyResult<Vec<_>>>()
+            })
+            .map_err(|_| {
+                let e = PyTypeError::new_err("layers must be a list of layer indices (ints)");
+                (vec![], Err(e))
+            })?;
+        if let Some(&i) = ids.iter().find(|&&i| i >= table.len()) {
+            let e = PyValueError::new_err(format!(
+                "bucket names layer {i}; {} layers are registered",
+                table.len()
+            ));
+            return Err((vec![], Err(e)));
+        }
+        let items: Vec<Bound<'py, PyAny>> = grads
+            .try_iter()
+            .and_then(|it| it.collect::<PyResult<Vec<_>>>())
+            .map_err(|_| {
+                let bad = Bad::Type(format!("{what}s must be a list of numpy float32 arrays"));
+                (ids.clone(), Ok(bad))
+            })?;
+        if items.len() != ids.len() {
+            let bad = Bad::Value(format!(
+                "{} {what}s for a bucket of {} layers",
+                items.len(),
+                ids.len()
+            ));
+            return Err((ids, Ok(bad)));
+        }
+        let arrays = items
+            .iter()
+            .zip(&ids)
+            .map(|(a, &i)| check_array(a, what, i, &table[i].0, &table[i].1))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|bad| (ids.clone(), Ok(bad)))?;
+        Ok((ids, arrays))
+    }
+
+    /// Fail this rank's bucket `ids` of the open step on every rank
+    /// because of `bad` (found on this rank); raised here, the step fails
+    /// alike everywhere at `finish_step`.
+    fn fail_bucket_with(&self, py: Python<'_>, ids: &[usize], bad: Bad) -> PyErr {
+        let mut g = match self.collective(py) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
+        let eng = g.as_mut().expect("checked open");
+        let ids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
+        let text = bad.text().to_string();
+        match py.detach(|| eng.fail_bucket(&ids, gradsync::Error::InvalidArgument(text))) {
+            Ok(()) => bad.raise(None),
+            Err(e) => engine_err(e),
+        }
+    }
+
     /// Fail this step on every rank because of `bad` (found on this rank).
     fn fail(&self, py: Python<'_>, bad: Bad) -> PyErr {
         let mut g = match self.begin(py) {
@@ -697,6 +773,100 @@ impl PyGradSync {
         let eng = g.as_mut().expect("checked open");
         let stats = py.detach(|| eng.wait(&mut slices)).map_err(engine_err)?;
         stats_dict(py, stats)
+    }
+
+    /// Submit one bucket of this step (`GradSync::submit_bucket`):
+    /// `grads[j]` is layer `layers[j]`'s gradient (float32, C-contiguous;
+    /// read, not written). Its compression runs here, its collectives on
+    /// the engine's progress thread while the caller goes on. Every rank
+    /// must cut the step alike (else every rank's `finish_step` raises).
+    /// A bad array is carried to every rank (the step fails everywhere at
+    /// `finish_step`) and raised here; a layer index out of range or
+    /// already submitted is refused here alone.
+    #[pyo3(signature = (layers, grads, weights=None))]
+    fn submit_bucket(
+        &self,
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+        weights: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (ids, arrays) = match self.check_bucket(layers, grads, "gradient") {
+            Ok(x) => x,
+            Err((_, Err(e))) => return Err(e),
+            Err((ids, Ok(bad))) => return Err(self.fail_bucket_with(py, &ids, bad)),
+        };
+        let warrays = match weights
+            .map(|w| self.check_bucket(layers, w, "weight"))
+            .transpose()
+        {
+            Ok(a) => a.map(|x| x.1).unwrap_or_default(),
+            Err((_, Err(e))) => return Err(e),
+            Err((ids, Ok(bad))) => return Err(self.fail_bucket_with(py, &ids, bad)),
+        };
+        let (guards, wguards) = match (readable(&arrays, "gradient"), readable(&warrays, "weight"))
+        {
+            (Ok(g), Ok(w)) => (g, w),
+            (Err(bad), _) | (_, Err(bad)) => return Err(self.fail_bucket_with(py, &ids, bad)),
+        };
+        let slices: Vec<&[f32]> = guards
+            .iter()
+            .map(|g| g.as_slice().expect("checked C-contiguous"))
+            .collect();
+        let wslices: Vec<&[f32]> = wguards
+            .iter()
+            .map(|g| g.as_slice().expect("checked C-contiguous"))
+            .collect();
+        let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
+        let mut g = self.collective(py)?;
+        let eng = g.as_mut().expect("checked open");
+        let with_w = weights.is_some();
+        py.detach(|| match with_w {
+            true => eng.submit_bucket_with_weights(&lids, &slices, &wslices),
+            false => eng.submit_bucket(&lids, &slices),
+        })
+        .map_err(engine_err)
+    }
+
+    /// Submit bucket `layers` of this step carrying `reason`, a failure
+    /// found on this rank: every rank's step fails alike at
+    /// `finish_step`. Returns (the error comes from `finish_step`).
+    fn fail_bucket(
+        &self,
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        reason: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids: Vec<usize> = layers
+            .try_iter()
+            .and_then(|it| {
+                it.map(|x| x?.extract::<usize>())
+                    .collect::<PyResult<Vec<_>>>()
+            })
+            .map_err(|_| PyTypeError::new_err("layers must be a list of layer indices (ints)"))?;
+        let text = reason
+            .str()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|_| "(unprintable reason)".into());
+        let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
+        let mut g = self.collective(py)?;
+        let eng = g.as_mut().expect("checked open");
+        py.detach(|| eng.fail_bucket(&lids, gradsync::Error::InvalidArgument(text)))
+            .map_err(engine_err)
+    }
+
+    /// Finish the step whose buckets were submitted, writing every layer's
+    /// result in place into `grads` (one array per registered layer, as
+    /// `wait`); layers never submitted fail the step on every rank.
+    fn finish_step(&self, py: Python<'_>, grads: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        self.wait(py, grads)
+    }
+
+    /// Whether this rank has a step open (started or with buckets
+    /// submitted) that `wait`/`finish_step` has not finished.
+    fn pending(&self, py: Python<'_>) -> PyResult<bool> {
+        let g = self.engine(py)?;
+        Ok(g.as_ref().expect("checked open").pending())
     }
 
     /// Write this rank's engine state (collective-free).

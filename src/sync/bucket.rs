@@ -29,9 +29,10 @@
 //! buckets' gradients are copied into the engine and the step runs as one
 //! bucket when the last arrives (no overlap; logged once). That is the
 //! case for local clipping (`clip_norm`: the factor needs the whole
-//! gradient's norm) and for dense layers summed by an algorithm whose
+//! gradient's norm), for dense layers summed by an algorithm whose
 //! order depends on an element's place (`ring`, `hierarchical`, `mpi`,
-//! or what `auto` chose among them).
+//! or what `auto` chose among them), and for the node-aware sparse
+//! allreduce.
 //!
 //! # Failures
 //!
@@ -54,7 +55,7 @@
 use super::job::Job;
 use super::plan::{restrict_into, StepPlan};
 use super::table::{fnv, FNV_OFFSET};
-use super::{GradSync, LayerId, StartInfo, StepStats};
+use super::{GradSync, LayerId, SparseExchange, StartInfo, StepStats};
 use crate::comm::Transport;
 use crate::dense::AllreduceAlgo;
 use crate::sparse::Entry;
@@ -172,6 +173,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         weights: &[&[f32]],
     ) -> Result<()> {
         self.submit_impl(layers, Ok((grads, Some(weights))))
+    }
+
+    /// Submit bucket `layers` carrying a failure found by the caller before
+    /// it could hand the gradients over (a binding's bad array, a hook
+    /// that found a parameter missing): the bucket's collectives run as
+    /// for any rank-local failure, and the step fails on every rank at
+    /// [`finish_step`](Self::finish_step) with the same
+    /// [`Error::RankFailed`] naming this rank and `err`. Misuse errors are
+    /// returned as by [`submit_bucket`](Self::submit_bucket).
+    pub fn fail_bucket(&mut self, layers: &[LayerId], err: Error) -> Result<()> {
+        self.submit_impl(layers, Err(err))
     }
 
     /// Finish the step whose buckets were submitted
@@ -307,6 +319,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                  the buffer (Rabenseifner's does not)",
                 self.plan.allreduce.name()
             ));
+        }
+        if self.plan.sparse_reduce && self.plan.exchange == SparseExchange::Hierarchical {
+            // Sums an index node by node, where its region lands: not
+            // shown to be independent of the cut.
+            return Some(
+                "the node-aware sparse allreduce (its order is not shown to be the cut's)".into(),
+            );
         }
         None
     }
