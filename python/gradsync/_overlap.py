@@ -312,7 +312,8 @@ class HookSchedule:
             state.steps += 1
             state.buckets = len(futures)
         except BaseException as e:  # noqa: BLE001 - never leave DDP waiting
-            error = error or e
+            # The step's own error (every rank's) over this rank's view.
+            error = e
         finally:
             self._reset()
         for fut, buf in futures:

@@ -413,7 +413,10 @@ class DistributedOptimizer:
         sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error, bucketing
         )
-        self.overlap = not hasattr(sync, "register")  # the bucketed engines
+        self.overlap = not hasattr(sync, "register")  # the bucketed step
+        # Weight decay in gradsync (`g += wd·w` before compression) needs
+        # the weights: every step passes them.
+        self._weight_decay = bool(gradsync_options.get("weight_decay"))
         self.optimizer = optimizer
         self.sync = sync
         self._params = params
@@ -460,7 +463,10 @@ class DistributedOptimizer:
             except Exception as collective:  # noqa: BLE001
                 raise type(error)(f"{error} (raised on every rank: {collective})") from collective
             raise error
-        stats = self.sync.sync(views)
+        weights = None
+        if self._weight_decay:
+            weights = [_engine_view(torch, name, p.detach(), "the weights") for name, p in self._params]
+        stats = self.sync.sync(views, weights)
         self.last_stats = stats
         return stats
 
@@ -639,7 +645,7 @@ class GradSyncHookState:
         self.sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, opts, None, setup_error, bucketing
         )
-        self.overlap = not hasattr(self.sync, "register")  # the bucketed engines
+        self.overlap = not hasattr(self.sync, "register")  # the bucketed step
         if self.overlap:
             from gradsync import _overlap
 

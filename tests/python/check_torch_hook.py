@@ -115,13 +115,13 @@ def reference_engine(model, strategy, **options):
     return eng
 
 
-def reference_sync(eng, model):
+def reference_sync(eng, model, weights=False):
     grads = []
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    eng.sync(grads)
+    eng.sync(grads, [p.detach() for p in model.parameters()] if weights else None)
 
 
 def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, overlap=True, **options):
@@ -302,7 +302,14 @@ say("(c) numpy float16 + float32 + torch bfloat16 (rgc) in one table: the float3
 
 
 # --- (e) the overlapping DistributedOptimizer --------------------------------
-for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9}), ("auto", {})]:
+# Options that once needed the whole step: weight decay (the buckets carry
+# the weights), a communication delay, the sparse allreduce, and local
+# clipping (the engine runs the step when its last bucket arrives).
+for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9}), ("auto", {}),
+                          ("rgc:density=0.05", {"momentum": 0.9, "weight_decay": 1e-3}),
+                          ("rgc:density=0.05", {"delay": 2, "momentum": 0.9}),
+                          ("rgc:density=0.05", {"sparse_exchange": "allreduce"}),
+                          ("dense", {"clip_norm": 0.5})]:
     for passes in (1, 2):
         torch.manual_seed(9)
         model = Net()
@@ -330,9 +337,9 @@ for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9})
                 else:
                     raise AssertionError("(e) zero_grad() with buckets in flight did not raise")
             opt.step()
-            reference_sync(eng, ref)
+            reference_sync(eng, ref, weights="weight_decay" in options)
             ref_opt.step()
-            assert same_bits(model, ref), f"(e) overlap {strategy} passes={passes} step {step}"
+            assert same_bits(model, ref), f"(e) overlap {strategy} {options} passes={passes} step {step}"
         assert [r[2] for r in opt.sync.layers()] == [r[2] for r in eng.layers()]
         # Buckets were in flight before backward reached the first layer.
         assert min(early[passes - 1 :: passes]) >= 1, early
