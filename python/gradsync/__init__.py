@@ -298,6 +298,22 @@ class GradSync:
         """
         return self._engine.finish_step(_arrays(grads, writable=False))
 
+    def plan_buckets(self, backward_s: float, bucket_cap_mb: Optional[float] = None) -> Dict[str, Any]:
+        """The step model's plan of this table as a step in buckets against a backward pass of ``backward_s`` seconds.
+
+        Cut at ``bucket_cap_mb`` MiB (reverse registration order), or with
+        ``None`` at the cap of least predicted step time. Returns a dict:
+        ``cap_bytes`` (``None``: the whole table as one bucket),
+        ``buckets`` (each with ``layers``, ``elements``, ``ready_s``,
+        ``start_s``, ``end_s``, ``seconds``), ``step_s`` (from the start of
+        backward to the step's end), ``exposed_s``, ``whole_s`` (the whole
+        step after backward) and ``tried``. Needs the ``profile`` option
+        and a complete table (:meth:`complete_table` or a step); local:
+        give every rank the same ``backward_s``.
+        """
+        cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        return self._engine.plan_buckets(float(backward_s), cap)
+
     @property
     def pending(self) -> bool:
         """Whether a step was started (or has buckets) and is not finished."""

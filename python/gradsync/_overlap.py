@@ -30,6 +30,7 @@ rank, so no rank applies a step its peers refused.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -47,6 +48,12 @@ def overlap_refusal(torch: Any, params: List[Tuple[str, Any]], options: Dict[str
         if p.dtype != torch.float32 or p.device.type != "cpu":
             return f"parameter {name!r} is {p.dtype} on {p.device} (overlap takes float32 CPU gradients)"
     return None
+
+
+#: DDP's default bucket cap (25 MiB): the first step's, when none is given.
+DEFAULT_CAP = 25 * 2**20
+#: A cap no table reaches: the whole table as one bucket.
+WHOLE = 2**62
 
 
 def cut_buckets(params: List[Tuple[str, Any]], cap_bytes: int) -> List[List[int]]:
@@ -76,27 +83,64 @@ class BucketedSync:
     :class:`gradsync.GradSync`) and ``buckets`` (parameter indices per bucket).
     """
 
-    def __init__(self, torch: Any, engine: Any, buckets: List[List[int]],
+    def __init__(self, torch: Any, engine: Any, cap_bytes: Optional[int],
                  params: List[Tuple[str, Any]], passes: int, param_hooks: bool = True,
                  weights: bool = False) -> None:
         self._torch = torch
         self.engine = engine
-        self.buckets = buckets
         self._params = params
         self._passes = passes
         self._weights = weights
-        self._bucket_of = {i: b for b, ids in enumerate(buckets) for i in ids}
-        self._counts = [0] * len(params)
-        self._ready = [0] * len(buckets)
-        self._started = [False] * len(buckets)
+        # No cap given: DDP's default for the first step, then the step
+        # model's choice for the backward pass it measured (:meth:`tune`).
+        self._tune = cap_bytes is None
+        self.bucket_plan: Optional[Dict[str, Any]] = None
+        self._t0: Optional[float] = None
+        self._t1 = 0.0
+        self._recut(DEFAULT_CAP if cap_bytes is None else cap_bytes)
         self._last: Dict[str, Any] = {}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, (_, p) in enumerate(params)
         ] if param_hooks else []
 
+    def _recut(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.buckets = cut_buckets(self._params, cap_bytes)
+        self._bucket_of = {i: b for b, ids in enumerate(self.buckets) for i in ids}
+        self._counts = [0] * len(self._params)
+        self._ready = [0] * len(self.buckets)
+        self._started = [False] * len(self.buckets)
+
+    def note_gradient(self) -> None:
+        """A gradient (or DDP bucket) arrived: the backward pass's span."""
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        self._t1 = now
+
+    def tune(self) -> None:
+        """After the first step: cut the buckets at the step model's cap for
+        the backward pass measured (the ranks' longest, agreed by one
+        allreduce; every rank then cuts alike). Without a profile the model
+        cannot price, and DDP's 25 MiB stays (``bucket_plan`` says why)."""
+        from mpi4py import MPI
+
+        self._tune = False
+        span = 0.0 if self._t0 is None else self._t1 - self._t0
+        backward_s = self.engine._comm.allreduce(span, op=MPI.MAX)
+        try:
+            plan = self.engine.plan_buckets(backward_s)
+        except gradsync.Error as e:  # alike on every rank (the same options)
+            self.bucket_plan = {"cap_bytes": self.cap_bytes, "backward_s": backward_s, "error": str(e)}
+            return
+        self.bucket_plan = plan
+        cap = plan["cap_bytes"]
+        self._recut(WHOLE if cap is None else int(cap))
+
     # -- the hooks -------------------------------------------------------
     def _hook(self, i: int) -> Any:
         def hook(_p: Any) -> None:
+            self.note_gradient()
             self._counts[i] += 1
             if self._counts[i] > self._passes:
                 raise RuntimeError(
@@ -173,6 +217,9 @@ class BucketedSync:
         # already carried by its bucket; the step's error comes first).
         views = self._views(list(range(len(self._params))))
         self._last = self.engine.finish_step(views)
+        if self._tune:
+            self.tune()
+        self._t0 = None
         return self._last
 
     def fail_step(self, reason: Any) -> None:
@@ -250,6 +297,7 @@ class HookSchedule:
         it completes. True when the step is ready to be finished."""
         if error is not None and self.problem is None:
             self.problem = error
+        self.bs.note_gradient()
         self.futures.append((fut, buf))
         flat = buf.view(-1)
         for i, off, n in slots:
@@ -307,6 +355,9 @@ class HookSchedule:
                     error = error or e
                     arrays.append(np.zeros(int(p.numel()), dtype=np.float32))
             stats = self.bs.engine.finish_step(arrays)
+            if self.bs._tune:
+                self.bs.tune()
+            self.bs._t0 = None
             self.bs._last = stats
             state.last_stats = stats
             state.steps += 1

@@ -120,15 +120,15 @@ def _engine_for(
     gradsync_options: Dict[str, Any],
     optimizer: Optional[Any] = None,
     setup_error: Optional[BaseException] = None,
-    overlap: Optional[Tuple[float, int, bool]] = None,
+    overlap: Optional[Tuple[Optional[float], int, bool]] = None,
 ) -> Tuple[Any, List[Tuple[str, Any]], bool]:
     """The engine of :class:`DistributedOptimizer` and :class:`GradSyncHookState`
     (collective): ``(sync, params, owns_sync)``, with ``params`` the
     ``(name, tensor)`` pairs registered in order. A check that fails on one
     rank (``setup_error`` included) fails every rank without a hang.
     ``optimizer``'s parameters must all be among ``named_parameters``.
-    ``overlap=(bucket_cap_mb, backward_passes_per_step, param_hooks)``: one engine per
-    bucket (:mod:`gradsync._overlap`) where every rank can overlap."""
+    ``overlap=(bucket_cap_mb, backward_passes_per_step, param_hooks)``: the step in
+    buckets (:mod:`gradsync._overlap`) where every rank can overlap."""
     import gradsync
 
     try:
@@ -279,9 +279,9 @@ def _bucketed(
     # One engine, one table: the buckets are parts of its step.
     _register_all(sync, params, strategy)
     sync.complete_table()
-    buckets = _overlap.cut_buckets(params, int(cap_mb * 2**20))
+    cap = None if cap_mb is None else int(cap_mb * 2**20)
     weights = bool(opts.get("weight_decay"))
-    return _overlap.BucketedSync(torch, sync, buckets, params, passes, param_hooks, weights)
+    return _overlap.BucketedSync(torch, sync, cap, params, passes, param_hooks, weights)
 
 
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
@@ -298,7 +298,7 @@ class DistributedOptimizer:
     """Wrap a PyTorch optimizer so that ``step()`` first synchronizes the gradients with gradsync.
 
     ``DistributedOptimizer(optimizer, named_parameters, sync=None,
-    strategy="auto", overlap=True, bucket_cap_mb=25.0,
+    strategy="auto", overlap=True, bucket_cap_mb=None,
     backward_passes_per_step=1, **gradsync_options)``, collective over the engine's
     communicator (``MPI.COMM_WORLD`` unless ``sync`` is given): every rank
     must construct it with the same parameters in the same order.
@@ -339,7 +339,11 @@ class DistributedOptimizer:
         whole, without a warning.
         ``False``: today's whole step inside ``step()``.
     bucket_cap_mb:
-        Bucket size with overlap (25, DDP's default).
+        Bucket size with overlap, MiB. ``None`` (the default): 25 (DDP's
+        default) for the first step, then the cap the step model predicts
+        fastest for the backward pass that step measured (the ranks'
+        longest; needs the ``profile`` option, else 25 stays;
+        ``sync.bucket_plan`` shows the plan, :meth:`gradsync.GradSync.plan_buckets`).
     backward_passes_per_step:
         Gradient accumulation with overlap: a bucket starts when each of its
         gradients has been accumulated this many times (the sum is
@@ -388,7 +392,7 @@ class DistributedOptimizer:
         sync: Optional[Any] = None,
         strategy: Strategy = "auto",
         overlap: bool = True,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         backward_passes_per_step: int = 1,
         **gradsync_options: Any,
     ) -> None:
@@ -398,15 +402,15 @@ class DistributedOptimizer:
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
             if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
                 raise ValueError(f"backward_passes_per_step must be an int >= 1, not {backward_passes_per_step!r}")
-            if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-                raise ValueError(f"bucket_cap_mb must be a positive number, not {bucket_cap_mb!r}")
+            if not (bucket_cap_mb is None or (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0)):
+                raise ValueError(f"bucket_cap_mb must be None or a positive number, not {bucket_cap_mb!r}")
             if backward_passes_per_step > 1 and not overlap:
                 raise ValueError("backward_passes_per_step counts gradients with per-parameter hooks: it needs overlap=True")
             setup_error: Optional[BaseException] = None
         except Exception as e:  # noqa: BLE001 - carried into the collective set-up
             setup_error = e
         bucketing = (
-            (float(bucket_cap_mb), int(backward_passes_per_step), True)
+            (None if bucket_cap_mb is None else float(bucket_cap_mb), int(backward_passes_per_step), True)
             if overlap and sync is None and setup_error is None
             else None
         )
@@ -565,7 +569,7 @@ class GradSyncHookState:
         ddp.register_comm_hook(state, gradsync.torch.gradsync_hook)
 
     ``GradSyncHookState(named_parameters, strategy="auto", profile=None,
-    sync=None, overlap=True, bucket_cap_mb=25.0, **gradsync_options)`` is
+    sync=None, overlap=True, bucket_cap_mb=None, **gradsync_options)`` is
     collective over ``MPI.COMM_WORLD`` (or ``sync``'s communicator): every
     rank must build it with the same parameters in the same order. Arguments
     as for :class:`DistributedOptimizer`: the parameters that require grad
@@ -576,8 +580,9 @@ class GradSyncHookState:
     as the bucket's gradients become ready; the hook returns a
     ``torch.futures.Future`` at once. With ``overlap=True`` (the default)
     the parameters are cut into gradsync's own buckets of up to
-    ``bucket_cap_mb`` (reverse registration order, fixed for the run, the
-    parts of one engine's step); a gradsync bucket is submitted as soon as
+    ``bucket_cap_mb`` MiB (reverse registration order; ``None``: chosen by
+    the step model after the first step, as for :class:`DistributedOptimizer`;
+    then fixed for the run; the parts of one engine's step); a gradsync bucket is submitted as soon as
     DDP has handed all its gradients (compression on the autograd thread,
     its collectives on the engine's progress thread), so the communication
     overlaps the rest of backward, and every DDP bucket's future completes,
@@ -623,7 +628,7 @@ class GradSyncHookState:
         profile: Optional[Any] = None,
         sync: Optional[Any] = None,
         overlap: bool = True,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         **gradsync_options: Any,
     ) -> None:
         import concurrent.futures
@@ -639,9 +644,12 @@ class GradSyncHookState:
         opts = dict(gradsync_options)
         if profile is not None:
             opts["profile"] = profile
-        if setup_error is None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            setup_error = ValueError(f"bucket_cap_mb must be a positive number, not {bucket_cap_mb!r}")
-        bucketing = (float(bucket_cap_mb), 1, False) if overlap and sync is None and setup_error is None else None
+        if setup_error is None and not (
+            bucket_cap_mb is None or (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0)
+        ):
+            setup_error = ValueError(f"bucket_cap_mb must be None or a positive number, not {bucket_cap_mb!r}")
+        cap = None if bucket_cap_mb is None else float(bucket_cap_mb)
+        bucketing = (cap, 1, False) if overlap and sync is None and setup_error is None else None
         self.sync, params, self._owns_sync = _engine_for(
             torch, named_parameters, sync, strategy, opts, None, setup_error, bucketing
         )

@@ -647,6 +647,27 @@ impl PyGradSync {
         py.detach(|| eng.complete_table()).map_err(engine_err)
     }
 
+    /// The overlap model's plan of this table as a step in buckets against
+    /// a backward pass of `backward_s` seconds (`GradSync::plan_buckets`):
+    /// cut at `cap_bytes`, or at the cap of least predicted step time.
+    /// Needs a profile and a complete table; local (give every rank the
+    /// same `backward_s`).
+    #[pyo3(signature = (backward_s, cap_bytes=None))]
+    fn plan_buckets(
+        &self,
+        py: Python<'_>,
+        backward_s: f64,
+        cap_bytes: Option<usize>,
+    ) -> PyResult<Py<PyAny>> {
+        let g = self.engine(py)?;
+        let eng = g.as_ref().expect("checked open");
+        let plan = eng
+            .plan_buckets(backward_s, cap_bytes)
+            .map_err(engine_err)?;
+        let v = serde_json::to_value(&plan).map_err(|e| Error::new_err(e.to_string()))?;
+        json_to_py(py, &v)
+    }
+
     /// Take part in this step carrying an error found on this rank (e.g. in
     /// the forward or backward pass), so that no peer waits: every rank's
     /// step fails alike; raises `gradsync.Error` here too.

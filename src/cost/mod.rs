@@ -63,11 +63,15 @@
 //! selection, packing and zeroing the result). Without a profile they are
 //! zero unless given on the command line.
 
+mod bucket;
 pub(crate) mod calibrate;
 pub(crate) mod decide;
 mod exchange;
 mod step;
 pub mod topology;
+pub use bucket::{
+    choose_bucket_cap, cut_buckets, price_buckets, BucketPlan, BucketTiming, CAPS_MB,
+};
 pub use calibrate::{
     calibrate, calibrate_with, model_check, synthetic, CalibrateOptions, Calibration, CheckRecord,
     CheckReport, CheckSummary, ModelCheckOptions, Progress, MIN_ROUNDS,

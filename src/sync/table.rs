@@ -454,7 +454,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// configuration ([`crate::cost::engine_candidates`]). `None` when no
     /// layer is `Auto`.
     fn plan_auto(&self) -> Result<Option<AutoPlan>> {
-        use crate::cost::{self, LayerKind, StepLayer, StepQuery, StrategyId};
+        use crate::cost::{self, LayerKind, StepLayer, StrategyId};
         if !self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Ok(None);
         }
@@ -497,16 +497,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 },
             })
             .collect();
-        let q = StepQuery {
-            p: self.size,
-            density: d,
-            select_method: method_name,
-            gradiveq_ratio: 8.0,
-            ranks_per_node: self.ranks_per_node(),
-            fill: self.fill_estimate,
-            allgather: self.cfg.allgather,
-            allowed: self.auto_candidates(),
-        };
+        let q = self.step_query(method_name);
         let plan = cost::plan_step(prof, &q, &table)?;
         let mut layers = Vec::new();
         for (i, (l, lp)) in self.layers.iter().zip(&plan.layers).enumerate() {
@@ -521,6 +512,69 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             layers.push((i, s, codec));
         }
         Ok(Some(AutoPlan { plan, layers }))
+    }
+
+    /// The step model's query for this engine's table.
+    fn step_query(&self, select_method: String) -> crate::cost::StepQuery {
+        crate::cost::StepQuery {
+            p: self.size,
+            density: self.cfg.auto_density,
+            select_method,
+            gradiveq_ratio: 8.0,
+            ranks_per_node: self.ranks_per_node(),
+            fill: self.fill_estimate,
+            allgather: self.cfg.allgather,
+            allowed: self.auto_candidates(),
+        }
+    }
+
+    /// The overlap model's plan of this engine's table as a step in
+    /// buckets ([`submit_bucket`](Self::submit_bucket)) against a backward
+    /// pass of `backward_s` seconds: cut at `cap_bytes`, or with `None`
+    /// at the cap of least predicted step time
+    /// ([`crate::cost::choose_bucket_cap`]; the module docs of
+    /// [`crate::cost`]'s bucket model say how it prices). Priced with
+    /// `Config::profile` and the layers' resolved strategies, so after
+    /// the table is complete ([`complete_table`](Self::complete_table) or
+    /// a step). Local: every rank given the same `backward_s` (agree it
+    /// first, e.g. the ranks' maximum) gets the same plan.
+    pub fn plan_buckets(
+        &self,
+        backward_s: f64,
+        cap_bytes: Option<usize>,
+    ) -> Result<crate::cost::BucketPlan> {
+        use crate::cost::{LayerKind, StepLayer};
+        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("plan_buckets needs Config::profile (gradsync calibrate)".into())
+        })?;
+        if self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
+            return Err(Error::InvalidArgument(
+                "the auto layers have no strategy yet: complete_table() first".into(),
+            ));
+        }
+        let d = self.cfg.auto_density;
+        let dense = match self.cfg.allreduce {
+            crate::dense::AllreduceAlgo::Ring => crate::cost::StrategyId::DenseRing,
+            crate::dense::AllreduceAlgo::Hierarchical => crate::cost::StrategyId::DenseHierarchical,
+            _ => crate::cost::StrategyId::DenseRabenseifner,
+        };
+        let table: Vec<StepLayer> = self
+            .layers
+            .iter()
+            .map(|l| {
+                let (id, density) = fixed_id(&l.strategy, dense, self.cfg.sparse_exchange, d);
+                StepLayer {
+                    name: l.name.clone(),
+                    n: l.n,
+                    kind: LayerKind::Fixed(id, density),
+                }
+            })
+            .collect();
+        let q = self.step_query(self.auto_method()?.1);
+        match cap_bytes {
+            Some(cap) => crate::cost::price_buckets(prof, &q, &table, backward_s, Some(cap)),
+            None => crate::cost::choose_bucket_cap(prof, &q, &table, backward_s),
+        }
     }
 
     /// The RGC selection method `Auto` uses (the configured codec's, if it

@@ -301,6 +301,43 @@ f32.close()
 say("(c) numpy float16 + float32 + torch bfloat16 (rgc) in one table: the float32 step rounded once OK")
 
 
+# --- (g) no bucket_cap_mb: the step model cuts the buckets after step 0 -----
+prof = {"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9}
+for profile in (prof, None):
+    torch.manual_seed(9)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opts = {"profile": profile} if profile else {}
+    opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                   strategy="dense", **opts)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    eng = reference_engine(ref, "dense")
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(300 + step)
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        reference_sync(eng, ref)
+        ref_opt.step()
+        assert same_bits(model, ref), f"(g) tuned buckets, step {step}"
+    plan = opt.sync.bucket_plan
+    assert plan is not None and plan["backward_s"] > 0, plan
+    if profile:
+        assert "error" not in plan and plan["buckets"] and plan["step_s"] >= plan["backward_s"], plan
+        want = len(plan["buckets"])
+    else:
+        assert "profile" in plan["error"] and opt.sync.cap_bytes == 25 * 2**20, plan
+        want = 1
+    assert len(opt.sync.buckets) == want, (len(opt.sync.buckets), plan)
+    opt.close()
+    eng.close()
+    say(f"(g) bucket_cap_mb=None, profile {'given' if profile else 'none'}: after step 0 "
+        f"{len(opt.sync.buckets)} bucket(s) (backward {plan['backward_s'] * 1e3:.2f} ms), "
+        "bit for bit the whole step OK")
+
+
 # --- (e) the overlapping DistributedOptimizer --------------------------------
 # Options that once needed the whole step: weight decay (the buckets carry
 # the weights), a communication delay, the sparse allreduce, and local
