@@ -7,7 +7,7 @@
 //! ```
 //!
 //! * `equal`: two engines over the same table (dense, RGC, SBC, QSGD,
-//!   quantized RGC, GradiVeQ, `auto`, an empty layer; momentum), fed the
+//!   quantized RGC, `auto`, an empty layer; momentum), fed the
 //!   same gradients for four steps: one synchronizes each step whole, the
 //!   other in buckets of three layers in backward order (last layer first),
 //!   each submitted as it would be when backward produced it, with
@@ -30,7 +30,6 @@ const TABLE: &[(&str, usize, &str)] = &[
     ("conv2", 2048, "sbc"),
     ("fc1", 5000, "rgc-quant:density=0.05"),
     ("fc2", 1200, "qsgd"),
-    ("gvq", 4096, "gradiveq:k=64,lt=2,d=64,reuse=64,qsgd_bits=8"),
     ("emb", 6000, "auto"),
     ("head", 3000, "dense"),
     ("empty", 0, "dense"),

@@ -110,6 +110,7 @@ class BucketedSync:
         self._counts = [0] * len(self._params)
         self._ready = [0] * len(self.buckets)
         self._started = [False] * len(self.buckets)
+        self._next = 0
 
     def note_gradient(self) -> None:
         """A gradient (or DDP bucket) arrived: the backward pass's span."""
@@ -151,13 +152,21 @@ class BucketedSync:
             if self._counts[i] == self._passes:
                 b = self._bucket_of[i]
                 self._ready[b] += 1
-                # The last bucket (the first layers) waits for step(): a
-                # failure this rank finds after backward (a closure that
-                # raises) still fails it on every rank.
-                if self._ready[b] == len(self.buckets[b]) and b != len(self.buckets) - 1:
-                    self._start(b)
+                self._submit_ready()
 
         return hook
+
+    def _submit_ready(self) -> None:
+        """Submit the ready buckets in cut order, never the last (the first
+        layers): ``step()`` submits it, so a failure this rank finds after
+        backward (a closure that raises) still fails it on every rank. A
+        bucket waits for the ones before it, so every rank submits the same
+        sequence even where a parameter got no gradient on one rank only
+        (its bucket then goes at ``step()``, and the later ones after it)."""
+        b = self._next
+        while b < len(self.buckets) - 1 and self._ready[b] == len(self.buckets[b]):
+            self._start(b)
+            b += 1
 
     def _views(self, ids: List[int]) -> List[Any]:
         from gradsync.torch import _engine_view
@@ -182,10 +191,11 @@ class BucketedSync:
                 for i in ids]
 
     def _start(self, b: int) -> None:
-        """Submit bucket ``b``. A failure here is carried to every rank by
+        """Submit bucket ``b`` (the next in cut order). A failure here is carried to every rank by
         the engine (the step fails alike at :meth:`finish`) and never raised
         here: in a hook it would escape ``backward()`` on this rank only."""
         self._started[b] = True
+        self._next = b + 1
         ids = self.buckets[b]
         try:
             views, weights = self._views(ids), self._weight_views(ids)
@@ -213,13 +223,27 @@ class BucketedSync:
         self._counts = [0] * len(self._params)
         self._ready = [0] * len(self.buckets)
         self._started = [False] * len(self.buckets)
-        # Every parameter's gradient, in registration order (a bad one was
-        # already carried by its bucket; the step's error comes first).
-        views = self._views(list(range(len(self._params))))
-        self._last = self.engine.finish_step(views)
+        self._next = 0
+        # Every parameter's gradient, in registration order. One that
+        # cannot be viewed was already carried by its bucket (the step
+        # fails on every rank): scratch memory takes its place, so that
+        # this rank finishes the step with its peers.
+        views, local = [], None
+        for i, (name, p) in enumerate(self._params):
+            try:
+                views.append(self._views([i])[0])
+            except Exception as e:  # noqa: BLE001 - the step's error comes first
+                local = local or e
+                views.append(np.zeros(int(p.numel()), dtype=np.float32))
+        self._t0, t0 = None, self._t0
+        stats = self.engine.finish_step(views)
+        if local is not None:
+            raise local
+        self._last = stats
         if self._tune:
+            self._t0 = t0
             self.tune()
-        self._t0 = None
+            self._t0 = None
         return self._last
 
     def fail_step(self, reason: Any) -> None:
@@ -289,6 +313,7 @@ class HookSchedule:
         self.views: List[Any] = [None] * n
         self.ready = [0] * nb
         self.started = [False] * nb
+        self.next = 0
         self.futures: List[Tuple[Any, Any]] = []
         self.problem: Optional[str] = None
 
@@ -304,20 +329,24 @@ class HookSchedule:
             b = self.bs._bucket_of[i]
             if self.views[i] is None:
                 self.ready[b] += 1
+            elif self.problem is None:
+                self.problem = f"parameter {self.bs._params[i][0]!r} is in two DDP buckets"
             self.views[i] = flat[off : off + n]
-            # The last gradsync bucket waits for the step's last DDP bucket:
-            # a problem found in any DDP bucket still fails it on every rank.
-            held = b == len(self.bs.buckets) - 1 and not last
-            if self.ready[b] == len(self.bs.buckets[b]) and not self.started[b] and not held:
-                self._start(b)
+        # In cut order; the last gradsync bucket waits for the step's last
+        # DDP bucket: a problem found in any DDP bucket still fails it on
+        # every rank.
+        b = self.next
+        while b < len(self.bs.buckets) - 1 and self.ready[b] == len(self.bs.buckets[b]):
+            self._start(b)
+            b += 1
         if last:
-            for b in range(len(self.bs.buckets)):
-                if not self.started[b]:
-                    self._start(b)
+            for b in range(self.next, len(self.bs.buckets)):
+                self._start(b)
         return last
 
     def _start(self, b: int) -> None:
         self.started[b] = True
+        self.next = b + 1
         ids = self.bs.buckets[b]
         views = [self.views[i] for i in ids]
         absent = [self.bs._params[i][0] for i, v in zip(ids, views) if v is None]
@@ -357,7 +386,6 @@ class HookSchedule:
             stats = self.bs.engine.finish_step(arrays)
             if self.bs._tune:
                 self.bs.tune()
-            self.bs._t0 = None
             self.bs._last = stats
             state.last_stats = stats
             state.steps += 1
@@ -366,6 +394,7 @@ class HookSchedule:
             # The step's own error (every rank's) over this rank's view.
             error = e
         finally:
+            self.bs._t0 = None
             self._reset()
         for fut, buf in futures:
             if error is not None:

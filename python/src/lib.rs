@@ -306,9 +306,20 @@ impl PyGradSync {
     /// the peers finished that step and wait in this one, so refusing here
     /// ("start called twice") would leave them waiting for ever.
     fn begin(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        self.begin_if(py, Engine::pending)
+    }
+
+    /// [`begin`](Self::begin) for a bucket: only a step whose every layer
+    /// was submitted (its `finish_step` raised on this rank) is finished
+    /// first; an open step with layers still to come takes the bucket.
+    fn begin_bucket(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        self.begin_if(py, Engine::pending_finish)
+    }
+
+    fn begin_if(&self, py: Python<'_>, stale: fn(&Engine) -> bool) -> PyResult<Held<'_>> {
         let mut g = self.collective(py)?;
         let eng = g.as_mut().expect("checked open");
-        if eng.pending() {
+        if stale(eng) {
             let done = py.detach(|| eng.discard_pending());
             let text = match done {
                 Ok(_) => "gradsync: the previous step's wait() did not complete on this rank; \
@@ -428,7 +439,7 @@ impl PyGradSync {
     /// because of `bad` (found on this rank); raised here, the step fails
     /// alike everywhere at `finish_step`.
     fn fail_bucket_with(&self, py: Python<'_>, ids: &[usize], bad: Bad) -> PyErr {
-        let mut g = match self.collective(py) {
+        let mut g = match self.begin_bucket(py) {
             Ok(g) => g,
             Err(e) => return e,
         };
@@ -839,7 +850,7 @@ impl PyGradSync {
             .map(|g| g.as_slice().expect("checked C-contiguous"))
             .collect();
         let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
-        let mut g = self.collective(py)?;
+        let mut g = self.begin_bucket(py)?;
         let eng = g.as_mut().expect("checked open");
         let with_w = weights.is_some();
         py.detach(|| match with_w {
@@ -870,7 +881,7 @@ impl PyGradSync {
             .map(|s| s.to_string())
             .unwrap_or_else(|_| "(unprintable reason)".into());
         let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
-        let mut g = self.collective(py)?;
+        let mut g = self.begin_bucket(py)?;
         let eng = g.as_mut().expect("checked open");
         py.detach(|| eng.fail_bucket(&lids, gradsync::Error::InvalidArgument(text)))
             .map_err(engine_err)

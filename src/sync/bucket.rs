@@ -102,6 +102,13 @@ pub(super) struct OpenStep {
     pub(super) info: StartInfo,
 }
 
+impl OpenStep {
+    /// No bucket submitted yet (the step was opened by a refused one).
+    pub(super) fn is_empty(&self) -> bool {
+        self.buckets == 0
+    }
+}
+
 /// A staged step: every layer's gradient and weights, copied as its
 /// bucket arrives; the first of this rank's failures.
 #[derive(Default)]
@@ -196,9 +203,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.wait(out)
     }
 
+    /// Whether this rank has a step open whose every layer was submitted
+    /// (only [`finish_step`](Self::finish_step) is left): a binding whose
+    /// caller's `finish_step` failed on a bad output argument finishes it
+    /// ([`discard_pending`](Self::discard_pending)) before the next step's
+    /// first bucket, which would otherwise be refused here alone.
+    pub fn pending_finish(&self) -> bool {
+        matches!(&self.step_state, StepState::Open(st) if st.buckets > 0 && st.submitted == self.layers.len())
+    }
+
     /// The buckets' shared half: local misuse, then the step opened (if
     /// none is), the bucket fingerprinted and run (or staged).
     pub(super) fn submit_impl(&mut self, layers: &[LayerId], input: Input<'_>) -> Result<()> {
+        // Opened first, whatever the misuse below: a rank whose first
+        // bucket is refused still has a step to finish, and its
+        // `finish_step` then carries the failure to peers waiting in it.
+        if !self.pending() {
+            self.open_step()?;
+        }
         let n = self.layers.len();
         let mut members: Vec<u32> = Vec::with_capacity(layers.len());
         for id in layers {
@@ -218,7 +240,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             )));
         }
         if let StepState::Open(st) = &self.step_state {
-            if st.submitted == n {
+            if st.submitted == n && st.buckets > 0 {
                 return Err(Error::InvalidArgument(format!(
                     "every layer of step {} was submitted; finish the step first",
                     self.step
@@ -230,8 +252,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     self.layers[i as usize].name, self.step
                 )));
             }
-        } else {
-            self.open_step()?;
         }
         let StepState::Open(mut st) = std::mem::take(&mut self.step_state) else {
             unreachable!("opened above")
@@ -320,6 +340,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 self.plan.allreduce.name()
             ));
         }
+        if self.plan.rings {
+            // A ring advances its layer's state as it runs: a later
+            // bucket's failure could not undo it, as a whole step's does
+            // (its status is agreed before the rings).
+            return Some("GradiVeQ's rings advance their state as they run".into());
+        }
         if self.plan.sparse_reduce && self.plan.exchange == SparseExchange::Hierarchical {
             // Sums an index node by node, where its region lands: not
             // shown to be independent of the cut.
@@ -358,10 +384,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             names.join(", "),
             if last { ", the step's last" } else { "" }
         );
-        // The same text on every rank: the error is.
+        // The same text on every rank (staged or not): the error is.
+        self.cut_differs_text()
+    }
+
+    /// The error of ranks whose buckets differ.
+    fn cut_differs_text(&self) -> String {
         format!(
-            "the step's buckets differ between ranks (step {}, bucket {index}: another \
-             order, split or number of buckets)",
+            "the step's buckets differ between ranks (step {}: another order, split or \
+             number of buckets)",
             self.step
         )
     }
@@ -404,6 +435,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // 3. Pack: the fused sparse message and the status words (job.rs).
         job.pack(&part.plan, &self.layers, &self.cfg, &local);
         job.check = Some((st.seq, what));
+        job.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()
             .map(|&i| self.layers[i as usize].stats.select_s)
@@ -492,11 +524,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for o in &mut st.owner {
             *o = st.parts.len() as u32;
         }
-        let what = format!(
-            "the step's buckets differ between ranks (step {}, staged: another order, \
-             split or number of buckets)",
-            self.step
-        );
+        let what = self.cut_differs_text();
         let grads: Vec<&[f32]> = staged.grads.iter().map(|g| &g[..]).collect();
         let weights: Vec<&[f32]> = staged.weights.iter().map(|g| &g[..]).collect();
         let input = match staged.error {
@@ -513,7 +541,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let StepState::Open(mut st) = std::mem::take(&mut self.step_state) else {
             return Err(Error::InvalidArgument("wait without start".into()));
         };
-        if st.submitted < self.layers.len() {
+        if st.submitted < self.layers.len() || st.buckets == 0 {
             let missing: Vec<LayerId> = (0..self.layers.len())
                 .filter(|&i| st.owner[i] == NONE)
                 .map(LayerId)

@@ -19,7 +19,6 @@ const TABLE: &[(&str, usize, &str)] = &[
     ("fc1", 5000, "rgc-quant:density=0.05"),
     ("fc2", 1200, "qsgd"),
     ("bias2", 7, "dense"),
-    ("gvq", 4096, "gradiveq:k=64,lt=2,d=64,reuse=64,qsgd_bits=8"),
     ("fc3", 3000, "3lc"),
     ("fc4", 2500, "fastsgd"),
     ("emb", 6000, "auto"),
@@ -82,8 +81,9 @@ fn run(
             }
             let st = s.finish_step(&mut ov).expect("finish").clone();
             if let Some(b) = cut(step) {
-                let staged =
-                    cfg.clip_norm.is_some() || cfg.allreduce != AllreduceAlgo::Rabenseifner;
+                let staged = cfg.clip_norm.is_some()
+                    || cfg.allreduce != AllreduceAlgo::Rabenseifner
+                    || table.iter().any(|t| t.2.starts_with("gradiveq"));
                 assert_eq!(st.buckets, if staged { 1 } else { b.len() }, "step {step}");
             }
             seen.push(
@@ -193,9 +193,26 @@ fn buckets_equal_the_whole_step_bit_for_bit() {
 }
 
 #[test]
+fn gradiveq_tables_are_staged_and_equal_the_whole_step() {
+    let mut table = TABLE.to_vec();
+    table.insert(
+        3,
+        ("gvq", 4096, "gradiveq:k=64,lt=2,d=64,reuse=64,qsgd_bits=8"),
+    );
+    let cfg = Config {
+        momentum: 0.9,
+        ..Config::default()
+    };
+    for p in [1, 2, 3] {
+        let whole = run(p, &cfg, &table, 4, &|_| None);
+        let cut = run(p, &cfg, &table, 4, &cuts(p as u64, table.len()));
+        assert_eq!(whole, cut, "p = {p}");
+    }
+}
+
+#[test]
 fn buckets_with_delay_equal_the_whole_step() {
-    // GradiVeQ is refused with a delay: the table without it.
-    let table: Vec<_> = TABLE.iter().copied().filter(|t| t.0 != "gvq").collect();
+    let table = TABLE.to_vec();
     let cfg = Config {
         delay: 3,
         momentum: 0.9,
@@ -307,7 +324,7 @@ fn a_cut_that_differs_on_one_rank_fails_every_rank() {
                 let (f, b) = (front.clone(), back.clone());
                 move |r| {
                     if r == 0 {
-                        vec![(0..12).collect()]
+                        vec![(0..11).collect()]
                     } else {
                         vec![f.clone(), b.clone()]
                     }
@@ -403,4 +420,65 @@ fn a_bad_bucket_on_one_rank_fails_the_step_on_every_rank() {
             assert!(kept.iter().all(|&v| v == 0.5), "rank {r}: residual");
         }
     }
+}
+
+#[test]
+fn a_refused_first_bucket_then_finish_fails_every_rank_without_a_hang() {
+    let out = LocalComm::run(3, |c| {
+        let rank = crate::comm::Transport::rank(&c);
+        let mut s = GradSync::with_transport(c, Config::default()).expect("engine");
+        let a = s.register("a", &[100]).expect("a");
+        let b = s
+            .register_spec("b", &[4000], "rgc:density=0.01")
+            .expect("b");
+        let (ga, gb) = (vec![1.0f32; 100], vec![0.5f32; 4000]);
+        if rank == 1 {
+            // Refused here, and this rank gives up on the step.
+            assert!(s.submit_bucket(&[LayerId(9)], &[&ga[..]]).is_err());
+        } else {
+            s.submit_bucket(&[b], &[&gb[..]]).expect("b");
+            s.submit_bucket(&[a], &[&ga[..]]).expect("a");
+        }
+        let (mut oa, mut ob) = (vec![0.0f32; 100], vec![0.0f32; 4000]);
+        let e = s
+            .finish_step(&mut [&mut oa[..], &mut ob[..]])
+            .map(|_| ())
+            .expect_err("the step fails everywhere");
+        // The next step, whole, runs on every rank.
+        s.sync(&mut [&mut oa[..], &mut ob[..]]).expect("next step");
+        e.to_string()
+    });
+    assert!(out.iter().all(|e| e == &out[0]), "{out:?}");
+}
+
+#[test]
+fn a_restored_step_after_a_failed_one_runs() {
+    let dir = std::env::temp_dir().join(format!("gs-bucket-restore-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let out = LocalComm::run(2, |c| {
+        let rank = crate::comm::Transport::rank(&c);
+        let path = dir.join(format!("r{rank}.snap"));
+        let mut s = GradSync::with_transport(c, Config::default()).expect("engine");
+        let a = s.register("a", &[100]).expect("a");
+        let b = s.register("b", &[100]).expect("b");
+        let g = vec![1.0f32; 100];
+        let (mut oa, mut ob) = (vec![0.0f32; 100], vec![0.0f32; 100]);
+        s.save_snapshot(&path).expect("save");
+        // Step 0 fails: the ranks cut it differently.
+        let cut: &[LayerId] = if rank == 0 { &[a] } else { &[b] };
+        s.submit_bucket(cut, &[&g[..]]).expect("submit");
+        let rest: &[LayerId] = if rank == 0 { &[b] } else { &[a] };
+        s.submit_bucket(rest, &[&g[..]]).expect("submit");
+        assert!(s.finish_step(&mut [&mut oa[..], &mut ob[..]]).is_err());
+        // Restored to step 0, the same step number runs.
+        s.load_snapshot(&path).expect("load");
+        assert_eq!(s.step(), 0);
+        s.submit_bucket(&[b], &[&g[..]]).expect("b");
+        s.submit_bucket(&[a], &[&g[..]]).expect("a");
+        s.finish_step(&mut [&mut oa[..], &mut ob[..]])
+            .map(|st| st.buckets)
+            .expect("step 0 again")
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out, vec![2, 2]);
 }

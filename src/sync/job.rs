@@ -134,6 +134,9 @@ pub(super) struct Job {
     /// that cut the step differently fail alike instead of exchanging
     /// buffers of different lengths (`bucket.rs`).
     pub(super) check: Option<(u64, String)>,
+    /// The step's first bucket (the progress runner forgets an earlier
+    /// step's failure there, `progress.rs`).
+    pub(super) first: bool,
 }
 
 #[derive(Default)]

@@ -45,7 +45,12 @@
 //!
 //! Communication can overlap computation: [`GradSync::start`] compresses and
 //! hands the fused buffers to a progress thread that runs the allgatherv and
-//! the allreduce; [`GradSync::wait`] collects and unpacks. With MPI this needs
+//! the allreduce; [`GradSync::wait`] collects and unpacks. A step can also
+//! be handed over in parts as backward produces them
+//! ([`GradSync::submit_bucket`] … [`GradSync::finish_step`], `bucket.rs`):
+//! each bucket's collectives are queued to the progress thread while the
+//! caller computes, and the result is the whole step's bit for bit; a whole
+//! step is the step of one bucket. With MPI this needs
 //! `MPI_THREAD_SERIALIZED` (and the application must not call MPI between
 //! `start` and `wait` unless it has `MPI_THREAD_MULTIPLE`); with a lower level
 //! the engine communicates inside `start` and says so once in the log.
@@ -91,7 +96,8 @@
 //!
 //! # A step
 //!
-//! [`GradSync::start`] and [`GradSync::wait`] read as a script:
+//! [`GradSync::start`] and [`GradSync::wait`] (or each bucket, `bucket.rs`)
+//! read as a script:
 //!
 //! 1. **plan** — every per-step decision, a pure function of (step, options,
 //!    number of ranks, layer table), alike on every rank and tested without
@@ -130,7 +136,10 @@
 //! | what a snapshot holds and how a restore is agreed | `snapshot.rs` |
 //!
 //! Files: `config.rs` (options), `plan.rs` (the step planner), `layer.rs`
-//! (layer state and Algorithm 4), `job.rs` (progress job and thread),
+//! (layer state and Algorithm 4), `bucket.rs` (the step as a program of
+//! buckets; the step's state), `progress.rs` (who runs the collectives:
+//! inline, a progress thread, lost), `job.rs` (one bucket's job and its
+//! collectives),
 //! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
 //! `exchange.rs` (the per-step exchange of `auto`, the fill estimate),
 //! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings),
@@ -545,7 +554,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// pack → communicate).
     #[allow(clippy::type_complexity)]
     fn start_impl(&mut self, input: Result<(&[&[f32]], Option<&[&[f32]]>)>) -> Result<()> {
-        if self.pending() {
+        // A step opened by a refused bucket (nothing submitted) takes this
+        // whole step as its first bucket.
+        let opened_empty = matches!(&self.step_state, StepState::Open(st) if st.is_empty());
+        if self.pending() && !opened_empty {
             // Local misuse; this rank's own round is still pending, so no
             // peer waits for this call.
             return Err(Error::InvalidArgument(

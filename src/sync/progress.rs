@@ -61,6 +61,10 @@ impl Runner {
     /// Run `job`'s collectives (or, in a step that already failed on every
     /// rank, none: the step's first error stands).
     pub(super) fn run<C: Transport>(&mut self, job: &mut Job, comm: &C) {
+        if job.first {
+            // A new step (or the same step number again, after a restore).
+            self.failed_step = None;
+        }
         if let Some(step) = job.step.filter(|&s| self.failed_step == Some(s)) {
             job.check = None;
             job.result = Some(Err(Error::InvalidArgument(format!(
@@ -183,6 +187,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut job = self.spare_job();
         job.print = Some((print.0, print.1, local));
         job.check = None;
+        job.first = false;
         job.do_gather = false;
         job.do_reduce = false;
         job.do_gvq = false;

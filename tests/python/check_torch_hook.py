@@ -301,6 +301,33 @@ f32.close()
 say("(c) numpy float16 + float32 + torch bfloat16 (rgc) in one table: the float32 step rounded once OK")
 
 
+# --- (h) a branch that gets no gradient on some ranks only, overlapped ------
+# Its bucket goes at step() on those ranks; every rank submits the buckets in
+# the same order, so the step equals the whole step (zeros for the branch).
+torch.manual_seed(11)
+model = Net(side=True)
+ref = copy.deepcopy(model)
+opt = gst.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                               strategy="dense", bucket_cap_mb=0.0005)
+assert opt.overlap and len(opt.sync.buckets) > 2, len(opt.sync.buckets)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+eng = reference_engine(ref, "dense")
+for step in range(3):
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    x, y = batch(500 + step)
+    use = rank % 2 == 0 and step != 1
+    F.cross_entropy(model(x, use_side=use), y).backward()
+    F.cross_entropy(ref(x, use_side=use), y).backward()
+    opt.step()
+    reference_sync(eng, ref)
+    ref_opt.step()
+    assert same_bits(model, ref), f"(h) unused on some ranks, step {step}"
+opt.close()
+eng.close()
+say("(h) a branch without gradient on some ranks only, overlapped: == whole step, bit for bit OK")
+
+
 # --- (g) no bucket_cap_mb: the step model cuts the buckets after step 0 -----
 prof = {"version": 2, "alpha": 1e-5, "beta": 1e-9, "gamma_unpack": 1e-9}
 for profile in (prof, None):
