@@ -38,6 +38,8 @@
 //! assert!(out.iter().all(|g| g.iter().all(|&x| x == 4.0)));
 //! ```
 #![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 #[cfg(feature = "cli")]
 pub mod cli;

@@ -254,6 +254,14 @@ fn readable<'py>(
         .collect()
 }
 
+/// The arrays' memory, read (checked C-contiguous by `check_array`).
+fn read_slices<'a>(guards: &'a [PyReadonlyArrayDyn<'_, f32>]) -> Vec<&'a [f32]> {
+    guards
+        .iter()
+        .map(|g| g.as_slice().expect("checked C-contiguous"))
+        .collect()
+}
+
 /// The synchronization engine (see `gradsync.GradSync`).
 #[pyclass(module = "gradsync._gradsync", name = "GradSync")]
 struct PyGradSync {
@@ -769,14 +777,7 @@ impl PyGradSync {
             (Ok(g), Ok(w)) => (g, w),
             (Err(bad), _) | (_, Err(bad)) => return Err(self.fail(py, bad)),
         };
-        let slices: Vec<&[f32]> = guards
-            .iter()
-            .map(|g| g.as_slice().expect("checked C-contiguous"))
-            .collect();
-        let wslices: Vec<&[f32]> = wguards
-            .iter()
-            .map(|g| g.as_slice().expect("checked C-contiguous"))
-            .collect();
+        let (slices, wslices) = (read_slices(&guards), read_slices(&wguards));
         let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
         let with_w = weights.is_some();
@@ -841,14 +842,7 @@ impl PyGradSync {
             (Ok(g), Ok(w)) => (g, w),
             (Err(bad), _) | (_, Err(bad)) => return Err(self.fail_bucket_with(py, &ids, bad)),
         };
-        let slices: Vec<&[f32]> = guards
-            .iter()
-            .map(|g| g.as_slice().expect("checked C-contiguous"))
-            .collect();
-        let wslices: Vec<&[f32]> = wguards
-            .iter()
-            .map(|g| g.as_slice().expect("checked C-contiguous"))
-            .collect();
+        let (slices, wslices) = (read_slices(&guards), read_slices(&wguards));
         let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
         let mut g = self.begin_bucket(py)?;
         let eng = g.as_mut().expect("checked open");

@@ -72,33 +72,39 @@ impl MpiComm<SimpleCommunicator> {
     /// built against (any valid handle, including `MPI_COMM_WORLD`).
     pub unsafe fn duplicate_raw(raw: ffi::MPI_Comm) -> Result<Self> {
         mpi_ready()?;
-        if raw == ffi::RSMPI_COMM_NULL {
+        // SAFETY: reading a constant handle of the linked MPI library.
+        let null = unsafe { ffi::RSMPI_COMM_NULL };
+        if raw == null {
             return Err(Error::InvalidArgument(
                 "the communicator is MPI_COMM_NULL".into(),
             ));
         }
         let mut inter: c_int = 0;
-        check(
-            ffi::MPI_Comm_test_inter(raw, &mut inter),
-            "MPI_Comm_test_inter",
-        )?;
+        // SAFETY: `raw` is a valid handle (the caller's contract); `inter`
+        // is a live int.
+        let rc = unsafe { ffi::MPI_Comm_test_inter(raw, &mut inter) };
+        check(rc, "MPI_Comm_test_inter")?;
         if inter != 0 {
             return Err(Error::InvalidArgument(
                 "inter-communicators are not supported: pass an intra-communicator".into(),
             ));
         }
-        let mut dup = ffi::RSMPI_COMM_NULL;
-        check(ffi::MPI_Comm_dup(raw, &mut dup), "MPI_Comm_dup")?;
-        let rc = ffi::MPI_Comm_set_errhandler(dup, ffi::RSMPI_ERRORS_RETURN);
+        let mut dup = null;
+        // SAFETY: `raw` is a valid intra-communicator (checked above);
+        // `dup` is a live handle to write.
+        check(unsafe { ffi::MPI_Comm_dup(raw, &mut dup) }, "MPI_Comm_dup")?;
+        // SAFETY: `dup` was just created; the handler is a library constant.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup, ffi::RSMPI_ERRORS_RETURN) };
         if let Err(e) = check(rc, "MPI_Comm_set_errhandler") {
-            ffi::MPI_Comm_free(&mut dup);
+            // SAFETY: `dup` is ours and not used after this.
+            unsafe { ffi::MPI_Comm_free(&mut dup) };
             return Err(e);
         }
         // SAFETY: `dup` is a live intra-communicator that only this value
         // owns; rsmpi frees it on drop.
-        Ok(Self::wrap(
-            <SimpleCommunicator as mpi::raw::FromRaw>::from_raw(dup),
-        ))
+        Ok(Self::wrap(unsafe {
+            <SimpleCommunicator as mpi::raw::FromRaw>::from_raw(dup)
+        }))
     }
 }
 
@@ -287,14 +293,18 @@ impl<C: Communicator> MpiComm<C> {
                 "allreduce of {n} elements exceeds the {MAX_COUNT}-element limit of one MPI call"
             )));
         }
-        let rc = ffi::MPI_Allreduce(
-            buf_ptr(send as *const u8, n),
-            buf_ptr(recv as *const u8, n) as *mut c_void,
-            n as c_int,
-            dtype::<f32>(),
-            ffi::RSMPI_SUM,
-            self.raw,
-        );
+        // SAFETY: the caller's contract: `send` and `recv` address `n`
+        // floats each (device or host memory MPI can reach).
+        let rc = unsafe {
+            ffi::MPI_Allreduce(
+                buf_ptr(send as *const u8, n),
+                buf_ptr(recv as *const u8, n) as *mut c_void,
+                n as c_int,
+                dtype::<f32>(),
+                ffi::RSMPI_SUM,
+                self.raw,
+            )
+        };
         check(rc, "MPI_Allreduce")
     }
 }
@@ -460,11 +470,13 @@ impl<C: Communicator> Transport for MpiComm<C> {
                 if i < ns {
                     dest as c_int
                 } else {
+                    // SAFETY: reading a constant of the linked MPI library.
                     unsafe { ffi::RSMPI_PROC_NULL }
                 },
                 if i < nr {
                     src as c_int
                 } else {
+                    // SAFETY: as above.
                     unsafe { ffi::RSMPI_PROC_NULL }
                 },
             );
@@ -498,16 +510,22 @@ impl<C: Communicator> Transport for MpiComm<C> {
     unsafe fn isend<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<MpiRequest> {
         check_peer(self.size, dest)?;
         check_immediate_len(buf.len())?;
-        let mut raw = ffi::RSMPI_REQUEST_NULL;
-        let rc = ffi::MPI_Isend(
-            buf.as_ptr() as *const c_void,
-            buf.len() as c_int,
-            dtype::<T>(),
-            dest as c_int,
-            tag,
-            self.raw,
-            &mut raw,
-        );
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: pointer and count describe `buf`, which the caller keeps
+        // alive and unwritten until the request completes (this method's
+        // contract).
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr() as *const c_void,
+                buf.len() as c_int,
+                dtype::<T>(),
+                dest as c_int,
+                tag,
+                self.raw,
+                &mut raw,
+            )
+        };
         check(rc, "MPI_Isend")?;
         Ok(MpiRequest {
             raw,
@@ -519,16 +537,22 @@ impl<C: Communicator> Transport for MpiComm<C> {
     unsafe fn irecv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<MpiRequest> {
         check_peer(self.size, src)?;
         check_immediate_len(buf.len())?;
-        let mut raw = ffi::RSMPI_REQUEST_NULL;
-        let rc = ffi::MPI_Irecv(
-            buf.as_mut_ptr() as *mut c_void,
-            buf.len() as c_int,
-            dtype::<T>(),
-            src as c_int,
-            tag,
-            self.raw,
-            &mut raw,
-        );
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: pointer and count describe `buf`, which the caller keeps
+        // alive and untouched until the request completes (this method's
+        // contract).
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                buf.as_mut_ptr() as *mut c_void,
+                buf.len() as c_int,
+                dtype::<T>(),
+                src as c_int,
+                tag,
+                self.raw,
+                &mut raw,
+            )
+        };
         check(rc, "MPI_Irecv")?;
         Ok(MpiRequest {
             raw,

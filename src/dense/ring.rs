@@ -145,73 +145,100 @@ fn ring_pipelined<C: Transport, T: Real>(
     let mut sends: VecDeque<(usize, C::Request)> = VecDeque::with_capacity(2 * nchunks + 2);
     let mut recvs: Vec<C::Request> = Vec::with_capacity(nchunks);
 
-    // SAFETY (whole function): every slice made from `base`/`tbase` below is in
-    // bounds (segments partition 0..n, chunks partition a segment, `tmp` holds
-    // one full segment). A buffer region handed to a pending isend is not
-    // written until that send is waited (see the step rule above); a region
-    // handed to a pending irecv is not touched until that receive is waited.
-    // `buf` and `tmp` are not used through their references meanwhile.
-    unsafe {
-        let first = segment(n, p, rank);
-        for c in (first.start..first.end).step_by(chunk) {
-            let part = std::slice::from_raw_parts(base.add(c), chunk.min(first.end - c));
-            sends.push_back((0, comm.isend(part, right, TAG)?));
-        }
-        if first.is_empty() {
-            sends.push_back((0, comm.isend(&[] as &[T], right, TAG)?));
-        }
-        for s in 0..steps {
-            let seg = recv_seg(s);
-            let reduce = s < p - 1;
-            if !reduce {
-                // Segment `seg` was sent at step s − (p − 1): finish those sends.
-                let limit = s - (p - 1);
-                while sends.front().is_some_and(|(t, _)| *t <= limit) {
-                    sends.pop_front().expect("front exists").1.wait()?;
-                }
-            }
-            // Post every chunk receive of this step (empty segment: one empty message).
-            let mut c = seg.start;
-            loop {
-                let len = chunk.min(seg.end - c);
-                let dst = if reduce {
-                    std::slice::from_raw_parts_mut(tbase.add(c - seg.start), len)
-                } else {
-                    std::slice::from_raw_parts_mut(base.add(c), len)
-                };
-                recvs.push(comm.irecv(dst, left, TAG)?);
-                c += len;
-                if c >= seg.end {
-                    break;
-                }
-            }
-            let mut c = seg.start;
-            for req in recvs.drain(..) {
-                req.wait()?;
-                let len = chunk.min(seg.end - c);
-                let mine = std::slice::from_raw_parts_mut(base.add(c), len);
-                if reduce {
-                    add_into(
-                        mine,
-                        std::slice::from_raw_parts(tbase.add(c - seg.start), len),
-                    );
-                    if s == p - 2 && op == ReduceOp::Average {
-                        average(mine, p);
-                    }
-                }
-                if s + 1 < steps {
-                    sends.push_back((s + 1, comm.isend(&*mine, right, TAG)?));
-                }
-                c += len;
-            }
-            // Bound what is in flight: sends of steps up to s − 1 are done.
-            while sends.front().is_some_and(|(t, _)| *t < s) {
+    // The rule every unsafe block below relies on: every slice made from
+    // `base`/`tbase` is in bounds (segments partition 0..n, chunks
+    // partition a segment, `tmp` holds one full segment); a region handed
+    // to a pending isend is not written until that send is waited (the
+    // step rule above); a region handed to a pending irecv is not touched
+    // until that receive is waited; `buf` and `tmp` are not used through
+    // their references meanwhile.
+    let first = segment(n, p, rank);
+    for c in (first.start..first.end).step_by(chunk) {
+        // SAFETY: in `first` (the rule above); read while the send is pending.
+        let part = unsafe { view(base, c, chunk.min(first.end - c)) };
+        // SAFETY: `part` is not written before this send is waited.
+        sends.push_back((0, unsafe { comm.isend(part, right, TAG)? }));
+    }
+    if first.is_empty() {
+        // SAFETY: an empty static slice.
+        sends.push_back((0, unsafe { comm.isend(&[] as &[T], right, TAG)? }));
+    }
+    for s in 0..steps {
+        let seg = recv_seg(s);
+        let reduce = s < p - 1;
+        if !reduce {
+            // Segment `seg` was sent at step s − (p − 1): finish those sends.
+            let limit = s - (p - 1);
+            while sends.front().is_some_and(|(t, _)| *t <= limit) {
                 sends.pop_front().expect("front exists").1.wait()?;
             }
         }
-        for (_, req) in sends.drain(..) {
+        // Post every chunk receive of this step (empty segment: one empty message).
+        let mut c = seg.start;
+        loop {
+            let len = chunk.min(seg.end - c);
+            // SAFETY: in `tmp` (reduce) or `seg` of `buf`; the sends that read
+            // this region were waited above (the rule).
+            let dst = unsafe {
+                if reduce {
+                    view_mut(tbase, c - seg.start, len)
+                } else {
+                    view_mut(base, c, len)
+                }
+            };
+            // SAFETY: `dst` is not touched before this receive is waited.
+            recvs.push(unsafe { comm.irecv(dst, left, TAG)? });
+            c += len;
+            if c >= seg.end {
+                break;
+            }
+        }
+        let mut c = seg.start;
+        for req in recvs.drain(..) {
             req.wait()?;
+            let len = chunk.min(seg.end - c);
+            // SAFETY: this chunk's receive is done; no send of it is pending.
+            let mine = unsafe { view_mut(base, c, len) };
+            if reduce {
+                // SAFETY: the received chunk in `tmp`, its receive done.
+                add_into(mine, unsafe { view(tbase, c - seg.start, len) });
+                if s == p - 2 && op == ReduceOp::Average {
+                    average(mine, p);
+                }
+            }
+            if s + 1 < steps {
+                // SAFETY: `mine` is not written before this send is waited.
+                sends.push_back((s + 1, unsafe { comm.isend(&*mine, right, TAG)? }));
+            }
+            c += len;
+        }
+        // Bound what is in flight: sends of steps up to s − 1 are done.
+        while sends.front().is_some_and(|(t, _)| *t < s) {
+            sends.pop_front().expect("front exists").1.wait()?;
         }
     }
+    for (_, req) in sends.drain(..) {
+        req.wait()?;
+    }
     Ok(())
+}
+
+/// `len` elements at `base + off`.
+///
+/// # Safety
+/// `base + off .. base + off + len` lies in one live allocation, and
+/// nothing writes it while the slice is used.
+unsafe fn view<'a, T>(base: *const T, off: usize, len: usize) -> &'a [T] {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(base.add(off), len) }
+}
+
+/// [`view`], writable.
+///
+/// # Safety
+/// As [`view`], and nothing else reads or writes the region while the
+/// slice is used.
+unsafe fn view_mut<'a, T>(base: *mut T, off: usize, len: usize) -> &'a mut [T] {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(base.add(off), len) }
 }

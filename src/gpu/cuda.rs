@@ -346,11 +346,15 @@ impl BorrowedCuda {
         }
         let mut ordinal: i32 = -1;
         if len > 0 {
-            sys::cuPointerGetAttribute(
-                (&mut ordinal as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                ptr,
-            )
+            // SAFETY: `ordinal` is a live i32, the attribute's type; the
+            // driver only reads `ptr`'s address.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut ordinal as *mut i32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    ptr,
+                )
+            }
             .result()
             .map_err(|e| {
                 Error::InvalidArgument(format!(
@@ -365,22 +369,30 @@ impl BorrowedCuda {
         // gradsync's stream waits for the producer's work so far.
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(device_err("cuEventCreate"))?;
-        let ordered = result::event::record(ev, producer as sys::CUstream)
+        // SAFETY: `ev` was just created; `producer` is null or a live
+        // stream of this context (the caller's contract).
+        let ordered = unsafe { result::event::record(ev, producer as sys::CUstream) }
             .and_then(|()| {
-                result::stream::wait_event(
-                    stream.cu_stream(),
-                    ev,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
+                // SAFETY: our live stream and event.
+                unsafe {
+                    result::stream::wait_event(
+                        stream.cu_stream(),
+                        ev,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
             })
             .map_err(device_err("ordering after the producer's stream"));
         // Destroying an event with work still waiting on it is allowed.
-        let _ = result::event::destroy(ev);
+        // SAFETY: `ev` is not used after this.
+        let _ = unsafe { result::event::destroy(ev) };
         ordered?;
         let buf = if len == 0 {
             stream.null().map_err(device_err("empty buffer"))?
         } else {
-            stream.upgrade_device_ptr::<f32>(ptr, len)
+            // SAFETY: `ptr` holds `len` f32s of this context, valid until
+            // this value is dropped (the caller's contract).
+            unsafe { stream.upgrade_device_ptr::<f32>(ptr, len) }
         };
         Ok(BorrowedCuda {
             inner: Some(CudaStaging::new(stream, buf)),

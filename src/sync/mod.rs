@@ -279,7 +279,9 @@ impl GradSync<MpiComm> {
     /// `raw` must be a valid communicator handle of the MPI library
     /// gradsync is linked with.
     pub unsafe fn from_raw_comm(raw: mpi::ffi::MPI_Comm, cfg: Result<Config>) -> Result<Self> {
-        let comm = MpiComm::duplicate_raw(raw)?;
+        // SAFETY: `raw` is a handle of the linked MPI library (this
+        // function's contract).
+        let comm = unsafe { MpiComm::duplicate_raw(raw)? };
         let cfg = crate::failure::agree(&comm, cfg)?;
         Self::with_transport(comm, cfg)
     }

@@ -217,6 +217,21 @@ pub(super) struct StepPlan {
     pub(super) parallel_unpack: bool,
 }
 
+impl StepPlan {
+    /// Every group emptied (buffers kept).
+    fn clear_groups(&mut self) {
+        for g in [
+            &mut self.dense,
+            &mut self.sparse,
+            &mut self.reduced,
+            &mut self.gradiveq,
+            &mut self.local,
+        ] {
+            g.clear();
+        }
+    }
+}
+
 /// The plan of step `step` for `ranks` ranks under `cfg` with the layer
 /// table `table`. Pure: the same inputs give the same plan on every rank.
 // The engine replans into its own buffers (`plan_step_into`).
@@ -262,15 +277,7 @@ pub(super) fn plan_step_into(
     plan.delayed = cfg.delay > 1;
     plan.layers.clear();
     let reduce_pairs = cfg.sparse_exchange != SparseExchange::Allgather;
-    for g in [
-        &mut plan.dense,
-        &mut plan.sparse,
-        &mut plan.reduced,
-        &mut plan.gradiveq,
-        &mut plan.local,
-    ] {
-        g.clear();
-    }
+    plan.clear_groups();
     for (i, l) in table.iter().enumerate() {
         let mode = if !communicates {
             Mode::Local
@@ -414,15 +421,7 @@ pub(super) fn restrict_into(
             ..LayerPlan::default()
         },
     );
-    for g in [
-        &mut part.dense,
-        &mut part.sparse,
-        &mut part.reduced,
-        &mut part.gradiveq,
-        &mut part.local,
-    ] {
-        g.clear();
-    }
+    part.clear_groups();
     for &id in members {
         let i = id as usize;
         let n = table[i].n;
