@@ -670,7 +670,7 @@ fn bucketed_steps_equal_the_whole_step_under_mpirun() {
         assert!(ok, "np={np}: {err}\n{out}");
         let oks = out
             .lines()
-            .filter(|l| l.starts_with("OK buckets step") && l.contains("buckets=4"))
+            .filter(|l| l.starts_with("OK buckets step") && l.contains("buckets=3"))
             .count();
         assert_eq!(oks, 4 * np, "np={np}:\n{out}");
     }

@@ -45,6 +45,17 @@ unsafe fn with_engine(
         ));
         return gs_status::GS_ERR_PANIC as c_int;
     }
+    // Every call but saving a snapshot enters MPI: after MPI_Finalize (or
+    // before MPI_Init) that aborts inside the library; an error instead.
+    if what != "gs_save_snapshot" {
+        if let Err(err) = gradsync_engine::comm::mpi_ready() {
+            let why = match err {
+                Error::InvalidArgument(m) => m,
+                other => other.to_string(),
+            };
+            return guard(|| Err(invalid(format!("{what}: {why}"))));
+        }
+    }
     let code = guard(|| f(&mut *e));
     if code == gs_status::GS_ERR_PANIC as c_int {
         (*e).poisoned = true;

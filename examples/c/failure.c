@@ -222,7 +222,16 @@ int main(int argc, char **argv) {
   if (sum != nprocs) failures++;
   int total = 0;
   MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  /* An engine used after MPI_Finalize: an error, as before MPI_Init (never
+     an abort inside MPI). */
+  gs_engine *late = NULL;
+  if (gs_engine_create(MPI_COMM_WORLD, NULL, &late) != GS_OK) total++;
   if (rank == 0) printf(total ? "c failure: FAILED (%d checks)\n" : "c failure: OK\n", total);
   MPI_Finalize();
-  return total ? 1 : 0;
+  rc = gs_sync(late, NULL, 0);
+  printf("sync after MPI_Finalize | rc=%d | %s\n", rc, gs_last_error());
+  int after = rc == GS_ERR_INVALID && strstr(gs_last_error(), "finalized") != NULL;
+  if (!after) fprintf(stderr, "rank %d: sync after MPI_Finalize: rc %d, %s\n", rank, rc, gs_last_error());
+  gs_engine_destroy(late);
+  return total || !after ? 1 : 0;
 }

@@ -340,9 +340,13 @@ impl PyGradSync {
             };
             let msg = std::ffi::CString::new(text.replace('\0', " ")).expect("no NUL");
             let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+            // Warned with the engine unlocked: a warnings hook may read it
+            // (`sync.step`), and would wait for ever on this thread's lock.
+            drop(g);
             // A warnings filter of "error" must not stop this rank from
             // joining the step: the warning's own error is dropped.
             let _ = PyErr::warn(py, category.as_any(), &msg, 1);
+            return self.collective(py);
         }
         Ok(g)
     }
@@ -964,11 +968,19 @@ impl PyGradSync {
     /// Free the engine and its duplicated communicator now (a local
     /// `MPI_Comm_free`, as on garbage collection). Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let e = self
-            .inner
-            .lock()
-            .map_err(|_| Error::new_err("poisoned"))?
-            .take();
+        // As `engine()`: another thread may hold the engine inside a
+        // GIL-free step, and needs the GIL to return: wait without it.
+        let e = loop {
+            match self.inner.try_lock() {
+                Ok(mut g) => break g.take(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    py.detach(|| std::thread::sleep(std::time::Duration::from_micros(50)))
+                }
+                Err(std::sync::TryLockError::Poisoned(_)) => {
+                    return Err(Error::new_err("the engine was poisoned by a panic"))
+                }
+            }
+        };
         py.detach(move || drop(e));
         Ok(())
     }

@@ -729,5 +729,62 @@ stop.set()
 th.join()
 ok(best > 1000, f"another Python thread ran during sync ({best} increments)")
 
+# 5. No lock held across a GIL wait or a user callback.
+# close() from another thread while a step runs (it waited for the engine's
+# lock with the GIL held while the stepping thread needed the GIL: the
+# process hung, every peer with it).
+# On a communicator of this rank alone: the hang needs no peer, and a close
+# that wins the race against the step's start leaves no peer waiting.
+solo = comm.Split(rank, 0)
+eng = gradsync.GradSync(solo, momentum=0.0)
+eng.register("big", (1 << 22,), strategy="rgc:density=0.01")
+errs = []
+entered = threading.Event()
+
+
+def steps():
+    entered.set()
+    try:
+        for _ in range(20):
+            eng.sync([np.ones(1 << 22, np.float32)])
+    except gradsync.Error as e:
+        errs.append(e)
+
+
+th = threading.Thread(target=steps)
+th.start()
+entered.wait()
+time.sleep(0.05)
+# close() waits, without the GIL, for the step in flight.
+t0 = time.perf_counter()
+eng.close()
+th.join(60)
+ok(not th.is_alive(), f"close() during a step from another thread returned ({time.perf_counter() - t0:.2f} s)")
+ok(len(errs) == 1 and "closed" in str(errs[0]), f"the next step found the engine closed: {errs[:1]}")
+solo.Free()
+comm.Barrier()
+
+# A warnings hook that reads the engine while gradsync warns (it warned
+# with its lock held: the hook spun for ever).
+import warnings
+
+eng = gradsync.GradSync(comm, momentum=0.0)
+eng.register("w", (100,), strategy="dense")
+seen = []
+old_hook = warnings.showwarning
+warnings.showwarning = lambda msg, *a, **k: seen.append((str(msg), eng.step))
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda msg, *a, **k: seen.append((str(msg), eng.step))
+        eng.start([np.ones(100, np.float32)])
+        # wait() skipped: the next sync finishes that step first and warns.
+        eng.sync([np.ones(100, np.float32)])
+finally:
+    warnings.showwarning = old_hook
+ok(len(seen) == 1 and "did not complete" in seen[0][0] and seen[0][1] == 1,
+   f"a warnings hook read the engine while gradsync warned: {seen}")
+eng.close()
+
 comm.Barrier()
 print(f"rank {rank}: OK {checks} checks", flush=True)
