@@ -81,9 +81,13 @@ pub enum Error {
     /// shapes, strategies, options). Returned on every rank.
     #[error("layer table differs across ranks: {0}")]
     TableMismatch(String),
-    /// A gradient held NaN or Inf and the engine's policy is to fail. Returned
-    /// on every rank.
-    #[error("non-finite gradient in layer {layer:?} {}", match .rank { Some(r) => format!("from rank {r}"), None => "(found in the allreduced result)".to_string() })]
+    /// A gradient held NaN or Inf (`rank`: the lowest such rank), or
+    /// every rank's was finite and their sum overflowed f32 (`rank` is
+    /// `None`), and the engine's policy is to fail. Returned on every rank.
+    #[error("{}", match .rank {
+        Some(r) => format!("non-finite gradient in layer {layer:?} from rank {r}"),
+        None => format!("non-finite result in layer {layer:?}: every rank's gradient was finite, their sum overflowed f32"),
+    })]
     NonFinite {
         /// The rank whose gradient was bad, when known.
         rank: Option<usize>,
