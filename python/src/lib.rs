@@ -254,6 +254,17 @@ fn readable<'py>(
         .collect()
 }
 
+/// A bucket's layer indices (a list of ints).
+fn layer_ids(layers: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    layers
+        .try_iter()
+        .and_then(|it| {
+            it.map(|x| x?.extract::<usize>())
+                .collect::<PyResult<Vec<_>>>()
+        })
+        .map_err(|_| PyTypeError::new_err("layers must be a list of layer indices (ints)"))
+}
+
 /// The arrays' memory, read (checked C-contiguous by `check_array`).
 fn read_slices<'a>(guards: &'a [PyReadonlyArrayDyn<'_, f32>]) -> Vec<&'a [f32]> {
     guards
@@ -406,16 +417,7 @@ impl PyGradSync {
                 .lock()
                 .map_err(|_| (vec![], Err(Error::new_err("poisoned"))))?,
         );
-        let ids: Vec<usize> = layers
-            .try_iter()
-            .and_then(|it| {
-                it.map(|x| x?.extract::<usize>())
-                    .collect::<PyResult<Vec<_>>>()
-            })
-            .map_err(|_| {
-                let e = PyTypeError::new_err("layers must be a list of layer indices (ints)");
-                (vec![], Err(e))
-            })?;
+        let ids = layer_ids(layers).map_err(|e| (vec![], Err(e)))?;
         if let Some(&i) = ids.iter().find(|&&i| i >= table.len()) {
             let e = PyValueError::new_err(format!(
                 "bucket names layer {i}; {} layers are registered",
@@ -867,13 +869,7 @@ impl PyGradSync {
         layers: &Bound<'_, PyAny>,
         reason: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ids: Vec<usize> = layers
-            .try_iter()
-            .and_then(|it| {
-                it.map(|x| x?.extract::<usize>())
-                    .collect::<PyResult<Vec<_>>>()
-            })
-            .map_err(|_| PyTypeError::new_err("layers must be a list of layer indices (ints)"))?;
+        let ids = layer_ids(layers)?;
         let text = reason
             .str()
             .map(|s| s.to_string())

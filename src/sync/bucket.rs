@@ -474,22 +474,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     ) -> Result<()> {
         let n = self.layers.len();
         let whole = ids.len() == n && ids.iter().enumerate().all(|(j, id)| id.0 == j);
-        let r = if grads.len() != ids.len() {
-            Err(Error::InvalidArgument(if whole {
-                format!("{} gradients for {n} registered layers", grads.len())
-            } else {
-                format!(
-                    "{} gradients for a bucket of {} layers",
-                    grads.len(),
-                    ids.len()
-                )
-            }))
-        } else if let Some(w) = weights.filter(|w| w.len() != ids.len()) {
-            Err(Error::InvalidArgument(format!(
-                "{} weight tensors for {} layers",
-                w.len(),
-                ids.len()
-            )))
+        let r = if let Err(e) = counts(ids.len(), grads, weights, whole) {
+            Err(e)
         } else if whole {
             self.local_phase(plan, grads, weights, job)
         } else {
@@ -643,6 +629,25 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
+/// Whether a bucket of `layers` layers got one gradient (and weight
+/// tensor) each; `whole`: the bucket is the whole table (`start`'s words).
+fn counts(layers: usize, grads: &[&[f32]], weights: Option<&[&[f32]]>, whole: bool) -> Result<()> {
+    if grads.len() != layers {
+        return Err(Error::InvalidArgument(if whole {
+            format!("{} gradients for {layers} registered layers", grads.len())
+        } else {
+            format!("{} gradients for a bucket of {layers} layers", grads.len())
+        }));
+    }
+    match weights {
+        Some(w) if w.len() != layers => Err(Error::InvalidArgument(format!(
+            "{} weight tensors for {layers} layers",
+            w.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Copy a staged bucket's gradients (and weights) into `staged`, or keep
 /// this rank's first failure.
 fn stage(staged: &mut Staged, layers: &[super::layer::Layer], ids: &[LayerId], input: Input<'_>) {
@@ -655,19 +660,10 @@ fn stage(staged: &mut Staged, layers: &[super::layer::Layer], ids: &[LayerId], i
         Ok(x) => x,
         Err(e) => return keep(staged, e),
     };
-    if grads.len() != ids.len() {
-        let e = format!(
-            "{} gradients for a bucket of {} layers",
-            grads.len(),
-            ids.len()
-        );
-        return keep(staged, Error::InvalidArgument(e));
+    if let Err(e) = counts(ids.len(), grads, weights, false) {
+        return keep(staged, e);
     }
-    if let Some(w) = weights {
-        if w.len() != ids.len() {
-            let e = format!("{} weight tensors for {} layers", w.len(), ids.len());
-            return keep(staged, Error::InvalidArgument(e));
-        }
+    if weights.is_some() {
         staged.weights.resize_with(n, Vec::new);
         staged.with_weights = true;
     }
