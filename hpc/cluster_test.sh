@@ -279,7 +279,11 @@ b = e.get("burst")
 if not b:
     print(line)
     sys.exit(3)
-assert 60e3 < b["bytes"] < 1.1e6, f"burst credit {b['bytes']} B (the bucket holds 250 KB)"
+# How much of it the fit sees depends on how fast the CPUs move the first
+# messages after the idle spell: 55 KB on one 2-vCPU CI machine, up to
+# 250 KB on others. A tenth of the bucket is the floor (below that the
+# credit is noise the fit should not have kept).
+assert 25e3 < b["bytes"] < 1.1e6, f"burst credit {b['bytes']} B (the bucket holds 250 KB)"
 # How much faster depends on the CPUs that move the burst (the shaper
 # itself passes it at memory speed): 0.13-0.28 of the sustained rate on
 # 2-vCPU VMs, 0.50 on one CI machine. Faster it must be: a credit
