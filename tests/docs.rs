@@ -23,7 +23,15 @@ fn every_option_and_codec_is_in_the_reference() {
     // `sparse_exchange` is left out of the JSON at its default; the
     // bindings' own spellings too.
     let mut keys: Vec<String> = fields.keys().cloned().collect();
-    keys.extend(["sparse_exchange", "warmup_steps", "nonfinite"].map(String::from));
+    keys.extend(
+        [
+            "sparse_exchange",
+            "progress_poll_us",
+            "warmup_steps",
+            "nonfinite",
+        ]
+        .map(String::from),
+    );
     for k in &keys {
         assert!(
             doc.contains(&format!("`{k}`")),
@@ -32,7 +40,8 @@ fn every_option_and_codec_is_in_the_reference() {
         // And the binding takes it.
         if !matches!(k.as_str(), "warmup" | "codec" | "profile") {
             let v = match k.as_str() {
-                "warmup_steps" | "compress_threshold" | "parallel_min_elems" | "delay" => "1",
+                "warmup_steps" | "compress_threshold" | "parallel_min_elems" | "delay"
+                | "progress_poll_us" => "1",
                 "nonfinite" | "non_finite" => "\"error\"",
                 "allgather" => "\"recdbl\"",
                 "allreduce" => "\"rabenseifner\"",

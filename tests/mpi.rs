@@ -21,12 +21,15 @@ fn json_lines(stdout: &str) -> Vec<serde_json::Value> {
 const COUNTS: &str = "0,1,p-1,p+1,1000,1048579"; // 1048579 = 2^20 + 3
 
 fn verify(np: usize) {
-    let (ok, out, err) = mpirun(
-        np,
-        Path::new(gradsync()),
-        &["verify", "--json", "--counts", COUNTS],
-        Duration::from_secs(600),
-    );
+    verify_with(np, &[]);
+}
+
+/// `gradsync verify` with `extra` arguments: every case checked against
+/// MPI's own collective.
+fn verify_with(np: usize, extra: &[&str]) {
+    let mut args = vec!["verify", "--json", "--counts", COUNTS];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = mpirun(np, Path::new(gradsync()), &args, Duration::from_secs(600));
     let cases = json_lines(&out);
     let failed: Vec<_> = cases.iter().filter(|c| c["check"] != "ok").collect();
     assert!(
@@ -76,18 +79,37 @@ fn verify_p8() {
     verify(8);
 }
 
+/// Every collective over a transport that waits politely (MPI's immediate
+/// calls, tested with sleeps between tests: the engine's progress thread
+/// while its caller computes) equals MPI's own collective.
+#[test]
+fn verify_with_polite_waits() {
+    for np in [1, 3, 4] {
+        verify_with(np, &["--poll-us", "50"]);
+    }
+}
+
 #[test]
 fn size_mismatch_returns_error_on_every_rank() {
-    for np in [2, 3, 5] {
+    for (np, poll) in [(2, "0"), (3, "0"), (5, "0"), (3, "50")] {
         let (ok, out, err) = mpirun(
             np,
             Path::new(gradsync()),
-            &["verify", "--json", "--mismatch", "--counts", "0,1000"],
+            &[
+                "verify",
+                "--json",
+                "--mismatch",
+                "--counts",
+                "0,1000",
+                "--poll-us",
+                poll,
+            ],
             Duration::from_secs(120),
         );
         let cases = json_lines(&out);
-        // 2 counts x 4 algorithms x (mismatch case + the communicator still works)
-        assert_eq!(cases.len(), 16, "p={np}: {out}\n{err}");
+        // An exact receive's length error, then 2 counts x 4 algorithms x
+        // (mismatch case + the communicator still works)
+        assert_eq!(cases.len(), 1 + 16, "p={np}: {out}\n{err}");
         assert!(
             cases.iter().all(|c| c["check"] == "ok"),
             "p={np}: {out}\n{err}"

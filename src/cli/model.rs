@@ -59,6 +59,11 @@ pub struct ModelArgs {
     /// the sum over p·k, in (0, 1] (default: independent selections).
     #[arg(long)]
     pub fill: Option<f64>,
+    /// Layers with fewer elements stay dense in a planned step, as the
+    /// engine keeps them under `auto` (its `compress_threshold`, 32768 by
+    /// default). 0: every layer chosen by price alone.
+    #[arg(long, default_value_t = 0)]
+    pub compress_threshold: usize,
 }
 
 impl ModelArgs {
@@ -604,6 +609,7 @@ pub fn step_query(
         ranks_per_node: m.rpn(),
         fill: m.fill,
         allgather: crate::dense::AllgathervAlgo::Auto,
+        min_sparse_elems: m.compress_threshold,
     })
 }
 

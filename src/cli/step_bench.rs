@@ -237,6 +237,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         ranks_per_node: inp.ranks_per_node,
         fill: None,
         allgather: crate::dense::AllgathervAlgo::Auto,
+        min_sparse_elems: cfg.compress_threshold,
         allowed: allowed.clone(),
     };
     let plan = cost::plan_step(prof, &q, &model::step_layers(&inp.layers))?;
@@ -340,6 +341,7 @@ fn uniform(
                 ranks_per_node: inp.ranks_per_node,
                 fill: None,
                 allgather: crate::dense::AllgathervAlgo::Auto,
+                min_sparse_elems: 0,
                 allowed: Vec::new(),
             };
             let table = model::step_layers(&inp.layers);

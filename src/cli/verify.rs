@@ -29,6 +29,13 @@ pub struct VerifyArgs {
     /// Print one JSON object per case.
     #[arg(long)]
     pub json: bool,
+    /// Run every case over a transport that waits as the engine's progress
+    /// thread does while its caller computes: test the requests and sleep
+    /// this many microseconds between tests (`progress_poll_us`), with
+    /// MPI's immediate calls in place of its blocking ones. 0: MPI's
+    /// blocking calls.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub poll_us: u32,
 }
 
 fn parse_count(s: &str, p: usize) -> Result<usize> {
@@ -116,6 +123,19 @@ fn inputs(a: &VerifyArgs, p: usize) -> Result<(Vec<usize>, Vec<usize>)> {
 }
 
 pub(super) fn run(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
+    // Agreed first: duplicating the communicator is collective.
+    crate::failure::same_on_every_rank(comm, &[("--poll-us", a.poll_us.to_string())])?;
+    if a.poll_us == 0 {
+        return run_on(comm, a);
+    }
+    let mut polite = MpiComm::duplicate_of(comm.communicator())?;
+    polite.set_wait(Some(std::sync::Arc::new(crate::comm::PoliteWait::new(
+        std::time::Duration::from_micros(a.poll_us.into()),
+    ))));
+    run_on(&polite, a)
+}
+
+fn run_on(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
     let p = comm.size();
     let (counts, chunks) = agree_inputs(comm, inputs(a, p), |(counts, chunks)| {
         vec![
@@ -317,6 +337,25 @@ fn mismatch(comm: &MpiComm, counts: &[usize], rep: &mut Report) -> Result<()> {
         rep.case("mismatch (needs p > 1)", 0, true, "skipped")?;
         return Ok(());
     }
+    // Receives are exact: every rank sends 3 elements to the next and
+    // expects 4 from the previous, and gets the size error naming them.
+    let mut got = [0f32; 4];
+    let prev = (rank + p - 1) % p;
+    let res = comm.sendrecv(&[1f32; 3], (rank + 1) % p, &mut got, prev, 1);
+    let (ok, detail) = match res {
+        Err(Error::MessageSize {
+            peer,
+            expected,
+            got,
+            ..
+        }) => (
+            peer == prev && expected == 4 && got == 3,
+            format!("MessageSize from rank {peer}: expected {expected}, got {got}"),
+        ),
+        Err(e) => (false, format!("wrong error: {e}")),
+        Ok(()) => (false, "no error".into()),
+    };
+    rep.case("mismatch sendrecv length", 3, ok, &detail)?;
     for &n in counts {
         for algo in algos() {
             let mut buf = vec![1.0f32; n + rank];

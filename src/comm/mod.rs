@@ -53,6 +53,48 @@ pub trait Request {
     fn wait(self) -> Result<()>;
 }
 
+/// How a transport's blocking calls wait while the engine's caller
+/// computes: by testing their requests and sleeping `interval` between
+/// tests, so that a progress thread leaves the CPU to the caller's compute
+/// instead of spinning inside MPI. While [`urgent`](Self::set_urgent) is
+/// set (the caller itself waits for the result) or during the first
+/// `interval` of a wait, they test without sleeping.
+///
+/// Why: an MPI library progresses transfers only while a thread is inside
+/// it, and its blocking calls spin. On a CPU with a core per rank (CPU
+/// training), a progress thread spinning in `MPI_Wait` halves the caller's
+/// backward pass, and overlapping gains nothing; a sleeping one costs at
+/// most `interval` per transfer round while the caller computes (the
+/// network keeps moving what the sockets and shared-memory buffers hold).
+/// Horovod's background thread sleeps its cycle time for the same reason.
+#[derive(Debug)]
+pub struct PoliteWait {
+    interval: std::time::Duration,
+    urgent: std::sync::atomic::AtomicBool,
+}
+
+impl PoliteWait {
+    /// Sleep `interval` between tests.
+    pub fn new(interval: std::time::Duration) -> Self {
+        PoliteWait {
+            interval,
+            urgent: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+    /// The sleep between two tests of a wait.
+    pub fn interval(&self) -> std::time::Duration {
+        self.interval
+    }
+    /// Set while a thread waits for the result: waits then spin.
+    pub fn set_urgent(&self, on: bool) {
+        self.urgent.store(on, std::sync::atomic::Ordering::Release);
+    }
+    /// Whether waits spin now.
+    pub fn is_urgent(&self) -> bool {
+        self.urgent.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 /// Point-to-point communication among `size()` ranks.
 ///
 /// Receives are exact: a receive of `buf.len()` elements fails with
@@ -103,6 +145,12 @@ pub trait Transport {
     fn progress_thread_ok(&self) -> bool {
         true
     }
+
+    /// Make this transport's blocking calls wait politely ([`PoliteWait`])
+    /// or, with `None`, the transport's own way (MPI: its blocking calls).
+    /// The engine sets it on the transport its progress thread holds.
+    /// Transports that never spin ignore it.
+    fn set_wait(&mut self, _wait: Option<std::sync::Arc<PoliteWait>>) {}
 
     /// Synchronize all ranks.
     fn barrier(&self) -> Result<()>;

@@ -2,13 +2,14 @@
 //! MPI return code is checked (rsmpi's safe calls rely on the fatal error
 //! handler) and non-blocking requests need no rsmpi scope.
 
-use super::{check_peer, Elem, Request, Tag, Transport};
+use super::{check_peer, Elem, PoliteWait, Request, Tag, Transport};
 use crate::{Error, Result};
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use std::mem::MaybeUninit;
 use std::os::raw::{c_char, c_int, c_void};
+use std::sync::Arc;
 
 /// Largest element count moved by one MPI call (`Count` is a C `int`); longer
 /// blocking transfers are split into several messages.
@@ -40,6 +41,9 @@ pub struct MpiComm<C: Communicator = SimpleCommunicator> {
     size: usize,
     /// [`MpiComm::node_ids`], once measured.
     nodes: std::sync::OnceLock<Vec<usize>>,
+    /// `Some`: blocking calls are immediate ones waited on politely
+    /// ([`Transport::set_wait`]); `None`: MPI's blocking calls.
+    wait: Option<Arc<PoliteWait>>,
 }
 
 // SAFETY: an MPI communicator handle is a process-wide reference that any
@@ -173,6 +177,7 @@ impl<C: Communicator> MpiComm<C> {
             rank,
             size,
             nodes: std::sync::OnceLock::new(),
+            wait: None,
         }
     }
 
@@ -201,7 +206,90 @@ impl<C: Communicator> MpiComm<C> {
         all.into_iter().map(|x| x as usize).collect()
     }
 
+    /// One `MPI_Sendrecv` as an `MPI_Irecv` and an `MPI_Isend` waited on
+    /// together ([`wait_all`]), for a transport that waits politely.
+    /// `sdest` or `rsrc` may be `MPI_PROC_NULL`.
+    fn sendrecv_immediate<T: Elem>(
+        &self,
+        s: &[T],
+        sdest: c_int,
+        r: &mut [T],
+        rsrc: c_int,
+        tag: Tag,
+    ) -> Result<()> {
+        // SAFETY: reading constants of the linked MPI library.
+        let (null_req, proc_null) = unsafe { (ffi::RSMPI_REQUEST_NULL, ffi::RSMPI_PROC_NULL) };
+        let mut reqs = [null_req; 2];
+        // SAFETY: pointer/count describe `r`, borrowed mutably until the
+        // request completes below (or is cancelled and completed).
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                r.as_mut_ptr() as *mut c_void,
+                r.len() as c_int,
+                dtype::<T>(),
+                rsrc,
+                tag,
+                self.raw,
+                &mut reqs[0],
+            )
+        };
+        check(rc, "MPI_Irecv")?;
+        // SAFETY: pointer/count describe `s`, borrowed until completion.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                s.as_ptr() as *const c_void,
+                s.len() as c_int,
+                dtype::<T>(),
+                sdest,
+                tag,
+                self.raw,
+                &mut reqs[1],
+            )
+        };
+        if let Err(e) = check(rc, "MPI_Isend") {
+            // SAFETY: `reqs[0]` is the active receive started above; it is
+            // cancelled and completed before `r` is released.
+            unsafe {
+                ffi::MPI_Cancel(&mut reqs[0]);
+                ffi::MPI_Wait(&mut reqs[0], ffi::RSMPI_STATUS_IGNORE);
+            }
+            return Err(e);
+        }
+        let mut status = [MaybeUninit::<ffi::MPI_Status>::uninit(); 2];
+        wait_all(self.wait.as_deref(), &mut reqs, &mut status)?;
+        if rsrc != proc_null {
+            // SAFETY: the receive completed and MPI filled its status.
+            let st = unsafe { status[0].assume_init_ref() };
+            check_count::<T>(st, r.len(), rsrc as usize, tag)?;
+        }
+        Ok(())
+    }
+
+    /// Run one collective: its blocking call, or, for a transport that
+    /// waits politely, its immediate form (`MPI_I...`) waited on with
+    /// [`wait_all`]. Each closure makes the MPI call and returns its code.
+    fn collective(
+        &self,
+        blocking: impl FnOnce() -> c_int,
+        blocking_call: &'static str,
+        immediate: impl FnOnce(*mut ffi::MPI_Request) -> c_int,
+        immediate_call: &'static str,
+    ) -> Result<()> {
+        if self.wait.is_none() {
+            return check(blocking(), blocking_call);
+        }
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut req = [unsafe { ffi::RSMPI_REQUEST_NULL }];
+        check(immediate(&mut req[0]), immediate_call)?;
+        wait_all(self.wait.as_deref(), &mut req, &mut [MaybeUninit::uninit()])
+    }
+
     fn raw_recv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<()> {
+        if self.wait.is_some() {
+            // SAFETY: `buf` is borrowed mutably until the request, waited
+            // on here, completes.
+            return unsafe { self.irecv(buf, src, tag) }?.wait();
+        }
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
         // SAFETY: buffer pointer/count describe `buf`; status is written by MPI.
         let rc = unsafe {
@@ -293,19 +381,31 @@ impl<C: Communicator> MpiComm<C> {
                 "allreduce of {n} elements exceeds the {MAX_COUNT}-element limit of one MPI call"
             )));
         }
-        // SAFETY: the caller's contract: `send` and `recv` address `n`
-        // floats each (device or host memory MPI can reach).
-        let rc = unsafe {
-            ffi::MPI_Allreduce(
-                buf_ptr(send as *const u8, n),
-                buf_ptr(recv as *const u8, n) as *mut c_void,
-                n as c_int,
-                dtype::<f32>(),
-                ffi::RSMPI_SUM,
-                self.raw,
-            )
-        };
-        check(rc, "MPI_Allreduce")
+        let (s, r) = (
+            buf_ptr(send as *const u8, n),
+            buf_ptr(recv as *const u8, n) as *mut c_void,
+        );
+        self.collective(
+            // SAFETY: the caller's contract: `send` and `recv` address `n`
+            // floats each (device or host memory MPI can reach).
+            || unsafe {
+                ffi::MPI_Allreduce(s, r, n as c_int, dtype::<f32>(), ffi::RSMPI_SUM, self.raw)
+            },
+            "MPI_Allreduce",
+            // SAFETY: as above; the request is completed before returning.
+            |req| unsafe {
+                ffi::MPI_Iallreduce(
+                    s,
+                    r,
+                    n as c_int,
+                    dtype::<f32>(),
+                    ffi::RSMPI_SUM,
+                    self.raw,
+                    req,
+                )
+            },
+            "MPI_Iallreduce",
+        )
     }
 }
 
@@ -330,12 +430,50 @@ fn check_immediate_len(len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Complete every request of `reqs` (`MPI_Waitall`), politely when `wait`
+/// is given ([`PoliteWait`]: `MPI_Testall`, then a sleep of its interval
+/// between tests once the first interval has passed, unless urgent).
+fn wait_all(
+    wait: Option<&PoliteWait>,
+    reqs: &mut [ffi::MPI_Request],
+    statuses: &mut [MaybeUninit<ffi::MPI_Status>],
+) -> Result<()> {
+    debug_assert_eq!(reqs.len(), statuses.len());
+    let n = reqs.len() as c_int;
+    let st = statuses.as_mut_ptr() as *mut ffi::MPI_Status;
+    let Some(w) = wait else {
+        // SAFETY: `reqs` are requests of this library (active or null) and
+        // `st` has room for one status each.
+        return check(
+            unsafe { ffi::MPI_Waitall(n, reqs.as_mut_ptr(), st) },
+            "MPI_Waitall",
+        );
+    };
+    let start = std::time::Instant::now();
+    loop {
+        let mut flag: c_int = 0;
+        // SAFETY: as above; `flag` is a live int.
+        let rc = unsafe { ffi::MPI_Testall(n, reqs.as_mut_ptr(), &mut flag, st) };
+        check(rc, "MPI_Testall")?;
+        if flag != 0 {
+            return Ok(());
+        }
+        if w.is_urgent() || start.elapsed() < w.interval() {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(w.interval());
+        }
+    }
+}
+
 /// A pending `MPI_Isend`/`MPI_Irecv`.
 pub struct MpiRequest {
     raw: ffi::MPI_Request,
     /// For receives: (expected count, datatype, source, tag) to check on completion.
     recv_check: Option<(usize, ffi::MPI_Datatype, usize, Tag)>,
     done: bool,
+    /// The transport's wait policy when the request was made.
+    wait: Option<Arc<PoliteWait>>,
 }
 
 impl MpiRequest {
@@ -344,10 +482,13 @@ impl MpiRequest {
             return Ok(());
         }
         self.done = true;
-        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
-        // SAFETY: `raw` is an active request created by MPI_Isend/MPI_Irecv.
-        let rc = unsafe { ffi::MPI_Wait(&mut self.raw, status.as_mut_ptr()) };
-        check(rc, "MPI_Wait")?;
+        let mut status = [MaybeUninit::<ffi::MPI_Status>::uninit()];
+        wait_all(
+            self.wait.as_deref(),
+            std::slice::from_mut(&mut self.raw),
+            &mut status,
+        )?;
+        let status = &status[0];
         if let Some((expected, dt, src, tag)) = self.recv_check {
             let mut count: c_int = 0;
             // SAFETY: MPI_Wait completed a receive and filled the status.
@@ -418,6 +559,12 @@ impl<C: Communicator> Transport for MpiComm<C> {
         // A zero-length message must still be sent: the receiver expects one.
         let first = chunks.next().unwrap_or(&[]);
         for part in std::iter::once(first).chain(chunks) {
+            if self.wait.is_some() {
+                // SAFETY: `part` is borrowed until the request, waited on
+                // here, completes.
+                unsafe { self.isend(part, dest, tag) }?.wait()?;
+                continue;
+            }
             // SAFETY: pointer/count describe `part`.
             let rc = unsafe {
                 ffi::MPI_Send(
@@ -480,6 +627,10 @@ impl<C: Communicator> Transport for MpiComm<C> {
                     unsafe { ffi::RSMPI_PROC_NULL }
                 },
             );
+            if self.wait.is_some() {
+                self.sendrecv_immediate(s, sdest, r, rsrc, tag)?;
+                continue;
+            }
             let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
             // SAFETY: pointers/counts describe `s` and `r`, which do not overlap.
             let rc = unsafe {
@@ -531,6 +682,7 @@ impl<C: Communicator> Transport for MpiComm<C> {
             raw,
             recv_check: None,
             done: false,
+            wait: self.wait.clone(),
         })
     }
 
@@ -558,12 +710,25 @@ impl<C: Communicator> Transport for MpiComm<C> {
             raw,
             recv_check: Some((buf.len(), dtype::<T>(), src, tag)),
             done: false,
+            wait: self.wait.clone(),
         })
     }
 
+    fn set_wait(&mut self, wait: Option<Arc<PoliteWait>>) {
+        self.wait = wait;
+    }
+
     fn barrier(&self) -> Result<()> {
-        // SAFETY: live communicator.
-        check(unsafe { ffi::MPI_Barrier(self.raw) }, "MPI_Barrier")
+        if self.wait.is_none() {
+            // SAFETY: live communicator.
+            return check(unsafe { ffi::MPI_Barrier(self.raw) }, "MPI_Barrier");
+        }
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut req = [unsafe { ffi::RSMPI_REQUEST_NULL }];
+        // SAFETY: live communicator; `req` is a live handle to write.
+        let rc = unsafe { ffi::MPI_Ibarrier(self.raw, &mut req[0]) };
+        check(rc, "MPI_Ibarrier")?;
+        wait_all(self.wait.as_deref(), &mut req, &mut [MaybeUninit::uninit()])
     }
 
     fn node_ids(&self) -> Option<Vec<usize>> {
@@ -580,18 +745,24 @@ impl<C: Communicator> Transport for MpiComm<C> {
         }
         let mut run = || -> Result<()> {
             for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
-                // SAFETY: pointers/counts describe `s` and `r`.
-                let rc = unsafe {
-                    ffi::MPI_Allreduce(
-                        buf_ptr(s.as_ptr() as *const u8, s.len()),
-                        buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void,
-                        s.len() as c_int,
-                        dtype::<T>(),
-                        ffi::RSMPI_SUM,
-                        self.raw,
-                    )
-                };
-                check(rc, "MPI_Allreduce")?;
+                let n = s.len() as c_int;
+                let (s, r) = (
+                    buf_ptr(s.as_ptr() as *const u8, s.len()),
+                    buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void,
+                );
+                self.collective(
+                    // SAFETY: pointers/counts describe the chunks `s` and `r`.
+                    || unsafe {
+                        ffi::MPI_Allreduce(s, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw)
+                    },
+                    "MPI_Allreduce",
+                    // SAFETY: as above; the request completes before the
+                    // chunks' borrows end.
+                    |req| unsafe {
+                        ffi::MPI_Iallreduce(s, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw, req)
+                    },
+                    "MPI_Iallreduce",
+                )?;
             }
             Ok(())
         };
@@ -633,20 +804,24 @@ impl<C: Communicator> Transport for MpiComm<C> {
             let ci: Vec<c_int> = counts.iter().map(|&c| to_int(c)).collect::<Result<_>>()?;
             let di: Vec<c_int> = displs.iter().map(|&d| to_int(d)).collect::<Result<_>>()?;
             to_int(out.len())?;
-            // SAFETY: counts/displs checked against `out`; `mine` matches counts[rank].
-            let rc = unsafe {
-                ffi::MPI_Allgatherv(
-                    buf_ptr(mine.as_ptr(), mine.len()),
-                    mine.len() as c_int,
-                    ffi::RSMPI_UINT8_T,
-                    buf_ptr(out.as_ptr(), out.len()) as *mut c_void,
-                    ci.as_ptr(),
-                    di.as_ptr(),
-                    ffi::RSMPI_UINT8_T,
-                    self.raw,
-                )
-            };
-            check(rc, "MPI_Allgatherv")
+            let (m, n) = (buf_ptr(mine.as_ptr(), mine.len()), mine.len() as c_int);
+            let o = buf_ptr(out.as_ptr(), out.len()) as *mut c_void;
+            // SAFETY: reading a constant of the linked MPI library.
+            let u8t = unsafe { ffi::RSMPI_UINT8_T };
+            self.collective(
+                // SAFETY: counts/displs checked against `out`; `mine`
+                // matches counts[rank].
+                || unsafe {
+                    ffi::MPI_Allgatherv(m, n, u8t, o, ci.as_ptr(), di.as_ptr(), u8t, self.raw)
+                },
+                "MPI_Allgatherv",
+                // SAFETY: as above; `ci`, `di` and the buffers outlive the
+                // request, completed before returning.
+                |req| unsafe {
+                    ffi::MPI_Iallgatherv(m, n, u8t, o, ci.as_ptr(), di.as_ptr(), u8t, self.raw, req)
+                },
+                "MPI_Iallgatherv",
+            )
         };
         Some(run())
     }

@@ -214,6 +214,7 @@ mod tests {
             ranks_per_node: None,
             fill: None,
             allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+            min_sparse_elems: 0,
         }
     }
 

@@ -107,6 +107,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         ranks_per_node: q.ranks_per_node,
         fill: q.fill,
         allgather: q.allgather,
+        min_sparse_elems: 0,
     };
     check(&sq)?;
     let net = Net::of(prof, &sq);

@@ -930,6 +930,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         ranks_per_node: q.ranks_per_node,
         fill: q.fill,
         allgather: crate::dense::AllgathervAlgo::Auto,
+        min_sparse_elems: 0,
     };
     step::check(&sq)?;
     let preds: Vec<Prediction> = StrategyId::ALL

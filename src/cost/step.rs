@@ -108,6 +108,15 @@ pub struct StepQuery {
     /// engine's `auto` runs it; `Node` the node-aware one; any other the
     /// flat one (`mpi` priced as that).
     pub allgather: crate::dense::AllgathervAlgo,
+    /// Free layers with fewer elements stay dense (in the dense group,
+    /// whatever sparse or low-rank strategy would price lower): RedSync's
+    /// `compress_thd` and DGC's uncompressed small layers, a rule for
+    /// convergence, not for time. Top-k of a bias or a small convolution
+    /// sends one or a few elements a step and holds back the rest in the
+    /// residual, which slows training by far more than the α it saves
+    /// (measured in docs/benchmarks.md's PyTorch section). 0: every layer
+    /// chosen by price alone.
+    pub min_sparse_elems: usize,
 }
 
 /// The three kinds of group of a step.
@@ -716,6 +725,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
                     .iter()
                     .map(|c| option(prof, q, (l.n, table), *c, q.density))
                     .filter(|o| fits(open, o))
+                    .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense)
                     .collect()
             })
             .collect();

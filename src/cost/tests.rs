@@ -386,6 +386,7 @@ fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
         ranks_per_node: None,
         fill: None,
         allgather: crate::dense::AllgathervAlgo::Auto,
+        min_sparse_elems: 0,
         allowed: allowed.to_vec(),
     }
 }
@@ -434,6 +435,49 @@ fn plan_step_is_the_exhaustive_optimum() {
             ns.len()
         );
     }
+}
+
+/// `min_sparse_elems` keeps the smaller layers dense whatever their
+/// price (a rule for convergence), and only them: on a slow, high-latency
+/// network the plan by price alone sends the small layers sparse with the
+/// big ones (a dense group would add its α); with the threshold those are
+/// dense, the big layers stay sparse, and the plan's total is what
+/// `predict_step` says for its choices.
+#[test]
+fn plan_step_keeps_layers_below_the_threshold_dense() {
+    use StrategyId::*;
+    let mut pr = Profile::from_network(1e-3, 1.25e8, 1.5e-10, 7e-10).expect("profile");
+    pr.select
+        .insert("trimmed".into(), LinearFit { a: 2e-5, b: 1.3e-9 });
+    let ns = [64usize, 9408, 64, 1 << 20, 300, 2_000_000, 1];
+    let allowed = [DenseRabenseifner, SparseAllgather];
+    let layers = table(&ns);
+    let free = plan_step(&pr, &sq(32, &allowed), &layers).expect("plan");
+    let small_sparse = |plan: &StepPlan| {
+        plan.layers
+            .iter()
+            .zip(ns)
+            .filter(|(l, n)| *n < 32768 && !l.choice.is_dense())
+            .count()
+    };
+    assert!(
+        small_sparse(&free) > 0,
+        "by price some small layer is sparse: {free:?}"
+    );
+    let q = StepQuery {
+        min_sparse_elems: 32768,
+        ..sq(32, &allowed)
+    };
+    let kept = plan_step(&pr, &q, &layers).expect("plan");
+    assert_eq!(small_sparse(&kept), 0, "{kept:?}");
+    for (i, n) in ns.iter().enumerate() {
+        if *n >= 32768 {
+            assert_eq!(kept.layers[i].choice, free.layers[i].choice, "layer {i}");
+        }
+    }
+    let mine: Vec<StrategyId> = kept.layers.iter().map(|l| l.choice).collect();
+    let again = predict_step(&pr, &q, &layers, &mine).expect("predict");
+    assert!(rel(again.seconds, kept.seconds) < 1e-12);
 }
 
 /// Within [`NEAR_TIE`] of the sparse group's cost the plan names the
@@ -802,6 +846,7 @@ mod exchange {
                             ranks_per_node: l,
                             fill,
                             allgather: crate::dense::AllgathervAlgo::Auto,
+                            min_sparse_elems: 0,
                         };
                         let plan = predict_step(&pr, &sq, &layers, &[StrategyId::SparseAllgather])
                             .expect("plan");

@@ -214,6 +214,13 @@ pub struct Config {
     pub non_finite: NonFinitePolicy,
     /// Communicate on a progress thread so `start`/`wait` overlap computation.
     pub overlap: bool,
+    /// While the caller computes, the progress thread tests its transfers
+    /// and sleeps this many microseconds between tests instead of spinning
+    /// inside MPI ([`crate::comm::PoliteWait`]), leaving the CPU to the
+    /// caller; while the caller waits for the step it spins. 0: MPI's own
+    /// blocking calls throughout (they spin).
+    #[serde(skip_serializing_if = "is_default_poll")]
+    pub progress_poll_us: u32,
     /// Compress and unpack layers in parallel (rayon) when the sparse layers
     /// hold at least this many elements in all.
     pub parallel_min_elems: usize,
@@ -250,6 +257,7 @@ impl Default for Config {
             allreduce: AllreduceAlgo::Rabenseifner,
             non_finite: NonFinitePolicy::Error,
             overlap: true,
+            progress_poll_us: DEFAULT_PROGRESS_POLL_US,
             parallel_min_elems: 1 << 18,
             profile: None,
             auto_density: 0.001,
@@ -257,6 +265,20 @@ impl Default for Config {
             sparse_exchange: SparseExchange::Allgather,
         }
     }
+}
+
+/// [`Config::progress_poll_us`]'s default.
+pub const DEFAULT_PROGRESS_POLL_US: u32 = 100;
+
+/// Largest [`Config::progress_poll_us`]: a sleep of a second between two
+/// tests of a transfer is a mistake, not a setting.
+pub const MAX_PROGRESS_POLL_US: u32 = 1_000_000;
+
+/// Serde skips the default, so that the options' JSON, and with it the
+/// table hash that snapshots record, is what it was before the option
+/// existed (it changes how the engine waits, never a result).
+fn is_default_poll(us: &u32) -> bool {
+    *us == DEFAULT_PROGRESS_POLL_US
 }
 
 /// Largest `delay`: a million steps between synchronizations is longer
@@ -272,6 +294,12 @@ impl Config {
             return Err(Error::InvalidArgument(format!(
                 "delay {} must lie in [1, {MAX_DELAY}] (steps between synchronizations)",
                 cfg.delay
+            )));
+        }
+        if cfg.progress_poll_us > MAX_PROGRESS_POLL_US {
+            return Err(Error::InvalidArgument(format!(
+                "progress_poll_us {} must lie in [0, {MAX_PROGRESS_POLL_US}] (microseconds)",
+                cfg.progress_poll_us
             )));
         }
         if !(0.0..1.0).contains(&cfg.momentum) {

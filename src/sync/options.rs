@@ -78,7 +78,7 @@ impl Config {
         let mut known: Vec<String> = cfg.keys().cloned().collect();
         // Serialized only when not the default (it keeps the options' JSON,
         // and the table hash, as they were before the option existed).
-        for k in ["sparse_exchange"] {
+        for k in ["sparse_exchange", "progress_poll_us"] {
             if !known.iter().any(|n| n == k) {
                 known.push(k.to_string());
             }

@@ -12,12 +12,20 @@
 //! then run no collective on any rank, alike everywhere, and the step
 //! returns that first error (`bucket.rs`). A whole step is a step of one
 //! bucket.
+//!
+//! How the progress thread waits ([`PoliteWait`], `progress_poll_us`):
+//! while the caller computes, its transport tests the transfers and sleeps
+//! between tests, so that on a CPU with a core per rank the backward pass
+//! keeps its core (a thread spinning in MPI's blocking calls would take
+//! half of it); while the caller waits for a job
+//! ([`collect_job`](GradSync::collect_job)) the waits spin, as MPI's own
+//! do. Back on the caller's thread the transport waits MPI's way again.
 
 use super::job::Job;
 use super::GradSync;
-use crate::comm::Transport;
+use crate::comm::{PoliteWait, Transport};
 use crate::{Error, Result};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 /// The engine's progress. See the module docs.
 pub(super) enum Progress<C> {
@@ -48,6 +56,9 @@ pub(super) struct Worker<C> {
     thread: std::thread::JoinHandle<C>,
     /// Jobs sent and not yet received back.
     in_flight: usize,
+    /// How the thread's transport waits; urgent while the caller waits
+    /// for a job ([`collect_job`](GradSync::collect_job)).
+    wait: Option<Arc<PoliteWait>>,
 }
 
 /// Runs jobs in order, remembering the step whose earlier bucket failed
@@ -105,18 +116,26 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         };
         let (jtx, jrx) = mpsc::channel::<Box<Job>>();
         let (dtx, drx) = mpsc::channel::<Box<Job>>();
+        let us = self.cfg.progress_poll_us;
+        let wait = (us > 0)
+            .then(|| Arc::new(PoliteWait::new(std::time::Duration::from_micros(us.into()))));
+        let thread_wait = wait.clone();
         // The transport moves into the closure; `spawn` fails before taking
         // it only in theory (std gives the closure back to no one), so a
         // failed spawn loses it: the engine then cannot communicate at all.
         let spawned = std::thread::Builder::new()
             .name("gradsync-progress".into())
             .spawn(move || {
+                let mut comm = comm;
+                comm.set_wait(thread_wait);
                 while let Ok(mut job) = jrx.recv() {
                     runner.run(&mut job, &comm);
                     if dtx.send(job).is_err() {
                         break;
                     }
                 }
+                // Back on the caller's thread, MPI's blocking calls again.
+                comm.set_wait(None);
                 comm
             });
         match spawned {
@@ -126,6 +145,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     done: drx,
                     thread,
                     in_flight: 0,
+                    wait,
                 });
                 true
             }
@@ -165,7 +185,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// until its collectives are done).
     pub(super) fn collect_job(&mut self) -> Box<Job> {
         if let Progress::Threaded(w) = &mut self.progress {
-            if let Ok(job) = w.done.recv() {
+            // The caller waits now: the progress thread may spin.
+            let urgent = |on| w.wait.as_ref().map(|p| p.set_urgent(on));
+            urgent(true);
+            let job = w.done.recv();
+            urgent(false);
+            if let Ok(job) = job {
                 w.in_flight -= 1;
                 return job;
             }

@@ -94,8 +94,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// alone (the one-layer case of the step model; a table of `Auto`
     /// layers is planned as a whole, [`auto_plan`](Self::auto_plan)): the
     /// predicted-fastest of dense (the configured allreduce), RGC and
-    /// optionally quantized RGC at `auto_density`, with the predictions
-    /// (name, seconds) it chose among.
+    /// optionally quantized RGC at `auto_density` (dense only below
+    /// `compress_threshold`), with the predictions (name, seconds) it
+    /// chose among.
     pub fn auto_choice(&self, n: usize) -> Result<(Strategy, Vec<(String, f64)>)> {
         use crate::cost::{choose, predict, Query};
         let prof = self.cfg.profile.as_ref().ok_or_else(|| {
@@ -126,7 +127,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         )?;
         // The one decision table (crate::cost::choose) over what the
         // engine runs for this configuration.
-        let allowed = self.auto_candidates();
+        let mut allowed = self.auto_candidates();
+        if n < self.cfg.compress_threshold {
+            // Small layers stay dense (StepQuery::min_sparse_elems).
+            allowed.retain(|a| a.is_dense());
+        }
         let best = choose(&preds, &allowed)
             .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
         let strategy = best
@@ -524,6 +529,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ranks_per_node: self.ranks_per_node(),
             fill: self.fill_estimate,
             allgather: self.cfg.allgather,
+            min_sparse_elems: self.cfg.compress_threshold,
             allowed: self.auto_candidates(),
         }
     }

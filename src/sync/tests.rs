@@ -1414,6 +1414,7 @@ fn model_args(strategies: String) -> crate::cli::ModelArgs {
         inter_alpha: None,
         inter_bandwidth: None,
         fill: None,
+        compress_threshold: 0,
     }
 }
 
@@ -1488,7 +1489,9 @@ fn auto_layers_run_the_plan_of_the_whole_table() {
     let layers = crate::cli::read_layers(&file).unwrap();
     // Only the first 40 layers: the test allocates them on 4 in-process ranks.
     let layers: Vec<_> = layers.into_iter().take(40).collect();
-    let m = model_args("dense-rabenseifner,sparse-allgather".into());
+    let mut m = model_args("dense-rabenseifner,sparse-allgather".into());
+    // The engine's threshold: the small layers stay dense in both.
+    m.compress_threshold = cfg().compress_threshold;
     let rec = crate::cli::plan_record(&prof, &m, &layers, 4, 0.001).unwrap();
     let want: Vec<Strategy> = rec
         .layers
