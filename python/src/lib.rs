@@ -1147,6 +1147,8 @@ fn predict(
         inter_alpha,
         inter_bandwidth,
         fill,
+        // One layer's prices: no threshold.
+        compress_threshold: 0,
     };
     let rec = m
         .profile()
