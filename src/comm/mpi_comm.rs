@@ -381,31 +381,23 @@ impl<C: Communicator> MpiComm<C> {
                 "allreduce of {n} elements exceeds the {MAX_COUNT}-element limit of one MPI call"
             )));
         }
-        let (s, r) = (
-            buf_ptr(send as *const u8, n),
-            buf_ptr(recv as *const u8, n) as *mut c_void,
-        );
-        self.collective(
-            // SAFETY: the caller's contract: `send` and `recv` address `n`
-            // floats each (device or host memory MPI can reach).
-            || unsafe {
-                ffi::MPI_Allreduce(s, r, n as c_int, dtype::<f32>(), ffi::RSMPI_SUM, self.raw)
-            },
-            "MPI_Allreduce",
-            // SAFETY: as above; the request is completed before returning.
-            |req| unsafe {
-                ffi::MPI_Iallreduce(
-                    s,
-                    r,
-                    n as c_int,
-                    dtype::<f32>(),
-                    ffi::RSMPI_SUM,
-                    self.raw,
-                    req,
-                )
-            },
-            "MPI_Iallreduce",
-        )
+        // Blocking even for a transport that waits politely: Open MPI 4's
+        // CUDA-aware support covers point-to-point and the blocking
+        // collectives, not the non-blocking ones (its FAQ, "Which MPI APIs
+        // work with CUDA-aware?"), and these may be device buffers.
+        // SAFETY: the caller's contract: `send` and `recv` address `n`
+        // floats each (device or host memory MPI can reach).
+        let rc = unsafe {
+            ffi::MPI_Allreduce(
+                buf_ptr(send as *const u8, n),
+                buf_ptr(recv as *const u8, n) as *mut c_void,
+                n as c_int,
+                dtype::<f32>(),
+                ffi::RSMPI_SUM,
+                self.raw,
+            )
+        };
+        check(rc, "MPI_Allreduce")
     }
 }
 
