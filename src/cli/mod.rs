@@ -1,6 +1,9 @@
-//! The `gradsync` command line: `bench` (OSU-style benchmark against the MPI
-//! library's own collectives) and `verify` (results checked against
-//! `MPI_Allreduce`/`MPI_Allgatherv`). Both run under `mpirun`/`srun`.
+//! The `gradsync` command line. Under `mpirun`/`srun`: `bench` (OSU-style
+//! benchmarks against the MPI library's own collectives), `verify` (every
+//! collective checked against `MPI_Allreduce`/`MPI_Allgatherv`),
+//! `calibrate` (a cost-model profile of this machine) and `model-check`.
+//! Without MPI: the cost model's `predict`, `plan`, `crossover` and
+//! `scale`, and `codecs` (each codec's bound on synthetic gradients).
 
 /// `println!` that returns an error (the enclosing function's `?`) where
 /// standard output cannot be written (a full disk, a closed pipe), instead

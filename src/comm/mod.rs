@@ -20,7 +20,7 @@
 //! the job is aborted; no rank returns alone while a peer waits.
 //!
 //! The split mirrors Open MPI's `coll/base` (algorithms over the PML) and
-//! NCCL's primitives/transport separation (see `design.md`).
+//! NCCL's primitives/transport separation.
 
 mod group;
 mod local;

@@ -22,11 +22,12 @@
 //!   machines without CUDA; `CudaStaging` is [`DeviceCopies`] over a
 //!   CUDA stream, events and pinned host buffers.
 //!
-//! Not here yet (issue #16): device buffers inside the engine
-//! ([`crate::sync::GradSync`]), the C ABI's and Python's device pointers,
-//! device-side reduction for gradsync's own algorithms and the average on
-//! the direct route, and the GPU kernels of the sparse path (RedSync §5: threshold binary
-//! search, trimmed top-k, packing, scatter-add).
+//! The engine takes device buffers through this module
+//! (`GradSync::sync_device`, C's `gs_sync_device`, Python's DLPack CUDA
+//! tensors). Not here: device-side reduction for gradsync's own algorithms
+//! and the average on the direct route, and the GPU kernels of the sparse
+//! path (RedSync §5: threshold binary search, trimmed top-k, packing,
+//! scatter-add); none of it has yet run on a GPU.
 
 mod aware;
 #[cfg(feature = "cuda")]

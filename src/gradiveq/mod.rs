@@ -25,8 +25,9 @@
 //!   PCA samples, up to `L_c` compressed iterations, and the eq.-7 loss
 //!   monitor whose majority vote triggers an early rebuild.
 //!
-//! Not here yet (issue #6 continues): the engine strategy and snapshots of
-//! this state.
+//! The engine runs it as `Strategy::Gradiveq` (each layer its own ring on
+//! the progress thread, `src/sync/job.rs`) and keeps its state in
+//! snapshots (`src/sync/snapshot.rs`).
 
 pub mod ring;
 pub mod schedule;

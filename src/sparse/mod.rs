@@ -28,8 +28,9 @@
 //! error text (UTF-8). Every rank sees every message, so every rank learns
 //! which rank failed and why in the same exchange ([`failure_text`]).
 //!
-//! Beside it, two allreduces of one layer's `(index, value)` pairs, not yet
-//! used by the engine: [`allreduce`], O(k) per rank (Ok-Topk's
+//! Beside it, two allreduces of one layer's `(index, value)` pairs, which
+//! the engine runs for RGC layers under `Config::sparse_exchange`:
+//! [`allreduce`], O(k) per rank (Ok-Topk's
 //! split-and-reduce and allgather with SparCML's dense switch), and
 //! [`hierarchical`], node-aware (the node's pairs reduced into one unit per
 //! node over shared memory, the node units allgathered among the nodes'
