@@ -206,6 +206,64 @@ impl<C: Communicator> MpiComm<C> {
         all.into_iter().map(|x| x as usize).collect()
     }
 
+    /// `MPI_Isend` of `buf` to `dest` (a rank or `MPI_PROC_NULL`).
+    ///
+    /// # Safety
+    /// `buf` must stay alive and unwritten until the request completes.
+    unsafe fn start_isend<T: Elem>(
+        &self,
+        buf: &[T],
+        dest: c_int,
+        tag: Tag,
+    ) -> Result<ffi::MPI_Request> {
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: pointer and count describe `buf`, kept alive and
+        // unwritten until completion (this function's contract).
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr() as *const c_void,
+                buf.len() as c_int,
+                dtype::<T>(),
+                dest,
+                tag,
+                self.raw,
+                &mut raw,
+            )
+        };
+        check(rc, "MPI_Isend")?;
+        Ok(raw)
+    }
+
+    /// `MPI_Irecv` into `buf` from `src` (a rank or `MPI_PROC_NULL`).
+    ///
+    /// # Safety
+    /// `buf` must stay alive and untouched until the request completes.
+    unsafe fn start_irecv<T: Elem>(
+        &self,
+        buf: &mut [T],
+        src: c_int,
+        tag: Tag,
+    ) -> Result<ffi::MPI_Request> {
+        // SAFETY: reading a constant of the linked MPI library.
+        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: pointer and count describe `buf`, kept alive and
+        // untouched until completion (this function's contract).
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                buf.as_mut_ptr() as *mut c_void,
+                buf.len() as c_int,
+                dtype::<T>(),
+                src,
+                tag,
+                self.raw,
+                &mut raw,
+            )
+        };
+        check(rc, "MPI_Irecv")?;
+        Ok(raw)
+    }
+
     /// One `MPI_Sendrecv` as an `MPI_Irecv` and an `MPI_Isend` waited on
     /// together ([`wait_all`]), for a transport that waits politely.
     /// `sdest` or `rsrc` may be `MPI_PROC_NULL`.
@@ -217,44 +275,26 @@ impl<C: Communicator> MpiComm<C> {
         rsrc: c_int,
         tag: Tag,
     ) -> Result<()> {
-        // SAFETY: reading constants of the linked MPI library.
-        let (null_req, proc_null) = unsafe { (ffi::RSMPI_REQUEST_NULL, ffi::RSMPI_PROC_NULL) };
-        let mut reqs = [null_req; 2];
-        // SAFETY: pointer/count describe `r`, borrowed mutably until the
-        // request completes below (or is cancelled and completed).
-        let rc = unsafe {
-            ffi::MPI_Irecv(
-                r.as_mut_ptr() as *mut c_void,
-                r.len() as c_int,
-                dtype::<T>(),
-                rsrc,
-                tag,
-                self.raw,
-                &mut reqs[0],
-            )
-        };
-        check(rc, "MPI_Irecv")?;
-        // SAFETY: pointer/count describe `s`, borrowed until completion.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                s.as_ptr() as *const c_void,
-                s.len() as c_int,
-                dtype::<T>(),
-                sdest,
-                tag,
-                self.raw,
-                &mut reqs[1],
-            )
-        };
-        if let Err(e) = check(rc, "MPI_Isend") {
-            // SAFETY: `reqs[0]` is the active receive started above; it is
-            // cancelled and completed before `r` is released.
-            unsafe {
-                ffi::MPI_Cancel(&mut reqs[0]);
-                ffi::MPI_Wait(&mut reqs[0], ffi::RSMPI_STATUS_IGNORE);
+        // SAFETY: reading a constant of the linked MPI library.
+        let proc_null = unsafe { ffi::RSMPI_PROC_NULL };
+        // SAFETY: `r` is borrowed mutably until the request completes below
+        // (or is cancelled and completed).
+        let recv = unsafe { self.start_irecv(r, rsrc, tag) }?;
+        // SAFETY: `s` is borrowed until the request completes below.
+        let send = match unsafe { self.start_isend(s, sdest, tag) } {
+            Ok(req) => req,
+            Err(e) => {
+                let mut recv = recv;
+                // SAFETY: `recv` is the active receive started above; it is
+                // cancelled and completed before `r` is released.
+                unsafe {
+                    ffi::MPI_Cancel(&mut recv);
+                    ffi::MPI_Wait(&mut recv, ffi::RSMPI_STATUS_IGNORE);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
+        let mut reqs = [recv, send];
         let mut status = [MaybeUninit::<ffi::MPI_Status>::uninit(); 2];
         wait_all(self.wait.as_deref(), &mut reqs, &mut status)?;
         if rsrc != proc_null {
@@ -653,23 +693,9 @@ impl<C: Communicator> Transport for MpiComm<C> {
     unsafe fn isend<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<MpiRequest> {
         check_peer(self.size, dest)?;
         check_immediate_len(buf.len())?;
-        // SAFETY: reading a constant of the linked MPI library.
-        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: pointer and count describe `buf`, which the caller keeps
-        // alive and unwritten until the request completes (this method's
-        // contract).
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.as_ptr() as *const c_void,
-                buf.len() as c_int,
-                dtype::<T>(),
-                dest as c_int,
-                tag,
-                self.raw,
-                &mut raw,
-            )
-        };
-        check(rc, "MPI_Isend")?;
+        // SAFETY: the caller keeps `buf` alive and unwritten until the
+        // request completes (this method's contract).
+        let raw = unsafe { self.start_isend(buf, dest as c_int, tag) }?;
         Ok(MpiRequest {
             raw,
             recv_check: None,
@@ -681,23 +707,9 @@ impl<C: Communicator> Transport for MpiComm<C> {
     unsafe fn irecv<T: Elem>(&self, buf: &mut [T], src: usize, tag: Tag) -> Result<MpiRequest> {
         check_peer(self.size, src)?;
         check_immediate_len(buf.len())?;
-        // SAFETY: reading a constant of the linked MPI library.
-        let mut raw = unsafe { ffi::RSMPI_REQUEST_NULL };
-        // SAFETY: pointer and count describe `buf`, which the caller keeps
-        // alive and untouched until the request completes (this method's
-        // contract).
-        let rc = unsafe {
-            ffi::MPI_Irecv(
-                buf.as_mut_ptr() as *mut c_void,
-                buf.len() as c_int,
-                dtype::<T>(),
-                src as c_int,
-                tag,
-                self.raw,
-                &mut raw,
-            )
-        };
-        check(rc, "MPI_Irecv")?;
+        // SAFETY: the caller keeps `buf` alive and untouched until the
+        // request completes (this method's contract).
+        let raw = unsafe { self.start_irecv(buf, src as c_int, tag) }?;
         Ok(MpiRequest {
             raw,
             recv_check: Some((buf.len(), dtype::<T>(), src, tag)),

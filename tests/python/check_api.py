@@ -106,6 +106,10 @@ if p > 1:
 # Arguments of the wrong type on one rank still enter the agreement.
 e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo=5 if rank == last else "ring"), None, "algo int")
 ok(isinstance(e, TypeError if rank == last else gradsync.Error) and f"rank {last} failed" in str(e), "algo of the wrong type on one rank")
+# An engine option out of range on one rank (the progress thread's poll
+# interval): every rank's constructor raises, naming it.
+e = expect_error(lambda: gradsync.GradSync(comm, progress_poll_us=2_000_000 if rank == last else 100), None, "poll")
+ok(f"rank {last} failed" in str(e) and "progress_poll_us" in str(e), f"progress_poll_us out of range on one rank: {e}")
 e = expect_error(lambda: gradsync.allreduce(comm, ints(4, 0, np.float32), algo="tree"), None, "bad algo")
 ok(isinstance(e, ValueError), "unknown algo is a ValueError")
 # A C-contiguous float32 view at an odd byte offset (not aligned): a
