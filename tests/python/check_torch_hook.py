@@ -32,7 +32,6 @@ printing a line on rank 0:
 """
 
 import copy
-import socket
 import sys
 import time
 
@@ -59,13 +58,14 @@ import gradsync  # noqa: E402
 import gradsync.torch as gst  # noqa: E402
 
 torch.set_num_threads(1)
-port = None
-if rank == 0:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-port = comm.bcast(port, root=0)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+# Rank 0's store binds a port of the kernel's choosing and keeps it (a port
+# found free and closed again can be taken before the store binds it:
+# EADDRINUSE in CI); the others connect to it.
+store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False) if rank == 0 else None
+port = comm.bcast(store.port if rank == 0 else None, root=0)
+if rank != 0:
+    store = dist.TCPStore("127.0.0.1", port, size, False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 
 
 def say(text: str) -> None:
