@@ -1,5 +1,5 @@
 //! Calibrating from inside a training job (`tests/calibrate_lib.rs`): every
-//! rank calls [`gradsync::cost::calibrate`] on the job's communicator, as a
+//! rank calls [`gradsync::calibrate::calibrate`] on the job's communicator, as a
 //! training script would before choosing its strategies, with no `gradsync`
 //! command and nothing of the CLI. Runnable by hand:
 //!
@@ -18,8 +18,8 @@
 //! which prints them all, then `PROFILE <json>`. Exits 0 when it could print them
 //! (the test compares the lines across ranks).
 
+use gradsync::calibrate::{calibrate, CalibrateOptions};
 use gradsync::comm::{MpiComm, Transport};
-use gradsync::cost::{calibrate, CalibrateOptions};
 use gradsync::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use std::hash::{Hash, Hasher};
 

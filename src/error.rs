@@ -95,7 +95,7 @@ pub enum Error {
         layer: String,
     },
     /// One or more ranks failed in a collective phase (a step, a set-up
-    /// phase agreed by [`crate::failure::agree`]); returned alike on every
+    /// phase agreed by [`crate::comm::agree::agree`]); returned alike on every
     /// rank, failing or not, naming the lowest failing rank and its error.
     #[error("rank {rank} failed{}{}: {message}", match .step { Some(s) => format!(" in step {s}"), None => String::new() }, if *.others > 0 { format!(" (and {} other rank{})", .others, if *.others == 1 { "" } else { "s" }) } else { String::new() })]
     RankFailed {
@@ -147,7 +147,7 @@ impl Error {
     }
 
     /// Whether every rank of the communicator returns this error at the same
-    /// point when one does (the failure model, [`crate::failure`]): agreed
+    /// point when one does (the failure model, [`crate::comm::agree`]): agreed
     /// failures, table and size mismatches found by a collective check,
     /// corrupt data every rank received alike, NaN/Inf found in a collective
     /// result or reported through the fused message. Anything else may be

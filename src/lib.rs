@@ -21,7 +21,7 @@
 //!   `cuda`).
 //! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
 //!   drives the engine's `Auto` strategy, and the calibration that measures
-//!   a cluster's profile from inside a job ([`cost::calibrate`]).
+//!   a cluster's profile from inside a job ([`calibrate::calibrate`]).
 //! * [`failure`]: the failure model — an error on some ranks reaches every
 //!   rank in the same step, or the job is aborted; never a hang.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
@@ -41,6 +41,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod calibrate;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod codec;
@@ -48,11 +49,13 @@ pub mod comm;
 pub mod cost;
 pub mod dense;
 mod error;
-pub mod failure;
+/// The failure model ([`comm::agree`], under its older name).
+pub use comm::agree as failure;
 pub mod gpu;
 pub mod gradiveq;
 pub mod select;
 pub mod sparse;
+pub mod strategy;
 pub mod sync;
 
 pub use error::{Error, Result};
@@ -61,3 +64,4 @@ pub use error::{Error, Result};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+

@@ -1,4 +1,4 @@
-//! `cost::calibrate` called from Rust as a training job calls it
+//! `calibrate::calibrate` called from Rust as a training job calls it
 //! (`examples/calibrate_in_job.rs` under `mpirun`, issue #13 part 4): every
 //! rank gets the same valid profile, and an option that is bad on one rank,
 //! or differs between ranks, is the same error on every rank within the

@@ -1132,7 +1132,7 @@ fn predict(
             "give profile=PATH (gradsync calibrate), or alpha= (s) and bandwidth= (bytes/s)",
         ));
     }
-    let m = gradsync::cli::ModelArgs {
+    let m = gradsync::cost::records::ModelArgs {
         profile,
         alpha,
         bandwidth,
@@ -1154,7 +1154,7 @@ fn predict(
         .profile()
         .and_then(|p| {
             m.check_point(ranks, density)?;
-            gradsync::cli::predict_record(&p, &m, elements, ranks, density)
+            gradsync::cost::records::predict_record(&p, &m, elements, ranks, density)
         })
         .map_err(|e| PyValueError::new_err(python_flags(&e.to_string())))?;
     let v = serde_json::to_value(&rec).map_err(|e| Error::new_err(e.to_string()))?;

@@ -4,13 +4,13 @@
 //! rank's; medians and minima are over `--iters` iterations after `--warmup`.
 
 use super::{max_over_ranks, parse_list, parse_size};
+use crate::calibrate::median;
+use crate::comm::agree::{agree_inputs, MustMatch};
 use crate::comm::{MpiComm, Transport};
-use crate::cost::calibrate::median;
 use crate::dense::{
     allgatherv_with, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
     Workspace,
 };
-use crate::failure::{agree_inputs, MustMatch};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -81,7 +81,7 @@ pub struct BenchArgs {
     /// cost-model names; default: what `Strategy::Auto` chooses among).
     #[arg(long, default_value = "")]
     pub strategies: String,
-    /// `--op step`: calibrate in this job first (`cost::calibrate` with
+    /// `--op step`: calibrate in this job first (`calibrate::calibrate` with
     /// its defaults but messages and layers up to 64 MiB) and plan with
     /// that profile; with `--profile`, write the profile there.
     #[arg(long)]
@@ -473,14 +473,9 @@ fn dense_inputs(a: &BenchArgs) -> Result<(DenseOp, Vec<usize>)> {
     }
 }
 
+/// `--op allreduce` and `--op allgatherv` (the other ops have their own
+/// modules; `cli::run` dispatches).
 pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
-    match a.op.as_str() {
-        "sparse" => return super::sparse_bench::run(comm, a),
-        "sparse-allreduce" => return super::sparse_allreduce_bench::run(comm, a),
-        "gradiveq" => return super::gradiveq_bench::run(comm, a),
-        "step" => return super::step_bench::run(comm, a),
-        _ => {}
-    }
     let (op, sizes) = agree_inputs(comm, dense_inputs(a), |(op, sizes)| {
         let mut m = common_must_match(a);
         let algos: Vec<&str> = match op {

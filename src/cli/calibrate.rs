@@ -4,16 +4,19 @@
 //! strategies, and how often the model's choice is the measured-fastest).
 //! Both run under `mpirun`.
 //!
-//! The measurements and fits are the library's ([`cost::calibrate_with`],
+//! The measurements and fits are the library's ([`crate::calibrate::calibrate_with`],
 //! [`cost::model_check`]; their module docs say how the rounds run): here
 //! the flags are parsed into their options, and the results saved and
 //! printed.
 
 use super::bench::{flag_error, parse_sizes};
 use super::{parse_list, parse_size};
+use crate::calibrate::{
+    self as cal_lib, CalibrateOptions, CheckReport, ModelCheckOptions, Progress,
+};
+use crate::comm::agree::agree;
 use crate::comm::{MpiComm, Transport};
-use crate::cost::{self, CalibrateOptions, CheckReport, ModelCheckOptions, Profile, Progress};
-use crate::failure::agree;
+use crate::cost::Profile;
 use crate::{Error, Result};
 use std::path::PathBuf;
 
@@ -136,7 +139,7 @@ pub(super) fn run_calibrate(comm: &MpiComm, a: &CalibrateArgs) -> Result<i32> {
             pr.elapsed_s
         );
     };
-    let cal = cost::calibrate_with(comm, &opts, &mut bar)?;
+    let cal = cal_lib::calibrate_with(comm, &opts, &mut bar)?;
     let (profile, nrounds) = (&cal.profile, cal.rounds);
     let (alpha, beta, gamma_reduce, gamma_unpack) = (
         profile.alpha,
@@ -233,7 +236,7 @@ fn model_check_inputs(a: &ModelCheckArgs, p: usize) -> Result<(Profile, ModelChe
 
 pub(super) fn run_model_check(comm: &MpiComm, a: &ModelCheckArgs) -> Result<i32> {
     let (prof, opts) = agree(comm, model_check_inputs(a, comm.size()))?;
-    let report = cost::model_check(comm, &prof, &opts)?;
+    let report = cal_lib::model_check(comm, &prof, &opts)?;
     print_check(comm, &report, a.json)?;
     Ok(0)
 }

@@ -8,8 +8,8 @@
 //! is 1 if any failed. Peak memory is about 3x the tensor's f32 bytes (input,
 //! message, one decoded tensor) plus what a codec itself allocates.
 
+use crate::calibrate::synthetic;
 use crate::codec::{CodecConfig, ErrorFeedback};
-use crate::cost::synthetic;
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::Instant;

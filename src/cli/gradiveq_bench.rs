@@ -19,12 +19,12 @@ use super::bench::{
     check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, parse_size, read_npy};
+use crate::calibrate::median;
+use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
-use crate::cost::calibrate::median;
 use crate::dense::{
     rabenseifner_allreduce, ring_allreduce_with, AllreduceOptions, ReduceOp, Workspace,
 };
-use crate::failure::agree_inputs;
 use crate::gradiveq::ring::{
     gradiveq_ring_allreduce, qsgd_ring_allreduce, RingStats, RingWorkspace,
 };

@@ -58,15 +58,15 @@ mod sparse_bench;
 mod step_bench;
 mod verify;
 
+pub(crate) use crate::calibrate::max_over_ranks;
 use crate::comm::MpiComm;
-pub(crate) use crate::cost::calibrate::max_over_ranks;
 use crate::{Error, Result};
 use clap::{Parser, Subcommand};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
 /// A synthetic gradient-like tensor (the library's [`crate::cost::synthetic`]).
-pub use crate::cost::synthetic;
-pub use crate::cost::{CheckRecord, CheckSummary};
+pub use crate::calibrate::synthetic;
+pub use crate::calibrate::{CheckRecord, CheckSummary};
 pub use bench::BenchArgs;
 pub use calibrate::{CalibrateArgs, ModelCheckArgs};
 pub use codecs::{measure, read_npy, CodecRecord, CodecsArgs};
@@ -157,7 +157,7 @@ pub fn main() -> i32 {
         Ok(code) => code,
         Err(e) if e.is_collective() => {
             // Every rank returned this error at the same point (the failure
-            // model, `crate::failure`): no peer is left in a collective, so
+            // model, `crate::comm::agree`): no peer is left in a collective, so
             // finalizing is safe. One rank prints it for the job.
             if world.rank() == 0 {
                 errln!("gradsync: {e}");
@@ -256,9 +256,15 @@ fn run(cli: &Cli, world: &SimpleCommunicator) -> Result<i32> {
         Command::Crossover(_) => "crossover",
         Command::Scale(_) => "scale",
     };
-    crate::failure::same_on_every_rank(&comm, &[("subcommand", name.to_string())])?;
+    crate::comm::agree::same_on_every_rank(&comm, &[("subcommand", name.to_string())])?;
     match &cli.command {
-        Command::Bench(a) => bench::run(&comm, a),
+        Command::Bench(a) => match a.op.as_str() {
+            "sparse" => sparse_bench::run(&comm, a),
+            "sparse-allreduce" => sparse_allreduce_bench::run(&comm, a),
+            "gradiveq" => gradiveq_bench::run(&comm, a),
+            "step" => step_bench::run(&comm, a),
+            _ => bench::run(&comm, a),
+        },
         Command::Verify(a) => verify::run(&comm, a),
         Command::Calibrate(a) => calibrate::run_calibrate(&comm, a),
         Command::ModelCheck(a) => calibrate::run_model_check(&comm, a),

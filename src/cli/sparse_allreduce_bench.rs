@@ -17,11 +17,11 @@ use super::bench::{
     any_rank, check_common, common_must_match, emit, flag_error, parse_sizes, time_interleaved,
     timed, BenchArgs, BenchRecord,
 };
+use crate::calibrate::median;
+use crate::comm::agree::{agree, agree_inputs};
 use crate::comm::{MpiComm, Transport};
-use crate::cost::calibrate::median;
 use crate::cost::{self, Profile, StrategyId};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
-use crate::failure::{agree, agree_inputs};
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
 use crate::sparse::hierarchical::{hierarchical_sparse_allreduce_with, HierarchicalWorkspace};
 use crate::{Error, Result};

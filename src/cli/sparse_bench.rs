@@ -13,11 +13,11 @@ use super::bench::{
     check_common, common_must_match, flag_error, parse_sizes, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, synthetic};
+use crate::calibrate::median;
 use crate::codec::CodecConfig;
+use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
-use crate::cost::calibrate::median;
 use crate::dense::AllgathervAlgo;
-use crate::failure::agree_inputs;
 use crate::sync::{Config, GradSync, LayerId, Strategy};
 use crate::{Error, Result};
 use mpi::collective::{CommunicatorCollectives, SystemOperation};

@@ -20,12 +20,12 @@ use super::bench::{
     check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
 };
 use super::{max_over_ranks, model, synthetic};
+use crate::calibrate::median;
 use crate::codec::RgcMethod;
+use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
-use crate::cost::calibrate::median;
 use crate::cost::{self, GroupKind, Profile, StepQuery, StrategyId};
 use crate::dense::AllreduceAlgo;
-use crate::failure::agree_inputs;
 use crate::sync::{Config, GradSync, SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -412,13 +412,13 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         // The library's calibration, from inside this job (collective).
         // Messages and layers up to 64 MiB: a whole table's fused buffers
         // are hundreds of MB, far past the default's 16 MiB curve.
-        let opts = cost::CalibrateOptions {
+        let opts = crate::calibrate::CalibrateOptions {
             max_bytes: 64 << 20,
             ..Default::default()
         };
-        let prof = cost::calibrate(comm, &opts)?;
+        let prof = crate::calibrate::calibrate(comm, &opts)?;
         if let Some(path) = &a.profile {
-            crate::failure::agree(comm, if rank == 0 { prof.save(path) } else { Ok(()) })?;
+            crate::comm::agree::agree(comm, if rank == 0 { prof.save(path) } else { Ok(()) })?;
         }
         inp.profile = Some(prof);
     }

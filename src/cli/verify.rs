@@ -6,11 +6,11 @@
 
 use super::bench::flag_error;
 use super::{max_over_ranks, parse_list};
+use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
 use crate::dense::{
     allgatherv, allreduce, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Real, ReduceOp,
 };
-use crate::failure::agree_inputs;
 use crate::{Error, Result};
 
 /// Arguments of `gradsync verify`.
@@ -124,7 +124,7 @@ fn inputs(a: &VerifyArgs, p: usize) -> Result<(Vec<usize>, Vec<usize>)> {
 
 pub(super) fn run(comm: &MpiComm, a: &VerifyArgs) -> Result<i32> {
     // Agreed first: duplicating the communicator is collective.
-    crate::failure::same_on_every_rank(comm, &[("--poll-us", a.poll_us.to_string())])?;
+    crate::comm::agree::same_on_every_rank(comm, &[("--poll-us", a.poll_us.to_string())])?;
     if a.poll_us == 0 {
         return run_on(comm, a);
     }

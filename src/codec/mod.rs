@@ -38,6 +38,7 @@ pub use qsgd::Qsgd;
 pub use rgc::{rgc_k, Rgc, RgcMethod, RgcQuant};
 pub use sbc::Sbc;
 pub use threelc::{ThreeLc, ThreeLcStage};
+pub use wire::sparse_k;
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

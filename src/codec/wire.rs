@@ -6,13 +6,15 @@
 
 use super::CodecConfig;
 
-/// `k = max(1, ⌈d·n⌉)` (RGC's count; 0 for an empty layer).
+/// `k = max(1, ⌈d·n⌉)` (RGC's count, [`super::rgc_k`]; 0 for an empty layer).
 fn rgc_k(n: usize, d: f64) -> f64 {
-    if n == 0 {
-        0.0
-    } else {
-        (d * n as f64).ceil().clamp(1.0, n as f64)
-    }
+    super::rgc_k(d, n) as f64
+}
+
+/// `k = ⌈D·n⌉`: the expected number of elements a codec of density `D`
+/// sends from `n` (no floor of one; the cost model's count).
+pub fn sparse_k(n: usize, density: f64) -> f64 {
+    (density * n as f64).ceil()
 }
 
 impl CodecConfig {
@@ -49,7 +51,7 @@ impl CodecConfig {
                 let p = p.clamp(1e-12, 0.5);
                 let b = crate::codec::Sbc::new(p).map_or(0, |s| s.rice_parameter());
                 let bits = f64::from(b) + 1.0 / (1.0 - (1.0 - p).powf(2f64.powi(i32::from(b))));
-                h + 13.0 + (crate::cost::sparse_k(n, p) * bits / 8.0).ceil()
+                h + 13.0 + (sparse_k(n, p) * bits / 8.0).ceil()
             }
             // Header, count (u32), k indices (u32) and values (f32).
             CodecConfig::Rgc { density, .. } => h + 4.0 + 8.0 * rgc_k(n, *density),

@@ -15,20 +15,23 @@
 //! Errors: the transport returns every failure as a value (MPI errors come
 //! back as [`Error::Mpi`](crate::Error::Mpi), never through MPI's fatal
 //! handler), and [`Transport::abort`] ends the whole job. Collective code
-//! over a transport follows one rule, stated in [`crate::failure`]: an error
+//! over a transport follows one rule, stated in [`agree`]: an error
 //! on a subset of ranks reaches every rank in the same collective phase, or
 //! the job is aborted; no rank returns alone while a peer waits.
 //!
 //! The split mirrors Open MPI's `coll/base` (algorithms over the PML) and
 //! NCCL's primitives/transport separation.
 
+pub mod agree;
 mod group;
 mod local;
 mod mpi_comm;
+pub(crate) mod small;
 
 pub use group::Group;
 pub use local::LocalComm;
 pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
+pub use small::Gathered;
 
 use crate::Result;
 
@@ -156,7 +159,7 @@ pub trait Transport {
     fn barrier(&self) -> Result<()>;
 
     /// End the whole job now, on every rank: the last resort of the failure
-    /// model ([`crate::failure`]) when an error on some ranks cannot be
+    /// model ([`crate::comm::agree`]) when an error on some ranks cannot be
     /// agreed on because peers may be blocked in a collective. Prints `msg`
     /// (naming this rank) to stderr first. MPI: `MPI_Abort` on this
     /// communicator, which ends every process of the job with `code`. In

@@ -31,7 +31,7 @@ pub const SPARSE_HIERARCHICAL: Tag = 18;
 pub const NODE_ALLGATHERV: Tag = 19;
 /// The engine's layer-table and options agreement.
 pub const TABLE: Tag = 21;
-/// The failure model's agreement ([`crate::failure::agree`]).
+/// The failure model's agreement ([`crate::comm::agree::agree`]).
 pub const AGREE: Tag = 23;
 /// The host-staged allreduce of a device buffer
 /// ([`crate::gpu::staged_allreduce`]): its agreement on length and options.

@@ -25,8 +25,9 @@
 //! The model charges the buckets' compression to the pipeline, not to
 //! backward (on a core shared with backward it delays both).
 
-use super::exchange::NEAR_TIE;
-use super::step::{predict_step, LayerKind, StepLayer, StepQuery};
+use super::argmin::NEAR_TIE;
+use super::query::StepQuery;
+use super::step::{predict_step, LayerKind, StepLayer};
 use super::{Profile, StrategyId};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -12,7 +12,7 @@
 use super::{Prediction, STRATEGIES};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::dense::AllreduceAlgo;
-use crate::sync::{SparseExchange, Strategy};
+use crate::strategy::{SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 

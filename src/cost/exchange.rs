@@ -9,8 +9,11 @@
 //! one). Every input is the same on every rank, so every rank runs the
 //! same collective; near-ties ([`NEAR_TIE`]) go to the simpler one.
 
-use super::step::{check, dense_group, sparse_group, Sizes, StepQuery, MAX_RANKS};
-use super::topology::{self, Net};
+use super::argmin::cheapest;
+use super::query::StepQuery;
+use super::step::{check, dense_group, sparse_group, Sizes, MAX_RANKS};
+use super::topology::allgatherv_candidates;
+use super::topology::Net;
 use super::{Profile, StrategyId};
 use crate::dense::AllgathervAlgo;
 use crate::{Error, Result};
@@ -270,44 +273,4 @@ pub fn choose_allgatherv(
         algo: cheapest(&predictions),
         predictions,
     })
-}
-
-/// The allgatherv's candidates for `m` bytes a rank at `net`'s placement
-/// and their prices: the flat one always, the node-aware one with two
-/// levels.
-pub(super) fn allgatherv_candidates(net: &Net, m: f64) -> Vec<(AllgathervAlgo, f64)> {
-    let mut c = vec![(
-        AllgathervAlgo::RecursiveDoubling,
-        topology::allgather(net, m),
-    )];
-    if net.two_level() && net.l > 1 {
-        c.push((AllgathervAlgo::Node, topology::allgather_node(net, m)));
-    }
-    c
-}
-
-/// How close two predictions must be to count as a tie in
-/// [`choose_sparse_exchange`] and [`choose_dense_allreduce`]:
-/// 2 %, far inside the model's error (docs/benchmarks.md measures it at
-/// ±20 %), so the choice between them is the model's noise.
-pub const NEAR_TIE: f64 = 0.02;
-
-/// The first of `predictions` (not empty) within [`NEAR_TIE`] of the
-/// cheapest. The candidates are listed simplest first (the fused allgatherv
-/// before the sparse allreduces, Rabenseifner before the ring and the
-/// node-aware allreduce): where the model cannot tell two apart, the one
-/// with fewer phases and less local work runs. (ResNet-50's exchange at
-/// 2 × 2 and density 0.001 is priced 8.02 ms as the allgatherv and 7.96
-/// as the node-aware allreduce; the node-aware step measured 8–15 % slower.)
-pub(super) fn cheapest<T: Copy>(predictions: &[(T, f64)]) -> T {
-    let best = predictions
-        .iter()
-        .map(|c| c.1)
-        .fold(f64::INFINITY, f64::min);
-    let within = best + NEAR_TIE * best.abs();
-    predictions
-        .iter()
-        .find(|c| c.1 <= within)
-        .unwrap_or(&predictions[0])
-        .0
 }

@@ -63,27 +63,27 @@
 //! selection, packing and zeroing the result). Without a profile they are
 //! zero unless given on the command line.
 
+pub(crate) mod argmin;
 mod bucket;
-pub(crate) mod calibrate;
 pub(crate) mod decide;
 mod exchange;
+mod query;
+pub mod records;
 mod step;
 pub mod topology;
+pub use argmin::NEAR_TIE;
 pub use bucket::{
     choose_bucket_cap, cut_buckets, price_buckets, BucketPlan, BucketTiming, CAPS_MB,
-};
-pub use calibrate::{
-    calibrate, calibrate_with, model_check, synthetic, CalibrateOptions, Calibration, CheckRecord,
-    CheckReport, CheckSummary, ModelCheckOptions, Progress, MIN_ROUNDS,
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use exchange::{
     choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, AllgathervChoice,
-    ExchangeChoice, ExchangeQuery, NEAR_TIE,
+    ExchangeChoice, ExchangeQuery,
 };
+pub use query::StepQuery;
 pub use step::{
     plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,
-    LayerKind, LayerPlan, StepLayer, StepPlan, StepQuery, MAX_RANKS,
+    LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
 
@@ -397,7 +397,7 @@ pub struct Profile {
     /// group (ResNet-50's 97.5 MiB) and then add the received pairs into
     /// it, each pair a cache line fetched from memory, at 2.5–3 times the
     /// cost per byte of [`Self::gamma_unpack`] (measured on the emulated
-    /// cluster, docs/benchmarks.md), which `calibrate` fits on
+    /// cluster, docs/benchmarks/cluster.md), which `calibrate` fits on
     /// outputs of at most 16 MiB reused between calls. The first point is
     /// that fit at the largest of those outputs; the next ones are added
     /// into a just-cleared output ([`Self::gamma_unpack_at`]). Empty in
@@ -797,10 +797,8 @@ fn frac(p: usize) -> f64 {
     (p as f64 - 1.0) / p as f64
 }
 
-/// `k = ⌈D·n⌉`.
-pub fn sparse_k(n: usize, density: f64) -> f64 {
-    (density * n as f64).ceil()
-}
+/// `k = ⌈D·n⌉` (the codecs' count, [`crate::codec::sparse_k`]).
+pub use crate::codec::sparse_k;
 
 /// The messages of Rabenseifner's allreduce of `bytes` on `p` ranks: those
 /// sent (halving and doubling on `p' = 2^⌊lg p⌋` ranks, plus the fold's) and

@@ -1121,7 +1121,7 @@ mod exchange {
 
 #[test]
 fn near_ties_go_to_the_first_candidate_and_real_gaps_to_the_cheapest() {
-    use super::exchange::cheapest;
+    use super::argmin::cheapest;
     use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
     // ResNet-50's exchange at 2 x 2, density 0.001 (us): a tie.
     let tie = [

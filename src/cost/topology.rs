@@ -56,7 +56,7 @@
 //! dense result, `4n·γ_clear` ([`Profile::gamma_clear_at`] at the output's
 //! size: memset is cheaper per byte past the caches; at density 0.001
 //! on the emulated cluster that is a third of the node-aware path's time,
-//! docs/benchmarks.md). The fused allgather's clearing is its layers', in
+//! docs/benchmarks/cluster.md). The fused allgather's clearing is its layers', in
 //! their selection fits.
 //!
 //! **Fill-in.** The sum of `j` ranks' selections of `k` of `n` indices has
@@ -77,7 +77,8 @@
 //! A profile without [`Profile::inter_node`], or one node (`L ≥ p`), is
 //! the one-level model of [`super`]: exactly the closed forms there.
 
-use super::{ceil_lg, CurvePoint, Profile, StepQuery};
+use super::query::StepQuery;
+use super::{ceil_lg, CurvePoint, Profile};
 use serde::{Deserialize, Serialize};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -101,7 +102,7 @@ pub struct NetLevel {
     /// one way on each connection. Where a transport moves a large two-way
     /// exchange slower than one-way traffic (Open MPI's TCP BTL with its
     /// default 2 GiB put fragments ran some exchanges one way at a time,
-    /// docs/benchmarks.md), the exchange's β would over-charge the ring.
+    /// docs/benchmarks/cluster.md), the exchange's β would over-charge the ring.
     /// Empty: the exchange's β.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub oneway_curve: Vec<CurvePoint>,
@@ -121,7 +122,7 @@ pub struct NetLevel {
 /// collective cross on credit; a collective of a few hundred KB across the
 /// link is mostly credit, one of many MB hardly at all.
 ///
-/// `gradsync calibrate` ([`crate::cost::calibrate`]) measures it on a job
+/// `gradsync calibrate` ([`crate::calibrate`]) measures it on a job
 /// spanning several nodes: the exchange across the link after 20 ms of
 /// idling (the other ranks polling, as inside a collective) against the
 /// same exchange back to back (the β curve), fitted as
@@ -599,12 +600,26 @@ pub(crate) fn fused_allgather(net: &Net, m: f64) -> f64 {
     match net.gather {
         AllgathervAlgo::Node => allgather_node(net, m),
         AllgathervAlgo::Auto => {
-            let c = super::exchange::allgatherv_candidates(net, m);
-            let pick = super::exchange::cheapest(&c);
+            let c = allgatherv_candidates(net, m);
+            let pick = super::argmin::cheapest(&c);
             c.iter().find(|x| x.0 == pick).map_or(0.0, |x| x.1)
         }
         _ => allgather(net, m),
     }
+}
+
+/// The allgatherv's candidates for `m` bytes a rank at `net`'s placement
+/// and their prices: the flat one always, the node-aware one with two
+/// levels.
+pub(crate) fn allgatherv_candidates(net: &Net, m: f64) -> Vec<(crate::dense::AllgathervAlgo, f64)> {
+    let mut c = vec![(
+        crate::dense::AllgathervAlgo::RecursiveDoubling,
+        allgather(net, m),
+    )];
+    if net.two_level() && net.l > 1 {
+        c.push((crate::dense::AllgathervAlgo::Node, allgather_node(net, m)));
+    }
+    c
 }
 
 /// Recursive doubling among `h` nodes, one rank per node (the leaders).

@@ -20,8 +20,9 @@
 
 mod node;
 
-use super::TAG_ALLGATHERV as TAG;
-use crate::comm::{Elem, Transport};
+use crate::comm::small::gather_inplace;
+pub use crate::comm::Gathered;
+use crate::comm::Transport;
 use crate::{Error, Result};
 pub(crate) use node::node_gather_inplace;
 use serde::{Deserialize, Serialize};
@@ -74,36 +75,6 @@ impl std::str::FromStr for AllgathervAlgo {
                 "unknown allgatherv algorithm {s:?} (recdbl, mpi, node, auto)"
             ))),
         }
-    }
-}
-
-/// The result of an allgatherv: all messages back to back, in rank order.
-/// Reuse one across calls to avoid allocation.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Gathered {
-    /// Concatenated messages.
-    pub data: Vec<u8>,
-    /// `displs[i]..displs[i + 1]` is rank `i`'s message (`p + 1` entries).
-    pub displs: Vec<usize>,
-    counts_u64: Vec<u64>,
-    counts: Vec<usize>,
-    /// The node-aware allgatherv's staging buffer for node maps that are
-    /// not blocks of consecutive ranks (kept across calls).
-    scratch: Vec<u8>,
-}
-
-impl Gathered {
-    /// Rank `i`'s message.
-    pub fn message(&self, i: usize) -> &[u8] {
-        &self.data[self.displs[i]..self.displs[i + 1]]
-    }
-    /// Number of messages (ranks).
-    pub fn len(&self) -> usize {
-        self.displs.len().saturating_sub(1)
-    }
-    /// True when no messages are held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -162,40 +133,18 @@ fn gather_with<C: Transport>(
     if algo == AllgathervAlgo::Auto {
         return Err(auto_refused());
     }
-    let (rank, p) = (comm.rank(), comm.size());
-    // 1. Lengths: one u64 per rank, gathered by the same algorithm.
-    out.counts_u64.clear();
-    out.counts_u64.resize(p, 0);
-    out.counts_u64[rank] = mine.len() as u64;
-    out.displs.clear();
-    out.displs.extend(0..=p);
-    gather_inplace(comm, &mut out.counts_u64, &out.displs)?;
-    // 2. Displacements and the payload.
-    out.displs.clear();
-    out.displs.push(0);
-    let mut total = 0usize;
-    for &c in &out.counts_u64 {
-        let c = usize::try_from(c).map_err(|_| {
-            Error::InvalidArgument(format!("message length {c} does not fit in memory"))
-        })?;
-        total = total
-            .checked_add(c)
-            .ok_or_else(|| Error::InvalidArgument("total allgatherv length overflows".into()))?;
-        out.displs.push(total);
-    }
-    if out.displs[rank + 1] - out.displs[rank] != mine.len() {
-        return Err(Error::Transport(
-            "gathered length of this rank's own message is wrong".into(),
-        ));
-    }
-    out.data.resize(total, 0);
+    let p = comm.size();
+    // 1. Lengths: one u64 per rank, gathered by the same algorithm; the
+    // displacements.
+    let own = out.gather_lengths(comm, mine.len())?;
+    // 2. The payload.
     match algo {
         AllgathervAlgo::RecursiveDoubling => {
-            out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
+            out.data[own.clone()].copy_from_slice(mine);
             gather_inplace(comm, &mut out.data, &out.displs)
         }
         AllgathervAlgo::Node => {
-            out.data[out.displs[rank]..out.displs[rank + 1]].copy_from_slice(mine);
+            out.data[own.clone()].copy_from_slice(mine);
             match nodes {
                 Some(nodes) => {
                     node_gather_inplace(comm, nodes, &mut out.data, &out.displs, &mut out.scratch)
@@ -220,70 +169,4 @@ fn auto_refused() -> Error {
     Error::InvalidArgument(
         "allgatherv algorithm \"auto\" is the engine's per-step choice (sync::Config::allgather); name recdbl, mpi or node".into(),
     )
-}
-
-/// Allgather in place (module docs): rank `i`'s block
-/// `buf[displs[i]..displs[i+1]]` is already filled on rank `i`.
-fn gather_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
-    if comm.size().is_power_of_two() {
-        recdbl_inplace(comm, buf, displs)
-    } else {
-        bruck_inplace(comm, buf, displs)
-    }
-}
-
-/// Bruck's allgather in place, for any `p` (module docs): `buf` holds the
-/// messages in rank-relative order (this rank's first) while it runs, and
-/// one rotation puts them in rank order.
-fn bruck_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
-    let (rank, p) = (comm.rank(), comm.size());
-    if p == 1 {
-        return Ok(());
-    }
-    // rel[j]: where the message of rank (rank + j) mod p starts.
-    let mut rel = Vec::with_capacity(p + 1);
-    rel.push(0usize);
-    for j in 0..p {
-        let i = (rank + j) % p;
-        rel.push(rel[j] + displs[i + 1] - displs[i]);
-    }
-    buf.copy_within(displs[rank]..displs[rank + 1], 0);
-    let mut d = 1;
-    while d < p {
-        // Held: relative messages 0..d. Send the first s to rank − d
-        // (they are its d..d+s), receive rank + d's first s as our d..d+s.
-        let s = d.min(p - d);
-        let (held, rest) = buf.split_at_mut(rel[d]);
-        comm.sendrecv(
-            &held[..rel[s]],
-            (rank + p - d) % p,
-            &mut rest[..rel[d + s] - rel[d]],
-            (rank + d) % p,
-            TAG,
-        )?;
-        d *= 2;
-    }
-    // Relative order is rank, rank + 1, …, p − 1, 0, …, rank − 1.
-    buf[..displs[p]].rotate_right(displs[rank]);
-    Ok(())
-}
-
-/// Recursive-doubling allgather in place, `p` a power of two: rank `i`'s
-/// block `buf[displs[i]..displs[i+1]]` is already filled on rank `i`; at
-/// distance `mask` the ranks exchange the gathered runs `[lo, lo + mask)`.
-fn recdbl_inplace<C: Transport, T: Elem>(comm: &C, buf: &mut [T], displs: &[usize]) -> Result<()> {
-    let (rank, p) = (comm.rank(), comm.size());
-    debug_assert!(p.is_power_of_two(), "{p} ranks: Bruck's algorithm's");
-    let range = |first: usize, end: usize| displs[first]..displs[end];
-    let mut mask = 1;
-    while mask < p {
-        let my_lo = rank & !(mask - 1);
-        let peer_lo = my_lo ^ mask;
-        let mine = range(my_lo, my_lo + mask);
-        let theirs = range(peer_lo, peer_lo + mask);
-        let (s, r) = super::split_ref_mut(buf, mine, theirs);
-        comm.sendrecv(s, rank ^ mask, r, rank ^ mask, TAG)?;
-        mask <<= 1;
-    }
-    Ok(())
 }

@@ -71,8 +71,8 @@ pub fn hierarchical_allreduce_with<C: Transport, T: Real>(
         // One small collective agrees on the length, the map's validity
         // and the map itself: ranks holding different maps would enter
         // different groups and wait for each other forever.
-        let h = crate::failure::map_hash(nodes);
-        crate::failure::agree_args(
+        let h = crate::comm::agree::map_hash(nodes);
+        crate::comm::agree::agree_args(
             comm,
             TAG_VALIDATE,
             local,

@@ -31,6 +31,7 @@ pub use hierarchical::{hierarchical_allreduce, hierarchical_allreduce_with};
 pub use rabenseifner::{rabenseifner_allreduce, rabenseifner_allreduce_with};
 pub use ring::{effective_chunk, ring_allreduce, ring_allreduce_with, MAX_CHUNKS_PER_SEGMENT};
 
+pub(crate) use crate::comm::small::{small_allreduce_max, split_ref_mut, Fold};
 use crate::comm::{Elem, Tag, Transport};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -38,7 +39,6 @@ use serde::{Deserialize, Serialize};
 pub(crate) const TAG_VALIDATE: Tag = crate::comm::tags::VALIDATE;
 pub(crate) const TAG_RABENSEIFNER: Tag = crate::comm::tags::RABENSEIFNER;
 pub(crate) const TAG_RING: Tag = crate::comm::tags::RING;
-pub(crate) const TAG_ALLGATHERV: Tag = crate::comm::tags::ALLGATHERV;
 
 /// A floating-point element that collectives can reduce.
 pub trait Real:
@@ -250,43 +250,6 @@ pub(crate) fn average<T: Real>(buf: &mut [T], p: usize) {
     }
 }
 
-/// The Thakur–Rabenseifner–Gropp fold of `p` ranks onto `p' = 2^⌊lg p⌋`
-/// virtual ranks: among the first `2r` ranks (`r = p − p'`) each even rank
-/// stays (virtual rank `rank/2`) and its odd partner drops out; ranks `≥ 2r`
-/// become virtual rank `rank − r`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Fold {
-    pub p2: usize,
-    pub r: usize,
-}
-
-impl Fold {
-    pub fn new(p: usize) -> Self {
-        let p2 = if p == 0 {
-            0
-        } else {
-            1usize << (usize::BITS - 1 - p.leading_zeros())
-        };
-        Fold { p2, r: p - p2 }
-    }
-    /// Virtual rank of `rank`, or `None` if it drops out.
-    pub fn vrank(&self, rank: usize) -> Option<usize> {
-        if rank < 2 * self.r {
-            (rank % 2 == 0).then_some(rank / 2)
-        } else {
-            Some(rank - self.r)
-        }
-    }
-    /// Lowest real rank represented by virtual rank `v` (`v == p2` gives `p`).
-    pub fn real(&self, v: usize) -> usize {
-        if v < self.r {
-            2 * v
-        } else {
-            v + self.r
-        }
-    }
-}
-
 /// Check that every rank passed `len`. All ranks learn the global min and max
 /// (recursive doubling on two `u64`), so on a mismatch every rank returns
 /// [`Error::SizeMismatch`].
@@ -295,7 +258,7 @@ pub fn validate_same_len<C: Transport>(comm: &C, len: usize) -> Result<()> {
     small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
     let (max, min) = (v[0], !v[1]);
     if min != max {
-        return Err(crate::failure::size_mismatch(
+        return Err(crate::comm::agree::size_mismatch(
             comm,
             TAG_VALIDATE,
             len as u64,
@@ -365,7 +328,7 @@ pub fn allreduce_agreed<C: Transport>(
     };
     small_allreduce_max(comm, &mut v, TAG_VALIDATE)?;
     if v[0] != 0 {
-        crate::failure::agree(comm, call.map(|_| ()))?;
+        crate::comm::agree::agree(comm, call.map(|_| ()))?;
         return Err(Error::Transport(
             "a rank flagged a failure that the agreement did not see".into(),
         ));
@@ -375,7 +338,7 @@ pub fn allreduce_agreed<C: Transport>(
     let (a, o) = code(algo, op);
     let (max, min) = (v[1], !v[2]);
     if min != max {
-        return Err(crate::failure::size_mismatch(
+        return Err(crate::comm::agree::size_mismatch(
             comm,
             TAG_VALIDATE,
             n,
@@ -386,7 +349,7 @@ pub fn allreduce_agreed<C: Transport>(
     // Every rank sees the same differing word, so every rank names the
     // odd rank in the same extra collective.
     let differs = |what: &str, here: String, code: u64| -> Result<()> {
-        let odd = crate::failure::first_rank_differing(comm, TAG_VALIDATE, code)?;
+        let odd = crate::comm::agree::first_rank_differing(comm, TAG_VALIDATE, code)?;
         Err(Error::ArgumentMismatch(format!(
             "the {what} differs across ranks (this rank passed {here}; rank {odd} passed other than rank 0): pass the same on every rank"
         )))
@@ -408,64 +371,6 @@ pub fn allreduce_agreed<C: Transport>(
     match buf {
         AnyBuf::F32(b) => allreduce(comm, b, algo, &opts),
         AnyBuf::F64(b) => allreduce(comm, b, algo, &opts),
-    }
-}
-
-/// Element-wise max of a tiny `u64` vector over all ranks, by recursive
-/// doubling with the non-power-of-two fold.
-pub(crate) fn small_allreduce_max<C: Transport, const N: usize>(
-    comm: &C,
-    v: &mut [u64; N],
-    tag: Tag,
-) -> Result<()> {
-    let (rank, p) = (comm.rank(), comm.size());
-    if p == 1 {
-        return Ok(());
-    }
-    let f = Fold::new(p);
-    let mut other = [0u64; N];
-    let merge = |v: &mut [u64; N], o: &[u64; N]| {
-        for (a, b) in v.iter_mut().zip(o) {
-            *a = (*a).max(*b);
-        }
-    };
-    if rank < 2 * f.r {
-        if rank % 2 == 1 {
-            comm.send(&v[..], rank - 1, tag)?;
-            comm.recv(&mut v[..], rank - 1, tag)?;
-            return Ok(());
-        }
-        comm.recv(&mut other[..], rank + 1, tag)?;
-        merge(v, &other);
-    }
-    let vr = f.vrank(rank).expect("odd folded ranks returned above");
-    let mut mask = 1;
-    while mask < f.p2 {
-        let peer = f.real(vr ^ mask);
-        comm.sendrecv(&v[..], peer, &mut other[..], peer, tag)?;
-        merge(v, &other);
-        mask <<= 1;
-    }
-    if rank < 2 * f.r {
-        comm.send(&v[..], rank + 1, tag)?;
-    }
-    Ok(())
-}
-
-/// Split one mutable slice into a shared sub-slice `a` and a mutable sub-slice
-/// `b` that do not overlap (for exchanges within one buffer).
-pub(crate) fn split_ref_mut<T>(
-    buf: &mut [T],
-    a: std::ops::Range<usize>,
-    b: std::ops::Range<usize>,
-) -> (&[T], &mut [T]) {
-    assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
-    if a.end <= b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&lo[a], &mut hi[..b.end - b.start])
-    } else {
-        let (lo, hi) = buf.split_at_mut(a.start);
-        (&hi[..a.end - a.start], &mut lo[b])
     }
 }
 

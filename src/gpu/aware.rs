@@ -126,7 +126,7 @@ impl std::fmt::Display for CudaAware {
 /// variable is not seen). A bad variable, or `auto` before `MPI_Init`, is
 /// an error and decides nothing. Rank-local: ranks with different
 /// environments can decide differently, so a collective caller agrees on
-/// the decision before relying on it ([`crate::failure`];
+/// the decision before relying on it ([`crate::comm::agree`];
 /// [`super::device_allreduce`] does).
 pub fn cuda_aware() -> Result<CudaAware> {
     static DECIDED: OnceLock<CudaAware> = OnceLock::new();

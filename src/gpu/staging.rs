@@ -18,7 +18,7 @@
 //!   same contract over a stream, events and pinned buffers;
 //! * [`staged_allreduce`] drives the schedule over a [`Transport`].
 //!
-//! The failure model ([`crate::failure`]) holds: the length, the chunk
+//! The failure model ([`crate::comm::agree`]) holds: the length, the chunk
 //! size, the algorithm and the operation are agreed on first (a mismatch is
 //! an error on every rank, not a hang); a copy that fails on one rank does
 //! not stop it: it goes on reducing zeros so its peers never wait alone,
@@ -27,9 +27,9 @@
 //! collectives return it (the peers may be blocked: a caller that cannot
 //! return on every rank aborts the job, as the engine does).
 
+use crate::comm::agree::{agree, agree_args, fnv, FNV_OFFSET};
 use crate::comm::{tags, MpiComm, Transport};
 use crate::dense::{allreduce_with, AllreduceAlgo, AllreduceOptions, ReduceOp, Workspace};
-use crate::failure::{agree, agree_args, fnv, FNV_OFFSET};
 use crate::{Error, Result};
 use mpi::topology::Communicator;
 use serde::Serialize;

@@ -16,7 +16,7 @@
 //!    rank's arguments (an index `≥ n`, index and value slices of different
 //!    lengths, an output of the wrong length) becomes
 //!    [`Error::RankFailed`] naming that rank on every rank (through
-//!    [`crate::failure::agree`]), different `n` becomes
+//!    [`crate::comm::agree::agree`]), different `n` becomes
 //!    [`Error::SizeMismatch`] and different options (balancing,
 //!    reselection, the allgatherv algorithm) [`Error::ArgumentMismatch`],
 //!    on every rank alike.
@@ -60,9 +60,9 @@
 //! against `(p−1)(8k+4)` for the fused allgather. Values pass through as
 //! they are: NaN and Inf are summed like any other value.
 
+use crate::comm::agree::agree_args;
 use crate::comm::{tags, Tag, Transport};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
-use crate::failure::agree_args;
 use crate::{Error, Result};
 
 const TAG: Tag = tags::SPARSE_ALLREDUCE;
@@ -212,7 +212,7 @@ pub fn sparse_allreduce<C: Transport>(
         comm.sendrecv(&[part.len() as u64], dst, &mut cnt, src, TAG)?;
         // A peer's corrupt count or index is this rank's alone while the
         // others go on exchanging: the job ends (the failure model of
-        // crate::failure) instead of returning here and leaving them waiting.
+        // crate::comm::agree) instead of returning here and leaving them waiting.
         let c = usize::try_from(cnt[0])
             .ok()
             .filter(|&c| c <= width)
@@ -408,8 +408,8 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
         AllgathervAlgo::Node => 3,
         AllgathervAlgo::Auto => 4,
     });
-    words.iter().fold(crate::failure::FNV_OFFSET, |h, w| {
-        crate::failure::fnv(h, &w.to_le_bytes())
+    words.iter().fold(crate::comm::agree::FNV_OFFSET, |h, w| {
+        crate::comm::agree::fnv(h, &w.to_le_bytes())
     })
 }
 

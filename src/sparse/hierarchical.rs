@@ -17,7 +17,7 @@
 //!    length, a node map whose length is not the number of ranks,
 //!    `opts.reselect`, which this path does not support, a NaN `delta`)
 //!    becomes [`Error::RankFailed`] naming that rank on every rank
-//!    ([`crate::failure::agree`]); different `n` is [`Error::SizeMismatch`],
+//!    ([`crate::comm::agree::agree`]); different `n` is [`Error::SizeMismatch`],
 //!    different node maps or allgatherv algorithms
 //!    [`Error::ArgumentMismatch`], on every rank alike.
 //! 2. **Intra-node reduction**: a node's leader is its lowest rank. Every
@@ -65,9 +65,9 @@
 //! Inf are summed like any other value.
 
 use super::allreduce::{check_pairs, merge_sorted, sorted_pairs, SparseAllreduceOptions};
+use crate::comm::agree::{agree_args, map_hash};
 use crate::comm::{tags, Group, Tag, Transport};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
-use crate::failure::{agree_args, map_hash};
 use crate::{Error, Result};
 use std::collections::HashMap;
 
@@ -198,7 +198,7 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
         ],
     )?;
 
-    // Phase times for `RUST_LOG=gradsync::sparse=trace` (docs/benchmarks.md).
+    // Phase times for `RUST_LOG=gradsync::sparse=trace` (docs/benchmarks/cluster.md).
     let t0 = std::time::Instant::now();
     let mut phases = [0f64; 4];
     let layout = Layout::new(nodes, rank);
@@ -352,7 +352,7 @@ fn reduce_node<C: Transport>(
 ) -> Result<Vec<(u32, f32)>> {
     let l = node.size();
     // A corrupt count or index is this node's alone while the other nodes
-    // go on to the exchange: the job ends (crate::failure's rule).
+    // go on to the exchange: the job ends (crate::comm::agree's rule).
     let die = |j: usize, reason: String| -> ! {
         let e = peer(node.parent_rank(j), reason);
         node.abort(1, &format!("hierarchical sparse allreduce: {e}"))

@@ -23,7 +23,7 @@
 //! A rank that selected nothing still sends a unit (with `len = 0`).
 //!
 //! A rank that failed before the exchange (a caller error, an encoder error:
-//! the failure model of [`crate::failure`]) still takes part in it, with a
+//! the failure model of [`crate::comm::agree`]) still takes part in it, with a
 //! *failure message* instead: magic `b"GSFX"`, its step (u64 LE), then its
 //! error text (UTF-8). Every rank sees every message, so every rank learns
 //! which rank failed and why in the same exchange ([`failure_text`]).

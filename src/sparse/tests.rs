@@ -82,9 +82,11 @@ fn a_corrupt_unit_names_rank_and_layer() {
 #[test]
 fn unpack_adds_every_rank_in_rank_order() {
     let (buf, units) = sample(0);
-    let mut g = Gathered::default();
-    g.data = [buf.clone(), buf.clone()].concat();
-    g.displs = vec![0, buf.len(), 2 * buf.len()];
+    let g = Gathered {
+        data: [buf.clone(), buf.clone()].concat(),
+        displs: vec![0, buf.len(), 2 * buf.len()],
+        ..Default::default()
+    };
     let mut e = Vec::new();
     parse_fused(&buf, 0, 0, &[0, 2, 5], &names, &mut e).expect("parses");
     // Entries are relative to each rank's message.

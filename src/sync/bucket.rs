@@ -420,7 +420,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // 2. Local math (Algorithm 4, layer.rs). From here on this rank
         // enters the bucket's collectives whatever happens, carrying a
         // failure flag if this half failed, so no peer is left waiting
-        // (crate::failure).
+        // (crate::comm::agree).
         let local = match input {
             Ok((grads, weights)) => self.bucket_math(&part.plan, ids, grads, weights, &mut job),
             Err(e) => {

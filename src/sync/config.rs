@@ -9,64 +9,9 @@
 
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
+pub use crate::strategy::{SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-
-/// How one layer is synchronized.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "strategy", rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Fused Rabenseifner allreduce of the full gradient.
-    Dense,
-    /// Residual compression with `codec`; `density` (when given) overrides
-    /// the codec's own density (`rgc`, `rgc-quant`: `density`; `sbc`: `p`).
-    Sparse {
-        /// The codec.
-        codec: CodecConfig,
-        /// Fraction of elements sent, for codecs that have one.
-        #[serde(default)]
-        density: Option<f64>,
-    },
-    /// GradiVeQ ([`crate::gradiveq`]): the layer is aggregated by the
-    /// compressed-domain ring, with its own schedule (warm-up, `L_t`
-    /// QSGD-aggregated samples, `L_c` compressed steps, the eq.-7 loss
-    /// monitor). Meant for convolution layers flattened by
-    /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
-    /// of at least `K` elements. Not combinable with `delay > 1`.
-    Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
-    /// The step model's choice ([`crate::cost::plan_step`]) from
-    /// `Config::profile`: `Dense`, RGC (`sparse-allgather`) or, with
-    /// `Config::auto_quant`, quantized RGC, whichever adds least to the
-    /// predicted step of the whole table on this communicator (the fused
-    /// dense allreduce and the fused allgatherv each pay their α once).
-    /// Resolved once, when the table is complete (the first step or a
-    /// snapshot restore), logged, and visible in
-    /// [`GradSync::layer`](super::GradSync::layer) (`Auto` until then),
-    /// [`GradSync::auto_plan`](super::GradSync::auto_plan) and the step stats.
-    Auto,
-}
-
-impl Strategy {
-    /// RGC with trimmed top-k at `density`, RedSync's choice for mid-size layers.
-    pub fn rgc(density: f64) -> Self {
-        Strategy::Sparse {
-            codec: CodecConfig::Rgc {
-                density,
-                method: RgcMethod::Trimmed,
-            },
-            density: None,
-        }
-    }
-    /// Short label: `dense` or the codec name.
-    pub fn label(&self) -> String {
-        match self {
-            Strategy::Dense => "dense".into(),
-            Strategy::Sparse { codec, .. } => codec.name(),
-            Strategy::Auto => "auto".into(),
-            Strategy::Gradiveq(_) => "gradiveq".into(),
-        }
-    }
-}
 
 /// Warm-up of sparse layers.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -105,76 +50,6 @@ pub enum NonFinitePolicy {
     /// The layer's result is NaN on every rank (so a loss scaler can skip the
     /// step); residuals and momentum are not poisoned.
     Propagate,
-}
-
-/// How the sparse layers whose codec sends index/value pairs (RGC and
-/// quantized RGC) are exchanged ([`Config::sparse_exchange`]). Layers of
-/// other codecs (fp16, QSGD, SBC, 3LC, ...) always go through the fused
-/// allgatherv.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SparseExchange {
-    /// Every sparse layer's unit in the ONE fused allgatherv (RedSync §4):
-    /// every rank receives every rank's units, O(k·p) bytes per rank.
-    #[default]
-    Allgather,
-    /// The index/value layers' pairs, over their concatenated index space,
-    /// in ONE O(k) sparse allreduce ([`crate::sparse::sparse_allreduce`]:
-    /// Ok-Topk's split-and-reduce, then an allgatherv of the reduced
-    /// regions). The result is bitwise the allgather path's (each pair is
-    /// scaled by `1/p` before the exact sum, which adds in rank order).
-    Allreduce,
-    /// As `Allreduce`, node-aware
-    /// ([`crate::sparse::hierarchical_sparse_allreduce`]: the units merged
-    /// per node, exchanged among the nodes' leaders, broadcast inside each
-    /// node). Needs the ranks' nodes (an MPI communicator: ranks that share
-    /// memory). Sums node by node, so equal to `Allreduce` up to the order
-    /// of the additions (exactly for integers).
-    Hierarchical,
-    /// The cost model's choice, every step, among the three above
-    /// ([`crate::cost::choose_sparse_exchange`] with
-    /// [`Config::profile`], which `Auto` needs): the index/value layers'
-    /// element count, their nominal pairs per rank (each layer's
-    /// `⌈density·n⌉` at this step's density, the same on every rank), the
-    /// ranks, the ranks per node and the fill ratio measured by the
-    /// previous steps (whichever exchange ran them). `Hierarchical` only when the job spans
-    /// several nodes (the ranks' nodes are asked for at creation; a
-    /// transport without nodes never gets it). The choice is logged when
-    /// it changes and reported in [`StepStats::sparse_exchange`](super::StepStats::sparse_exchange).
-    Auto,
-}
-
-impl std::str::FromStr for SparseExchange {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "allgather" => Ok(Self::Allgather),
-            "allreduce" => Ok(Self::Allreduce),
-            "hierarchical" => Ok(Self::Hierarchical),
-            "auto" => Ok(Self::Auto),
-            _ => Err(Error::InvalidArgument(format!(
-                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical, auto)"
-            ))),
-        }
-    }
-}
-
-impl SparseExchange {
-    /// Name as used on the command line and in JSON.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Allgather => "allgather",
-            Self::Allreduce => "allreduce",
-            Self::Hierarchical => "hierarchical",
-            Self::Auto => "auto",
-        }
-    }
-    /// The default (serde skips it, so that the options' JSON, and with it
-    /// the table hash that snapshots record, is what it was before the
-    /// option existed).
-    fn is_default(&self) -> bool {
-        *self == Self::default()
-    }
 }
 
 /// Engine options. Serializable, so runs can keep them in JSON profiles.

@@ -8,7 +8,7 @@
 //! host engine" path the GPU work is measured against; the residuals and
 //! momentum stay on the host here.
 //!
-//! Failures follow [`crate::failure`]: a copy to the host that fails on one
+//! Failures follow [`crate::comm::agree`]: a copy to the host that fails on one
 //! rank fails the step on every rank ([`GradSync::fail_step`]:
 //! [`Error::RankFailed`] everywhere, nothing applied, the next step runs);
 //! a copy back that fails after the step's collectives cannot be told to

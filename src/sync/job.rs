@@ -6,7 +6,7 @@
 //! allreduce of the `reduced` layers (`Config::sparse_exchange`) and
 //! GradiVeQ's compressed-domain rings. A failure flagged by any rank
 //! reaches every rank as the same [`crate::Error::RankFailed`]; any other
-//! error ends the job ([`crate::failure`]). Also the between-steps status
+//! error ends the job ([`crate::comm::agree`]). Also the between-steps status
 //! agreement used by snapshot restores.
 //!
 //! # The sparse allreduce of the reduced layers
@@ -156,7 +156,7 @@ impl Job {
     /// flagged in the step's status, corrupt data every rank received)
     /// return to the caller; any other error may be this rank's alone while
     /// its peers block in a collective, so it ends the job
-    /// ([`Transport::abort`], the failure model of [`crate::failure`]).
+    /// ([`Transport::abort`], the failure model of [`crate::comm::agree`]).
     pub(super) fn run<C: Transport>(&mut self, comm: &C) {
         let r = self.communicate(comm);
         if let Err(e) = &r {
@@ -174,7 +174,7 @@ impl Job {
         if let Some((h, what)) = self.check.take() {
             if comm.size() > 1 {
                 let what = || what.clone();
-                crate::failure::agree_args(
+                crate::comm::agree::agree_args(
                     comm,
                     crate::comm::tags::AGREE,
                     Ok(()),
@@ -185,7 +185,7 @@ impl Job {
         }
         if let Some((h, what, local)) = self.print.take() {
             let what = || what.clone();
-            return crate::failure::agree_args(
+            return crate::comm::agree::agree_args(
                 comm,
                 crate::comm::tags::AGREE,
                 local,
@@ -252,7 +252,7 @@ impl Job {
         }
         if let Some(texts) = failed {
             return Err(
-                crate::failure::rank_failed(&texts, self.step).unwrap_or_else(|| {
+                crate::comm::agree::rank_failed(&texts, self.step).unwrap_or_else(|| {
                     Error::RankFailed {
                         rank: 0,
                         others: 0,

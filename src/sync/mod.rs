@@ -55,7 +55,7 @@
 //! `start` and `wait` unless it has `MPI_THREAD_MULTIPLE`); with a lower level
 //! the engine communicates inside `start` and says so once in the log.
 //!
-//! Failures are collective ([`crate::failure`]): an error that can arise on
+//! Failures are collective ([`crate::comm::agree`]): an error that can arise on
 //! a subset of ranks inside a step reaches every rank as an `Err` in the same
 //! step, naming the rank and the cause, or — where agreement is impossible —
 //! ends the job with `MPI_Abort`. A rank whose local half of the step fails
@@ -131,7 +131,7 @@
 //! | `allreduce = "auto"`: this step's dense algorithm (Rabenseifner, ring, hierarchical with several nodes) | `exchange.rs`, by [`crate::cost::choose_dense_allreduce`] from the dense group's bytes, the agreed profile and the node map |
 //! | the fill estimate (moving average of the group's distinct results over `p·k`: `sparse_reduce_nnz` after reducing steps, the nonzero elements the unpacking counts after `auto`'s allgatherv steps) | `exchange.rs`, `unpack.rs` |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
-//! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::failure`] |
+//! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::comm::agree`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
 //! | what a snapshot holds and how a restore is agreed | `snapshot.rs` |
 //!
@@ -152,6 +152,7 @@ mod device;
 mod exchange;
 mod job;
 mod layer;
+mod local;
 mod mixed;
 mod options;
 mod plan;
@@ -270,7 +271,7 @@ impl GradSync<MpiComm> {
     /// over it): how the C ABI and the Python package, whose communicators
     /// come from C or mpi4py, build one. `cfg` is this rank's options or
     /// its own failure to build them (bad JSON, an option of the wrong
-    /// type): one 8-byte agreement ([`crate::failure::agree`]) makes such a
+    /// type): one 8-byte agreement ([`crate::comm::agree::agree`]) makes such a
     /// failure on one rank fail every rank alike, naming it, before the
     /// engine's own checks. See [`MpiComm::duplicate_raw`] for the errors
     /// of the communicator itself.
@@ -282,7 +283,7 @@ impl GradSync<MpiComm> {
         // SAFETY: `raw` is a handle of the linked MPI library (this
         // function's contract).
         let comm = unsafe { MpiComm::duplicate_raw(raw)? };
-        let cfg = crate::failure::agree(&comm, cfg)?;
+        let cfg = crate::comm::agree::agree(&comm, cfg)?;
         Self::with_transport(comm, cfg)
     }
 }
@@ -293,7 +294,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub fn with_transport(comm: C, cfg: Config) -> Result<Self> {
         // Options that are invalid on one rank only still enter the options
         // agreement below, so every rank fails alike instead of the others
-        // waiting in it (the failure model, crate::failure).
+        // waiting in it (the failure model, crate::comm::agree).
         let valid = cfg.check();
         let json = serde_json::to_vec(&cfg)?;
         let table_hash = fnv(FNV_OFFSET, &json);
@@ -335,9 +336,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     .progress
                     .inline_comm()
                     .expect("transport held at creation");
-                return Err(Error::ArgumentMismatch(crate::failure::option_differences(
-                    comm, &json,
-                )?));
+                return Err(Error::ArgumentMismatch(
+                    crate::comm::agree::option_differences(comm, &json)?,
+                ));
             }
             r => r?,
         }
@@ -509,7 +510,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Take part in this step carrying a failure found by the caller before
     /// it could hand over its gradients (a binding that got a float64 or
     /// read-only array, a null pointer from C). The step's collectives run
-    /// as for any rank-local failure ([`crate::failure`]): every rank,
+    /// as for any rank-local failure ([`crate::comm::agree`]): every rank,
     /// this one included, returns the same [`Error::RankFailed`] for this
     /// step, nothing is applied anywhere, and the next step runs normally.
     /// Returns that error (or an earlier, purely local misuse error).

@@ -26,7 +26,7 @@
 //! assert_eq!(Strategy::parse("dense").unwrap(), Strategy::Dense);
 //! ```
 
-use super::{Config, NonFinitePolicy, Strategy, Warmup};
+use super::{Config, NonFinitePolicy, Warmup};
 use crate::codec::CodecConfig;
 use crate::{Error, Result};
 use serde_json::{Map, Value};
@@ -188,86 +188,6 @@ fn single_precision(key: &str, v: &Value) -> Result<()> {
     Err(Error::InvalidArgument(format!("option {key:?}: {v} {why}")))
 }
 
-impl Strategy {
-    /// A strategy from text: `"dense"`, `"auto"` (the cost model's choice,
-    /// which needs [`Config::profile`]), `"gradiveq"` with optional
-    /// schedule parameters (`"gradiveq:k=768,d=96"` or `lambda=0.01`,
-    /// `reuse`, `warmup`, `lt`, `lc`, `loss_threshold`, `qsgd_bits`,
-    /// `qsgd_bucket`), or a codec string (`"rgc:density=0.001"`,
-    /// `"3lc:s=1.75"`, `"qsgd:bits=4"`, ... as [`CodecConfig`] parses).
-    ///
-    /// A JSON object is a serialized [`Strategy`] (what
-    /// [`GradSync::layer_strategy`](super::GradSync::layer_strategy) gives
-    /// for a resolved layer), taken as it is.
-    pub fn parse(spec: &str) -> Result<Strategy> {
-        let spec = spec.trim();
-        if spec.starts_with('{') {
-            return serde_json::from_str(spec).map_err(|e| {
-                Error::InvalidArgument(format!(
-                    "strategy {spec:?} is not a serialized strategy: {e}"
-                ))
-            });
-        }
-        let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
-        match name.trim() {
-            "" => Err(Error::InvalidArgument("empty strategy".into())),
-            "dense" | "auto" if !params.trim().is_empty() => Err(Error::InvalidArgument(format!(
-                "strategy {spec:?}: {name} takes no parameters"
-            ))),
-            "dense" => Ok(Strategy::Dense),
-            "auto" => Ok(Strategy::Auto),
-            "gradiveq" => parse_gradiveq(spec, params).map(Strategy::Gradiveq),
-            _ => spec
-                .parse::<CodecConfig>()
-                .map(|codec| Strategy::Sparse {
-                    codec,
-                    density: None,
-                })
-                .map_err(|e| {
-                    Error::InvalidArgument(format!(
-                        "strategy {spec:?} is not auto, dense, gradiveq or a codec: {e}"
-                    ))
-                }),
-        }
-    }
-}
-
-fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule::ScheduleConfig> {
-    let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
-    let Value::Object(mut m) =
-        serde_json::to_value(crate::gradiveq::schedule::ScheduleConfig::default())?
-    else {
-        return Err(bad("ScheduleConfig is not an object".into()));
-    };
-    let mut seen: Vec<&str> = Vec::new();
-    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
-        let (k, v) = (k.trim(), v.trim());
-        // `d` and `lambda` both set the kept dimension.
-        let slot = if k == "lambda" { "d" } else { k };
-        if seen.contains(&slot) {
-            return Err(bad(format!(
-                "parameter {k:?} given twice (or both d and lambda)"
-            )));
-        }
-        seen.push(slot);
-        let num: Value = serde_json::from_str(v)
-            .ok()
-            .filter(Value::is_number)
-            .ok_or_else(|| bad(format!("{k}={v:?} is not a number")))?;
-        match k {
-            "d" => m.insert("dim".into(), serde_json::json!({ "fixed": num })),
-            "lambda" => m.insert("dim".into(), serde_json::json!({ "lambda": num })),
-            "reuse" => m.insert("reuse".into(), num),
-            k if m.contains_key(k) && k != "dim" => m.insert(k.into(), num),
-            _ => return Err(bad(format!("unknown parameter {k:?}"))),
-        };
-    }
-    serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))
-}
-
 /// The keys of a JSON object, in order, duplicates kept (values skipped).
 struct TopKeys(Vec<String>);
 
@@ -298,6 +218,7 @@ impl<'de> serde::Deserialize<'de> for TopKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::strategy::Strategy;
 
     #[test]
     fn options_map_onto_config() {

@@ -201,7 +201,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Agree on a rank-local outcome between steps (collective), on the
     /// progress thread if there is one: one small max-allreduce that also
     /// checks `print.0` is the same on every rank, plus the error texts
-    /// only when some rank failed ([`crate::failure::agree_args`]). Every
+    /// only when some rank failed ([`crate::comm::agree::agree_args`]). Every
     /// rank returns the same [`Error::RankFailed`] if any rank passed
     /// `Err`, else [`Error::ArgumentMismatch`] with `print.1` if the values
     /// differ.

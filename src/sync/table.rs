@@ -7,7 +7,7 @@
 //! alike), and the collective checks that every rank registered the same
 //! table under the same options (an FNV hash compared by one small
 //! allreduce per registration, one more before the first step; the failure
-//! model of [`crate::failure`]).
+//! model of [`crate::comm::agree`]).
 
 use super::layer::{zeros, Layer};
 use super::plan::LayerPlanInput;
@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerId(pub usize);
 
-pub(super) use crate::failure::{fnv, FNV_OFFSET};
+pub(super) use crate::comm::agree::{fnv, FNV_OFFSET};
 
 const TAG_TABLE: crate::comm::Tag = crate::comm::tags::TABLE;
 
@@ -29,7 +29,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Compare `h` across ranks (one 24-byte collective); on a mismatch every
     /// rank returns [`Error::TableMismatch`] with `what()`. A rank that
     /// passes `Err` still enters the collective: every rank then returns
-    /// the same [`Error::RankFailed`] (the failure model, [`crate::failure`]).
+    /// the same [`Error::RankFailed`] (the failure model, [`crate::comm::agree`]).
     pub(super) fn agree(&mut self, h: Result<u64>, what: impl FnOnce() -> String) -> Result<()> {
         let comm = self.progress.inline_comm().ok_or_else(|| {
             Error::InvalidArgument("the layer table is fixed once steps have started".into())
@@ -41,7 +41,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         };
         crate::dense::small_allreduce_max(comm, &mut v, TAG_TABLE)?;
         if v[0] != 0 {
-            return crate::failure::agree(comm, h).map(|_| ());
+            return crate::comm::agree::agree(comm, h).map(|_| ());
         }
         let h = h?;
         if v[1] != h || !v[2] != h {

@@ -1398,8 +1398,8 @@ fn fuzz_non_finite_state_is_never_written() {
 /// `gradsync predict`/`plan`'s arguments with the network from a profile
 /// given in code and `strategies` as the candidates.
 #[cfg(feature = "cli")]
-fn model_args(strategies: String) -> crate::cli::ModelArgs {
-    crate::cli::ModelArgs {
+fn model_args(strategies: String) -> crate::cost::records::ModelArgs {
+    crate::cost::records::ModelArgs {
         profile: None,
         alpha: None,
         bandwidth: None,
@@ -1457,7 +1457,7 @@ fn auto_predict_and_plan_make_the_same_choice() {
         );
         let mut kinds = std::collections::BTreeSet::new();
         for (i, &n) in [64usize, 9408, 32768, 1 << 20, 1 << 24].iter().enumerate() {
-            let rec = crate::cli::predict_record(&prof, &m, n, 4, 0.001).unwrap();
+            let rec = crate::cost::records::predict_record(&prof, &m, n, 4, 0.001).unwrap();
             let id: crate::cost::StrategyId = rec.choice.parse().unwrap();
             let want = id
                 .engine_strategy(0.001, crate::codec::RgcMethod::Trimmed)
@@ -1486,13 +1486,13 @@ fn auto_layers_run_the_plan_of_the_whole_table() {
         .insert("trimmed".into(), LinearFit { a: 2e-5, b: 1e-9 });
     let file =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/layers/resnet50.json");
-    let layers = crate::cli::read_layers(&file).unwrap();
+    let layers = crate::cost::records::read_layers(&file).unwrap();
     // Only the first 40 layers: the test allocates them on 4 in-process ranks.
     let layers: Vec<_> = layers.into_iter().take(40).collect();
     let mut m = model_args("dense-rabenseifner,sparse-allgather".into());
     // The engine's threshold: the small layers stay dense in both.
     m.compress_threshold = cfg().compress_threshold;
-    let rec = crate::cli::plan_record(&prof, &m, &layers, 4, 0.001).unwrap();
+    let rec = crate::cost::records::plan_record(&prof, &m, &layers, 4, 0.001).unwrap();
     let want: Vec<Strategy> = rec
         .layers
         .iter()

@@ -40,7 +40,7 @@
 //!
 //! ```
 //! use gradsync::comm::LocalComm;
-//! use gradsync::failure::agree;
+//! use gradsync::comm::agree::agree;
 //! use gradsync::Error;
 //! let out = LocalComm::run(3, |c| {
 //!     let local: gradsync::Result<u32> = if gradsync::comm::Transport::rank(&c) == 1 {
@@ -55,8 +55,8 @@
 //! assert!(out[0].as_ref().unwrap_err().contains("rank 1"));
 //! ```
 
-use crate::comm::{Tag, Transport};
-use crate::dense::{allgatherv, small_allreduce_max, AllgathervAlgo};
+use super::small::{allgather_bytes, small_allreduce_max};
+use super::{Tag, Transport};
 use crate::{Error, Result};
 
 const TAG_AGREE: Tag = crate::comm::tags::AGREE;
@@ -100,7 +100,7 @@ pub fn agree<C: Transport, T>(comm: &C, local: Result<T>) -> Result<T> {
             }
         }
     };
-    let g = allgatherv(comm, text.as_bytes(), AllgathervAlgo::RecursiveDoubling)?;
+    let g = allgather_bytes(comm, text.as_bytes())?;
     let msgs: Vec<String> = (0..g.len())
         .map(|r| String::from_utf8_lossy(g.message(r)).into_owned())
         .collect();
@@ -233,7 +233,7 @@ pub fn rank_failed(msgs: &[String], step: Option<u64>) -> Option<Error> {
 pub(crate) type MustMatch = Vec<(&'static str, String)>;
 
 /// The end of a subcommand's (or a collective library call's, such as
-/// [`crate::cost::calibrate`]) rank-local input phase (flags parsed into
+/// [`crate::calibrate`]) rank-local input phase (flags parsed into
 /// values, files loaded, everything validated), and the first collective of
 /// the subcommand: every rank learns whether any rank failed, and every
 /// rank then fails alike ([`agree`]: [`Error::RankFailed`] naming the
@@ -261,7 +261,7 @@ pub(crate) fn same_on_every_rank<C: Transport>(
     mine: &[(&'static str, String)],
 ) -> Result<()> {
     let enc = serde_json::to_vec(mine)?;
-    let g = allgatherv(comm, &enc, AllgathervAlgo::RecursiveDoubling)?;
+    let g = allgather_bytes(comm, &enc)?;
     let all: Vec<Vec<(String, String)>> = (0..g.len())
         .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
         .collect();
@@ -276,7 +276,7 @@ pub(crate) fn same_on_every_rank<C: Transport>(
 /// value, such as a profile, only by its name). Every rank returns the
 /// same text.
 pub(crate) fn option_differences<C: Transport>(comm: &C, mine: &[u8]) -> Result<String> {
-    let g = allgatherv(comm, mine, AllgathervAlgo::RecursiveDoubling)?;
+    let g = allgather_bytes(comm, mine)?;
     let parse = |r: usize| -> serde_json::Map<String, serde_json::Value> {
         serde_json::from_slice(g.message(r)).unwrap_or_default()
     };

@@ -4,10 +4,10 @@
 
 use super::probes::{exchange_time, rounds, synthetic, Probe};
 use super::{check_densities, check_min_seconds, check_rounds, median};
+use crate::comm::agree::{agree_inputs, MustMatch};
 use crate::comm::{MpiComm, Transport};
 use crate::cost::{self, Profile, Query, StrategyId};
 use crate::dense::{allreduce_with, AllreduceAlgo, AllreduceOptions, Workspace};
-use crate::failure::{agree_inputs, MustMatch};
 use crate::sync::{Config, GradSync, Strategy};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -188,7 +188,7 @@ pub struct CheckSummary {
     pub exchange_64k_s: f64,
     /// ...and the profile's `α + β(64 KiB)·64 KiB`, the calibration's
     /// measurement of the same. A ratio far from 1 means the machine is not
-    /// in the state it was calibrated in (see `docs/benchmarks.md`).
+    /// in the state it was calibrated in (see `docs/benchmarks/cost-model.md`).
     pub exchange_64k_profile_s: f64,
 }
 

@@ -10,7 +10,7 @@
 //! collective: every rank of the communicator calls them with the same
 //! options and gets the same result. Options that are invalid on some rank,
 //! or differ between ranks, are the same [`Error::RankFailed`] on every
-//! rank before anything is measured ([`crate::failure`]).
+//! rank before anything is measured ([`crate::comm::agree`]).
 //!
 //! # How the measurements run
 //!
@@ -60,9 +60,9 @@ pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckO
 pub(crate) use probes::max_over_ranks;
 pub use probes::synthetic;
 
-use super::Profile;
+use crate::comm::agree::{agree_inputs, MustMatch};
 use crate::comm::{MpiComm, Transport};
-use crate::failure::{agree_inputs, MustMatch};
+use crate::cost::Profile;
 use crate::{Error, Result};
 use probes::{rounds, sizes_up_to, Probe};
 
@@ -179,7 +179,7 @@ pub struct Calibration {
 ///
 /// ```no_run
 /// use gradsync::comm::MpiComm;
-/// use gradsync::cost::{calibrate, CalibrateOptions};
+/// use gradsync::calibrate::{calibrate, CalibrateOptions};
 /// let universe = mpi::initialize().unwrap();
 /// let comm = MpiComm::duplicate_of(&universe.world()).unwrap();
 /// let opts = CalibrateOptions { max_bytes: 1 << 20, min_seconds: 2.0, ..Default::default() };

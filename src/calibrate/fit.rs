@@ -379,7 +379,7 @@ pub(super) fn run(
                 "calibrate: between nodes a two-way exchange of {bytes} B moves each byte \
                  {x:.1}x slower than one-way traffic: the transport runs the two directions \
                  one after the other (with Open MPI over TCP, set \
-                 OMPI_MCA_btl_tcp_rdma_pipeline_frag_size=131072; docs/benchmarks.md)"
+                 OMPI_MCA_btl_tcp_rdma_pipeline_frag_size=131072; docs/running.md)"
             );
         }
         e

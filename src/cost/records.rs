@@ -1,0 +1,602 @@
+//! The cost model's answers as records: a layer's prediction under every
+//! strategy ([`predict_record`]), a layers file ([`read_layers`]) and its
+//! planned step ([`plan_record`]), from the model's constants
+//! ([`ModelArgs`]). What `gradsync predict` and `plan` print and what the
+//! Python binding's `gradsync.predict` returns; no MPI, no command line
+//! (the flags are `ModelArgs`'s fields, and the `cli` feature derives
+//! them).
+
+use crate::cost::{self, LinearFit, Prediction, Profile, Query};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where the model's constants come from.
+#[derive(Debug, Clone)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+pub struct ModelArgs {
+    /// Calibrated profile (JSON from `gradsync calibrate`).
+    #[cfg_attr(feature = "cli", arg(long, conflicts_with_all = ["alpha", "bandwidth"]))]
+    pub profile: Option<PathBuf>,
+    /// Latency α, seconds per message (without --profile).
+    #[cfg_attr(feature = "cli", arg(long, requires = "bandwidth"))]
+    pub alpha: Option<f64>,
+    /// Bandwidth 1/β, bytes per second (without --profile).
+    #[cfg_attr(feature = "cli", arg(long, requires = "alpha"))]
+    pub bandwidth: Option<f64>,
+    /// γ_reduce, seconds per byte reduced (without --profile; with one,
+    /// it replaces the profile's constant and its curve by message size).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub gamma_reduce: Option<f64>,
+    /// γ_unpack, seconds per byte of sparse unit scatter-added (without
+    /// --profile; with one, it replaces the profile's constant and its
+    /// curve by output size).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub gamma_unpack: Option<f64>,
+    /// Selection cost, seconds per element (overrides the profile's fit).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub select_cost: Option<f64>,
+    /// Fixed selection cost, seconds per layer (with --select-cost).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub select_fixed: Option<f64>,
+    /// Selection method whose profile fit `sparse-allgather` uses.
+    #[cfg_attr(feature = "cli", arg(long, default_value = "trimmed"))]
+    pub select_method: String,
+    /// GradiVeQ compression ratio r.
+    #[cfg_attr(feature = "cli", arg(long, default_value_t = 8.0))]
+    pub gradiveq_ratio: f64,
+    /// Strategies the choice is made among (comma list; default: all).
+    #[cfg_attr(feature = "cli", arg(long, default_value = ""))]
+    pub strategies: String,
+    /// Ranks per node (block placement): the two-level model of
+    /// `cost::topology` (default: every rank on one node).
+    #[cfg_attr(feature = "cli", arg(long, value_parser = clap::value_parser!(u64).range(1..)))]
+    pub ranks_per_node: Option<u64>,
+    /// Latency between nodes, seconds per message (default: the profile's
+    /// `inter_node`, else its `alpha`). Needs --ranks-per-node.
+    #[cfg_attr(feature = "cli", arg(long, requires = "ranks_per_node"))]
+    pub inter_alpha: Option<f64>,
+    /// Bandwidth of a node's link, bytes per second (default: the
+    /// profile's `inter_node`, else one level). Needs --ranks-per-node.
+    #[cfg_attr(feature = "cli", arg(long, requires = "ranks_per_node"))]
+    pub inter_bandwidth: Option<f64>,
+    /// Measured fill ratio of the sparse allreduce, distinct indices of
+    /// the sum over p·k, in (0, 1] (default: independent selections).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub fill: Option<f64>,
+    /// Layers with fewer elements stay dense in a planned step, as the
+    /// engine keeps them under `auto` (its `compress_threshold`, 32768 by
+    /// default). 0: every layer chosen by price alone.
+    #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
+    pub compress_threshold: usize,
+}
+
+impl Default for ModelArgs {
+    /// The command line's defaults: no constants given.
+    fn default() -> Self {
+        ModelArgs {
+            profile: None,
+            alpha: None,
+            bandwidth: None,
+            gamma_reduce: None,
+            gamma_unpack: None,
+            select_cost: None,
+            select_fixed: None,
+            select_method: "trimmed".into(),
+            gradiveq_ratio: 8.0,
+            strategies: String::new(),
+            ranks_per_node: None,
+            inter_alpha: None,
+            inter_bandwidth: None,
+            fill: None,
+            compress_threshold: 0,
+        }
+    }
+}
+
+impl ModelArgs {
+    /// The profile these arguments describe.
+    pub fn profile(&self) -> Result<Profile> {
+        let mut p = match (&self.profile, self.alpha, self.bandwidth) {
+            (Some(path), _, _) => Profile::load(path)?,
+            (None, Some(a), Some(bw)) => Profile::from_network(a, bw, 0.0, 0.0)?,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "give --profile FILE, or --alpha S and --bandwidth BYTES_PER_S".into(),
+                ))
+            }
+        };
+        if let Some(g) = self.gamma_reduce {
+            // The constant everywhere, as --gamma-unpack: the profile's
+            // curve would otherwise still price every message it covers.
+            p.gamma_reduce = g;
+            p.gamma_reduce_curve.clear();
+        }
+        if let Some(g) = self.gamma_unpack {
+            // The constant everywhere: a profile's curve by output size
+            // would still price the large outputs.
+            p.gamma_unpack = g;
+            p.gamma_unpack_curve.clear();
+        }
+        // clap checks these for the command line; the Python binding
+        // fills the same struct from keywords.
+        if self.ranks_per_node == Some(0) {
+            return Err(Error::InvalidArgument(
+                "--ranks-per-node 0: must be at least 1".into(),
+            ));
+        }
+        if (self.inter_alpha.is_some() || self.inter_bandwidth.is_some())
+            && self.ranks_per_node.is_none()
+        {
+            return Err(Error::InvalidArgument(
+                "--inter-alpha and --inter-bandwidth need --ranks-per-node (the link between \
+                 nodes is only used when ranks are placed on several nodes)"
+                    .into(),
+            ));
+        }
+        if self.inter_alpha.is_some() || self.inter_bandwidth.is_some() {
+            let mut e = p.inter_node.clone().unwrap_or(cost::NetLevel {
+                alpha: p.alpha,
+                beta: p.beta,
+                beta_curve: p.beta_curve.clone(),
+                oneway_curve: Vec::new(),
+                burst: None,
+            });
+            if let Some(a) = self.inter_alpha {
+                if !(a.is_finite() && a >= 0.0) {
+                    return Err(Error::InvalidArgument(format!(
+                        "--inter-alpha {a}: must be a finite number of seconds ≥ 0"
+                    )));
+                }
+                e.alpha = a;
+            }
+            if let Some(bw) = self.inter_bandwidth {
+                if !(bw.is_finite() && bw > 0.0) {
+                    return Err(Error::InvalidArgument(format!(
+                        "--inter-bandwidth {bw}: must be a positive number of bytes per second"
+                    )));
+                }
+                e.beta = 1.0 / bw;
+                e.beta_curve.clear();
+                e.oneway_curve.clear();
+                // The measured link's token bucket is not this link's.
+                e.burst = None;
+            }
+            p.inter_node = Some(e);
+        }
+        if let Some(f) = self.fill {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "--fill {f}: must lie in (0, 1] (distinct indices of the sum over p·k)"
+                )));
+            }
+        }
+        for (flag, v) in [
+            ("--select-cost", self.select_cost),
+            ("--select-fixed", self.select_fixed),
+        ] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(Error::InvalidArgument(format!(
+                    "{flag} {v}: must be a finite number of seconds ≥ 0"
+                )));
+            }
+        }
+        if self.select_fixed.is_some() && self.select_cost.is_none() {
+            return Err(Error::InvalidArgument(
+                "--select-fixed needs --select-cost (the per-element part of the same fit)".into(),
+            ));
+        }
+        if self.select_cost.is_some() || self.select_fixed.is_some() {
+            let fit = LinearFit {
+                a: self.select_fixed.unwrap_or(0.0),
+                b: self.select_cost.unwrap_or(0.0),
+            };
+            // The override replaces the method's fits at every density too
+            // (a calibrated profile keys them `trimmed@0.001`, ..., which
+            // `select_fit` prefers: the flags changed nothing there).
+            for m in [self.select_method.as_str(), "quant"] {
+                let at = format!("{m}@");
+                p.select.retain(|k, _| k != m && !k.starts_with(&at));
+                p.select.insert(m.to_string(), fit);
+            }
+        }
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// `--ranks-per-node` past `ranks` would put every rank on one node
+    /// and drop the `--inter-*` level without a word (it was clamped).
+    /// `--ranks` at least 1, `--density` in (0, 1] and [`Self::check_rpn`],
+    /// the errors naming the flags (the model's own checks name only
+    /// values).
+    pub fn check_point(&self, ranks: usize, density: f64) -> Result<()> {
+        if ranks == 0 {
+            return Err(Error::InvalidArgument(
+                "--ranks 0: must be at least 1".into(),
+            ));
+        }
+        if !(density > 0.0 && density <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "--density {density}: must lie in (0, 1]"
+            )));
+        }
+        self.check_rpn(ranks)
+    }
+
+    /// `--ranks-per-node` no more than `ranks` (the job's ranks, or the
+    /// most that a sweep prices).
+    pub fn check_rpn(&self, ranks: usize) -> Result<()> {
+        match self.rpn() {
+            Some(l) if l > ranks => Err(Error::InvalidArgument(format!(
+                "--ranks-per-node {l} is more than --ranks {ranks}: the job would fit in one \
+                 node (leave --ranks-per-node out for one node)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Ranks per node (`--ranks-per-node`).
+    pub fn rpn(&self) -> Option<usize> {
+        self.ranks_per_node
+            .map(|l| usize::try_from(l).unwrap_or(usize::MAX))
+    }
+
+    /// The candidate strategies of the choice (`--strategies`, else
+    /// [`cost::default_candidates`] of `prof`).
+    pub fn allowed(&self, prof: &Profile) -> Result<Vec<cost::StrategyId>> {
+        let v = cost::parse_list(&self.strategies)
+            .map_err(|e| Error::InvalidArgument(format!("--strategies: {e}")))?;
+        Ok(if v.is_empty() {
+            cost::default_candidates(prof)
+        } else {
+            v
+        })
+    }
+}
+
+/// `gradsync predict --json` output.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct PredictRecord {
+    /// f32 elements.
+    pub elements: usize,
+    /// Bytes (4 per element).
+    pub bytes: usize,
+    /// Ranks.
+    pub ranks: usize,
+    /// Density.
+    pub density: f64,
+    /// Every strategy's prediction.
+    pub strategies: Vec<Prediction>,
+    /// The fastest allowed strategy.
+    pub choice: String,
+}
+
+/// Bytes of a layer of `n` f32 elements, or why it has no byte size
+/// (`4·n` overflows).
+pub fn layer_bytes(n: usize) -> std::result::Result<usize, String> {
+    n.checked_mul(4).ok_or_else(|| {
+        format!(
+            "{n} f32 elements do not fit in memory (at most {} elements)",
+            usize::MAX / 4
+        )
+    })
+}
+
+/// Prediction record for one layer.
+pub fn predict_record(
+    prof: &Profile,
+    m: &ModelArgs,
+    n: usize,
+    p: usize,
+    d: f64,
+) -> Result<PredictRecord> {
+    layer_bytes(n).map_err(Error::InvalidArgument)?;
+    let preds = cost::predict(
+        prof,
+        &Query {
+            n,
+            p,
+            density: d,
+            gradiveq_ratio: m.gradiveq_ratio,
+            ranks_per_node: m.rpn(),
+            fill: m.fill,
+        },
+        &m.select_method,
+    )?;
+    let choice = cost::choose(&preds, &m.allowed(prof)?)
+        .map(|c| c.name.clone())
+        .unwrap_or_default();
+    Ok(PredictRecord {
+        elements: n,
+        bytes: layer_bytes(n).map_err(Error::InvalidArgument)?,
+        ranks: p,
+        density: d,
+        strategies: preds,
+        choice,
+    })
+}
+
+/// One entry of a layers file.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct LayerSpec {
+    /// Layer (tensor) name.
+    pub name: String,
+    /// f32 elements.
+    pub elements: usize,
+}
+
+/// Read a layers file. Every error ([`Error::File`]) names the file and,
+/// for a bad entry, its index, its name when it has one, and the field.
+pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
+    use serde_json::Value;
+    const SHAPE: &str =
+        "expected {\"layers\": [{\"name\": ..., \"elements\": ...}, ...]} or a bare array";
+    let bad = |m: String| Error::file(path, m);
+    // 64 MiB: a million layers and then some.
+    let bytes = crate::error::read_small_file(path, 64 << 20, "layers file")?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| bad(format!("not a layers file: {e}; {SHAPE}")))?;
+    let entries = match &v {
+        Value::Array(a) => a,
+        Value::Object(o) => match o.get("layers") {
+            Some(Value::Array(a)) => a,
+            Some(_) => return Err(bad(format!("\"layers\" is not an array; {SHAPE}"))),
+            None => return Err(bad(format!("no \"layers\" field; {SHAPE}"))),
+        },
+        _ => return Err(bad(format!("not a layers file; {SHAPE}"))),
+    };
+    // A key given twice ("name", "elements", "layers"): the parsed object
+    // keeps the last silently; serde's derive names it.
+    {
+        use serde::de::IgnoredAny;
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)] // only parsed, for serde's duplicate-field check
+        struct Entry {
+            name: Option<IgnoredAny>,
+            elements: Option<IgnoredAny>,
+        }
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Top {
+            layers: Option<IgnoredAny>,
+        }
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Wrapped {
+            layers: Vec<Entry>,
+        }
+        // The top level first, whatever its values' types
+        // ({"layers": 5, "layers": [...]}), then the entries.
+        let r = if v.is_array() {
+            serde_json::from_slice::<Vec<Entry>>(&bytes).map(drop)
+        } else {
+            serde_json::from_slice::<Top>(&bytes)
+                .and_then(|_| serde_json::from_slice::<Wrapped>(&bytes))
+                .map(drop)
+        };
+        // Other shape errors are named better by the checks below.
+        if let Err(e) = r.map_err(|e| e.to_string()) {
+            if e.starts_with("duplicate field") {
+                return Err(bad(format!("{e} (a key given twice)")));
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(entries.len());
+    let mut seen = std::collections::HashMap::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        let Value::Object(o) = e else {
+            return Err(bad(format!(
+                "layer {i}: not an object {{\"name\": ..., \"elements\": ...}}"
+            )));
+        };
+        let name = match o.get("name") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => {
+                return Err(bad(format!(
+                    "layer {i}: field \"name\" is {other}, not a string"
+                )))
+            }
+            None => return Err(bad(format!("layer {i}: missing field \"name\""))),
+        };
+        let at = format!("layer {i} ({name:?})");
+        // A key this reader does not know (a "strategy", a misspelt
+        // "elemets") would otherwise be ignored without a word.
+        if let Some(k) = o
+            .keys()
+            .find(|k| !matches!(k.as_str(), "name" | "elements"))
+        {
+            return Err(bad(format!(
+                "{at}: unknown field {k:?} (a layer has \"name\" and \"elements\")"
+            )));
+        }
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "{at}: field \"name\" must be non-empty without control characters"
+            )));
+        }
+        if let Some(j) = seen.insert(name.clone(), i) {
+            return Err(bad(format!(
+                "{at}: the same name as layer {j} (names must be unique)"
+            )));
+        }
+        let elements = match o.get("elements") {
+            Some(Value::Number(x)) => x
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "{at}: field \"elements\" is {x}, not a non-negative integer"
+                    ))
+                })?,
+            Some(other) => {
+                return Err(bad(format!(
+                    "{at}: field \"elements\" is {other}, not a number"
+                )))
+            }
+            None => return Err(bad(format!("{at}: missing field \"elements\""))),
+        };
+        layer_bytes(elements).map_err(|m| bad(format!("{at}: field \"elements\": {m}")))?;
+        out.push(LayerSpec { name, elements });
+    }
+    if out.is_empty() {
+        return Err(bad(format!("no layers; {SHAPE}")));
+    }
+    if out.iter().all(|l| l.elements == 0) {
+        return Err(bad(
+            "every layer has 0 elements: nothing to synchronize".into()
+        ));
+    }
+    let sum: u128 = out.iter().map(|l| l.elements as u128).sum();
+    // A step reads every layer's gradient: the table must fit in memory
+    // as a whole, not only layer by layer.
+    if usize::try_from(sum).map_or(true, |n| layer_bytes(n).is_err()) {
+        return Err(bad(format!(
+            "the layers hold {sum} f32 elements in all: their bytes overflow a 64-bit \
+             size (at most {} elements)",
+            usize::MAX / 4
+        )));
+    }
+    if let Some(t) = v.get("total_elements") {
+        if t.as_u64().map(u128::from) != Some(sum) {
+            return Err(bad(format!(
+                "\"total_elements\" is {t}, but the layers hold {sum} elements"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// `gradsync plan --json` output: the step model ([`cost::plan_step`]).
+#[derive(Serialize, Debug, Clone)]
+pub struct PlanRecord {
+    /// Ranks.
+    pub ranks: usize,
+    /// Density.
+    pub density: f64,
+    /// Per layer: name, elements, choice, group, its marginal seconds.
+    pub layers: Vec<PlanLayer>,
+    /// The step's groups (fused dense allreduce, fused sparse allgatherv,
+    /// GradiVeQ rings).
+    pub groups: Vec<cost::GroupPlan>,
+    /// Predicted step with every layer in the fused dense allreduce.
+    pub dense_total_s: f64,
+    /// Predicted step with every layer RGC-sparse in the fused allgatherv.
+    pub all_sparse_s: f64,
+    /// Predicted step as planned.
+    pub planned_total_s: f64,
+    /// `dense_total_s / planned_total_s` (1 when both are 0: one rank
+    /// with no local costs).
+    pub speedup: f64,
+    /// Bytes each rank sends in the planned step.
+    pub wire_bytes: f64,
+    /// Number of layers per chosen strategy.
+    pub choices: std::collections::BTreeMap<String, usize>,
+}
+
+/// One planned layer.
+#[derive(Serialize, Debug, Clone)]
+pub struct PlanLayer {
+    /// Name.
+    pub name: String,
+    /// Elements.
+    pub elements: usize,
+    /// Chosen strategy.
+    pub choice: String,
+    /// Its group (`dense`, `sparse`, `gradiveq`).
+    pub group: cost::GroupKind,
+    /// What it adds to the planned step (seconds).
+    pub seconds: f64,
+    /// The chosen strategy for the layer alone (every α its own).
+    pub alone_s: f64,
+    /// Dense Rabenseifner for the layer alone.
+    pub dense_s: f64,
+}
+
+/// The step model's query for these arguments.
+pub fn step_query(
+    prof: &Profile,
+    m: &ModelArgs,
+    p: usize,
+    density: f64,
+) -> Result<cost::StepQuery> {
+    Ok(cost::StepQuery {
+        p,
+        density,
+        select_method: m.select_method.clone(),
+        gradiveq_ratio: m.gradiveq_ratio,
+        allowed: m.allowed(prof)?,
+        ranks_per_node: m.rpn(),
+        fill: m.fill,
+        allgather: crate::dense::AllgathervAlgo::Auto,
+        min_sparse_elems: m.compress_threshold,
+    })
+}
+
+/// The step model's table for a layers file.
+pub fn step_layers(layers: &[LayerSpec]) -> Vec<cost::StepLayer> {
+    layers
+        .iter()
+        .map(|l| cost::StepLayer {
+            name: l.name.clone(),
+            n: l.elements,
+            kind: cost::LayerKind::Auto,
+        })
+        .collect()
+}
+
+/// The plan of a layers file, with the dense-only and all-sparse steps.
+pub fn plan_record(
+    prof: &Profile,
+    m: &ModelArgs,
+    layers: &[LayerSpec],
+    p: usize,
+    d: f64,
+) -> Result<PlanRecord> {
+    let q = step_query(prof, m, p, d)?;
+    let table = step_layers(layers);
+    let plan = cost::plan_step(prof, &q, &table)?;
+    let dense_algo = q
+        .allowed
+        .iter()
+        .copied()
+        .find(|s| *s == cost::StrategyId::DenseRing)
+        .filter(|_| !q.allowed.contains(&cost::StrategyId::DenseRabenseifner))
+        .unwrap_or(cost::StrategyId::DenseRabenseifner);
+    let all = |id| cost::predict_step(prof, &q, &table, &vec![id; table.len()]);
+    let dense = all(dense_algo)?;
+    let sparse = all(cost::StrategyId::SparseAllgather)?;
+    let mut choices = std::collections::BTreeMap::new();
+    let out_layers = plan
+        .layers
+        .iter()
+        .zip(&dense.layers)
+        .map(|(l, d)| {
+            *choices.entry(l.choice.name().to_string()).or_default() += 1;
+            PlanLayer {
+                name: l.name.clone(),
+                elements: l.elements,
+                choice: l.choice.name().to_string(),
+                group: l.group,
+                seconds: l.marginal_s,
+                alone_s: l.alone_s,
+                dense_s: d.alone_s,
+            }
+        })
+        .collect();
+    Ok(PlanRecord {
+        ranks: p,
+        density: d,
+        layers: out_layers,
+        groups: plan.groups.clone(),
+        dense_total_s: dense.seconds,
+        all_sparse_s: sparse.seconds,
+        planned_total_s: plan.seconds,
+        speedup: if dense.seconds == 0.0 && plan.seconds == 0.0 {
+            1.0
+        } else {
+            dense.seconds / plan.seconds
+        },
+        wire_bytes: plan.wire_bytes,
+        choices,
+    })
+}

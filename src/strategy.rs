@@ -1,0 +1,217 @@
+//! How a layer is synchronized: the vocabulary that the cost model
+//! ([`crate::cost`]) decides in and the engine ([`crate::sync`]) runs.
+//! [`Strategy`] is a layer's strategy (dense, a sparse codec, GradiVeQ, or
+//! the cost model's choice), with its text form ([`Strategy::parse`]);
+//! [`SparseExchange`] is how the step's index/value units travel. Plain
+//! data, below both the decider and the engine.
+
+use crate::codec::{CodecConfig, RgcMethod};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// How one layer is synchronized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "strategy", rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Fused Rabenseifner allreduce of the full gradient.
+    Dense,
+    /// Residual compression with `codec`; `density` (when given) overrides
+    /// the codec's own density (`rgc`, `rgc-quant`: `density`; `sbc`: `p`).
+    Sparse {
+        /// The codec.
+        codec: CodecConfig,
+        /// Fraction of elements sent, for codecs that have one.
+        #[serde(default)]
+        density: Option<f64>,
+    },
+    /// GradiVeQ ([`crate::gradiveq`]): the layer is aggregated by the
+    /// compressed-domain ring, with its own schedule (warm-up, `L_t`
+    /// QSGD-aggregated samples, `L_c` compressed steps, the eq.-7 loss
+    /// monitor). Meant for convolution layers flattened by
+    /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
+    /// of at least `K` elements. Not combinable with `delay > 1`.
+    Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
+    /// The step model's choice ([`crate::cost::plan_step`]) from
+    /// `Config::profile`: `Dense`, RGC (`sparse-allgather`) or, with
+    /// `Config::auto_quant`, quantized RGC, whichever adds least to the
+    /// predicted step of the whole table on this communicator (the fused
+    /// dense allreduce and the fused allgatherv each pay their α once).
+    /// Resolved once, when the table is complete (the first step or a
+    /// snapshot restore), logged, and visible in
+    /// [`GradSync::layer`](crate::sync::GradSync::layer) (`Auto` until then),
+    /// [`GradSync::auto_plan`](crate::sync::GradSync::auto_plan) and the step stats.
+    Auto,
+}
+
+impl Strategy {
+    /// RGC with trimmed top-k at `density`, RedSync's choice for mid-size layers.
+    pub fn rgc(density: f64) -> Self {
+        Strategy::Sparse {
+            codec: CodecConfig::Rgc {
+                density,
+                method: RgcMethod::Trimmed,
+            },
+            density: None,
+        }
+    }
+    /// Short label: `dense` or the codec name.
+    pub fn label(&self) -> String {
+        match self {
+            Strategy::Dense => "dense".into(),
+            Strategy::Sparse { codec, .. } => codec.name(),
+            Strategy::Auto => "auto".into(),
+            Strategy::Gradiveq(_) => "gradiveq".into(),
+        }
+    }
+}
+
+impl Strategy {
+    /// A strategy from text: `"dense"`, `"auto"` (the cost model's choice,
+    /// which needs [`Config::profile`](crate::sync::Config::profile)), `"gradiveq"` with optional
+    /// schedule parameters (`"gradiveq:k=768,d=96"` or `lambda=0.01`,
+    /// `reuse`, `warmup`, `lt`, `lc`, `loss_threshold`, `qsgd_bits`,
+    /// `qsgd_bucket`), or a codec string (`"rgc:density=0.001"`,
+    /// `"3lc:s=1.75"`, `"qsgd:bits=4"`, ... as [`CodecConfig`] parses).
+    ///
+    /// A JSON object is a serialized [`Strategy`] (what
+    /// [`GradSync::layer_strategy`](crate::sync::GradSync::layer_strategy) gives
+    /// for a resolved layer), taken as it is.
+    pub fn parse(spec: &str) -> Result<Strategy> {
+        let spec = spec.trim();
+        if spec.starts_with('{') {
+            return serde_json::from_str(spec).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "strategy {spec:?} is not a serialized strategy: {e}"
+                ))
+            });
+        }
+        let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
+        match name.trim() {
+            "" => Err(Error::InvalidArgument("empty strategy".into())),
+            "dense" | "auto" if !params.trim().is_empty() => Err(Error::InvalidArgument(format!(
+                "strategy {spec:?}: {name} takes no parameters"
+            ))),
+            "dense" => Ok(Strategy::Dense),
+            "auto" => Ok(Strategy::Auto),
+            "gradiveq" => parse_gradiveq(spec, params).map(Strategy::Gradiveq),
+            _ => spec
+                .parse::<CodecConfig>()
+                .map(|codec| Strategy::Sparse {
+                    codec,
+                    density: None,
+                })
+                .map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "strategy {spec:?} is not auto, dense, gradiveq or a codec: {e}"
+                    ))
+                }),
+        }
+    }
+}
+
+fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule::ScheduleConfig> {
+    let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
+    let Value::Object(mut m) =
+        serde_json::to_value(crate::gradiveq::schedule::ScheduleConfig::default())?
+    else {
+        return Err(bad("ScheduleConfig is not an object".into()));
+    };
+    let mut seen: Vec<&str> = Vec::new();
+    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
+        let (k, v) = (k.trim(), v.trim());
+        // `d` and `lambda` both set the kept dimension.
+        let slot = if k == "lambda" { "d" } else { k };
+        if seen.contains(&slot) {
+            return Err(bad(format!(
+                "parameter {k:?} given twice (or both d and lambda)"
+            )));
+        }
+        seen.push(slot);
+        let num: Value = serde_json::from_str(v)
+            .ok()
+            .filter(Value::is_number)
+            .ok_or_else(|| bad(format!("{k}={v:?} is not a number")))?;
+        match k {
+            "d" => m.insert("dim".into(), serde_json::json!({ "fixed": num })),
+            "lambda" => m.insert("dim".into(), serde_json::json!({ "lambda": num })),
+            "reuse" => m.insert("reuse".into(), num),
+            k if m.contains_key(k) && k != "dim" => m.insert(k.into(), num),
+            _ => return Err(bad(format!("unknown parameter {k:?}"))),
+        };
+    }
+    serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))
+}
+
+/// How the sparse layers whose codec sends index/value pairs (RGC and
+/// quantized RGC) are exchanged ([`Config::sparse_exchange`](crate::sync::Config::sparse_exchange)). Layers of
+/// other codecs (fp16, QSGD, SBC, 3LC, ...) always go through the fused
+/// allgatherv.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SparseExchange {
+    /// Every sparse layer's unit in the ONE fused allgatherv (RedSync §4):
+    /// every rank receives every rank's units, O(k·p) bytes per rank.
+    #[default]
+    Allgather,
+    /// The index/value layers' pairs, over their concatenated index space,
+    /// in ONE O(k) sparse allreduce ([`crate::sparse::sparse_allreduce`]:
+    /// Ok-Topk's split-and-reduce, then an allgatherv of the reduced
+    /// regions). The result is bitwise the allgather path's (each pair is
+    /// scaled by `1/p` before the exact sum, which adds in rank order).
+    Allreduce,
+    /// As `Allreduce`, node-aware
+    /// ([`crate::sparse::hierarchical_sparse_allreduce`]: the units merged
+    /// per node, exchanged among the nodes' leaders, broadcast inside each
+    /// node). Needs the ranks' nodes (an MPI communicator: ranks that share
+    /// memory). Sums node by node, so equal to `Allreduce` up to the order
+    /// of the additions (exactly for integers).
+    Hierarchical,
+    /// The cost model's choice, every step, among the three above
+    /// ([`crate::cost::choose_sparse_exchange`] with
+    /// [`Config::profile`](crate::sync::Config::profile), which `Auto` needs): the index/value layers'
+    /// element count, their nominal pairs per rank (each layer's
+    /// `⌈density·n⌉` at this step's density, the same on every rank), the
+    /// ranks, the ranks per node and the fill ratio measured by the
+    /// previous steps (whichever exchange ran them). `Hierarchical` only when the job spans
+    /// several nodes (the ranks' nodes are asked for at creation; a
+    /// transport without nodes never gets it). The choice is logged when
+    /// it changes and reported in [`StepStats::sparse_exchange`](crate::sync::StepStats::sparse_exchange).
+    Auto,
+}
+
+impl std::str::FromStr for SparseExchange {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "allgather" => Ok(Self::Allgather),
+            "allreduce" => Ok(Self::Allreduce),
+            "hierarchical" => Ok(Self::Hierarchical),
+            "auto" => Ok(Self::Auto),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical, auto)"
+            ))),
+        }
+    }
+}
+
+impl SparseExchange {
+    /// Name as used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Allgather => "allgather",
+            Self::Allreduce => "allreduce",
+            Self::Hierarchical => "hierarchical",
+            Self::Auto => "auto",
+        }
+    }
+    /// The default (serde skips it, so that the options' JSON, and with it
+    /// the table hash that snapshots record, is what it was before the
+    /// option existed).
+    pub(crate) fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}

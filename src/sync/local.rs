@@ -1,0 +1,166 @@
+//! The step's local phase: [`GradSync::local_phase`] validates this rank's
+//! inputs and runs each layer's local math ([`super::layer`]) as the
+//! step's [plan](super::plan) says (mode and codec density of each
+//! layer), filling the [`Job`]'s fused dense buffer, sparse units and
+//! GradiVeQ inputs for the collectives. No policy and no communication
+//! here.
+
+use super::job::{GvqEntry, Job};
+use super::layer::{Layer, StepParams};
+use super::plan::{Mode, StepPlan};
+use super::GradSync;
+use crate::comm::Transport;
+use crate::{Error, Result};
+use rayon::prelude::*;
+
+impl<C: Transport + Send + 'static> GradSync<C> {
+    /// Validate this rank's inputs, run the local math (Algorithm 4's
+    /// residual and momentum updates, selection and encoding), and fill the
+    /// fused dense buffer and GradiVeQ inputs of `job`. An error here is
+    /// this rank's alone; the caller still enters the step's collectives.
+    /// `plan` is the bucket's (the whole step's for a whole step): its
+    /// other layers (`Mode::Other`) are neither read nor touched, and
+    /// `grads` (and `weights`) are indexed by layer.
+    pub(super) fn local_phase(
+        &mut self,
+        plan: &StepPlan,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+        job: &mut Job,
+    ) -> Result<()> {
+        // Every element is written below (the dense layers tile the fused
+        // buffer), so the buffer is only resized, not cleared: zeroing a
+        // whole model's table cost one more pass over memory per step.
+        job.dense.resize(plan.dense.elems, 0.0);
+        for e in &mut job.gvq {
+            e.state = None;
+        }
+        if grads.len() != self.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradients for {} registered layers",
+                grads.len(),
+                self.layers.len()
+            )));
+        }
+        if let Some(w) = weights {
+            if w.len() != grads.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "{} weight tensors for {} layers",
+                    w.len(),
+                    grads.len()
+                )));
+            }
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if plan.layers[i].mode == Mode::Other {
+                continue;
+            }
+            if grads[i].len() != l.n {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: gradient has {} elements, registered {}",
+                    l.name,
+                    grads[i].len(),
+                    l.n
+                )));
+            }
+            if let Some(w) = weights.map(|w| w[i].len()).filter(|&w| w != l.n) {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {:?}: weights have {w} elements, registered {}",
+                    l.name, l.n
+                )));
+            }
+        }
+        let cfg = &self.cfg;
+        // Local clipping: one factor for all layers of this rank.
+        let factor = match cfg.clip_norm {
+            Some(c) => {
+                let norm = grads
+                    .iter()
+                    .map(|g| g.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+                    .sum::<f64>()
+                    .sqrt();
+                let limit = f64::from(c) / (self.size as f64).sqrt();
+                if norm > limit {
+                    (limit / norm) as f32
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        let params = StepParams {
+            factor,
+            momentum: cfg.momentum,
+            nesterov: cfg.nesterov,
+            wd: cfg.weight_decay,
+            delay: plan.delayed,
+        };
+        // Sparse and local layers: compress in parallel when it pays.
+        let work = |(i, l): (usize, &mut Layer)| -> Result<()> {
+            let w = weights.map(|w| w[i]);
+            let lp = &plan.layers[i];
+            match lp.mode {
+                Mode::Sparse => l.compress(grads[i], w, &params, lp.density),
+                Mode::Local => {
+                    l.local_step(grads[i], w, &params);
+                    Ok(())
+                }
+                Mode::Dense | Mode::Gradiveq | Mode::Other => Ok(()),
+            }
+        };
+        let r = if plan.parallel_local {
+            self.layers.par_iter_mut().enumerate().try_for_each(work)
+        } else {
+            self.layers.iter_mut().enumerate().try_for_each(work)
+        };
+        if let Err(e) = r {
+            // Nothing this rank encoded is sent: put it back in the residuals.
+            for l in &mut self.layers {
+                l.rollback();
+            }
+            return Err(e);
+        }
+        // Dense layers: the fused buffer; GradiVeQ layers: their inputs.
+        let mut gi = 0;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let w = weights.map(|w| w[i]);
+            let lp = &plan.layers[i];
+            if lp.mode == Mode::Dense {
+                let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
+                // A non-finite contribution makes the sum non-finite on
+                // every rank; the status words name this rank (job.rs).
+                l.non_finite = !l.dense_contribution(grads[i], w, &params, dst);
+            } else if lp.mode == Mode::Gradiveq {
+                if job.gvq.len() == gi {
+                    job.gvq.push(GvqEntry::default());
+                }
+                let e = &mut job.gvq[gi];
+                e.layer = i;
+                e.name.clone_from(&l.name);
+                e.input.resize(l.n, 0.0);
+                e.output.resize(l.n, 0.0);
+                e.finite = l.dense_contribution(grads[i], w, &params, &mut e.input);
+                l.stats.strategy = "gradiveq".into();
+                l.stats.codec = "gradiveq".into();
+                gi += 1;
+            }
+        }
+        job.gvq.truncate(gi);
+        // A NaN/Inf in a GradiVeQ layer's input would poison its ring on
+        // every rank: the step fails on every rank instead.
+        if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
+            let layer = self.layers[e.layer].name.clone();
+            for l in &mut self.layers {
+                l.rollback();
+            }
+            return Err(Error::NonFinite {
+                rank: Some(self.rank),
+                layer,
+            });
+        }
+        for e in &mut job.gvq {
+            e.state = self.layers[e.layer].gvq.take();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,316 @@
+//! The crate's layering, kept: no import cycle between the top-level
+//! modules of `src/` (`comm` below `dense`, `cost` below `sync`,
+//! `calibrate` above both, the CLI on top), nor between the sibling
+//! submodules of any module (`cost::topology`, `cost::step`,
+//! `cost::exchange`, ...). A child naming its parent's items is not an
+//! edge (the parent is the module's root, which re-exports its children).
+//!
+//! Read from the source: every `crate::` and `super::` path (in `use`
+//! lines and inline, `{...}` groups included; comments skipped), resolved
+//! to the longest module path that exists as a file.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+type ModPath = Vec<String>;
+
+fn src() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// Every `.rs` file of `src/` (not `src/bin`) with its module path.
+fn files(dir: &Path, prefix: &ModPath, out: &mut Vec<(PathBuf, ModPath)>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        let name = p.file_stem().unwrap().to_string_lossy().to_string();
+        if p.is_dir() {
+            if prefix.is_empty() && name == "bin" {
+                continue;
+            }
+            let mut m = prefix.clone();
+            m.push(name);
+            files(&p, &m, out);
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            let mut m = prefix.clone();
+            if !(name == "mod" || (prefix.is_empty() && name == "lib")) {
+                m.push(name);
+            }
+            out.push((p, m));
+        }
+    }
+}
+
+/// The source without comments (line comments and doc comments; block
+/// comments are not used in this crate's code).
+fn strip_comments(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for line in s.lines() {
+        let mut in_str = false;
+        let mut prev = ' ';
+        let mut cut = line.len();
+        for (i, c) in line.char_indices() {
+            if c == '"' && prev != '\\' && prev != '\'' {
+                in_str = !in_str;
+            }
+            if !in_str && c == '/' && prev == '/' {
+                cut = i - 1;
+                break;
+            }
+            prev = c;
+        }
+        out.push_str(&line[..cut]);
+        out.push('\n');
+    }
+    out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// The paths that start at `s` (just after `crate::` or `super::`):
+/// `a::b::C` or `{a::b, c::{d, e}}`, each as its segments.
+fn paths_at(s: &str) -> Vec<Vec<String>> {
+    let s = s.trim_start();
+    if let Some(rest) = s.strip_prefix('{') {
+        // Split the group at depth 0.
+        let mut depth = 0;
+        let mut items = Vec::new();
+        let mut start = 0;
+        for (i, c) in rest.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    items.push(&rest[start..i]);
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    items.push(&rest[start..i]);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        return items
+            .into_iter()
+            .filter(|i| !i.trim().is_empty())
+            .flat_map(paths_at)
+            .collect();
+    }
+    let ident: String = s.chars().take_while(|&c| is_ident(c)).collect();
+    if ident.is_empty() {
+        return Vec::new();
+    }
+    let rest = &s[ident.len()..];
+    match rest.strip_prefix("::") {
+        Some(r) => {
+            let tails = paths_at(r);
+            if tails.is_empty() {
+                vec![vec![ident]]
+            } else {
+                tails
+                    .into_iter()
+                    .map(|mut t| {
+                        t.insert(0, ident.clone());
+                        t
+                    })
+                    .collect()
+            }
+        }
+        None => vec![vec![ident]],
+    }
+}
+
+/// The paths `src` names, resolved from module `me` (a file's `super`
+/// is its module's parent, for `a/b.rs` and `a/b/mod.rs` alike).
+fn references(src: &str, me: &ModPath) -> Vec<ModPath> {
+    let mut out = Vec::new();
+    let bytes = src.as_bytes();
+    for (anchor, is_crate) in [("crate::", true), ("super::", false)] {
+        let mut from = 0;
+        while let Some(i) = src[from..].find(anchor).map(|i| i + from) {
+            from = i + anchor.len();
+            if i > 0 && (is_ident(bytes[i - 1] as char) || bytes[i - 1] == b':') {
+                continue; // `self::super::` or part of a longer path
+            }
+            let mut base: ModPath = if is_crate { Vec::new() } else { me.clone() };
+            let mut at = from;
+            if !is_crate {
+                base.pop();
+                while src[at..].starts_with("super::") {
+                    base.pop();
+                    at += "super::".len();
+                }
+            }
+            for p in paths_at(&src[at..]) {
+                let mut full = base.clone();
+                full.extend(p);
+                out.push(full);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_import_cycles_between_modules() {
+    let mut all = Vec::new();
+    files(&src(), &Vec::new(), &mut all);
+    let modules: BTreeSet<ModPath> = all.iter().map(|(_, m)| m.clone()).collect();
+    assert!(
+        modules.contains(&vec!["sync".to_string()]),
+        "the walk found the crate's modules"
+    );
+    // (parent, from child, to child) -> an example file.
+    let mut edges: BTreeMap<(ModPath, String, String), String> = BTreeMap::new();
+    for (file, me) in &all {
+        let text = strip_comments(&std::fs::read_to_string(file).unwrap());
+        for target in references(&text, me) {
+            // The longest existing module path the reference names.
+            let Some(t) = (0..=target.len())
+                .rev()
+                .map(|k| target[..k].to_vec())
+                .find(|p| modules.contains(p))
+            else {
+                continue;
+            };
+            let common = me.iter().zip(&t).take_while(|(a, b)| a == b).count();
+            if common < me.len() && common < t.len() {
+                let parent = me[..common].to_vec();
+                let rel = file.strip_prefix(src()).unwrap().display().to_string();
+                edges
+                    .entry((parent, me[common].clone(), t[common].clone()))
+                    .or_insert(rel);
+            }
+        }
+    }
+    let mut graphs: BTreeMap<ModPath, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (parent, a, b) in edges.keys() {
+        graphs
+            .entry(parent.clone())
+            .or_default()
+            .entry(a.clone())
+            .or_default()
+            .insert(b.clone());
+    }
+    let mut cycles = Vec::new();
+    for (parent, g) in &graphs {
+        if let Some(cycle) = find_cycle(g) {
+            let steps: Vec<String> = cycle
+                .windows(2)
+                .map(|w| {
+                    let file = &edges[&(parent.clone(), w[0].clone(), w[1].clone())];
+                    format!("{} -> {} (e.g. src/{file})", w[0], w[1])
+                })
+                .collect();
+            let at = if parent.is_empty() {
+                "crate".to_string()
+            } else {
+                parent.join("::")
+            };
+            cycles.push(format!("in {at}: {}", steps.join(", ")));
+        }
+    }
+    assert!(
+        cycles.is_empty(),
+        "import cycles between modules:\n{}",
+        cycles.join("\n")
+    );
+    // The check sees the layering it is meant to hold.
+    let top = &graphs[&Vec::new()];
+    assert!(top["sync"].contains("cost") && top["dense"].contains("comm"));
+}
+
+/// A cycle of `g` as its nodes, the first repeated at the end.
+fn find_cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn dfs(
+        g: &BTreeMap<String, BTreeSet<String>>,
+        v: &str,
+        state: &mut BTreeMap<String, u8>,
+        stack: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        state.insert(v.to_string(), 1);
+        stack.push(v.to_string());
+        for w in g.get(v).into_iter().flatten() {
+            match state.get(w.as_str()).copied().unwrap_or(0) {
+                1 => {
+                    let i = stack.iter().position(|x| x == w).unwrap();
+                    let mut c = stack[i..].to_vec();
+                    c.push(w.clone());
+                    return Some(c);
+                }
+                0 => {
+                    if let Some(c) = dfs(g, w, state, stack) {
+                        return Some(c);
+                    }
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        state.insert(v.to_string(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for v in g.keys() {
+        if state.get(v.as_str()).copied().unwrap_or(0) == 0 {
+            if let Some(c) = dfs(g, v, &mut state, &mut Vec::new()) {
+                return Some(c);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn the_reader_resolves_paths() {
+    let me: ModPath = vec!["cost".into(), "step".into()];
+    let refs = references(
+        "use super::topology::{self, Net};\nuse crate::{comm::Transport, sync::{GradSync, plan}};\nlet x = super::super::dense::f();",
+        &me,
+    );
+    let names: Vec<String> = refs.iter().map(|r| r.join("::")).collect();
+    for want in [
+        "cost::topology::self",
+        "cost::topology::Net",
+        "comm::Transport",
+        "sync::GradSync",
+        "sync::plan",
+        "dense::f",
+    ] {
+        assert!(names.iter().any(|n| n == want), "{want} in {names:?}");
+    }
+    assert_eq!(
+        strip_comments("a // b\n/// c\nlet s = \"//\";"),
+        "a \n\nlet s = \"//\";\n"
+    );
+}
+
+/// The Python extension builds the engine without the command line: its
+/// dependency tree holds none of the CLI's crates.
+#[test]
+fn the_python_extension_builds_without_the_cli_crates() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args(["tree", "-p", "gradsync-python", "-e", "normal", "--prefix", "none"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo tree runs");
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && tree.contains("gradsync v"),
+        "cargo tree -p gradsync-python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for krate in ["clap ", "plotters ", "env_logger "] {
+        assert!(
+            !tree.lines().any(|l| l.starts_with(krate)),
+            "the Python extension depends on {krate}(the CLI's): {tree}"
+        );
+    }
+}
