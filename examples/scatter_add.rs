@@ -1,5 +1,5 @@
 //! The scatter-add of sorted sparse pairs into a dense output, alone, at
-//! the sizes of docs/benchmarks.md's node-aware sparse path (density 1 %
+//! the sizes of docs/benchmarks/cluster.md's node-aware sparse path (density 1 %
 //! of outputs from 4 MiB to 128 MiB): seconds per call and per unit byte
 //! (8 bytes a pair), best of 7 calls on a warm output.
 //!

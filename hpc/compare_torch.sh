@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The PyTorch head-to-head: examples/python/train_torch.py (a convolutional
-# network of 2.13M parameters on scikit-learn's digits) data-parallel on $NP
+# network of 2.34M parameters on scikit-learn's digits) data-parallel on $NP
 # ranks in each configuration, the same model, data, seed and
 # hyper-parameters:
 #

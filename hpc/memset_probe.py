@@ -1,6 +1,6 @@
 """Clearing (memset) cost per byte, alone and on every rank at once, by
 buffer size: the measurement behind `calibrate`'s gamma_clear_curve
-(docs/benchmarks.md, "Three jobs a point"). Run on an emulated cluster:
+(docs/benchmarks/cluster.md, "Three jobs a point"). Run on an emulated cluster:
 
     hpc/cluster.sh --hosts 2 --ranks-per-host 2 --link 1gbit -- .venv/bin/python hpc/memset_probe.py
 

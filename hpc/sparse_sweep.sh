@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sparse vs dense synchronization over layer sizes, one JSON line per
 # (codec, size): `gradsync bench --op sparse` for each codec. Used for the
-# crossover table in docs/benchmarks.md.
+# crossover table in docs/benchmarks/sparse.md.
 #
 #   NP=2 hpc/sparse_sweep.sh                       # shared memory
 #   hpc/netem.sh --rate 1gbit -- env NP=4 hpc/sparse_sweep.sh

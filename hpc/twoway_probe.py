@@ -1,5 +1,5 @@
 """Two-way exchanges across hpc/cluster.sh's links, raw TCP against Open MPI
-(docs/benchmarks.md, "Open MPI's TCP BTL ran two-way exchanges one way at
+(docs/benchmarks/cluster.md, "Open MPI's TCP BTL ran two-way exchanges one way at
 a time"). Rank r of host 0 pairs with rank r of host 1; every pair sends
 and receives --bytes at once, 8 times; one line per exchange with every
 rank's milliseconds.

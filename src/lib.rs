@@ -65,3 +65,12 @@ pub use error::{Error, Result};
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// The Rust guide's examples compile as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuideDoctests;
+
+/// The cost-model guide's examples compile as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cost-model.md")]
+pub struct CostModelGuideDoctests;

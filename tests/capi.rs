@@ -173,10 +173,10 @@ fn one_ranks_bad_arguments_fail_every_rank_alike_and_nobody_hangs() {
 #[test]
 fn readme_c_program_runs() {
     let src = std::fs::read_to_string(root().join("examples/c/quickstart.c")).unwrap();
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(root().join("docs/c.md")).unwrap();
     assert!(
         readme.contains(src.trim()),
-        "README's \"From C\" program must be examples/c/quickstart.c verbatim"
+        "docs/c.md's program must be examples/c/quickstart.c verbatim"
     );
     let dir = programs();
     for np in [1, 4] {

@@ -1,6 +1,7 @@
 //! The docs as a reference: every engine option and codec is listed in
-//! `docs/reference/options.md`, and every relative link of the README and
-//! the docs resolves.
+//! `docs/reference/options.md`, every codec in
+//! `docs/reference/strategies.md`, every relative link (and `#anchor`) of
+//! the README and the docs resolves, and the README stays a front page.
 
 use gradsync::codec::CodecConfig;
 use gradsync::sync::Config;
@@ -13,6 +14,19 @@ fn repo() -> PathBuf {
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
+
+/// Every codec, as a strategy string.
+const CODEC_SPECS: [&str; 9] = [
+    "rgc",
+    "rgc-quant",
+    "sbc",
+    "3lc",
+    "fastsgd",
+    "qsgd",
+    "int8",
+    "fp16",
+    "none",
+];
 
 #[test]
 fn every_option_and_codec_is_in_the_reference() {
@@ -54,17 +68,7 @@ fn every_option_and_codec_is_in_the_reference() {
                 .unwrap_or_else(|e| panic!("option {k}: {e}"));
         }
     }
-    for spec in [
-        "rgc",
-        "rgc-quant",
-        "sbc",
-        "3lc",
-        "fastsgd",
-        "qsgd",
-        "int8",
-        "fp16",
-        "none",
-    ] {
+    for spec in CODEC_SPECS {
         let c: CodecConfig = spec.parse().unwrap_or_else(|e| panic!("{spec}: {e}"));
         assert!(
             doc.contains(&format!("| `{}` |", c.name())),
@@ -73,43 +77,152 @@ fn every_option_and_codec_is_in_the_reference() {
     }
 }
 
-/// Relative links `](path)` and `](path#anchor)` of a markdown file.
-fn links(text: &str) -> Vec<String> {
+/// Relative links `](path)` and `](path#anchor)` of a markdown file, as
+/// (path, anchor); a link within the file has an empty path.
+fn links(text: &str) -> Vec<(String, Option<String>)> {
     let mut out = Vec::new();
     let mut rest = text;
     while let Some(i) = rest.find("](") {
         rest = &rest[i + 2..];
         let Some(j) = rest.find(')') else { break };
         let target = &rest[..j];
-        if !(target.contains("://") || target.starts_with('#') || target.starts_with("mailto:")) {
-            out.push(target.split('#').next().unwrap_or_default().to_string());
+        if target.contains("://") || target.starts_with("mailto:") {
+            continue;
         }
+        let (path, anchor) = match target.split_once('#') {
+            Some((p, a)) => (p, Some(a.to_string())),
+            None => (target, None),
+        };
+        out.push((path.to_string(), anchor));
     }
     out
 }
 
-#[test]
-fn every_relative_link_of_the_docs_resolves() {
+/// GitHub's anchor for a heading: lower case, everything but letters,
+/// digits, `-`, `_` and spaces dropped, spaces made `-`.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of a markdown file's headings (outside code fences), with
+/// GitHub's `-1`, `-2`, ... for repeated ones.
+fn anchors(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut fence = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fence = !fence;
+            continue;
+        }
+        let hashes = line.chars().take_while(|&c| c == '#').count();
+        if fence || hashes == 0 || hashes > 6 || !line[hashes..].starts_with(' ') {
+            continue;
+        }
+        let base = slug(&line[hashes..]);
+        let mut a = base.clone();
+        let mut n = 0;
+        while out.contains(&a) {
+            n += 1;
+            a = format!("{base}-{n}");
+        }
+        out.push(a);
+    }
+    out
+}
+
+/// README.md and every markdown file under docs/.
+fn doc_files() -> Vec<PathBuf> {
     let root = repo();
     let mut files = vec![root.join("README.md")];
-    for dir in ["docs", "docs/reference"] {
-        for e in std::fs::read_dir(root.join(dir)).unwrap().flatten() {
-            if e.path().extension().is_some_and(|x| x == "md") {
-                files.push(e.path());
+    let mut dirs = vec![root.join("docs")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                files.push(p);
             }
         }
     }
-    for f in files {
+    files.sort();
+    files
+}
+
+#[test]
+fn every_relative_link_of_the_docs_resolves() {
+    for f in doc_files() {
         let base = f.parent().unwrap();
-        for l in links(&read(&f)) {
-            if l.is_empty() || l.contains(' ') {
+        let text = read(&f);
+        for (l, anchor) in links(&text) {
+            if l.contains(' ') {
                 continue;
             }
+            let target = if l.is_empty() {
+                f.clone()
+            } else {
+                base.join(&l)
+            };
             assert!(
-                base.join(&l).exists(),
+                target.exists(),
                 "{}: link {l:?} does not resolve",
                 f.display()
             );
+            // Anchors into markdown files name one of their headings.
+            let Some(anchor) = anchor.filter(|a| !a.is_empty()) else {
+                continue;
+            };
+            if target.extension().is_some_and(|x| x == "md") {
+                let found = anchors(&read(&target));
+                assert!(
+                    found.contains(&anchor),
+                    "{}: link {l:?}#{anchor} names no heading of {}",
+                    f.display(),
+                    target.display()
+                );
+            }
         }
+    }
+}
+
+#[test]
+fn anchors_are_githubs() {
+    assert_eq!(slug("The engine's `auto`"), "the-engines-auto");
+    assert_eq!(slug("4. Wire formats"), "4-wire-formats");
+    assert_eq!(
+        slug("A core per rank: 2 hosts × 1"),
+        "a-core-per-rank-2-hosts--1"
+    );
+    assert_eq!(
+        anchors("# A\n```sh\n# not a heading\n```\n## A\n#nope\n"),
+        ["a", "a-1"]
+    );
+}
+
+/// The README is a front page: the details live in docs/.
+#[test]
+fn the_readme_is_a_front_page() {
+    let n = read(&repo().join("README.md")).lines().count();
+    assert!(
+        n <= 300,
+        "README.md has {n} lines; keep it at most 300 and move details into docs/"
+    );
+}
+
+/// Every codec is a strategy string of the strategies reference.
+#[test]
+fn every_codec_is_in_the_strategies_reference() {
+    let doc = read(&repo().join("docs/reference/strategies.md"));
+    for spec in CODEC_SPECS.iter().chain(&["auto", "dense", "gradiveq"]) {
+        assert!(
+            doc.contains(&format!("`{spec}`")),
+            "strategy {spec:?} is not in docs/reference/strategies.md"
+        );
     }
 }

@@ -218,10 +218,10 @@ fn readme_python_program_runs() {
     }
     let prog = repo().join("examples/python/quickstart.py");
     let text = std::fs::read_to_string(&prog).unwrap();
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo().join("docs/python.md")).unwrap();
     assert!(
         readme.contains(text.trim()),
-        "README's \"From Python\" program must be examples/python/quickstart.py verbatim"
+        "docs/python.md's program must be examples/python/quickstart.py verbatim"
     );
     for p in [1, 3] {
         let (ok, out, err) = mpirun_py(p, &prog, &[], 120);

@@ -1,6 +1,6 @@
 """The Python call's own cost, in one process (p = 1): GradSync.sync through
 the wrapper vs the extension's sync, the stats dict alone (last_stats), and a
-getter. Reported in docs/benchmarks.md (Python binding overhead).
+getter. Reported in docs/benchmarks/python.md.
 
     .venv/bin/python benches/python/call_cost.py
 """
