@@ -4,7 +4,8 @@
 # netns for the emulated network), a Rust toolchain, and for the Python
 # package a virtual environment ($GRADSYNC_VENV, default .venv in the
 # repository) with numpy, scikit-learn, maturin and mpi4py built from source
-# against this machine's MPI. Idempotent and quick when everything is there.
+# against this machine's MPI; valgrind for the instruction counts.
+# Idempotent and quick when everything is there.
 set -euo pipefail
 
 SUDO=""
@@ -18,6 +19,8 @@ command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpicc  >/dev/null 2>&1 || need+=(libopenmpi-dev)
 dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev clang)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
+# callgrind: the instruction counts of tests/instructions.rs.
+command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 command -v curl >/dev/null 2>&1 || need+=(curl ca-certificates)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 if command -v python3 >/dev/null 2>&1; then

@@ -20,6 +20,8 @@ VENV="$(realpath -m "${GRADSYNC_VENV:-$PWD/.venv}")"
 # nothing there without build isolation): the environment's own.
 PATH="$VENV/bin:$PATH" "$VENV/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./python
 export GRADSYNC_PYTHON="$VENV/bin/python" GRADSYNC_REQUIRE_PYTHON=1 GRADSYNC_REQUIRE_TORCH=1
+# tests/instructions.rs counts under callgrind (setup installed valgrind).
+export GRADSYNC_REQUIRE_VALGRIND=1
 # The engine's tests (unit, property, mpirun, Python, C examples), then the
 # C ABI crate's own (the header drift check).
 cargo test --release
