@@ -297,7 +297,15 @@ fn the_reader_resolves_paths() {
 fn the_python_extension_builds_without_the_cli_crates() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = std::process::Command::new(cargo)
-        .args(["tree", "-p", "gradsync-python", "-e", "normal", "--prefix", "none"])
+        .args([
+            "tree",
+            "-p",
+            "gradsync-python",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo tree runs");
