@@ -164,21 +164,7 @@ pub fn sparse_allreduce<C: Transport>(
     let (rank, p) = (comm.rank(), comm.size());
     let t0 = std::time::Instant::now();
     // 1. Agreement on failures, n and the options that shape the exchange.
-    let local = check_local(rank, p, n, indices, values, out.len(), opts);
-    let fp = fingerprint(opts);
-    agree_args(
-        comm,
-        TAG,
-        local,
-        n,
-        &[(fp, &|| {
-            format!(
-                "sparse allreduce options differ across ranks: balance, reselect or the allgatherv \
-                 (this rank: {:?}, reselect {:?}, allgatherv {})",
-                opts.balance, opts.reselect, opts.gather.name()
-            )
-        })],
-    )?;
+    agree(comm, n, indices, values, out.len(), opts)?;
 
     // Local pairs sorted by index, duplicates summed in input order.
     let pairs = sorted_pairs(indices, values);
@@ -190,112 +176,21 @@ pub fn sparse_allreduce<C: Transport>(
         Balance::Fixed(b) => b.clone(),
     };
     let region = |j: usize| bounds[j]..bounds[j + 1];
-    let split = |j: usize| {
-        let lo = pairs.partition_point(|&(i, _)| (i as usize) < bounds[j]);
-        let hi = pairs.partition_point(|&(i, _)| (i as usize) < bounds[j + 1]);
-        lo..hi
-    };
 
     let agreed = t0.elapsed().as_secs_f64();
     // 3. Split and reduce: p − 1 rounds of pairwise exchange.
     let mine = region(rank);
-    let width = mine.len();
-    let mut received: Vec<Vec<u32>> = vec![Vec::new(); p];
-    for s in 1..p {
-        let dst = (rank + s) % p;
-        let src = (rank + p - s) % p;
-        let part = &pairs[split(dst)];
-        let mut send = Vec::with_capacity(2 * part.len());
-        send.extend(part.iter().map(|&(i, _)| i));
-        send.extend(part.iter().map(|&(_, x)| x.to_bits()));
-        let mut cnt = [0u64];
-        comm.sendrecv(&[part.len() as u64], dst, &mut cnt, src, TAG)?;
-        // A peer's corrupt count or index is this rank's alone while the
-        // others go on exchanging: the job ends (the failure model of
-        // crate::comm::agree) instead of returning here and leaving them waiting.
-        let c = usize::try_from(cnt[0])
-            .ok()
-            .filter(|&c| c <= width)
-            .unwrap_or_else(|| {
-                let e = peer(
-                    src,
-                    format!("sends {} pairs for a region of width {width}", cnt[0]),
-                );
-                comm.abort(1, &format!("sparse allreduce: {e}"))
-            });
-        let mut buf = vec![0u32; 2 * c];
-        comm.sendrecv(&send, dst, &mut buf, src, TAG)?;
-        received[src] = buf;
-    }
-    let own = &pairs[split(rank)];
-    let mut all: Vec<(u32, f32)> =
-        Vec::with_capacity(own.len() + received.iter().map(|b| b.len() / 2).sum::<usize>());
-    for (r, buf) in received.iter().enumerate() {
-        if r == rank {
-            all.extend_from_slice(own);
-            continue;
-        }
-        let c = buf.len() / 2;
-        for (&i, &x) in buf[..c].iter().zip(&buf[c..]) {
-            if !mine.contains(&(i as usize)) {
-                let e = peer(
-                    r,
-                    format!("sent index {i} outside this rank's region {mine:?}"),
-                );
-                comm.abort(1, &format!("sparse allreduce: {e}"));
-            }
-            all.push((i, f32::from_bits(x)));
-        }
-    }
-    // Stable: equal indices are summed in rank order.
-    all.sort_by_key(|&(i, _)| i);
-    let mut reduced = merge_sorted(all);
+    let received = exchange_regions(comm, &pairs, &bounds)?;
+    let mut reduced = reduce_region(comm, &pairs[split(&pairs, &bounds, rank)], &received, &mine);
 
     // 4. Ok-Topk's second selection.
-    let mut residual = Vec::new();
-    if let Some(k) = opts.reselect {
-        let g = gather_u64(comm, reduced.len() as u64, opts.gather)?;
-        let total: u128 = g.iter().map(|&x| x as u128).sum();
-        if total > k as u128 {
-            let quota = ((k as u128 * reduced.len() as u128).div_ceil(total.max(1))) as usize;
-            if quota < reduced.len() {
-                // Largest magnitudes first (NaN counts as largest).
-                reduced.select_nth_unstable_by(quota, |a, b| b.1.abs().total_cmp(&a.1.abs()));
-                residual = reduced.split_off(quota);
-                reduced.sort_unstable_by_key(|&(i, _)| i);
-                residual.sort_unstable_by_key(|&(i, _)| i);
-            }
-        }
-    }
+    let residual = match opts.reselect {
+        Some(k) => reselect(comm, &mut reduced, k, opts.gather)?,
+        None => Vec::new(),
+    };
 
     // 5. SparCML's dense switch, and this rank's region message.
-    let dense_here = width > 0 && reduced.len() as f64 > opts.delta * width as f64;
-    let mut msg = Vec::with_capacity(
-        8 + if dense_here {
-            4 * width
-        } else {
-            8 * reduced.len()
-        },
-    );
-    if dense_here {
-        msg.extend_from_slice(&KIND_DENSE.to_le_bytes());
-        msg.extend_from_slice(&(reduced.len() as u32).to_le_bytes());
-        let mut d = vec![0f32; width];
-        for &(i, x) in &reduced {
-            d[i as usize - mine.start] = x;
-        }
-        d.iter()
-            .for_each(|x| msg.extend_from_slice(&x.to_le_bytes()));
-    } else {
-        msg.extend_from_slice(&KIND_SPARSE.to_le_bytes());
-        msg.extend_from_slice(&(reduced.len() as u32).to_le_bytes());
-        reduced
-            .iter()
-            .for_each(|(i, _)| msg.extend_from_slice(&i.to_le_bytes()));
-        reduced
-            .iter()
-            .for_each(|(_, x)| msg.extend_from_slice(&x.to_le_bytes()));
-    }
+    let msg = region_message(&reduced, &mine, opts.delta);
 
     let split_reduced = t0.elapsed().as_secs_f64();
     // 6. Allgatherv of the regions, written into `out`.
@@ -320,6 +215,175 @@ pub fn sparse_allreduce<C: Transport>(
         t0.elapsed().as_secs_f64()
     );
     Ok(report)
+}
+
+/// Phase 1: one agreement on every rank's argument failures, `n` and the
+/// options that shape the exchange (module docs).
+fn agree<C: Transport>(
+    comm: &C,
+    n: usize,
+    indices: &[u32],
+    values: &[f32],
+    out_len: usize,
+    opts: &SparseAllreduceOptions,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let local = check_local(rank, p, n, indices, values, out_len, opts);
+    let fp = fingerprint(opts);
+    agree_args(
+        comm,
+        TAG,
+        local,
+        n,
+        &[(fp, &|| {
+            format!(
+                "sparse allreduce options differ across ranks: balance, reselect or the allgatherv \
+                 (this rank: {:?}, reselect {:?}, allgatherv {})",
+                opts.balance, opts.reselect, opts.gather.name()
+            )
+        })],
+    )
+}
+
+/// The pairs of `pairs` (sorted by index) in region `j` of `bounds`.
+fn split(pairs: &[(u32, f32)], bounds: &[usize], j: usize) -> std::ops::Range<usize> {
+    let lo = pairs.partition_point(|&(i, _)| (i as usize) < bounds[j]);
+    let hi = pairs.partition_point(|&(i, _)| (i as usize) < bounds[j + 1]);
+    lo..hi
+}
+
+/// Phase 3, the exchange: `p − 1` rounds of pairwise `sendrecv` (rank
+/// `+ s` gets its region's pairs, rank `− s` sends this rank's), the
+/// pair count first. Per source rank, what it sent: `c` indices then
+/// `c` values' bits (empty for this rank).
+fn exchange_regions<C: Transport>(
+    comm: &C,
+    pairs: &[(u32, f32)],
+    bounds: &[usize],
+) -> Result<Vec<Vec<u32>>> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let width = (bounds[rank]..bounds[rank + 1]).len();
+    let mut received: Vec<Vec<u32>> = vec![Vec::new(); p];
+    for s in 1..p {
+        let dst = (rank + s) % p;
+        let src = (rank + p - s) % p;
+        let part = &pairs[split(pairs, bounds, dst)];
+        let mut send = Vec::with_capacity(2 * part.len());
+        send.extend(part.iter().map(|&(i, _)| i));
+        send.extend(part.iter().map(|&(_, x)| x.to_bits()));
+        let mut cnt = [0u64];
+        comm.sendrecv(&[part.len() as u64], dst, &mut cnt, src, TAG)?;
+        // A peer's corrupt count or index is this rank's alone while the
+        // others go on exchanging: the job ends (the failure model of
+        // crate::comm::agree) instead of returning here and leaving them waiting.
+        let c = usize::try_from(cnt[0])
+            .ok()
+            .filter(|&c| c <= width)
+            .unwrap_or_else(|| {
+                let e = peer(
+                    src,
+                    format!("sends {} pairs for a region of width {width}", cnt[0]),
+                );
+                comm.abort(1, &format!("sparse allreduce: {e}"))
+            });
+        let mut buf = vec![0u32; 2 * c];
+        comm.sendrecv(&send, dst, &mut buf, src, TAG)?;
+        received[src] = buf;
+    }
+    Ok(received)
+}
+
+/// Phase 3, the reduction: this rank's region `mine`, its own pairs
+/// `own` and every peer's `received`, summed in rank order (an index
+/// outside the region ends the job).
+fn reduce_region<C: Transport>(
+    comm: &C,
+    own: &[(u32, f32)],
+    received: &[Vec<u32>],
+    mine: &std::ops::Range<usize>,
+) -> Vec<(u32, f32)> {
+    let rank = comm.rank();
+    let mut all: Vec<(u32, f32)> =
+        Vec::with_capacity(own.len() + received.iter().map(|b| b.len() / 2).sum::<usize>());
+    for (r, buf) in received.iter().enumerate() {
+        if r == rank {
+            all.extend_from_slice(own);
+            continue;
+        }
+        let c = buf.len() / 2;
+        for (&i, &x) in buf[..c].iter().zip(&buf[c..]) {
+            if !mine.contains(&(i as usize)) {
+                let e = peer(
+                    r,
+                    format!("sent index {i} outside this rank's region {mine:?}"),
+                );
+                comm.abort(1, &format!("sparse allreduce: {e}"));
+            }
+            all.push((i, f32::from_bits(x)));
+        }
+    }
+    // Stable: equal indices are summed in rank order.
+    all.sort_by_key(|&(i, _)| i);
+    merge_sorted(all)
+}
+
+/// Phase 4, Ok-Topk's second selection: keep this region's share of `k`
+/// largest-magnitude sums in `reduced` (one allgatherv of the regions'
+/// counts); the dropped ones, sorted by index, are returned.
+fn reselect<C: Transport>(
+    comm: &C,
+    reduced: &mut Vec<(u32, f32)>,
+    k: usize,
+    gather: AllgathervAlgo,
+) -> Result<Vec<(u32, f32)>> {
+    let mut residual = Vec::new();
+    let g = gather_u64(comm, reduced.len() as u64, gather)?;
+    let total: u128 = g.iter().map(|&x| x as u128).sum();
+    if total > k as u128 {
+        let quota = ((k as u128 * reduced.len() as u128).div_ceil(total.max(1))) as usize;
+        if quota < reduced.len() {
+            // Largest magnitudes first (NaN counts as largest).
+            reduced.select_nth_unstable_by(quota, |a, b| b.1.abs().total_cmp(&a.1.abs()));
+            residual = reduced.split_off(quota);
+            reduced.sort_unstable_by_key(|&(i, _)| i);
+            residual.sort_unstable_by_key(|&(i, _)| i);
+        }
+    }
+    Ok(residual)
+}
+
+/// Phase 5: this rank's region message, its `reduced` sums as pairs or,
+/// past SparCML's `delta` fill-in, as the region's dense values.
+fn region_message(reduced: &[(u32, f32)], mine: &std::ops::Range<usize>, delta: f64) -> Vec<u8> {
+    let width = mine.len();
+    let dense_here = width > 0 && reduced.len() as f64 > delta * width as f64;
+    let mut msg = Vec::with_capacity(
+        8 + if dense_here {
+            4 * width
+        } else {
+            8 * reduced.len()
+        },
+    );
+    if dense_here {
+        msg.extend_from_slice(&KIND_DENSE.to_le_bytes());
+        msg.extend_from_slice(&(reduced.len() as u32).to_le_bytes());
+        let mut d = vec![0f32; width];
+        for &(i, x) in reduced {
+            d[i as usize - mine.start] = x;
+        }
+        d.iter()
+            .for_each(|x| msg.extend_from_slice(&x.to_le_bytes()));
+    } else {
+        msg.extend_from_slice(&KIND_SPARSE.to_le_bytes());
+        msg.extend_from_slice(&(reduced.len() as u32).to_le_bytes());
+        reduced
+            .iter()
+            .for_each(|(i, _)| msg.extend_from_slice(&i.to_le_bytes()));
+        reduced
+            .iter()
+            .for_each(|(_, x)| msg.extend_from_slice(&x.to_le_bytes()));
+    }
+    msg
 }
 
 fn peer(rank: usize, reason: String) -> Error {

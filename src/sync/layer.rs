@@ -170,11 +170,71 @@ impl Layer {
     ) -> Result<()> {
         let t0 = Instant::now();
         if !input_finite(g, w, p) {
-            self.non_finite = true;
-            self.unit.clear();
-            self.stats.pack_s = t0.elapsed().as_secs_f64();
+            self.send_nothing(t0);
             return Ok(());
         }
+        let n = self.n;
+        self.accumulate(g, w, p);
+        self.apply_density(want);
+        let codec = self.codec.as_mut().expect("sparse layer has a codec");
+        let fb = codec
+            .feedback(n)
+            .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", self.name)))?;
+        let t1 = Instant::now();
+        let pre = t1 - t0;
+        let enc = self.encode_residual(fb);
+        if enc.is_err() && !all_finite(&self.v) {
+            self.clear_overflow(g);
+            self.send_nothing(t0);
+            return Ok(());
+        }
+        enc.map_err(|e| {
+            Error::InvalidArgument(format!("layer {:?}: encoding failed: {e}", self.name))
+        })?;
+        let t2 = Instant::now();
+        let no_fb = fb == crate::codec::Feedback::None;
+        let sent = self.subtract_sent(no_fb)?;
+        self.sent = true;
+        // Starvation: nothing sent although there was something to send.
+        let starved = sent == 0 && self.v.iter().any(|&x| x != 0.0);
+        let norm = if starved {
+            self.v
+                .iter()
+                .map(|&x| f64::from(x).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        } else {
+            0.0
+        };
+        if no_fb {
+            self.v.fill(0.0);
+        }
+        self.count_starvation(starved, norm);
+        let codec = self.codec.as_deref().expect("sparse layer has a codec");
+        self.stats.feedback = fb.label();
+        self.stats.strategy = "sparse".into();
+        self.stats.codec = codec.config().name();
+        self.stats.density = if n == 0 { 0.0 } else { sent as f64 / n as f64 };
+        self.stats.bytes_sent = self.unit.len();
+        self.stats.select_s = (t2 - t1).as_secs_f64();
+        self.stats.pack_s = (pre + t2.elapsed()).as_secs_f64();
+        Ok(())
+    }
+
+    /// A sparse step whose input is non-finite (or whose residual
+    /// overflowed): no unit, the layer marked, the time since `t0` its
+    /// packing.
+    fn send_nothing(&mut self, t0: Instant) {
+        self.non_finite = true;
+        self.unit.clear();
+        self.stats.pack_s = t0.elapsed().as_secs_f64();
+    }
+
+    /// The momentum-corrected direction of `g_eff` into the residual:
+    /// `V += d`; with a delay, also the local directions since the last
+    /// communication (`prev = acc; V += acc + d; acc = 0`).
+    #[inline]
+    fn accumulate(&mut self, g: &[f32], w: Option<&[f32]>, p: &StepParams) {
         let n = self.n;
         if p.delay {
             // prev = acc; acc += d; V += acc; acc = 0.
@@ -193,6 +253,10 @@ impl Layer {
                 self.v[i] += d;
             }
         }
+    }
+
+    /// The plan's density into the codec when it changed.
+    fn apply_density(&mut self, want: Option<f64>) {
         let codec = self.codec.as_mut().expect("sparse layer has a codec");
         if want != self.cur_density {
             if let Some(d) = want {
@@ -203,12 +267,12 @@ impl Layer {
             }
             self.cur_density = want;
         }
-        let fb = codec
-            .feedback(n)
-            .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", self.name)))?;
-        let t1 = Instant::now();
-        let pre = t1 - t0;
-        let enc = match fb {
+    }
+
+    /// Encode the residual into `unit` (`γ·V` for a damped codec).
+    fn encode_residual(&mut self, fb: crate::codec::Feedback) -> Result<()> {
+        let codec = self.codec.as_mut().expect("sparse layer has a codec");
+        match fb {
             crate::codec::Feedback::Damped(gamma) => {
                 // Encode γ·V (V keeps what was not sent of V itself).
                 self.dir.clear();
@@ -216,33 +280,32 @@ impl Layer {
                 codec.encode(&self.dir, &mut self.unit)
             }
             _ => codec.encode(&self.v, &mut self.unit),
-        };
-        if enc.is_err() && !all_finite(&self.v) {
-            // Finite gradients whose sum overflowed f32 in the residual (or
-            // the momentum): a non-finite input of this step, as the
-            // `non_finite` policy treats one, and a state no later step
-            // could encode (it stayed infinite and failed every step).
-            // What overflowed has no value left to keep: cleared.
-            log::warn!(
-                "gradsync: layer {:?}: the residual overflowed f32 (gradients near {:.1e}); \
-                 this step's input counts as non-finite, the residual and momentum are cleared",
-                self.name,
-                g.iter().fold(0f32, |a, x| a.max(x.abs()))
-            );
-            self.v.fill(0.0);
-            self.u.fill(0.0);
-            self.non_finite = true;
-            self.unit.clear();
-            self.stats.pack_s = t0.elapsed().as_secs_f64();
-            return Ok(());
         }
-        enc.map_err(|e| {
-            Error::InvalidArgument(format!("layer {:?}: encoding failed: {e}", self.name))
-        })?;
-        let t2 = Instant::now();
-        // V -= sent; U[i] = 0 where sent (momentum factor masking; not
-        // without feedback, where V is this step's direction only).
-        let no_fb = fb == crate::codec::Feedback::None;
+    }
+
+    /// Finite gradients whose sum overflowed f32 in the residual (or the
+    /// momentum): a non-finite input of this step, as the `non_finite`
+    /// policy treats one, and a state no later step could encode (it
+    /// stayed infinite and failed every step). What overflowed has no
+    /// value left to keep: cleared.
+    #[cold]
+    fn clear_overflow(&mut self, g: &[f32]) {
+        log::warn!(
+            "gradsync: layer {:?}: the residual overflowed f32 (gradients near {:.1e}); \
+             this step's input counts as non-finite, the residual and momentum are cleared",
+            self.name,
+            g.iter().fold(0f32, |a, x| a.max(x.abs()))
+        );
+        self.v.fill(0.0);
+        self.u.fill(0.0);
+    }
+
+    /// `V -= sent; U[i] = 0` where sent (momentum factor masking; not
+    /// without feedback, where V is this step's direction only). Returns
+    /// the elements sent.
+    fn subtract_sent(&mut self, no_fb: bool) -> Result<usize> {
+        let n = self.n;
+        let codec = self.codec.as_deref().expect("sparse layer has a codec");
         let (v, u) = (
             &mut self.v,
             if no_fb { &mut [][..] } else { &mut self.u[..] },
@@ -269,27 +332,23 @@ impl Layer {
                 }
             }
         }
-        self.sent = true;
-        // Starvation: nothing sent although there was something to send.
-        let starved = sent == 0 && v.iter().any(|&x| x != 0.0);
-        let norm = if starved {
-            v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
-        } else {
-            0.0
-        };
-        if no_fb {
-            v.fill(0.0);
-        }
+        Ok(sent)
+    }
+
+    /// Count consecutive starved steps (`norm`: the residual's), warning
+    /// at N, 2N, 4N, ... of them.
+    fn count_starvation(&mut self, starved: bool, norm: f64) {
         if starved {
             self.stats.starved_steps += 1;
             // Warn at N, 2N, 4N, ... consecutive steps.
             let (k, lim) = (self.stats.starved_steps, crate::codec::STARVED_STEPS);
             if k % lim == 0 && (k / lim).is_power_of_two() {
+                let codec = self.codec.as_deref().expect("sparse layer has a codec");
                 log::warn!(
                     "gradsync: layer {:?} ({} elements, codec {}) sent nothing for {k} \
                      consecutive steps while its residual grew (norm {:.3e}): it starves",
                     self.name,
-                    n,
+                    self.n,
                     codec.config().name(),
                     norm
                 );
@@ -297,14 +356,6 @@ impl Layer {
         } else {
             self.stats.starved_steps = 0;
         }
-        self.stats.feedback = fb.label();
-        self.stats.strategy = "sparse".into();
-        self.stats.codec = codec.config().name();
-        self.stats.density = if n == 0 { 0.0 } else { sent as f64 / n as f64 };
-        self.stats.bytes_sent = self.unit.len();
-        self.stats.select_s = (t2 - t1).as_secs_f64();
-        self.stats.pack_s = (pre + t2.elapsed()).as_secs_f64();
-        Ok(())
     }
 
     /// A local step that succeeded on every rank: `o` = the direction,

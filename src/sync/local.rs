@@ -35,6 +35,28 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for e in &mut job.gvq {
             e.state = None;
         }
+        self.check_inputs(plan, grads, weights)?;
+        let cfg = &self.cfg;
+        let params = StepParams {
+            factor: self.clip_factor(grads),
+            momentum: cfg.momentum,
+            nesterov: cfg.nesterov,
+            wd: cfg.weight_decay,
+            delay: plan.delayed,
+        };
+        self.compress_layers(plan, grads, weights, &params)?;
+        self.dense_inputs(plan, grads, weights, &params, job);
+        self.hand_over_gvq(job)
+    }
+
+    /// One gradient (and one weight tensor) per layer, each of its
+    /// layer's length (the bucket's layers only).
+    fn check_inputs(
+        &self,
+        plan: &StepPlan,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+    ) -> Result<()> {
         if grads.len() != self.layers.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} gradients for {} registered layers",
@@ -70,9 +92,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 )));
             }
         }
-        let cfg = &self.cfg;
-        // Local clipping: one factor for all layers of this rank.
-        let factor = match cfg.clip_norm {
+        Ok(())
+    }
+
+    /// Local clipping (Lin et al. §5.5): one factor for all layers of this
+    /// rank, 1 without `clip_norm`.
+    fn clip_factor(&self, grads: &[&[f32]]) -> f32 {
+        match self.cfg.clip_norm {
             Some(c) => {
                 let norm = grads
                     .iter()
@@ -87,22 +113,26 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
             }
             None => 1.0,
-        };
-        let params = StepParams {
-            factor,
-            momentum: cfg.momentum,
-            nesterov: cfg.nesterov,
-            wd: cfg.weight_decay,
-            delay: plan.delayed,
-        };
-        // Sparse and local layers: compress in parallel when it pays.
+        }
+    }
+
+    /// Sparse and local layers: compress (or take the local step), in
+    /// parallel when the plan says it pays. On an error every layer is
+    /// rolled back: nothing this rank encoded is sent.
+    fn compress_layers(
+        &mut self,
+        plan: &StepPlan,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+        params: &StepParams,
+    ) -> Result<()> {
         let work = |(i, l): (usize, &mut Layer)| -> Result<()> {
             let w = weights.map(|w| w[i]);
             let lp = &plan.layers[i];
             match lp.mode {
-                Mode::Sparse => l.compress(grads[i], w, &params, lp.density),
+                Mode::Sparse => l.compress(grads[i], w, params, lp.density),
                 Mode::Local => {
-                    l.local_step(grads[i], w, &params);
+                    l.local_step(grads[i], w, params);
                     Ok(())
                 }
                 Mode::Dense | Mode::Gradiveq | Mode::Other => Ok(()),
@@ -120,7 +150,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             return Err(e);
         }
-        // Dense layers: the fused buffer; GradiVeQ layers: their inputs.
+        Ok(())
+    }
+
+    /// Dense layers: their contribution into the fused buffer; GradiVeQ
+    /// layers: their inputs into `job.gvq` (one entry each, in layer
+    /// order).
+    fn dense_inputs(
+        &mut self,
+        plan: &StepPlan,
+        grads: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+        params: &StepParams,
+        job: &mut Job,
+    ) {
         let mut gi = 0;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let w = weights.map(|w| w[i]);
@@ -129,7 +172,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
                 // A non-finite contribution makes the sum non-finite on
                 // every rank; the status words name this rank (job.rs).
-                l.non_finite = !l.dense_contribution(grads[i], w, &params, dst);
+                l.non_finite = !l.dense_contribution(grads[i], w, params, dst);
             } else if lp.mode == Mode::Gradiveq {
                 if job.gvq.len() == gi {
                     job.gvq.push(GvqEntry::default());
@@ -139,15 +182,20 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 e.name.clone_from(&l.name);
                 e.input.resize(l.n, 0.0);
                 e.output.resize(l.n, 0.0);
-                e.finite = l.dense_contribution(grads[i], w, &params, &mut e.input);
+                e.finite = l.dense_contribution(grads[i], w, params, &mut e.input);
                 l.stats.strategy = "gradiveq".into();
                 l.stats.codec = "gradiveq".into();
                 gi += 1;
             }
         }
         job.gvq.truncate(gi);
-        // A NaN/Inf in a GradiVeQ layer's input would poison its ring on
-        // every rank: the step fails on every rank instead.
+    }
+
+    /// The GradiVeQ layers' states into the job for their rings, unless
+    /// some input is non-finite: NaN/Inf would poison its ring on every
+    /// rank, so the step fails on every rank instead (every layer rolled
+    /// back).
+    fn hand_over_gvq(&mut self, job: &mut Job) -> Result<()> {
         if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
             let layer = self.layers[e.layer].name.clone();
             for l in &mut self.layers {

@@ -5,16 +5,33 @@
 //! output with momentum applied (`dense_update`), the delayed steps'
 //! correction, and the NaN/Inf policy. What each layer reads is fixed by
 //! the step's plan ([`plan`](super::plan)).
+//!
+//! [`GradSync::unpack`] runs the stages in order: the GradiVeQ states back
+//! to their layers, the outputs checked, every bucket's messages parsed
+//! ([`GradSync::parse_messages`]), each layer unpacked by its mode
+//! ([`Unpacker`]), a failed delayed step voided, and the fill probe and
+//! the NaN/Inf policy applied.
 
-use super::bucket::OpenStep;
+use super::bucket::{OpenStep, Part};
+use super::job::Job;
 use super::layer::Layer;
-use super::plan::Mode;
+use super::plan::{Mode, StepPlan};
 use super::{GradSync, NonFinitePolicy};
 use crate::comm::Transport;
 use crate::sparse::{parse_fused, unpack_layer_counting, Entry, EntryKind};
 use crate::{Error, Result};
 use rayon::prelude::*;
 use std::time::Instant;
+
+/// Where layer `i` is in a group's sorted `ids`.
+#[inline]
+fn position(ids: &[u32], i: usize) -> Option<usize> {
+    ids.binary_search(&(i as u32)).ok()
+}
+
+/// One layer's unpacking: its error, if any, and for a probed layer the
+/// nonzero elements of its result (`None`: not counted).
+type Unpacked = (Option<Error>, Option<usize>);
 
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// Unpack the step's results into `out` (the last part of the step
@@ -26,6 +43,61 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         comm: Result<()>,
     ) -> Result<()> {
         // GradiVeQ states go back to their layers whatever happened.
+        self.return_gvq_states(st);
+        if comm.is_err() {
+            // The step failed on every rank and nothing is applied: what
+            // this rank encoded goes back into its residuals (nothing lost).
+            for l in &mut self.layers {
+                l.rollback();
+            }
+        }
+        comm?;
+        self.check_outputs(out)?;
+        self.parse_messages(&mut st.parts)?;
+        let plan = &self.plan;
+        // `auto`'s group in the allgatherv: its unpacking counts the fill.
+        let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
+        let unpacker = Unpacker::new(self, st, probe_ids);
+        let unpacked: Result<Vec<Unpacked>> = if plan.parallel_unpack {
+            self.layers
+                .par_iter_mut()
+                .zip(out.par_iter_mut())
+                .enumerate()
+                .map(|(i, (l, o))| unpacker.layer(i, l, o))
+                .collect()
+        } else {
+            self.layers
+                .iter_mut()
+                .zip(out.iter_mut())
+                .enumerate()
+                .map(|(i, (l, o))| unpacker.layer(i, l, o))
+                .collect()
+        };
+        // With `delay > 1`, a communicating step that fails in any layer on
+        // every rank (a NaN/Inf, a corrupt unit) is void on every rank:
+        // each caller skips the whole step (on an error, or on the NaN a
+        // loss scaler sees), so every layer must keep the local directions
+        // it was exchanging, or the ranks' weights drift apart for good.
+        let failed = match &unpacked {
+            Ok(u) => u.iter().any(|(e, _)| e.is_some()),
+            Err(_) => true,
+        };
+        if plan.delayed && plan.communicates && failed {
+            for (l, o) in self.layers.iter_mut().zip(out.iter_mut()) {
+                l.rollback();
+                o.fill(f32::NAN);
+            }
+        }
+        let unpacked = unpacked?;
+        for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
+            l.fill_stats(lp.mode);
+        }
+        record_probe_nnz(&mut st.parts, probe_ids, &unpacked);
+        apply_policy(self.cfg.non_finite, unpacked)
+    }
+
+    /// Every bucket's GradiVeQ states back into their layers.
+    fn return_gvq_states(&mut self, st: &mut OpenStep) {
         for part in &mut st.parts {
             let Some(job) = part.job.as_mut() else {
                 continue;
@@ -36,14 +108,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
             }
         }
-        if comm.is_err() {
-            // The step failed on every rank and nothing is applied: what
-            // this rank encoded goes back into its residuals (nothing lost).
-            for l in &mut self.layers {
-                l.rollback();
-            }
-        }
-        comm?;
+    }
+
+    /// One output buffer per layer, each of the layer's length.
+    fn check_outputs(&self, out: &[&mut [f32]]) -> Result<()> {
         if out.len() != self.layers.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} output buffers for {} layers",
@@ -64,14 +132,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 l.n
             )));
         }
+        Ok(())
+    }
+
+    /// Parse every rank's fused message of each bucket into the bucket's
+    /// `entries` (`entries[l * p + r]`: its `l`-th sparse layer, rank `r`).
+    fn parse_messages(&mut self, parts: &mut [Part]) -> Result<()> {
         let p = self.size;
         let names = |id: u32| {
             self.layers
                 .get(id as usize)
                 .map_or_else(|| format!("#{id}"), |l| l.name.clone())
         };
-        // Parse every rank's fused message of each bucket; entries[l * p + r].
-        for part in &mut st.parts {
+        for part in parts {
             let ns = part.plan.sparse.ids.len();
             if ns == 0 {
                 continue;
@@ -107,217 +180,265 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
             }
         }
-        let plan = &self.plan;
-        let parts = &st.parts;
-        let owner = &st.owner;
-        // Layer `i`'s bucket: its plan and its job.
-        let part_of = |i: usize| {
-            let part = &parts[owner[i] as usize];
-            (
-                &part.plan,
-                part.job.as_deref().expect("every bucket's job is back"),
-                &part.entries,
-            )
+        Ok(())
+    }
+}
+
+/// The fill of the probed group: every probed layer counted, or nothing
+/// is measured (a non-finite unit, a dense decode). Kept in the first
+/// bucket's job.
+fn record_probe_nnz(parts: &mut [Part], probe_ids: &[u32], unpacked: &[Unpacked]) {
+    let probe_nnz = if probe_ids.is_empty() {
+        None
+    } else {
+        probe_ids
+            .iter()
+            .map(|&i| unpacked[i as usize].1)
+            .sum::<Option<usize>>()
+    };
+    for (k, part) in parts.iter_mut().enumerate() {
+        if let Some(job) = part.job.as_mut() {
+            job.probe_nnz = if k == 0 { probe_nnz } else { None };
+        }
+    }
+}
+
+/// The step's outcome under the NaN/Inf `policy`: the first layer's error,
+/// or a warning when it is propagated as NaN.
+fn apply_policy(policy: NonFinitePolicy, unpacked: Vec<Unpacked>) -> Result<()> {
+    match unpacked.into_iter().find_map(|(e, _)| e) {
+        Some(e) if policy == NonFinitePolicy::Error => Err(e),
+        Some(e) => {
+            log::warn!("gradsync: {e} (propagated as NaN)");
+            Ok(())
+        }
+        None => Ok(()),
+    }
+}
+
+/// What unpacking any one layer reads: every bucket's plan, job and
+/// parsed entries, and the step's constants. Shared by the layers (they
+/// may run under rayon); each layer's own state and output are its alone.
+struct Unpacker<'a> {
+    parts: &'a [Part],
+    /// Per layer, the bucket that holds it.
+    owner: &'a [u32],
+    p: usize,
+    inv: f32,
+    rank: usize,
+    policy: NonFinitePolicy,
+    /// Momentum, Nesterov, delayed step.
+    params: (f32, bool, bool),
+    /// The layers whose unpacking counts the fill (sorted).
+    probe_ids: &'a [u32],
+    /// A delayed step without communication that is void on every rank.
+    void: bool,
+}
+
+impl<'a> Unpacker<'a> {
+    fn new<C: Transport + Send + 'static>(
+        sync: &GradSync<C>,
+        st: &'a OpenStep,
+        probe_ids: &'a [u32],
+    ) -> Self {
+        let p = sync.size;
+        let mut u = Unpacker {
+            parts: &st.parts,
+            owner: &st.owner,
+            p,
+            inv: 1.0 / p as f32,
+            rank: sync.rank,
+            policy: sync.cfg.non_finite,
+            params: (sync.cfg.momentum, sync.cfg.nesterov, sync.plan.delayed),
+            probe_ids,
+            void: false,
         };
-        let inv = 1.0 / p as f32;
-        let rank = self.rank;
-        let policy = self.cfg.non_finite;
-        let params = (self.cfg.momentum, self.cfg.nesterov, plan.delayed);
-        // `auto`'s group in the allgatherv: its unpacking counts the fill.
-        let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
-        let probed = |i: usize| probe_ids.binary_search(&(i as u32)).is_ok();
-        // A delayed step without communication in which some rank's layer
-        // was non-finite is void on every rank: every local layer's result
-        // is NaN and no rank's state takes any of it (a loss scaler skips
-        // the whole step on every rank, and the weights stay in step).
-        let void = plan.layers.iter().enumerate().any(|(i, lp)| {
+        u.void = u.void_local_step(&sync.plan, &sync.layers);
+        u
+    }
+
+    /// A delayed step without communication in which some rank's layer
+    /// was non-finite is void on every rank: every local layer's result
+    /// is NaN and no rank's state takes any of it (a loss scaler skips
+    /// the whole step on every rank, and the weights stay in step).
+    fn void_local_step(&self, plan: &StepPlan, layers: &[Layer]) -> bool {
+        plan.layers.iter().enumerate().any(|(i, lp)| {
             lp.mode == Mode::Local
-                && (part_of(i).1.dn_bad_rank[i].is_some() || self.layers[i].non_finite)
-        });
-        // Per layer: its error, if any, and for a probed layer the nonzero
-        // elements of its result (`None`: not counted).
-        type Unpacked = (Option<Error>, Option<usize>);
-        let work = |(i, (l, o)): (usize, (&mut Layer, &mut &mut [f32]))| -> Result<Unpacked> {
-            let t = Instant::now();
-            let (plan, job, entries) = part_of(i);
-            let lp = &plan.layers[i];
-            let sparse_pos = |i: usize| plan.sparse.ids.binary_search(&(i as u32)).ok();
-            let reduced_pos = |i: usize| plan.reduced.ids.binary_search(&(i as u32)).ok();
-            let (reduced, bad_rank) = (&job.sp_out, &job.sp_bad_rank);
-            let (dense, dense_bad_rank, gvq) = (&job.dense, &job.dn_bad_rank, &job.gvq);
-            let gathered = &job.gathered;
-            let mut counted = None;
-            let r = match lp.mode {
-                Mode::Local => {
-                    // The lowest rank whose gradient was non-finite (the
-                    // status words' markers; this rank alone when no
-                    // allreduce ran).
-                    let bad = dense_bad_rank[i].or(l.non_finite.then_some(rank));
-                    if void {
-                        o.fill(f32::NAN);
-                    } else {
-                        l.commit_local(o, params.0);
-                    }
-                    bad.map(|r| Error::NonFinite {
-                        rank: Some(r),
-                        layer: l.name.clone(),
-                    })
-                }
-                Mode::Sparse if lp.reduced => {
-                    // The sparse allreduce's slice: every rank's pairs,
-                    // already scaled by 1/p (job.rs), as `unpack_layer`
-                    // would have added them; a non-finite layer as its
-                    // `NonFinite` entries would have it.
-                    let j = reduced_pos(i).expect("reduced layer is in the reduced group");
-                    o.copy_from_slice(&reduced[lp.reduce_off..lp.reduce_off + l.n]);
-                    if params.2 {
-                        crate::dense::sub_from(o, &l.prev);
-                    }
-                    bad_rank[j].map(|r| {
-                        if policy == NonFinitePolicy::Propagate {
-                            o.fill(f32::NAN);
-                        }
-                        Error::NonFinite {
-                            rank: Some(r),
-                            layer: l.name.clone(),
-                        }
-                    })
-                }
-                Mode::Sparse => {
-                    let j = sparse_pos(i).expect("sparse layer is in the fused table");
-                    let codec = l.codec.as_deref().expect("sparse layer has a codec");
-                    let unpacked = unpack_layer_counting(
-                        gathered,
-                        &entries[j * p..(j + 1) * p],
-                        codec,
-                        &l.name,
-                        inv,
-                        o,
-                        probed(i),
-                    );
-                    let (bad, nnz) = match unpacked {
-                        // Finite messages whose sum overflowed: as a
-                        // non-finite dense sum, naming no rank.
-                        Err(e @ Error::NonFinite { .. }) => {
-                            if policy == NonFinitePolicy::Propagate {
-                                o.fill(f32::NAN);
-                            }
-                            l.stats.unpack_s = t.elapsed().as_secs_f64();
-                            return Ok((Some(e), None));
-                        }
-                        r => r?,
-                    };
-                    counted = nnz.filter(|_| bad.is_none());
-                    if params.2 {
-                        crate::dense::sub_from(o, &l.prev);
-                    }
-                    bad.map(|r| {
-                        if policy == NonFinitePolicy::Propagate {
-                            o.fill(f32::NAN);
-                        }
-                        Error::NonFinite {
-                            rank: Some(r),
-                            layer: l.name.clone(),
-                        }
-                    })
-                }
-                Mode::Gradiveq => {
-                    let e = gvq
-                        .iter()
-                        .find(|e| e.layer == i)
-                        .expect("every GradiVeQ layer has a job entry");
-                    for (x, y) in o.iter_mut().zip(&e.output) {
-                        *x = y * inv;
-                    }
-                    if o.iter().any(|x| !x.is_finite()) {
-                        Some(Error::NonFinite {
-                            rank: None,
-                            layer: l.name.clone(),
-                        })
-                    } else {
-                        l.dense_update(o, params);
-                        None
-                    }
-                }
-                Mode::Other => unreachable!("a layer's own bucket plans it"),
-                Mode::Dense => {
-                    let g = &dense[lp.dense_off..lp.dense_off + l.n];
-                    if g.iter().any(|x| !x.is_finite()) {
-                        o.copy_from_slice(g);
-                        // The lowest rank whose input was non-finite (this
-                        // one alone when no allreduce ran); none when finite
-                        // inputs overflowed in the sum.
-                        let rank = dense_bad_rank[i].or(l.non_finite.then_some(rank));
-                        Some(Error::NonFinite {
-                            rank,
-                            layer: l.name.clone(),
-                        })
-                    } else {
-                        l.dense_update_from(g, o, params);
-                        None
-                    }
-                }
-            };
-            l.stats.unpack_s = t.elapsed().as_secs_f64();
-            Ok((r, counted))
+                && (self.part_of(i).1.dn_bad_rank[i].is_some() || layers[i].non_finite)
+        })
+    }
+
+    /// Layer `i`'s bucket: its plan, its job and its parsed entries.
+    #[inline]
+    fn part_of(&self, i: usize) -> (&'a StepPlan, &'a Job, &'a [Entry]) {
+        let part = &self.parts[self.owner[i] as usize];
+        (
+            &part.plan,
+            part.job.as_deref().expect("every bucket's job is back"),
+            &part.entries,
+        )
+    }
+
+    /// Whether layer `i`'s unpacking counts the fill.
+    #[inline]
+    fn probed(&self, i: usize) -> bool {
+        self.probe_ids.binary_search(&(i as u32)).is_ok()
+    }
+
+    /// Unpack layer `i` into `o` as its bucket's plan says, timing it.
+    #[inline]
+    fn layer(&self, i: usize, l: &mut Layer, o: &mut &mut [f32]) -> Result<Unpacked> {
+        let t = Instant::now();
+        let (plan, job, entries) = self.part_of(i);
+        let lp = &plan.layers[i];
+        let r = match lp.mode {
+            Mode::Local => (self.local(i, l, o, job), None),
+            Mode::Sparse if lp.reduced => {
+                let j =
+                    position(&plan.reduced.ids, i).expect("reduced layer is in the reduced group");
+                let slice = &job.sp_out[lp.reduce_off..lp.reduce_off + l.n];
+                (self.reduced(l, o, slice, &job.sp_bad_rank[j]), None)
+            }
+            Mode::Sparse => {
+                let j = position(&plan.sparse.ids, i).expect("sparse layer is in the fused table");
+                self.sparse(i, l, o, job, &entries[j * self.p..(j + 1) * self.p])?
+            }
+            Mode::Gradiveq => (self.gradiveq(i, l, o, job), None),
+            Mode::Other => unreachable!("a layer's own bucket plans it"),
+            Mode::Dense => {
+                let g = &job.dense[lp.dense_off..lp.dense_off + l.n];
+                (self.dense(l, o, g, &job.dn_bad_rank[i]), None)
+            }
         };
-        let unpacked: Result<Vec<Unpacked>> = if plan.parallel_unpack {
-            self.layers
-                .par_iter_mut()
-                .zip(out.par_iter_mut())
-                .enumerate()
-                .map(work)
-                .collect()
+        l.stats.unpack_s = t.elapsed().as_secs_f64();
+        Ok(r)
+    }
+
+    /// A delayed step's local layer: its direction committed (or NaN when
+    /// the step is void).
+    fn local(&self, i: usize, l: &mut Layer, o: &mut [f32], job: &Job) -> Option<Error> {
+        // The lowest rank whose gradient was non-finite (the status
+        // words' markers; this rank alone when no allreduce ran).
+        let bad = job.dn_bad_rank[i].or(l.non_finite.then_some(self.rank));
+        if self.void {
+            o.fill(f32::NAN);
         } else {
-            self.layers
-                .iter_mut()
-                .zip(out.iter_mut())
-                .enumerate()
-                .map(work)
-                .collect()
+            l.commit_local(o, self.params.0);
+        }
+        bad.map(|r| Error::NonFinite {
+            rank: Some(r),
+            layer: l.name.clone(),
+        })
+    }
+
+    /// A reduced layer: the sparse allreduce's slice, every rank's pairs
+    /// already scaled by 1/p (job.rs), as `unpack_layer` would have added
+    /// them; a non-finite layer as its `NonFinite` entries would have it.
+    fn reduced(
+        &self,
+        l: &Layer,
+        o: &mut [f32],
+        slice: &[f32],
+        bad: &Option<usize>,
+    ) -> Option<Error> {
+        o.copy_from_slice(slice);
+        if self.params.2 {
+            crate::dense::sub_from(o, &l.prev);
+        }
+        self.bad_rank(l, o, *bad)
+    }
+
+    /// A layer of the fused message: every rank's unit decoded and
+    /// scatter-added with scale 1/p, in rank order (`entries`: the
+    /// layer's entry of each rank).
+    fn sparse(
+        &self,
+        i: usize,
+        l: &Layer,
+        o: &mut [f32],
+        job: &Job,
+        entries: &[Entry],
+    ) -> Result<Unpacked> {
+        let codec = l.codec.as_deref().expect("sparse layer has a codec");
+        let unpacked = unpack_layer_counting(
+            &job.gathered,
+            entries,
+            codec,
+            &l.name,
+            self.inv,
+            o,
+            self.probed(i),
+        );
+        let (bad, nnz) = match unpacked {
+            // Finite messages whose sum overflowed: as a
+            // non-finite dense sum, naming no rank.
+            Err(e @ Error::NonFinite { .. }) => {
+                if self.policy == NonFinitePolicy::Propagate {
+                    o.fill(f32::NAN);
+                }
+                return Ok((Some(e), None));
+            }
+            r => r?,
         };
-        // With `delay > 1`, a communicating step that fails in any layer on
-        // every rank (a NaN/Inf, a corrupt unit) is void on every rank:
-        // each caller skips the whole step (on an error, or on the NaN a
-        // loss scaler sees), so every layer must keep the local directions
-        // it was exchanging, or the ranks' weights drift apart for good.
-        let failed = match &unpacked {
-            Ok(u) => u.iter().any(|(e, _)| e.is_some()),
-            Err(_) => true,
-        };
-        if plan.delayed && plan.communicates && failed {
-            for (l, o) in self.layers.iter_mut().zip(out.iter_mut()) {
-                l.rollback();
+        let counted = nnz.filter(|_| bad.is_none());
+        if self.params.2 {
+            crate::dense::sub_from(o, &l.prev);
+        }
+        Ok((self.bad_rank(l, o, bad), counted))
+    }
+
+    /// A sparse layer in which rank `bad` (if any) was non-finite: its
+    /// error, and the result NaN under `Propagate`.
+    #[inline]
+    fn bad_rank(&self, l: &Layer, o: &mut [f32], bad: Option<usize>) -> Option<Error> {
+        bad.map(|r| {
+            if self.policy == NonFinitePolicy::Propagate {
                 o.fill(f32::NAN);
             }
+            Error::NonFinite {
+                rank: Some(r),
+                layer: l.name.clone(),
+            }
+        })
+    }
+
+    /// A GradiVeQ layer: its ring's sum averaged, then momentum.
+    fn gradiveq(&self, i: usize, l: &mut Layer, o: &mut [f32], job: &Job) -> Option<Error> {
+        let e = job
+            .gvq
+            .iter()
+            .find(|e| e.layer == i)
+            .expect("every GradiVeQ layer has a job entry");
+        for (x, y) in o.iter_mut().zip(&e.output) {
+            *x = y * self.inv;
         }
-        let unpacked = unpacked?;
-        for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
-            l.fill_stats(lp.mode);
-        }
-        // The fill of the probed group: every probed layer counted, or
-        // nothing is measured (a non-finite unit, a dense decode). Kept in
-        // the first bucket's job.
-        let probe_nnz = if probe_ids.is_empty() {
-            None
+        if o.iter().any(|x| !x.is_finite()) {
+            Some(Error::NonFinite {
+                rank: None,
+                layer: l.name.clone(),
+            })
         } else {
-            probe_ids
-                .iter()
-                .map(|&i| unpacked[i as usize].1)
-                .sum::<Option<usize>>()
-        };
-        for (k, part) in st.parts.iter_mut().enumerate() {
-            if let Some(job) = part.job.as_mut() {
-                job.probe_nnz = if k == 0 { probe_nnz } else { None };
-            }
+            l.dense_update(o, self.params);
+            None
         }
-        match unpacked.into_iter().find_map(|(e, _)| e) {
-            Some(e) if policy == NonFinitePolicy::Error => Err(e),
-            Some(e) => {
-                log::warn!("gradsync: {e} (propagated as NaN)");
-                Ok(())
-            }
-            None => Ok(()),
+    }
+
+    /// A dense layer: its slice `g` of the fused average, then momentum;
+    /// `bad`: the lowest rank whose input was non-finite, if any.
+    fn dense(&self, l: &mut Layer, o: &mut [f32], g: &[f32], bad: &Option<usize>) -> Option<Error> {
+        if g.iter().any(|x| !x.is_finite()) {
+            o.copy_from_slice(g);
+            // The lowest rank whose input was non-finite (this one alone
+            // when no allreduce ran); none when finite inputs overflowed
+            // in the sum.
+            let rank = bad.or(l.non_finite.then_some(self.rank));
+            Some(Error::NonFinite {
+                rank,
+                layer: l.name.clone(),
+            })
+        } else {
+            l.dense_update_from(g, o, self.params);
+            None
         }
     }
 }
