@@ -322,3 +322,42 @@ fn the_python_extension_builds_without_the_cli_crates() {
         );
     }
 }
+
+/// One place compares prices: in the cost model and the engine, only
+/// `src/cost/argmin.rs` takes a minimum or applies the near-tie rule (the
+/// engine looks decisions up; calibration's medians sort measurements and
+/// are not decisions).
+#[test]
+fn prices_are_compared_only_in_cost_argmin() {
+    let mut all = Vec::new();
+    files(&src(), &Vec::new(), &mut all);
+    let compares = [
+        ".min_by(",
+        ".max_by(",
+        "total_cmp(",
+        "partial_cmp(",
+        "NEAR_TIE *",
+        "NEAR_TIE)",
+        "fold(f64::INFINITY, f64::min)",
+    ];
+    let mut found = Vec::new();
+    for (file, m) in &all {
+        let rel = file.strip_prefix(src()).unwrap().display().to_string();
+        let in_scope = matches!(m.first().map(String::as_str), Some("cost" | "sync"));
+        let is_test = m.iter().any(|s| s == "tests" || s.ends_with("_tests"));
+        if !in_scope || is_test || rel == "cost/argmin.rs" {
+            continue;
+        }
+        let text = strip_comments(&std::fs::read_to_string(file).unwrap());
+        for (i, line) in text.lines().enumerate() {
+            if compares.iter().any(|c| line.contains(c)) {
+                found.push(format!("src/{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "prices compared outside src/cost/argmin.rs:\n{}",
+        found.join("\n")
+    );
+}

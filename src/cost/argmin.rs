@@ -1,7 +1,9 @@
-//! Where prices are compared: the near-tie rule that every choice of the
-//! cost model applies (the exchange, the dense algorithm, the allgatherv,
-//! the step plan's groups, the bucket size), and the pick among
-//! candidates listed simplest first.
+//! Where prices are compared, and nowhere else (`tests/layering.rs`
+//! checks it): the least price ([`fastest`]), the one near-tie rule
+//! ([`NEAR_TIE`], [`tie_limit`]) that every choice of the cost model
+//! applies (the exchange, the dense algorithm, the allgatherv, the step
+//! plan's groups, the bucket size), and the pick among candidates listed
+//! simplest first ([`cheapest`]).
 
 /// How close two predictions must be to count as a tie in
 /// [`super::choose_sparse_exchange`], [`super::choose_dense_allreduce`], [`super::choose_allgatherv`], the step plan's groups and the bucket size:
@@ -21,10 +23,27 @@ pub(crate) fn cheapest<T: Copy>(predictions: &[(T, f64)]) -> T {
         .iter()
         .map(|c| c.1)
         .fold(f64::INFINITY, f64::min);
-    let within = best + NEAR_TIE * best.abs();
+    let within = tie_limit(best, best);
     predictions
         .iter()
         .find(|c| c.1 <= within)
         .unwrap_or(&predictions[0])
         .0
+}
+
+/// The first of `items` of least `price` (`None` when there is none).
+pub(crate) fn fastest<T>(
+    items: impl IntoIterator<Item = T>,
+    price: impl Fn(&T) -> f64,
+) -> Option<T> {
+    items
+        .into_iter()
+        .min_by(|a, b| price(a).total_cmp(&price(b)))
+}
+
+/// The highest price that still ties with `best`: within [`NEAR_TIE`] of
+/// `scale` (the cost the tie is relative to: `best` itself, or the group
+/// whose collective is being chosen).
+pub(crate) fn tie_limit(best: f64, scale: f64) -> f64 {
+    best + NEAR_TIE * scale.abs()
 }

@@ -25,7 +25,7 @@
 //! The model charges the buckets' compression to the pipeline, not to
 //! backward (on a core shared with backward it delays both).
 
-use super::argmin::NEAR_TIE;
+use super::argmin;
 use super::query::StepQuery;
 use super::step::{predict_step, LayerKind, StepLayer};
 use super::{Profile, StrategyId};
@@ -181,13 +181,11 @@ pub fn choose_bucket_cap(
         .map(|c| price_buckets(prof, q, layers, backward_s, c))
         .collect::<Result<Vec<_>>>()?;
     let tried: Vec<(Option<usize>, f64)> = plans.iter().map(|p| (p.cap_bytes, p.step_s)).collect();
-    let best = plans.iter().map(|p| p.step_s).fold(f64::INFINITY, f64::min);
+    let best = argmin::fastest(plans.iter().map(|p| p.step_s), |&s| s).unwrap_or(0.0);
     // Largest cap within the tie of the best (the list is ascending, the
     // whole table last).
-    let pick = plans
-        .iter()
-        .rposition(|p| p.step_s <= best * (1.0 + NEAR_TIE))
-        .unwrap_or(0);
+    let limit = argmin::tie_limit(best, best);
+    let pick = plans.iter().rposition(|p| p.step_s <= limit).unwrap_or(0);
     let mut plan = plans.swap_remove(pick);
     plan.tried = tried;
     Ok(plan)

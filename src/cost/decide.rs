@@ -241,16 +241,14 @@ pub fn default_candidates(prof: &super::Profile) -> Vec<StrategyId> {
 /// engine runs, [`StrategyId::engine_runs`]). The one decision every
 /// caller makes.
 pub fn choose<'a>(preds: &'a [Prediction], allowed: &[StrategyId]) -> Option<&'a Prediction> {
-    preds
-        .iter()
-        .filter(|p| {
-            if allowed.is_empty() {
-                p.id.engine_runs()
-            } else {
-                allowed.contains(&p.id)
-            }
-        })
-        .min_by(|a, b| a.seconds.total_cmp(&b.seconds))
+    let allowed = preds.iter().filter(|p| {
+        if allowed.is_empty() {
+            p.id.engine_runs()
+        } else {
+            allowed.contains(&p.id)
+        }
+    });
+    super::argmin::fastest(allowed, |p| p.seconds)
 }
 
 /// Parse a comma-separated list of strategy names (empty: none).

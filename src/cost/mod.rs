@@ -308,10 +308,7 @@ pub fn fit_relative_l1(rows: &[(f64, f64, f64)]) -> (f64, f64) {
             }
         }
     }
-    cands
-        .into_iter()
-        .min_by(|p, q| cost(p.0, p.1).total_cmp(&cost(q.0, q.1)))
-        .unwrap_or((0.0, 0.0))
+    argmin::fastest(cands, |p| cost(p.0, p.1)).unwrap_or((0.0, 0.0))
 }
 
 /// Cost of one codec: encode and decode fits and wire size.

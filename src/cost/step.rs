@@ -51,7 +51,7 @@
 //! (`sparse_exchange = "auto"`, `allreduce = "auto"`) is priced by the
 //! same group costs, in [`super::exchange`].
 
-use super::argmin::NEAR_TIE;
+use super::argmin;
 use super::query::StepQuery;
 use super::topology::{self, Net};
 use super::{
@@ -713,12 +713,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
                 if let Some(o) = &assign[i] {
                     sizes.add(o, -1.0);
                 }
-                let pick = opts[i]
-                    .iter()
-                    .min_by(|a, b| {
-                        marginal(&net, open, sizes, a).total_cmp(&marginal(&net, open, sizes, b))
-                    })
-                    .copied()
+                let pick = *argmin::fastest(&opts[i], |a| marginal(&net, open, sizes, a))
                     .expect("options checked non-empty");
                 sizes.add(&pick, 1.0);
                 assign[i] = Some(pick);
@@ -743,12 +738,12 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
 /// it. A tie is 2 % of the group the choice is about, not of the step.
 fn near_tie_pick(net: &Net, plans: &[(Open, f64, Vec<Option_>)]) -> Option<usize> {
     let fastest = |ok: &dyn Fn(&Open) -> bool| {
-        (0..plans.len())
-            .filter(|&i| ok(&plans[i].0))
-            .min_by(|&a, &b| plans[a].1.total_cmp(&plans[b].1))
+        argmin::fastest((0..plans.len()).filter(|&i| ok(&plans[i].0)), |&i| {
+            plans[i].1
+        })
     };
     let within = |ok: &dyn Fn(&Open) -> bool, base: usize, group: f64| {
-        let limit = plans[base].1 + NEAR_TIE * group.abs();
+        let limit = argmin::tie_limit(plans[base].1, group);
         (0..plans.len())
             .find(|&i| ok(&plans[i].0) && plans[i].1 <= limit)
             .unwrap_or(base)
