@@ -92,7 +92,7 @@ typedef enum gs_status {
    * A bad argument found on this rank only where no collective can carry
    * it (a NULL engine, a NULL path for gs_save_snapshot, bad arrays for
    * gs_wait), or a call out of order (gs_wait without gs_start,
-   * gs_register after the first step). Peers are not affected.
+   * gs_register during a step). Peers are not affected.
    */
   GS_ERR_INVALID = 1,
   /**

@@ -77,6 +77,13 @@ pub enum Error {
     /// rank.
     #[error("arguments differ across ranks: {0}")]
     ArgumentMismatch(String),
+    /// Ranks are in different engine calls (one restores a snapshot while
+    /// another steps, one registers a layer after the first step, ...):
+    /// their first agreement met, nothing else was exchanged, no state
+    /// changed (a step's counter does not advance). Returned on every
+    /// rank, naming rank 0's call and the lowest rank whose call differs.
+    #[error("the call differs across ranks: {0}")]
+    CallMismatch(String),
     /// Ranks disagree on the synchronization engine's layer table (names,
     /// shapes, strategies, options). Returned on every rank.
     #[error("layer table differs across ranks: {0}")]
@@ -158,6 +165,7 @@ impl Error {
             Error::RankFailed { .. }
                 | Error::TableMismatch(_)
                 | Error::ArgumentMismatch(_)
+                | Error::CallMismatch(_)
                 | Error::SizeMismatch { .. }
                 | Error::PeerMessage { .. }
                 | Error::NonFinite { .. }

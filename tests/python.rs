@@ -133,6 +133,28 @@ fn python_api_under_mpirun() {
     }
 }
 
+/// Ranks that make different engine calls (a resume whose snapshot is
+/// missing on one rank, a restore against a step, a layer registered after
+/// the first step on one rank, complete_table against load_snapshot) fail
+/// alike within seconds, every rank naming both calls, and stay in step.
+#[test]
+fn python_different_calls_fail_alike_under_mpirun() {
+    if !python_ready("python_different_calls_fail_alike_under_mpirun") {
+        return;
+    }
+    let script = repo().join("tests/python/check_calls.py");
+    for p in [2, 3] {
+        let (ok, out, err) = mpirun_py(p, &script, &[], 60);
+        assert!(ok, "p={p}\n{out}\n{err}");
+        for r in 0..p {
+            assert!(
+                out.contains(&format!("rank {r}: OK ")),
+                "p={p} rank {r}\n{out}\n{err}"
+            );
+        }
+    }
+}
+
 /// GradSync.sync on DLPack tensors through the engine's own import (the
 /// path CUDA tensors take): equal to the numpy path bit for bit and in
 /// place; bad dtype, strides or overlap on one rank fail the step on every

@@ -190,6 +190,100 @@ pub(crate) fn size_mismatch<C: Transport>(
     })
 }
 
+/// Which engine call a rank is in, carried by the first agreement of every
+/// collective entry of the engine ([`agree_call`]): ranks that make
+/// different calls (one restores a snapshot while another steps, one
+/// registers a layer after the first step while another steps) meet
+/// in that agreement and both fail, naming the calls and the ranks,
+/// instead of waiting in two different collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub(crate) enum CallKind {
+    /// The layer table's agreements: each `register` before the first
+    /// step, and the check of the whole table (the first step,
+    /// `complete_table`, a restore); one kind, so that ranks whose tables
+    /// differ meet in them and get the table's own error
+    /// ([`Error::TableMismatch`]).
+    Table = 1,
+    /// A `register` after the table was fixed (by the first step,
+    /// `complete_table` or a restore).
+    Register = 2,
+    /// A step: `sync`, `start`, `submit_bucket`, `finish_step`, ...
+    Step = 3,
+    /// `load_snapshot`, `restore_bytes`.
+    Restore = 4,
+    /// The engine's creation (its options agreement).
+    Create = 5,
+}
+
+impl CallKind {
+    /// What a rank in this call is doing (`step`: the engine's step
+    /// counter), for [`Error::CallMismatch`].
+    pub(crate) fn describe(self, step: u64) -> String {
+        match self {
+            CallKind::Table => "the layer table (register, complete_table or the first step)".into(),
+            CallKind::Register => "register after the table was fixed (by the first step, complete_table or a restore)".into(),
+            CallKind::Step => format!("step {step} (sync, start, submit_bucket or finish_step)"),
+            CallKind::Restore => "a restore (load_snapshot or restore_bytes)".into(),
+            CallKind::Create => "the engine's creation".into(),
+        }
+    }
+}
+
+/// The engine's entry agreement (one 56-byte max-allreduce on
+/// [`tags::AGREE`](super::tags::AGREE), the same shape for every call, so
+/// that any two entries meet): the call (`kind`, and `describe()` for the
+/// error), this rank's failure (`local`) and a fingerprint `h` of the
+/// call's arguments. In this order, alike on every rank:
+///
+/// 1. ranks in different calls: every rank returns the same
+///    [`Error::CallMismatch`] naming rank 0's call and the lowest rank
+///    whose call differs (their descriptions gathered, on this path only);
+/// 2. a rank failed: every rank returns its [`Error::RankFailed`] ([`agree`]);
+/// 3. otherwise whether every rank passed the same `h`: on `false` every
+///    rank is still in step, and the caller's mismatch handling (a
+///    collective on this error path) follows.
+pub(crate) fn agree_call<C: Transport>(
+    comm: &C,
+    kind: CallKind,
+    describe: &dyn Fn() -> String,
+    local: Result<()>,
+    h: u64,
+) -> Result<bool> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let k = kind as u64;
+    let mut v = [
+        if local.is_err() { (p - rank) as u64 } else { 0 },
+        k,
+        !k,
+        h,
+        !h,
+        0,
+        !0,
+    ];
+    small_allreduce_max(comm, &mut v, TAG_AGREE)?;
+    if v[1] != k || !v[2] != k {
+        let mine = serde_json::to_vec(&(k, describe()))?;
+        let g = allgather_bytes(comm, &mine)?;
+        let all: Vec<(u64, String)> = (0..p)
+            .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
+            .collect();
+        let odd = (1..p).find(|&r| all[r].0 != all[0].0).unwrap_or(rank);
+        return Err(Error::CallMismatch(format!(
+            "rank 0 is in {}, rank {odd} in {}; every rank must make the same gradsync \
+             calls in the same order",
+            all[0].1, all[odd].1
+        )));
+    }
+    if v[0] != 0 {
+        agree(comm, local)?;
+        return Err(Error::Transport(
+            "a rank flagged a failure that the agreement did not see".into(),
+        ));
+    }
+    Ok(v[3] == h && !v[4] == h)
+}
+
 /// The lowest rank whose `value` differs from rank 0's (collective, on a
 /// mismatch path only: two more small max-allreduces on `tag`). With the
 /// same value everywhere it returns 0.

@@ -56,6 +56,7 @@ use super::job::Job;
 use super::plan::{restrict_into, StepPlan};
 use super::table::{fnv, FNV_OFFSET};
 use super::{GradSync, LayerId, SparseExchange, StartInfo, StepStats};
+use crate::comm::agree::CallKind;
 use crate::comm::Transport;
 use crate::dense::AllreduceAlgo;
 use crate::sparse::Entry;
@@ -435,6 +436,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // 3. Pack: the fused sparse message and the status words (job.rs).
         job.pack(&part.plan, &self.layers, &self.cfg, &local);
         job.check = Some((st.seq, what));
+        job.call = Some((CallKind::Step, CallKind::Step.describe(self.step)));
         job.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()
@@ -593,8 +595,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.recycle(&mut st);
         self.spare_step = Some(st);
         // The round happened (every rank sees the same gathered bytes, so
-        // ranks fail alike): the counter advances with the state.
-        self.step += 1;
+        // ranks fail alike): the counter advances with the state. Not
+        // where the step's first agreement met peers in another call:
+        // they did not step, and nothing was exchanged.
+        if !matches!(r, Err(Error::CallMismatch(_))) {
+            self.step += 1;
+        }
         r?;
         Ok(&self.last)
     }

@@ -44,6 +44,7 @@
 use super::layer::Layer;
 use super::plan::{Mode, StepPlan};
 use super::{Config, SparseExchange};
+use crate::comm::agree::{agree_call, first_rank_differing, CallKind};
 use crate::comm::Transport;
 use crate::dense::{
     allgatherv::allgatherv_nodes_with, allreduce_with, AllgathervAlgo, AllreduceAlgo,
@@ -134,6 +135,10 @@ pub(super) struct Job {
     /// that cut the step differently fail alike instead of exchanging
     /// buffers of different lengths (`bucket.rs`).
     pub(super) check: Option<(u64, String)>,
+    /// Which call the job's first agreement belongs to, and what a rank in
+    /// it is doing (`check` and `print` carry it: ranks in different calls
+    /// meet there and fail alike, [`crate::comm::agree::agree_call`]).
+    pub(super) call: Option<(CallKind, String)>,
     /// The step's first bucket (the progress runner forgets an earlier
     /// step's failure there, `progress.rs`).
     pub(super) first: bool,
@@ -170,118 +175,169 @@ impl Job {
         self.result = Some(r);
     }
 
+    /// Run the collectives of the job, in this order on every rank: the
+    /// bucket's fingerprint agreed (or, between steps, the status
+    /// agreement alone); the fused messages' allgatherv; the fused dense
+    /// allreduce with the status words (and the failure texts or the
+    /// non-finite markers it calls for); any rank's failure as
+    /// `RankFailed`; the sparse allreduce of the reduced layers; the
+    /// GradiVeQ rings.
     pub(super) fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
-        if let Some((h, what)) = self.check.take() {
-            if comm.size() > 1 {
-                let what = || what.clone();
-                crate::comm::agree::agree_args(
-                    comm,
-                    crate::comm::tags::AGREE,
-                    Ok(()),
-                    0,
-                    &[(h, &what)],
-                )?;
-            }
-        }
+        self.agree_bucket(comm)?;
         if let Some((h, what, local)) = self.print.take() {
-            let what = || what.clone();
-            return crate::comm::agree::agree_args(
-                comm,
-                crate::comm::tags::AGREE,
-                local,
-                0,
-                &[(h, &what)],
-            );
+            return self.agree_entry(comm, local, h, &what);
         }
         // Every rank's failure text (empty = ok), once any rank failed.
         let mut failed: Option<Vec<String>> = None;
         if self.do_gather {
-            let t = Instant::now();
-            let algo = self
-                .gather_algo
-                .unwrap_or(AllgathervAlgo::RecursiveDoubling);
-            if algo == AllgathervAlgo::Node && !self.nodes.is_empty() {
-                // The engine's agreed node map, the one its model priced.
-                allgatherv_nodes_with(comm, &self.fused, Some(&self.nodes), &mut self.gathered)?;
-            } else {
-                fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
-            }
-            self.allgather_s = t.elapsed().as_secs_f64();
-            // The common path only looks at each message's magic.
-            let g = &self.gathered;
-            if (0..g.len()).any(|r| failure_text(g.message(r)).is_some()) {
-                failed = Some(
-                    (0..g.len())
-                        .map(|r| failure_text(g.message(r)).unwrap_or_default())
-                        .collect(),
-                );
-            }
+            failed = self.gather_messages(comm)?;
         }
         if self.do_reduce && failed.is_none() {
-            let t = Instant::now();
-            let opts = AllreduceOptions {
-                op: ReduceOp::Average,
-                // The layer table was checked at registration.
-                validate: false,
-                chunk_elems: 0,
-            };
-            let algo = self.reduce_algo.unwrap_or(AllreduceAlgo::Rabenseifner);
-            allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
-            self.allreduce_s = t.elapsed().as_secs_f64();
-            // The status word: the fraction of ranks that failed.
-            let status = &self.dense[self.dense_len..];
-            let non_finite = self.status_len > 1 && status[1] != 0.0;
-            if status[0] != 0.0 {
-                let mine = self.local_failed.clone().unwrap_or_default();
-                let g = crate::dense::allgatherv(
-                    comm,
-                    mine.as_bytes(),
-                    AllgathervAlgo::RecursiveDoubling,
-                )?;
-                failed = Some(
-                    (0..g.len())
-                        .map(|r| String::from_utf8_lossy(g.message(r)).into_owned())
-                        .collect(),
-                );
-            } else if non_finite {
-                self.agree_non_finite(comm)?;
-            }
+            failed = self.reduce_dense(comm)?;
         }
         if failed.is_none() && comm.size() == 1 {
             failed = self.local_failed.clone().map(|t| vec![t]);
         }
         if let Some(texts) = failed {
-            return Err(
-                crate::comm::agree::rank_failed(&texts, self.step).unwrap_or_else(|| {
-                    Error::RankFailed {
-                        rank: 0,
-                        others: 0,
-                        failed: vec![0],
-                        step: self.step,
-                        message: "(a rank flagged a failure without a message)".into(),
-                    }
-                }),
-            );
+            return Err(self.rank_failed(&texts));
         }
         if self.do_sparse {
-            let t = Instant::now();
-            let opts = SparseAllreduceOptions {
-                gather: self.reduce_gather_algo,
-                ..SparseAllreduceOptions::default()
-            };
-            self.sp_out.resize(self.sp_n, 0.0);
-            self.sparse_reduce_nnz = reduce_sparse(
-                comm,
-                (self.exchange, &self.nodes),
-                self.sp_n,
-                &self.sp_idx,
-                &self.sp_val,
-                &mut self.sp_out,
-                &opts,
-                &mut self.hier_ws,
-            )?;
-            self.sparse_reduce_s = t.elapsed().as_secs_f64();
+            self.reduce_pairs(comm)?;
         }
+        self.run_rings(comm)
+    }
+
+    /// The bucket's fingerprint, agreed before any collective whose size
+    /// depends on it (at more than one rank).
+    fn agree_bucket<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        if let Some((h, what)) = self.check.take() {
+            if comm.size() > 1 {
+                self.agree_entry(comm, Ok(()), h, &what)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The job's first agreement ([`agree_call`]): the call every rank is
+    /// in (`call`), this rank's outcome `local` and the fingerprint `h`;
+    /// where the fingerprints differ, every rank's
+    /// [`Error::ArgumentMismatch`] with `what` ([`mismatch`]).
+    fn agree_entry<C: Transport>(
+        &mut self,
+        comm: &C,
+        local: Result<()>,
+        h: u64,
+        what: &str,
+    ) -> Result<()> {
+        let (kind, describe) = self.call.take().unwrap_or_else(|| {
+            let step = self.step.unwrap_or(0);
+            (CallKind::Step, CallKind::Step.describe(step))
+        });
+        let describe = || describe.clone();
+        if agree_call(comm, kind, &describe, local, h)? {
+            Ok(())
+        } else {
+            Err(mismatch(comm, h, what)?)
+        }
+    }
+
+    /// The fused allgatherv of every rank's message into `gathered`; every
+    /// rank's failure text (empty = ok) when any message is a failure
+    /// marker.
+    fn gather_messages<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
+        let t = Instant::now();
+        let algo = self
+            .gather_algo
+            .unwrap_or(AllgathervAlgo::RecursiveDoubling);
+        if algo == AllgathervAlgo::Node && !self.nodes.is_empty() {
+            // The engine's agreed node map, the one its model priced.
+            allgatherv_nodes_with(comm, &self.fused, Some(&self.nodes), &mut self.gathered)?;
+        } else {
+            fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
+        }
+        self.allgather_s = t.elapsed().as_secs_f64();
+        // The common path only looks at each message's magic.
+        let g = &self.gathered;
+        if (0..g.len()).any(|r| failure_text(g.message(r)).is_some()) {
+            return Ok(Some(
+                (0..g.len())
+                    .map(|r| failure_text(g.message(r)).unwrap_or_default())
+                    .collect(),
+            ));
+        }
+        Ok(None)
+    }
+
+    /// The fused dense allreduce (average) with the status words after the
+    /// data; then, if some rank failed, one allgatherv of every rank's
+    /// failure text (returned), else if some layer was non-finite, the
+    /// non-finite markers ([`agree_non_finite`](Self::agree_non_finite)).
+    fn reduce_dense<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
+        let t = Instant::now();
+        let opts = AllreduceOptions {
+            op: ReduceOp::Average,
+            // The layer table was checked at registration.
+            validate: false,
+            chunk_elems: 0,
+        };
+        let algo = self.reduce_algo.unwrap_or(AllreduceAlgo::Rabenseifner);
+        allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
+        self.allreduce_s = t.elapsed().as_secs_f64();
+        // The status word: the fraction of ranks that failed.
+        let status = &self.dense[self.dense_len..];
+        let non_finite = self.status_len > 1 && status[1] != 0.0;
+        if status[0] != 0.0 {
+            let mine = self.local_failed.clone().unwrap_or_default();
+            let g =
+                crate::dense::allgatherv(comm, mine.as_bytes(), AllgathervAlgo::RecursiveDoubling)?;
+            return Ok(Some(
+                (0..g.len())
+                    .map(|r| String::from_utf8_lossy(g.message(r)).into_owned())
+                    .collect(),
+            ));
+        } else if non_finite {
+            self.agree_non_finite(comm)?;
+        }
+        Ok(None)
+    }
+
+    /// Every rank's failure `texts` (empty = ok) as the step's
+    /// `RankFailed`, the same on every rank.
+    fn rank_failed(&self, texts: &[String]) -> Error {
+        crate::comm::agree::rank_failed(texts, self.step).unwrap_or_else(|| Error::RankFailed {
+            rank: 0,
+            others: 0,
+            failed: vec![0],
+            step: self.step,
+            message: "(a rank flagged a failure without a message)".into(),
+        })
+    }
+
+    /// The sparse allreduce of the reduced layers' pairs into `sp_out`.
+    fn reduce_pairs<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        let t = Instant::now();
+        let opts = SparseAllreduceOptions {
+            gather: self.reduce_gather_algo,
+            ..SparseAllreduceOptions::default()
+        };
+        self.sp_out.resize(self.sp_n, 0.0);
+        self.sparse_reduce_nnz = reduce_sparse(
+            comm,
+            (self.exchange, &self.nodes),
+            self.sp_n,
+            &self.sp_idx,
+            &self.sp_val,
+            &mut self.sp_out,
+            &opts,
+            &mut self.hier_ws,
+        )?;
+        self.sparse_reduce_s = t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Each GradiVeQ layer's ring, in layer order (when the plan runs
+    /// them), timed into `gvq_s`.
+    fn run_rings<C: Transport>(&mut self, comm: &C) -> Result<()> {
         let t = Instant::now();
         if self.do_gvq {
             for e in &mut self.gvq {
@@ -541,4 +597,14 @@ impl Job {
             self.gathered.displs.extend([0, self.fused.len()]);
         }
     }
+}
+
+/// Every rank's error where the fingerprints `h` of one call differ (a
+/// collective on that path only): `what`, naming the lowest rank whose
+/// fingerprint differs from rank 0's.
+fn mismatch<C: Transport>(comm: &C, h: u64, what: &str) -> Result<Error> {
+    let odd = first_rank_differing(comm, crate::comm::tags::AGREE, h)?;
+    Ok(Error::ArgumentMismatch(format!(
+        "{what} (rank {odd} passed other values than rank 0)"
+    )))
 }

@@ -328,7 +328,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             step_load: exchange::Load::default(),
             widened: Vec::new(),
         };
-        match s.agree(valid.map(|()| table_hash), String::new) {
+        let create = || crate::comm::agree::CallKind::Create.describe(0);
+        match s.agree(
+            (crate::comm::agree::CallKind::Create, &create),
+            valid.map(|()| table_hash),
+            String::new,
+        ) {
             // Every rank is here: name what differs (one more collective).
             // Before any layer is registered the table is the options.
             Err(Error::TableMismatch(_)) => {

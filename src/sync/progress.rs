@@ -23,6 +23,7 @@
 
 use super::job::Job;
 use super::GradSync;
+use crate::comm::agree::CallKind;
 use crate::comm::{PoliteWait, Transport};
 use crate::{Error, Result};
 use std::sync::{mpsc, Arc};
@@ -201,16 +202,22 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Agree on a rank-local outcome between steps (collective), on the
     /// progress thread if there is one: one small max-allreduce that also
     /// checks `print.0` is the same on every rank, plus the error texts
-    /// only when some rank failed ([`crate::comm::agree::agree_args`]). Every
+    /// only when some rank failed, after the call itself (`call`, [`crate::comm::agree::agree_call`]). Every
     /// rank returns the same [`Error::RankFailed`] if any rank passed
     /// `Err`, else [`Error::ArgumentMismatch`] with `print.1` if the values
     /// differ.
-    pub(crate) fn agree_status(&mut self, local: Result<()>, print: (u64, String)) -> Result<()> {
+    pub(crate) fn agree_status(
+        &mut self,
+        call: CallKind,
+        local: Result<()>,
+        print: (u64, String),
+    ) -> Result<()> {
         if self.pending() {
             return Err(Error::InvalidArgument("not between start and wait".into()));
         }
         let mut job = self.spare_job();
         job.print = Some((print.0, print.1, local));
+        job.call = Some((call, call.describe(self.step)));
         job.check = None;
         job.first = false;
         job.do_gather = false;

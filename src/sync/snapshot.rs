@@ -16,6 +16,7 @@
 //! alike and leaves every engine as it was (no replica silently drifts).
 
 use super::{GradSync, Layer};
+use crate::comm::agree::CallKind;
 use crate::comm::Transport;
 use crate::{Error, Result};
 use bincode::Options;
@@ -210,7 +211,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 self.rank
             ),
         );
-        self.agree_status(status, print)?;
+        self.agree_status(CallKind::Restore, status, print)?;
         self.apply_snapshot(local?);
         Ok(())
     }

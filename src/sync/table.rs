@@ -21,53 +21,51 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerId(pub usize);
 
+use crate::comm::agree::{agree_call, CallKind};
 pub(super) use crate::comm::agree::{fnv, FNV_OFFSET};
 
-const TAG_TABLE: crate::comm::Tag = crate::comm::tags::TABLE;
-
 impl<C: Transport + Send + 'static> GradSync<C> {
-    /// Compare `h` across ranks (one 24-byte collective); on a mismatch every
-    /// rank returns [`Error::TableMismatch`] with `what()`. A rank that
-    /// passes `Err` still enters the collective: every rank then returns
-    /// the same [`Error::RankFailed`] (the failure model, [`crate::comm::agree`]).
-    pub(super) fn agree(&mut self, h: Result<u64>, what: impl FnOnce() -> String) -> Result<()> {
+    /// The entry agreement of a table call (`call`: which one, for ranks
+    /// in different calls, [`agree_call`]): compare `h` across ranks (one
+    /// 56-byte collective); on a mismatch every rank returns
+    /// [`Error::TableMismatch`] with `what()`. A rank that passes `Err`
+    /// still enters the collective: every rank then returns the same
+    /// [`Error::RankFailed`] (the failure model, [`crate::comm::agree`]).
+    pub(super) fn agree(
+        &mut self,
+        call: (CallKind, &dyn Fn() -> String),
+        h: Result<u64>,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
         let comm = self.progress.inline_comm().ok_or_else(|| {
             Error::InvalidArgument("the layer table is fixed once steps have started".into())
         })?;
         let (rank, p) = (comm.rank(), comm.size());
-        let mut v = match &h {
-            Ok(h) => [0, *h, !*h],
-            Err(_) => [(p - rank) as u64, 0, 0],
+        let (local, h) = match h {
+            Ok(h) => (Ok(()), h),
+            Err(e) => (Err(e), 0),
         };
-        crate::dense::small_allreduce_max(comm, &mut v, TAG_TABLE)?;
-        if v[0] != 0 {
-            return crate::comm::agree::agree(comm, h).map(|_| ());
+        if agree_call(comm, call.0, call.1, local, h)? {
+            return Ok(());
         }
-        let h = h?;
-        if v[1] != h || !v[2] != h {
-            // Every rank is here (the hashes differ somewhere): gather each
-            // rank's hash and description (one small allgatherv, on this
-            // failure path only), so that every rank names the same two:
-            // rank 0's and the lowest rank's that differs from it.
-            let mine = serde_json::to_vec(&(h, what()))?;
-            let g = crate::dense::allgatherv(
-                comm,
-                &mine,
-                crate::dense::AllgathervAlgo::RecursiveDoubling,
-            )?;
-            let all: Vec<(u64, String)> = (0..p)
-                .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
-                .collect();
-            let why = match (1..p).find(|&r| all[r].0 != all[0].0) {
-                Some(r) => format!(
-                    "not the same on every rank: rank 0 has {}, rank {r} has {}",
-                    all[0].1, all[r].1
-                ),
-                None => format!("not the same on every rank: {}", all[rank].1),
-            };
-            return Err(Error::TableMismatch(why));
-        }
-        Ok(())
+        // Every rank is here (the hashes differ somewhere): gather each
+        // rank's hash and description (one small allgatherv, on this
+        // failure path only), so that every rank names the same two:
+        // rank 0's and the lowest rank's that differs from it.
+        let mine = serde_json::to_vec(&(h, what()))?;
+        let g =
+            crate::dense::allgatherv(comm, &mine, crate::dense::AllgathervAlgo::RecursiveDoubling)?;
+        let all: Vec<(u64, String)> = (0..p)
+            .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
+            .collect();
+        let why = match (1..p).find(|&r| all[r].0 != all[0].0) {
+            Some(r) => format!(
+                "not the same on every rank: rank 0 has {}, rank {r} has {}",
+                all[0].1, all[r].1
+            ),
+            None => format!("not the same on every rank: {}", all[rank].1),
+        };
+        Err(Error::TableMismatch(why))
     }
 
     /// The strategy a layer of `n` elements gets from [`register`](Self::register):
@@ -218,11 +216,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             || self.step > 0
             || matches!(self.progress, super::progress::Progress::Threaded(_))
         {
-            // Local misuse after the table was fixed (by the first step's
-            // start, or a restore): no peer is in a registration collective
-            // any more (they are in steps).
+            // After the table was fixed (by the first step's start, or a
+            // restore) no peer is in a registration collective any more:
+            // peers are in steps, or registering late alike. This call
+            // still enters their call's first agreement, as a registration
+            // carrying this error, so that they fail with it instead of
+            // waiting (in a step: ranks in different calls). A rank whose
+            // own step is open is alone in its misuse (its step's
+            // collectives run on; no peer waits for this call).
+            let err = Error::InvalidArgument(format!(
+                "register {name:?}: register every layer before the first step"
+            ));
+            if self.pending() {
+                return Err(err);
+            }
+            let what = format!("registration of {name:?} after the first step");
+            self.agree_status(CallKind::Register, Err(err), (0, what))?;
             return Err(Error::InvalidArgument(
-                "register every layer before the first step".into(),
+                "a registration after the first step succeeded".into(),
             ));
         }
         let id = self.layers.len();
@@ -263,7 +274,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if let Some(why) = &self.broken {
             return Err(Error::TableMismatch(why.clone()));
         }
-        let r = self.agree(h, || {
+        let call = || CallKind::Table.describe(0);
+        let r = self.agree((CallKind::Table, &call), h, || {
             format!("layer #{id} {name:?} of shape {shape:?}, strategy {label}")
         });
         if let Err(Error::TableMismatch(why)) = &r {
@@ -434,7 +446,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .as_ref()
             .map(|_| h)
             .map_err(|e| Error::InvalidArgument(format!("planning the Auto layers: {e}")));
-        let r = self.agree(h, || format!("{n} layers registered"));
+        let describe = || CallKind::Table.describe(0);
+        let r = self.agree((CallKind::Table, &describe), h, || {
+            format!("{n} layers registered")
+        });
         match r.and(planned) {
             Ok(planned) => {
                 self.apply_auto(planned);

@@ -219,3 +219,63 @@ fn first_overlap_finds_written_pairs_only() {
     );
     assert_eq!(first_overlap(&[]), None);
 }
+
+/// Ranks in different engine calls meet in the calls' first agreement and
+/// fail alike, naming both calls, instead of waiting in two collectives; a
+/// step that met a peer in another call does not count, so the ranks stay
+/// in step.
+#[test]
+fn ranks_in_different_calls_fail_alike_and_stay_in_step() {
+    type Call = fn(&mut GradSync<LocalComm>, usize) -> Result<()>;
+    fn one_step(s: &mut GradSync<LocalComm>, rank: usize) -> Result<()> {
+        let mut g = grad(rank, 0, 0, 8);
+        s.sync(&mut [&mut g[..]]).map(|_| ())
+    }
+    let step: Call = one_step;
+    let late_register: Call = |s, _| s.register("late", &[4]).map(|_| ());
+    let restore: Call = |s, _| s.restore_bytes(b"not a snapshot");
+    let complete_then_step: Call = |s, rank| {
+        s.complete_table()?;
+        one_step(s, rank)
+    };
+    for (name, steps_before, odd, others, want) in [
+        (
+            "late register",
+            1,
+            late_register,
+            step,
+            ["step 1", "register after"],
+        ),
+        ("restore", 1, restore, step, ["step 1", "a restore"]),
+        (
+            "first step",
+            0,
+            restore,
+            complete_then_step,
+            ["step 0", "a restore"],
+        ),
+    ] {
+        let res = LocalComm::run(3, move |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+            s.register("a", &[8]).expect("register");
+            for _ in 0..steps_before {
+                step(&mut s, rank).expect("a step everywhere");
+            }
+            let call = if rank == 2 { odd } else { others };
+            let e = call(&mut s, rank).expect_err("every rank fails");
+            // Still in step: the same call everywhere runs.
+            step(&mut s, rank).expect("the next step everywhere");
+            (e.to_string(), s.step())
+        });
+        for (e, st) in &res {
+            assert!(e.contains("the call differs across ranks"), "{name}: {e}");
+            assert!(
+                e.contains(&format!("rank 0 is in {}", want[0]))
+                    && e.contains(&format!("rank 2 in {}", want[1])),
+                "{name}: {e}"
+            );
+            assert_eq!(*st, steps_before + 1, "{name}: {e}");
+        }
+    }
+}
