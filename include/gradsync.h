@@ -105,9 +105,10 @@ typedef enum gs_status {
    */
   GS_ERR_RANK_FAILED = 2,
   /**
-   * An MPI or transport error on this rank (MPI not initialized, an MPI
-   * call that returned an error code). Peers may be blocked in a
-   * collective: the usual answer is MPI_Abort.
+   * An MPI or transport error on this rank (an MPI call that returned an
+   * error code, a message of the wrong length). Peers may be blocked in
+   * a collective: the usual answer is MPI_Abort. (MPI not initialized or
+   * already finalized is GS_ERR_INVALID.)
    */
   GS_ERR_MPI = 3,
   /**

@@ -54,9 +54,10 @@ pub enum gs_status {
     /// a snapshot that does not load on some rank. Every rank may go on
     /// (the next step runs normally).
     GS_ERR_RANK_FAILED = 2,
-    /// An MPI or transport error on this rank (MPI not initialized, an MPI
-    /// call that returned an error code). Peers may be blocked in a
-    /// collective: the usual answer is MPI_Abort.
+    /// An MPI or transport error on this rank (an MPI call that returned an
+    /// error code, a message of the wrong length). Peers may be blocked in
+    /// a collective: the usual answer is MPI_Abort. (MPI not initialized or
+    /// already finalized is GS_ERR_INVALID.)
     GS_ERR_MPI = 3,
     /// A file could not be written or read on this rank (gs_save_snapshot).
     GS_ERR_IO = 4,

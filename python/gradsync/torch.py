@@ -833,8 +833,8 @@ def broadcast_parameters(
             continue
         if t.device.type != "cpu":
             local_error = local_error or TypeError(
-                f"{name!r} is on {t.device}: gradsync.torch supports CPU tensors only for now "
-                "(GPU tensors are a later issue)"
+                f"{name!r} is on {t.device}: broadcast_parameters takes CPU tensors only "
+                "(broadcast before moving the model to the GPU)"
             )
         table.append((name, tuple(t.shape), str(t.dtype)))
         # Everything that can fail per tensor fails here, before the

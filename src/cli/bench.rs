@@ -26,7 +26,8 @@ pub struct BenchArgs {
     /// and MPI_Allreduce).
     #[arg(long, default_value = "allreduce")]
     pub op: String,
-    /// Algorithm: allreduce: rabenseifner|ring|mpi|all; allgatherv: recdbl|mpi|node|all.
+    /// Algorithm: allreduce: rabenseifner|ring|mpi|hierarchical|all; allgatherv:
+    /// recdbl|mpi|node|all.
     #[arg(long, default_value = "all")]
     pub algo: String,
     /// Message sizes in bytes, K/M/G = powers of 1024 (allgatherv: per rank).

@@ -274,14 +274,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         )));
     }
     let max_n = max_b / 4;
-    let base = Query {
-        n: 1,
-        p: a.ranks,
-        density: a.density,
-        gradiveq_ratio: a.model.gradiveq_ratio,
-        ranks_per_node: a.model.rpn(),
-        fill: a.model.fill,
-    };
+    let base = a.model.query(1, a.ranks, a.density);
     let x = cost::crossover(
         &prof,
         &base,
@@ -410,18 +403,7 @@ fn plot(
         .map(|s| (s.name().to_string(), Vec::new()))
         .collect();
     for &n in &sizes {
-        let preds = cost::predict(
-            prof,
-            &Query {
-                n,
-                p,
-                density: d,
-                gradiveq_ratio: m.gradiveq_ratio,
-                ranks_per_node: m.rpn(),
-                fill: m.fill,
-            },
-            &m.select_method,
-        )?;
+        let preds = cost::predict(prof, &m.query(n, p, d), &m.select_method)?;
         for (name, pts) in &mut series {
             if let Some(x) = preds.iter().find(|x| &x.name == name) {
                 pts.push(((4 * n) as f64, x.seconds.max(1e-9)));

@@ -235,6 +235,20 @@ impl ModelArgs {
         }
     }
 
+    /// The cost model's query for one layer of `n` elements on `p` ranks
+    /// at density `density`, with these arguments' GradiVeQ ratio,
+    /// placement and fill.
+    pub fn query(&self, n: usize, p: usize, density: f64) -> Query {
+        Query {
+            n,
+            p,
+            density,
+            gradiveq_ratio: self.gradiveq_ratio,
+            ranks_per_node: self.rpn(),
+            fill: self.fill,
+        }
+    }
+
     /// Ranks per node (`--ranks-per-node`).
     pub fn rpn(&self) -> Option<usize> {
         self.ranks_per_node
@@ -291,18 +305,7 @@ pub fn predict_record(
     d: f64,
 ) -> Result<PredictRecord> {
     layer_bytes(n).map_err(Error::InvalidArgument)?;
-    let preds = cost::predict(
-        prof,
-        &Query {
-            n,
-            p,
-            density: d,
-            gradiveq_ratio: m.gradiveq_ratio,
-            ranks_per_node: m.rpn(),
-            fill: m.fill,
-        },
-        &m.select_method,
-    )?;
+    let preds = cost::predict(prof, &m.query(n, p, d), &m.select_method)?;
     let choice = cost::choose(&preds, &m.allowed(prof)?)
         .map(|c| c.name.clone())
         .unwrap_or_default();
