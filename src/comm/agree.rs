@@ -263,16 +263,12 @@ pub(crate) fn agree_call<C: Transport>(
     ];
     small_allreduce_max(comm, &mut v, TAG_AGREE)?;
     if v[1] != k || !v[2] != k {
-        let mine = serde_json::to_vec(&(k, describe()))?;
-        let g = allgather_bytes(comm, &mine)?;
-        let all: Vec<(u64, String)> = (0..p)
-            .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
-            .collect();
-        let odd = (1..p).find(|&r| all[r].0 != all[0].0).unwrap_or(rank);
+        let mine = describe();
+        let (first, odd) = first_difference(comm, k, &mine)?;
+        let (odd, theirs) = odd.unwrap_or((rank, mine));
         return Err(Error::CallMismatch(format!(
-            "rank 0 is in {}, rank {odd} in {}; every rank must make the same gradsync \
-             calls in the same order",
-            all[0].1, all[odd].1
+            "rank 0 is in {first}, rank {odd} in {theirs}; every rank must make the same \
+             gradsync calls in the same order"
         )));
     }
     if v[0] != 0 {
@@ -282,6 +278,24 @@ pub(crate) fn agree_call<C: Transport>(
         ));
     }
     Ok(v[3] == h && !v[4] == h)
+}
+
+/// Every rank's `(key, text)` gathered (collective, on an error path
+/// only: one small allgatherv), so that every rank names the same two:
+/// rank 0's text, and the lowest rank whose key differs from rank 0's with
+/// its text (`None` where every key is rank 0's).
+pub(crate) fn first_difference<C: Transport>(
+    comm: &C,
+    key: u64,
+    text: &str,
+) -> Result<(String, Option<(usize, String)>)> {
+    let g = allgather_bytes(comm, &serde_json::to_vec(&(key, text))?)?;
+    let all: Vec<(u64, String)> = (0..comm.size())
+        .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
+        .collect();
+    let odd = (1..all.len()).find(|&r| all[r].0 != all[0].0);
+    let first = all.first().map(|a| a.1.clone()).unwrap_or_default();
+    Ok((first, odd.map(|r| (r, all[r].1.clone()))))
 }
 
 /// The lowest rank whose `value` differs from rank 0's (collective, on a

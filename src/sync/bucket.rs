@@ -436,7 +436,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // 3. Pack: the fused sparse message and the status words (job.rs).
         job.pack(&part.plan, &self.layers, &self.cfg, &local);
         job.check = Some((st.seq, what));
-        job.call = Some((CallKind::Step, CallKind::Step.describe(self.step)));
+        job.call = Some((CallKind::Step, self.step));
         job.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()

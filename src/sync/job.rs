@@ -135,10 +135,10 @@ pub(super) struct Job {
     /// that cut the step differently fail alike instead of exchanging
     /// buffers of different lengths (`bucket.rs`).
     pub(super) check: Option<(u64, String)>,
-    /// Which call the job's first agreement belongs to, and what a rank in
-    /// it is doing (`check` and `print` carry it: ranks in different calls
-    /// meet there and fail alike, [`crate::comm::agree::agree_call`]).
-    pub(super) call: Option<(CallKind, String)>,
+    /// Which call the job's first agreement belongs to, and the step
+    /// counter it names (`check` and `print` carry it: ranks in different
+    /// calls meet there and fail alike, [`crate::comm::agree::agree_call`]).
+    pub(super) call: Option<(CallKind, u64)>,
     /// The step's first bucket (the progress runner forgets an earlier
     /// step's failure there, `progress.rs`).
     pub(super) first: bool,
@@ -229,11 +229,12 @@ impl Job {
         h: u64,
         what: &str,
     ) -> Result<()> {
-        let (kind, describe) = self.call.take().unwrap_or_else(|| {
-            let step = self.step.unwrap_or(0);
-            (CallKind::Step, CallKind::Step.describe(step))
-        });
-        let describe = || describe.clone();
+        // The text only on a mismatch: nothing is formatted per bucket.
+        let (kind, step) = self
+            .call
+            .take()
+            .unwrap_or((CallKind::Step, self.step.unwrap_or(0)));
+        let describe = || kind.describe(step);
         if agree_call(comm, kind, &describe, local, h)? {
             Ok(())
         } else {

@@ -217,7 +217,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let mut job = self.spare_job();
         job.print = Some((print.0, print.1, local));
-        job.call = Some((call, call.describe(self.step)));
+        job.call = Some((call, self.step));
         job.check = None;
         job.first = false;
         job.do_gather = false;

@@ -40,7 +40,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let comm = self.progress.inline_comm().ok_or_else(|| {
             Error::InvalidArgument("the layer table is fixed once steps have started".into())
         })?;
-        let (rank, p) = (comm.rank(), comm.size());
         let (local, h) = match h {
             Ok(h) => (Ok(()), h),
             Err(e) => (Err(e), 0),
@@ -48,22 +47,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if agree_call(comm, call.0, call.1, local, h)? {
             return Ok(());
         }
-        // Every rank is here (the hashes differ somewhere): gather each
-        // rank's hash and description (one small allgatherv, on this
-        // failure path only), so that every rank names the same two:
-        // rank 0's and the lowest rank's that differs from it.
-        let mine = serde_json::to_vec(&(h, what()))?;
-        let g =
-            crate::dense::allgatherv(comm, &mine, crate::dense::AllgathervAlgo::RecursiveDoubling)?;
-        let all: Vec<(u64, String)> = (0..p)
-            .map(|r| serde_json::from_slice(g.message(r)).unwrap_or_default())
-            .collect();
-        let why = match (1..p).find(|&r| all[r].0 != all[0].0) {
-            Some(r) => format!(
-                "not the same on every rank: rank 0 has {}, rank {r} has {}",
-                all[0].1, all[r].1
-            ),
-            None => format!("not the same on every rank: {}", all[rank].1),
+        // Every rank is here (the hashes differ somewhere): every rank
+        // names the same two, rank 0's and the lowest rank's that differs.
+        let mine = what();
+        let why = match crate::comm::agree::first_difference(comm, h, &mine)? {
+            (first, Some((r, theirs))) => {
+                format!("not the same on every rank: rank 0 has {first}, rank {r} has {theirs}")
+            }
+            (_, None) => format!("not the same on every rank: {mine}"),
         };
         Err(Error::TableMismatch(why))
     }
