@@ -155,6 +155,26 @@ fn python_different_calls_fail_alike_under_mpirun() {
     }
 }
 
+/// SBC's delay with a per-step learning rate: every rank's weights
+/// equal bit for bit after every communicating step (p = 2, 3).
+#[test]
+fn python_delayed_weights_agree_bitwise_under_mpirun() {
+    if !python_ready("python_delayed_weights_agree_bitwise_under_mpirun") {
+        return;
+    }
+    let script = repo().join("tests/python/check_delay.py");
+    for p in [2, 3] {
+        let (ok, out, err) = mpirun_py(p, &script, &[], 60);
+        assert!(ok, "p={p}\n{out}\n{err}");
+        for r in 0..p {
+            assert!(
+                out.contains(&format!("rank {r}: OK ")),
+                "p={p} rank {r}\n{out}\n{err}"
+            );
+        }
+    }
+}
+
 /// GradSync.sync on DLPack tensors through the engine's own import (the
 /// path CUDA tensors take): equal to the numpy path bit for bit and in
 /// place; bad dtype, strides or overlap on one rank fail the step on every

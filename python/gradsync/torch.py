@@ -280,8 +280,17 @@ def _bucketed(
     _register_all(sync, params, strategy)
     sync.complete_table()
     cap = None if cap_mb is None else int(cap_mb * 2**20)
-    weights = bool(opts.get("weight_decay"))
+    weights = _needs_weights(opts)
     return _overlap.BucketedSync(torch, sync, cap, params, passes, param_hooks, weights)
+
+
+def _needs_weights(opts: Mapping[str, Any]) -> bool:
+    """Whether the engine takes the parameters with the gradients: weight
+    decay reads them (``g += wd·w``); a communication delay (``delay > 1``)
+    writes them (each communicating step puts back the weights every rank
+    had at the last one, so the replicas never drift)."""
+    delay = opts.get("delay", 1)
+    return bool(opts.get("weight_decay")) or (isinstance(delay, int) and delay > 1)
 
 
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
@@ -418,9 +427,9 @@ class DistributedOptimizer:
             torch, named_parameters, sync, strategy, gradsync_options, optimizer, setup_error, bucketing
         )
         self.overlap = not hasattr(sync, "register")  # the bucketed step
-        # Weight decay in gradsync (`g += wd·w` before compression) needs
-        # the weights: every step passes them.
-        self._weight_decay = bool(gradsync_options.get("weight_decay"))
+        # Weight decay in gradsync (`g += wd·w` before compression) reads
+        # the weights, a delay writes them: every step passes them.
+        self._weight_decay = _needs_weights(gradsync_options)
         self.optimizer = optimizer
         self.sync = sync
         self._params = params
@@ -614,7 +623,8 @@ class GradSyncHookState:
     ``momentum=0.9`` and use the optimizer without momentum
     (``torch.optim.SGD(params, lr)``); the hook's gradients are then update
     directions. ``weight_decay`` is refused here (it needs the weights): use
-    the optimizer's.
+    the optimizer's; so is ``delay > 1`` (it writes the weights back): use
+    :class:`DistributedOptimizer`.
 
     Attributes: ``sync`` (the engine), ``last_stats`` (the last step's
     stats), ``steps`` (synchronized steps so far), ``buckets`` (DDP's
@@ -640,6 +650,11 @@ class GradSyncHookState:
             setup_error = ValueError(
                 "GradSyncHookState: weight_decay needs the weights, which a DDP hook does not "
                 "see: give it to the torch optimizer instead"
+            )
+        elif _needs_weights(gradsync_options):
+            setup_error = ValueError(
+                "GradSyncHookState: delay > 1 writes the weights back at each communicating "
+                "step, which a DDP hook cannot do: use gradsync.torch.DistributedOptimizer"
             )
         opts = dict(gradsync_options)
         if profile is not None:

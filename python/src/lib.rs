@@ -221,18 +221,35 @@ fn check_array<'py>(
 fn writable<'py>(
     arrays: &[Bound<'py, PyArrayDyn<f32>>],
 ) -> Result<Vec<PyReadwriteArrayDyn<'py, f32>>, Bad> {
+    writable_as(arrays, "gradient")
+}
+
+/// [`writable`] naming the arrays `what` ("weight": `delay > 1` writes the
+/// delay window's weights back).
+fn writable_as<'py>(
+    arrays: &[Bound<'py, PyArrayDyn<f32>>],
+    what: &str,
+) -> Result<Vec<PyReadwriteArrayDyn<'py, f32>>, Bad> {
     arrays
         .iter()
         .enumerate()
         .map(|(i, a)| {
             a.try_readwrite().map_err(|e| {
                 Bad::Value(format!(
-                    "gradient {i} cannot be written in place ({e}): read-only (numpy marks \
+                    "{what} {i} cannot be written in place ({e}): read-only (numpy marks \
                      arrays imported from legacy, unversioned DLPack capsules so), or the same \
                      array passed twice"
                 ))
             })
         })
+        .collect()
+}
+
+/// Mutable slices of write-borrowed arrays.
+fn write_slices<'a>(guards: &'a mut [PyReadwriteArrayDyn<'_, f32>]) -> Vec<&'a mut [f32]> {
+    guards
+        .iter_mut()
+        .map(|g| g.as_slice_mut().expect("checked C-contiguous"))
         .collect()
 }
 
@@ -281,6 +298,9 @@ struct PyGradSync {
     /// `Arc` so a step takes a snapshot and holds no lock while it looks at
     /// Python objects, which may run Python code).
     layers: Mutex<LayerTable>,
+    /// `delay > 1`: the weights are borrowed writable (a communicating
+    /// step writes the delay window's weights back into them).
+    delayed: bool,
 }
 
 /// (name, shape) of each registered layer.
@@ -591,9 +611,11 @@ impl PyGradSync {
                 engine_err(e)
             }
         })?;
+        let delayed = eng.config().delay > 1;
         Ok(PyGradSync {
             inner: Mutex::new(Some(eng)),
             layers: Mutex::new(Arc::new(Vec::new())),
+            delayed,
         })
     }
 
@@ -708,8 +730,9 @@ impl PyGradSync {
     }
 
     /// One synchronous step in place; returns the step's stats as a dict.
-    /// `weights` (one read-only array per layer) are needed with weight
-    /// decay.
+    /// `weights` (one array per layer) are needed with weight decay (read)
+    /// and with `delay > 1` (written: a communicating step puts back the
+    /// weights every rank had at the last one).
     #[pyo3(signature = (grads, weights=None))]
     fn sync(
         &self,
@@ -735,6 +758,24 @@ impl PyGradSync {
             Ok(g) => g,
             Err(bad) => return Err(self.fail(py, bad)),
         };
+        if self.delayed && weights.is_some() {
+            // The delay window's weights are written back (`delay.rs`).
+            let mut wguards = match writable_as(&warrays, "weight") {
+                Ok(g) => g,
+                Err(bad) => {
+                    drop(guards);
+                    return Err(self.fail(py, bad));
+                }
+            };
+            let mut wslices = write_slices(&mut wguards);
+            let mut slices = write_slices(&mut guards);
+            let mut g = self.begin(py)?;
+            let eng = g.as_mut().expect("checked open");
+            let stats = py
+                .detach(|| eng.sync_with_weights_mut(&mut slices, &mut wslices))
+                .map_err(engine_err)?;
+            return stats_dict(py, stats);
+        }
         let wguards = match readable(&warrays, "weight") {
             Ok(g) => g,
             Err(bad) => {
@@ -778,6 +819,22 @@ impl PyGradSync {
             Ok(a) => a.unwrap_or_default(),
             Err(bad) => return Err(self.fail(py, bad)),
         };
+        if self.delayed && weights.is_some() {
+            // The delay window's weights are written back (`delay.rs`).
+            let (guards, mut wguards) = match (
+                readable(&arrays, "gradient"),
+                writable_as(&warrays, "weight"),
+            ) {
+                (Ok(g), Ok(w)) => (g, w),
+                (Err(bad), _) | (_, Err(bad)) => return Err(self.fail(py, bad)),
+            };
+            let (slices, mut wslices) = (read_slices(&guards), write_slices(&mut wguards));
+            let mut g = self.begin(py)?;
+            let eng = g.as_mut().expect("checked open");
+            return py
+                .detach(|| eng.start_with_weights_mut(&slices, &mut wslices))
+                .map_err(engine_err);
+        }
         let (guards, wguards) = match (readable(&arrays, "gradient"), readable(&warrays, "weight"))
         {
             (Ok(g), Ok(w)) => (g, w),
@@ -843,13 +900,29 @@ impl PyGradSync {
             Err((_, Err(e))) => return Err(e),
             Err((ids, Ok(bad))) => return Err(self.fail_bucket_with(py, &ids, bad)),
         };
+        let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
+        if self.delayed && weights.is_some() {
+            // The delay window's weights are written back (`delay.rs`).
+            let (guards, mut wguards) = match (
+                readable(&arrays, "gradient"),
+                writable_as(&warrays, "weight"),
+            ) {
+                (Ok(g), Ok(w)) => (g, w),
+                (Err(bad), _) | (_, Err(bad)) => return Err(self.fail_bucket_with(py, &ids, bad)),
+            };
+            let (slices, mut wslices) = (read_slices(&guards), write_slices(&mut wguards));
+            let mut g = self.begin_bucket(py)?;
+            let eng = g.as_mut().expect("checked open");
+            return py
+                .detach(|| eng.submit_bucket_with_weights_mut(&lids, &slices, &mut wslices))
+                .map_err(engine_err);
+        }
         let (guards, wguards) = match (readable(&arrays, "gradient"), readable(&warrays, "weight"))
         {
             (Ok(g), Ok(w)) => (g, w),
             (Err(bad), _) | (_, Err(bad)) => return Err(self.fail_bucket_with(py, &ids, bad)),
         };
         let (slices, wslices) = (read_slices(&guards), read_slices(&wguards));
-        let lids: Vec<LayerId> = ids.iter().map(|&i| LayerId(i)).collect();
         let mut g = self.begin_bucket(py)?;
         let eng = g.as_mut().expect("checked open");
         let with_w = weights.is_some();

@@ -121,7 +121,7 @@ struct Staged {
 }
 
 /// A bucket's gradients (and weights), or this rank's failure to give them.
-type Input<'a> = Result<(&'a [&'a [f32]], Option<&'a [&'a [f32]]>)>;
+pub(super) type Input<'a> = Result<(&'a [&'a [f32]], Option<&'a [&'a [f32]]>)>;
 
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// Submit one bucket of this step: `grads[j]` is layer `layers[j]`'s
@@ -216,6 +216,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// The buckets' shared half: local misuse, then the step opened (if
     /// none is), the bucket fingerprinted and run (or staged).
     pub(super) fn submit_impl(&mut self, layers: &[LayerId], input: Input<'_>) -> Result<()> {
+        let input = self.delay_input(input);
         // Opened first, whatever the misuse below: a rank whose first
         // bucket is refused still has a step to finish, and its
         // `finish_step` then carries the failure to peers waiting in it.

@@ -47,8 +47,10 @@ fn run(
         for (name, n, spec) in table {
             s.register_spec(name, &[*n], spec).expect("register");
         }
-        let weights: Vec<Vec<f32>> = table.iter().map(|t| vec![0.25; t.1]).collect();
-        let wv: Vec<&[f32]> = weights.iter().map(|w| &w[..]).collect();
+        // With a delay the engine writes the weights back: kept apart per
+        // step, as a caller's would be.
+        let mut weights: Vec<Vec<f32>> = table.iter().map(|t| vec![0.25; t.1]).collect();
+        let delayed = cfg.delay > 1;
         let mut seen = Vec::new();
         for step in 0..steps {
             let g: Vec<Vec<f32>> = (0..table.len())
@@ -58,7 +60,13 @@ fn run(
             let mut ov: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[..]).collect();
             let wd = cfg.weight_decay != 0.0;
             match cut(step) {
+                None if delayed => {
+                    let gv: Vec<&[f32]> = g.iter().map(|x| &x[..]).collect();
+                    let mut wm: Vec<&mut [f32]> = weights.iter_mut().map(|w| &mut w[..]).collect();
+                    s.start_with_weights_mut(&gv, &mut wm).expect("start");
+                }
                 None => {
+                    let wv: Vec<&[f32]> = weights.iter().map(|w| &w[..]).collect();
                     let gv: Vec<&[f32]> = g.iter().map(|x| &x[..]).collect();
                     if wd {
                         s.start_with_weights(&gv, &wv).expect("start");
@@ -67,10 +75,22 @@ fn run(
                     }
                 }
                 Some(buckets) => {
-                    for b in buckets {
+                    for mut b in buckets {
+                        b.sort_unstable();
                         let ids: Vec<LayerId> = b.iter().map(|&i| LayerId(i)).collect();
                         let gv: Vec<&[f32]> = b.iter().map(|&i| &g[i][..]).collect();
-                        if wd {
+                        let wv: Vec<&[f32]> = weights.iter().map(|w| &w[..]).collect();
+                        if delayed {
+                            drop(wv);
+                            let mut wm: Vec<&mut [f32]> = weights
+                                .iter_mut()
+                                .enumerate()
+                                .filter(|(i, _)| b.contains(i))
+                                .map(|(_, w)| &mut w[..])
+                                .collect();
+                            s.submit_bucket_with_weights_mut(&ids, &gv, &mut wm)
+                                .expect("submit");
+                        } else if wd {
                             let w: Vec<&[f32]> = b.iter().map(|&i| wv[i]).collect();
                             s.submit_bucket_with_weights(&ids, &gv, &w).expect("submit");
                         } else {
@@ -91,6 +111,19 @@ fn run(
                     .flat_map(|o| o.iter().map(|x| x.to_bits()))
                     .collect(),
             );
+            if delayed {
+                // The caller's update, and the weights the engine wrote
+                // back, compared too.
+                for (w, o) in weights.iter_mut().zip(&out) {
+                    w.iter_mut().zip(o).for_each(|(w, d)| *w -= 0.1 * d);
+                }
+                seen.push(
+                    weights
+                        .iter()
+                        .flat_map(|w| w.iter().map(|x| x.to_bits()))
+                        .collect(),
+                );
+            }
         }
         seen
     })

@@ -27,8 +27,13 @@ pub(super) struct Layer {
     pub(super) u: Vec<f32>,
     /// Delay: sum of local directions applied since the last communication.
     pub(super) acc: Vec<f32>,
-    /// Delay: `acc` before this step's direction (subtracted from the result).
+    /// Delay: `acc` before this step's direction (put back when a
+    /// communicating step fails).
     pub(super) prev: Vec<f32>,
+    /// Delay: the weights at the start of the delay window (after the last
+    /// communicating step: the same on every rank), written back into the
+    /// caller's weights at the next communicating step (`delay.rs`).
+    pub(super) wc: Vec<f32>,
     /// Local direction (delayed steps) or dense decode scratch.
     pub(super) dir: Vec<f32>,
     /// This step's encoded unit.
@@ -465,12 +470,12 @@ impl Layer {
         finite
     }
 
-    /// Dense result `o` (the average): apply momentum, or undo the delayed
-    /// local steps.
+    /// Dense result `o` (the average): apply momentum. With a delay the
+    /// average is the result as it is (momentum was applied before the
+    /// exchange, and the caller's weights went back to the window's start,
+    /// `delay.rs`).
     pub(super) fn dense_update(&mut self, o: &mut [f32], (m, nesterov, delay): (f32, bool, bool)) {
-        if delay {
-            crate::dense::sub_from(o, &self.prev);
-        } else if m != 0.0 {
+        if !delay && m != 0.0 {
             for (x, u) in o.iter_mut().zip(self.u.iter_mut()) {
                 *u = m * *u + *x;
                 *x = if nesterov { *x + m * *u } else { *u };
@@ -486,11 +491,7 @@ impl Layer {
         o: &mut [f32],
         (m, nesterov, delay): (f32, bool, bool),
     ) {
-        if delay && self.prev.len() == o.len() {
-            for ((x, &y), &p) in o.iter_mut().zip(a).zip(&self.prev) {
-                *x = y - p;
-            }
-        } else if !delay && m != 0.0 && self.u.len() == o.len() {
+        if !delay && m != 0.0 && self.u.len() == o.len() {
             for ((x, &y), u) in o.iter_mut().zip(a).zip(self.u.iter_mut()) {
                 *u = m * *u + y;
                 *x = if nesterov { y + m * *u } else { *u };

@@ -33,11 +33,12 @@
 //!   al.'s local clipping of §5.5), warm-up (all layers dense for the first
 //!   steps, or a density schedule such as 25%, 6.25%, 1.5625%, 0.4%, 0.1%),
 //!   and SBC's communication delay (`delay = T`: communicate every T-th step;
-//!   in between each rank applies its own direction, and the communicating
-//!   step returns the direction that brings every rank to the same averaged
-//!   update, exact (up to the rounding of each rank's own path) for a
-//!   learning rate constant within the T steps; momentum is then local, as
-//!   in federated averaging).
+//!   in between each rank applies its own direction; the communicating step
+//!   writes the weights of the window's first step back into the caller's
+//!   weights and returns the average of every rank's directions since, so
+//!   every rank's weights are equal bit for bit after it, whatever the
+//!   learning rate (`delay.rs`); momentum is then local, as in federated
+//!   averaging).
 //!
 //! Nesterov: Algorithm 4 as printed adds `U + g` to the residual after
 //! `U = m·U + g`, which is not Nesterov's `g + m·U`; the engine uses the
@@ -121,6 +122,7 @@
 //! | an `Auto` layer's strategy | `table.rs` when the table is complete: [`crate::cost::plan_step`] over [`crate::cost::engine_candidates`] (the one decision table of [`crate::cost`]) |
 //! | options' validity; GradiVeQ not with `delay > 1` | `config.rs` (`Config::check`), `table.rs` (registration) |
 //! | whether a step communicates (SBC's delay, steps `T−1, 2T−1, ...`) | `plan.rs` |
+//! | when the delay window's weights are kept and written back; a delayed step without writable weights refused | `delay.rs` |
 //! | each layer's mode this step (dense warm-up, sparse, GradiVeQ, local) | `plan.rs` |
 //! | the codec density this step (density warm-up schedule, else the layer's own) | `plan.rs` |
 //! | dense layers' offsets in the fused buffer; the sparse, GradiVeQ and local groups | `plan.rs` |
@@ -148,6 +150,7 @@
 
 mod bucket;
 mod config;
+mod delay;
 mod device;
 mod exchange;
 mod job;
@@ -232,6 +235,16 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     last: StepStats,
     warned_no_thread: bool,
     warned_staged: bool,
+    /// This call writes the window's weights back (`delay.rs`): set only
+    /// while a `*_with_weights_mut` call submits.
+    resets_weights: bool,
+    /// `delay > 1`: the next step starts a delay window (the first step,
+    /// or the one after a communicating step that succeeded on every
+    /// rank): its weights are kept (`delay.rs`).
+    window_start: bool,
+    /// The open step kept weights for its window (`window_start` ends with
+    /// the step).
+    window_kept: bool,
     /// Every rank's node, when the configuration needs them (the
     /// node-aware collectives, a two-level profile for `Auto`,
     /// `sparse_exchange = "auto"`).
@@ -320,6 +333,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             last: StepStats::default(),
             warned_no_thread: false,
             warned_staged: false,
+            resets_weights: false,
+            window_start: true,
+            window_kept: false,
             nodes: None,
             fill_estimate: None,
             auto_exchange: None,

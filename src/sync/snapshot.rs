@@ -1,5 +1,6 @@
 //! Engine state snapshots: residuals, momentum, delay accumulators, codec
-//! state and the step counter, per rank, as a versioned bincode file.
+//! state, the delay window's weights and the step counter, per rank, as a
+//! versioned bincode file.
 //!
 //! A run stopped after step `t` and restored from its snapshots continues
 //! bitwise as the uninterrupted run: everything that shapes later messages is
@@ -23,8 +24,9 @@ use bincode::Options;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Version of the snapshot format (4: the run's identity).
-pub const SNAPSHOT_VERSION: u32 = 4;
+/// Version of the snapshot format (4: the run's identity; 5: the delay
+/// window's weights).
+pub const SNAPSHOT_VERSION: u32 = 5;
 /// Bytes of the CRC-32 trailer.
 const CRC_LEN: usize = 4;
 /// The largest step a snapshot may hold (2^53: a step a microsecond for
@@ -44,6 +46,8 @@ struct Snapshot {
     /// The run that wrote it ([`GradSync`]'s `run`): a restore's ranks
     /// must all load snapshots of one run.
     run: u64,
+    /// `delay > 1`: the next step starts a delay window.
+    window_start: bool,
 }
 
 /// Two values as one hash (FNV-1a of both, little-endian).
@@ -78,6 +82,8 @@ struct LayerSnap {
     residual: Vec<f32>,
     momentum: Vec<f32>,
     acc: Vec<f32>,
+    /// The weights at the start of the delay window (`delay > 1`).
+    window_weights: Vec<f32>,
     codec_state: Vec<u8>,
     cur_density: Option<f64>,
     /// GradiVeQ schedule and compressors (bincode), for GradiVeQ layers.
@@ -93,6 +99,7 @@ impl LayerSnap {
             ("residual", &self.residual),
             ("momentum", &self.momentum),
             ("delay accumulator", &self.acc),
+            ("delay window's weights", &self.window_weights),
         ] {
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
                 return Err(Error::Snapshot(format!(
@@ -136,12 +143,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     residual: l.v.clone(),
                     momentum: l.u.clone(),
                     acc: l.acc.clone(),
+                    window_weights: l.wc.clone(),
                     codec_state: l.codec.as_ref().map_or_else(Vec::new, |c| c.state()),
                     cur_density: l.cur_density,
                     gradiveq: None,
                 })
                 .collect(),
             run: self.run,
+            window_start: self.window_start,
         };
         // Never write what cannot be loaded: a residual that overflowed (a
         // gradient near f32::MAX) would make the file unusable.
@@ -304,7 +313,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 && s.n == l.n as u64
                 && s.residual.len() == l.v.len()
                 && s.momentum.len() == l.u.len()
-                && s.acc.len() == l.acc.len();
+                && s.acc.len() == l.acc.len()
+                && s.window_weights.len() == l.wc.len();
             if !ok {
                 return Err(Error::Snapshot(format!(
                     "layer {:?} does not match the registered layer {:?}",
@@ -373,12 +383,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             l.v = s.residual;
             l.u = s.momentum;
             l.acc = s.acc;
+            l.wc = s.window_weights;
             l.cur_density = s.cur_density;
             if c.is_some() {
                 l.codec = c;
             }
         }
         self.step = snap.step;
+        self.window_start = snap.window_start;
+        self.window_kept = false;
         // A new branch of the restored run: the loaded identity mixed with
         // this job's (alike on every rank). Two jobs restored from the same
         // files then write different identities, so a mix of their later

@@ -246,6 +246,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     zeros(l.0, mom, true)?,
                     zeros(l.0, delay, true)?,
                     zeros(l.0, delay, true)?,
+                    zeros(l.0, delay, true)?,
                 );
                 Ok((l, st))
             });
@@ -275,7 +276,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.broken = Some(why.clone());
         }
         r?;
-        let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev)) = local?;
+        let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev, wc)) = local?;
         self.table_hash = h;
         let layer = Layer {
             name: name.to_string(),
@@ -287,6 +288,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             u,
             acc,
             prev,
+            wc,
             dir: Vec::new(),
             unit: Vec::new(),
             gvq,

@@ -88,11 +88,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 o.fill(f32::NAN);
             }
         }
+        let (delayed, communicated) = (plan.delayed, plan.communicates);
         let unpacked = unpacked?;
         for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
             l.fill_stats(lp.mode);
         }
         record_probe_nnz(&mut st.parts, probe_ids, &unpacked);
+        if delayed {
+            self.end_window(communicated, !failed);
+        }
         apply_policy(self.cfg.non_finite, unpacked)
     }
 
@@ -342,9 +346,6 @@ impl<'a> Unpacker<'a> {
         bad: &Option<usize>,
     ) -> Option<Error> {
         o.copy_from_slice(slice);
-        if self.params.2 {
-            crate::dense::sub_from(o, &l.prev);
-        }
         self.bad_rank(l, o, *bad)
     }
 
@@ -381,9 +382,6 @@ impl<'a> Unpacker<'a> {
             r => r?,
         };
         let counted = nnz.filter(|_| bad.is_none());
-        if self.params.2 {
-            crate::dense::sub_from(o, &l.prev);
-        }
         Ok((self.bad_rank(l, o, bad), counted))
     }
 

@@ -121,7 +121,8 @@ def reference_sync(eng, model, weights=False):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    eng.sync(grads, [p.detach() for p in model.parameters()] if weights else None)
+    # numpy views of the parameters: a delay writes them back.
+    eng.sync(grads, [p.detach().numpy() for p in model.parameters()] if weights else None)
 
 
 def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, overlap=True, **options):
@@ -401,7 +402,7 @@ for strategy, options in [("dense", {}), ("rgc:density=0.05", {"momentum": 0.9})
                 else:
                     raise AssertionError("(e) zero_grad() with buckets in flight did not raise")
             opt.step()
-            reference_sync(eng, ref, weights="weight_decay" in options)
+            reference_sync(eng, ref, weights="weight_decay" in options or "delay" in options)
             ref_opt.step()
             assert same_bits(model, ref), f"(e) overlap {strategy} {options} passes={passes} step {step}"
         assert [r[2] for r in opt.sync.layers()] == [r[2] for r in eng.layers()]
@@ -575,6 +576,17 @@ for overlap in (True, False):
     assert torch.all(out == (size + 1) / 2), out
     state.close()
     say(f"(d) overlap={overlap}: the next step averages OK")
+
+# A DDP hook cannot write the weights back: weight decay and a delay are
+# refused on every rank, saying what to use instead.
+for opts, want in [({"weight_decay": 1e-3}, "give it to the torch optimizer"),
+                   ({"delay": 2}, "use gradsync.torch.DistributedOptimizer")]:
+    try:
+        gst.GradSyncHookState(Net().named_parameters(), strategy="dense", **opts)
+        raise AssertionError(f"GradSyncHookState({opts}) did not raise")
+    except ValueError as e:
+        assert want in str(e), e
+say("(h) weight_decay and delay > 1 refused by the hook, naming what to use OK")
 
 dist.destroy_process_group()
 say("check_torch_hook: OK")

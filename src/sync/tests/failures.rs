@@ -225,7 +225,12 @@ fn delayed_steps_fail_together_and_resynchronize() {
                         Err(s.fail_step(Error::InvalidArgument("bad array".into())))
                     } else {
                         let [a, b] = &mut g;
-                        s.sync(&mut [&mut a[..], &mut b[..]]).map(|_| ())
+                        let [wa, wb] = &mut w;
+                        s.sync_with_weights_mut(
+                            &mut [&mut a[..], &mut b[..]],
+                            &mut [&mut wa[..], &mut wb[..]],
+                        )
+                        .map(|_| ())
                     };
                     match r {
                         Ok(()) => {
@@ -248,14 +253,8 @@ fn delayed_steps_fail_together_and_resynchronize() {
                 );
                 assert_eq!(errs[0].0, fail_at, "rank {r}: {errs:?}");
                 assert!(errs[0].1.contains("rank 1"), "rank {r}: {errs:?}");
-                for (a, b) in w.iter().zip(&res[0].0) {
-                    for (x, y) in a.iter().zip(b) {
-                        assert!(
-                            (x - y).abs() < 1e-4,
-                            "fail at {fail_at}, m {momentum}: rank {r} {x} vs rank 0 {y}"
-                        );
-                    }
-                }
+                // After the last communicating step (5): bit for bit.
+                assert_eq!(w, &res[0].0, "fail at {fail_at}, m {momentum}: rank {r}");
             }
         }
     }
@@ -294,7 +293,13 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
                     g[1][3] = f32::NAN;
                 }
                 let [a, b] = &mut g;
-                let r = s.sync(&mut [&mut a[..], &mut b[..]]).map(|_| ());
+                let [wa, wb] = &mut w;
+                let r = s
+                    .sync_with_weights_mut(
+                        &mut [&mut a[..], &mut b[..]],
+                        &mut [&mut wa[..], &mut wb[..]],
+                    )
+                    .map(|_| ());
                 let nan = g.iter().any(|x| x.iter().any(|v| v.is_nan()));
                 match r {
                     Ok(()) if !nan => {
@@ -319,11 +324,8 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
                     "rank {r}: {seen:?}"
                 );
             }
-            for (a, b) in w.iter().zip(&res[0].0) {
-                for (x, y) in a.iter().zip(b) {
-                    assert!((x - y).abs() < 1e-4, "{policy:?}: rank {r} {x} vs {y}");
-                }
-            }
+            // After the last communicating step (3): bit for bit.
+            assert_eq!(w, &res[0].0, "{policy:?}: rank {r}");
         }
     }
 }

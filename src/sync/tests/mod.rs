@@ -3,6 +3,7 @@
 
 mod auto_collectives;
 mod auto_layers;
+mod delay;
 mod failures;
 mod gradiveq;
 mod node_aware;
@@ -82,6 +83,8 @@ pub(super) fn run_exchange_table(
             .map(|(n, len, st)| s.register_with(n, &[*len], st.clone()).expect("register"))
             .collect();
         let mut rec = Vec::new();
+        // With a delay the engine needs the weights (it writes them back).
+        let mut w: Vec<Vec<f32>> = table.iter().map(|(_, n, _)| vec![0.0; *n]).collect();
         for step in 0..steps {
             let mut g: Vec<Vec<f32>> = table
                 .iter()
@@ -89,7 +92,14 @@ pub(super) fn run_exchange_table(
                 .map(|(l, (name, n, _))| exchange_grad(int, rank, step, l, name, *n))
                 .collect();
             let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
-            let st = s.sync(&mut v).expect("sync").clone();
+            let st = if cfg.delay > 1 {
+                let mut wv: Vec<&mut [f32]> = w.iter_mut().map(|x| &mut x[..]).collect();
+                s.sync_with_weights_mut(&mut v, &mut wv)
+            } else {
+                s.sync(&mut v)
+            }
+            .expect("sync")
+            .clone();
             let units = ids
                 .iter()
                 .map(|&id| {

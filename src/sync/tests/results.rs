@@ -181,7 +181,14 @@ fn communication_delay_resynchronizes_weights_exactly() {
         for step in 0..2 * t {
             let mut g = [grad(rank, step, 0, 64), grad(rank, step, 1, 16)];
             let [a, b] = &mut g;
-            let st = s.sync(&mut [&mut a[..], &mut b[..]]).expect("sync").clone();
+            let [wa, wb] = &mut w;
+            let st = s
+                .sync_with_weights_mut(
+                    &mut [&mut a[..], &mut b[..]],
+                    &mut [&mut wa[..], &mut wb[..]],
+                )
+                .expect("sync")
+                .clone();
             assert_eq!(st.communicated, (step + 1) % t == 0);
             for (wi, gi) in w.iter_mut().zip(&g) {
                 for (x, d) in wi.iter_mut().zip(gi) {
@@ -208,6 +215,8 @@ fn communication_delay_resynchronizes_weights_exactly() {
             })
             .collect();
         for h in &res {
+            // Bit for bit the same weights on every rank.
+            assert_eq!(h[step as usize], res[0][step as usize], "step {step}");
             for (a, b) in h[step as usize].iter().zip(&want) {
                 for (x, y) in a.iter().zip(b) {
                     assert!((x - y).abs() < 1e-4, "step {step}: {x} vs {y}");
@@ -288,10 +297,17 @@ fn the_engine_executes_the_plan() {
             s.register("bias", &[10]).expect("dense");
             s.register_with("w", &[1000], Strategy::rgc(0.01))
                 .expect("sparse");
+            let (mut wa, mut wb) = (vec![0.0f32; 10], vec![0.0f32; 1000]);
             for step in 0..9u64 {
                 let mut a = grad(rank, step, 0, 10);
                 let mut b = grad(rank, step, 1, 1000);
-                let st = s.sync(&mut [&mut a[..], &mut b[..]]).expect("sync").clone();
+                let st = s
+                    .sync_with_weights_mut(
+                        &mut [&mut a[..], &mut b[..]],
+                        &mut [&mut wa[..], &mut wb[..]],
+                    )
+                    .expect("sync")
+                    .clone();
                 let plan = plan::plan_step(step, &c, p, &s.table);
                 assert_eq!(s.plan, plan, "step {step}");
                 assert_eq!(st.communicated, plan.communicates, "step {step}");

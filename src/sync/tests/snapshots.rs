@@ -460,7 +460,10 @@ fn snapshots_of_different_runs_are_refused_everywhere() {
             .to_string()
     });
     assert!(
-        res[0].contains("format version 3 (this build reads 4)"),
+        res[0].contains(&format!(
+            "format version 3 (this build reads {})",
+            crate::sync::SNAPSHOT_VERSION
+        )),
         "{}",
         res[0]
     );
