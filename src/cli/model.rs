@@ -142,17 +142,36 @@ pub(super) fn run_plan(a: &PlanArgs) -> Result<i32> {
         "alone_us",
         "dense_us"
     );
-    for l in &out.layers {
-        outln!(
-            "{:<32} {:>12} {:<24} {:<9} {:>12.2} {:>12.2} {:>12.2}",
-            l.name,
-            l.elements,
-            l.choice,
-            serde_json::to_value(l.group)?.as_str().unwrap_or("?"),
-            l.seconds * 1e6,
-            l.alone_s * 1e6,
-            l.dense_s * 1e6
-        );
+    {
+        // One line a layer, buffered (stdout flushes every line: a table
+        // of 10^6 layers spent seconds in write calls); the group's name
+        // as serde spells it, looked up once per kind.
+        use std::io::Write as _;
+        let mut names: Vec<(crate::cost::GroupKind, String)> = Vec::new();
+        let mut w = std::io::BufWriter::new(std::io::stdout().lock());
+        for l in &out.layers {
+            if !names.iter().any(|(g, _)| *g == l.group) {
+                let s = serde_json::to_value(l.group)?;
+                names.push((l.group, s.as_str().unwrap_or("?").to_string()));
+            }
+            let group = names
+                .iter()
+                .find(|(g, _)| *g == l.group)
+                .map_or("?", |(_, s)| s);
+            writeln!(
+                w,
+                "{:<32} {:>12} {:<24} {:<9} {:>12.2} {:>12.2} {:>12.2}",
+                l.name,
+                l.elements,
+                l.choice,
+                group,
+                l.seconds * 1e6,
+                l.alone_s * 1e6,
+                l.dense_s * 1e6
+            )
+            .map_err(crate::cli::stdout_error)?;
+        }
+        w.flush().map_err(crate::cli::stdout_error)?;
     }
     outln!("groups:");
     for g in &out.groups {

@@ -104,6 +104,54 @@ fn density_key(codec: &CodecConfig) -> Option<&'static str> {
     }
 }
 
+/// Most layers `--op sparse` takes: past real models' 10^2–10^4 tensors
+/// by far, and the per-layer engine state alone is gigabytes there.
+const MAX_LAYERS: usize = 1 << 22;
+
+/// Bytes a rank holds per byte of one layer's gradient (its gradient,
+/// output, residual, the fused message and its receive buffer), and per
+/// layer whatever its size (the engine's table and stats): measured at
+/// 10^3–10^5 layers of 4 KB and 10^4 of 64 KB (5.1–5.7× and ~3 KB).
+const BYTES_PER_GRADIENT_BYTE: f64 = 5.5;
+const BYTES_PER_LAYER: f64 = 3072.0;
+
+/// `--layers` layers of up to `bytes` each must fit: at most
+/// [`MAX_LAYERS`], and the memory they need within this machine's
+/// available memory (`available`, when known), or a clear error naming
+/// what they would need.
+fn check_memory(layers: usize, bytes: usize, available: Option<f64>) -> Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(Error::InvalidArgument(format!(
+            "--layers {layers}: at most {MAX_LAYERS} (real models have 10^2–10^4 tensors)"
+        )));
+    }
+    let need = layers as f64 * (BYTES_PER_GRADIENT_BYTE * bytes as f64 + BYTES_PER_LAYER);
+    match available {
+        Some(have) if need > have => Err(Error::InvalidArgument(format!(
+            "--layers {layers} of --bytes {bytes} need about {:.1} GB a rank (each layer's \
+             gradient about {BYTES_PER_GRADIENT_BYTE} times over, and ~3 KB of engine state), \
+             and this machine has {:.1} GB available: fewer layers or smaller --bytes",
+            need / 1e9,
+            have / 1e9
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// This machine's available memory in bytes (`MemAvailable` of
+/// `/proc/meminfo`), `None` where it cannot be read.
+fn mem_available() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: f64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb * 1024.0)
+}
+
 /// The rank-local input phase. The density: one given in the codec string
 /// (`rgc:density=0.5`) is used as given; `--density` applies to a codec
 /// string without one (default 0.001); both given and different is an
@@ -128,6 +176,11 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
             "--bytes: a layer needs at least one element (4 bytes)".into(),
         ));
     }
+    check_memory(
+        layers,
+        sizes.iter().copied().max().unwrap_or(0),
+        mem_available(),
+    )?;
     let allgather: AllgathervAlgo = a
         .allgather
         .parse()
@@ -479,4 +532,29 @@ fn check(
     let mut v = [bad];
     max_over_ranks(comm, &mut v);
     Ok(if v[0] > 0.0 { "failed" } else { "ok" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_many_layers_or_too_much_memory_is_refused_naming_it() {
+        let e = check_memory(MAX_LAYERS + 1, 4, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--layers 4194305: at most 4194304"), "{e}");
+        // 10^6 layers of 4 KiB: about 25 GB, on a machine with 8 GB free.
+        let e = check_memory(1_000_000, 4096, Some(8e9))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("need about 25.6 GB a rank") && e.contains("8.0 GB available"),
+            "{e}"
+        );
+        assert!(check_memory(1_000_000, 4096, Some(64e9)).is_ok());
+        // Unknown available memory: only the layer bound applies.
+        assert!(check_memory(1_000_000, 4096, None).is_ok());
+        assert!(mem_available().is_none_or(|m| m > 0.0));
+    }
 }

@@ -36,9 +36,17 @@ pub(crate) fn fastest<T>(
     items: impl IntoIterator<Item = T>,
     price: impl Fn(&T) -> f64,
 ) -> Option<T> {
-    items
-        .into_iter()
-        .min_by(|a, b| price(a).total_cmp(&price(b)))
+    // Each item priced once (`min_by` prices both sides of every
+    // comparison: twice the step model's work per layer); the first of
+    // equal prices kept, as `min_by` keeps it.
+    let mut best: Option<(T, f64)> = None;
+    for it in items {
+        let p = price(&it);
+        if best.as_ref().is_none_or(|(_, b)| p.total_cmp(b).is_lt()) {
+            best = Some((it, p));
+        }
+    }
+    best.map(|(it, _)| it)
 }
 
 /// The highest price that still ties with `best`: within [`NEAR_TIE`] of

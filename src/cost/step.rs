@@ -490,23 +490,47 @@ impl Sizes {
 
 /// What adding `o` to groups of `sizes` costs the step.
 fn marginal(net: &Net, open: Open, s: Sizes, o: &Option_) -> f64 {
+    marginal_from(net, open, s, Before::of(net, open, s), o)
+}
+
+/// What the groups of some `sizes` cost before a layer joins one: the
+/// part of [`marginal`] that all of a layer's options share (priced once
+/// per layer, not once per option).
+#[derive(Clone, Copy)]
+struct Before {
+    dense: f64,
+    sparse: f64,
+}
+
+impl Before {
+    fn of(net: &Net, open: Open, s: Sizes) -> Self {
+        let d = open.dense.unwrap_or(StrategyId::DenseRabenseifner);
+        let sp = open.sparse.unwrap_or(StrategyId::SparseAllgather);
+        Before {
+            dense: if s.dense > 0.0 {
+                dense_group(net, d, s.dense)
+            } else {
+                dense_alpha(net, d)
+            },
+            sparse: if s.sparse > 0.0 {
+                sparse_group(net, sp, s)
+            } else {
+                sparse_alpha(net, sp)
+            },
+        }
+    }
+}
+
+/// [`marginal`] with the groups' cost before `o` joins given.
+fn marginal_from(net: &Net, open: Open, s: Sizes, before: Before, o: &Option_) -> f64 {
     let comm = match o.group {
         GroupKind::Dense => {
             let algo = open.dense.unwrap_or(StrategyId::DenseRabenseifner);
-            let before = if s.dense > 0.0 {
-                dense_group(net, algo, s.dense)
-            } else {
-                dense_alpha(net, algo)
-            };
-            dense_group(net, algo, s.dense + o.bytes) - before
+            dense_group(net, algo, s.dense + o.bytes) - before.dense
         }
         GroupKind::Sparse => {
             let algo = open.sparse.unwrap_or(StrategyId::SparseAllgather);
-            let before = if s.sparse > 0.0 {
-                sparse_group(net, algo, s)
-            } else {
-                sparse_alpha(net, algo)
-            };
+            let before = before.sparse;
             let mut after = s;
             after.add(o, 1.0);
             // Never negative: `auto`'s allgatherv switches to the node-aware
@@ -679,54 +703,133 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             });
         }
     }
-    // Every configuration's plan, in the order above (simplest first).
-    let mut plans: Vec<(Open, f64, Vec<Option_>)> = Vec::new();
-    for open in configs {
-        let opts: Vec<Vec<Option_>> = layers
-            .iter()
-            .map(|l| {
+    // Every candidate's option for every `Auto` layer, priced once for
+    // all configurations (row `i`, `all[start[i]..start[i + 1]]`, is layer
+    // `i`'s; a fixed layer's is empty): a table of 10^6 layers priced them
+    // once per configuration.
+    let mut all: Vec<Option_> = Vec::new();
+    let mut start: Vec<usize> = Vec::with_capacity(layers.len() + 1);
+    start.push(0);
+    for l in layers {
+        if l.kind == LayerKind::Auto {
+            all.extend(
                 cands
                     .iter()
                     .map(|c| option(prof, q, (l.n, table), *c, q.density))
-                    .filter(|o| fits(open, o))
-                    .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense)
-                    .collect()
-            })
-            .collect();
-        if layers
-            .iter()
-            .zip(&opts)
-            .any(|(l, o)| l.kind == LayerKind::Auto && o.is_empty())
-        {
-            continue;
+                    .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense),
+            );
         }
-        let mut sizes = Sizes::default();
-        let mut assign: Vec<Option<Option_>> = fixed.clone();
-        for o in assign.iter().flatten() {
-            sizes.add(o, 1.0);
-        }
-        for _pass in 0..3 {
-            for (i, l) in layers.iter().enumerate() {
-                if l.kind != LayerKind::Auto {
-                    continue;
-                }
-                if let Some(o) = &assign[i] {
-                    sizes.add(o, -1.0);
-                }
-                let pick = *argmin::fastest(&opts[i], |a| marginal(&net, open, sizes, a))
-                    .expect("options checked non-empty");
-                sizes.add(&pick, 1.0);
-                assign[i] = Some(pick);
-            }
-        }
-        let assign: Vec<Option_> = assign.into_iter().flatten().collect();
-        let total = total_seconds(&net, open, &assign);
-        plans.push((open, total, assign));
+        start.push(all.len());
     }
-    let pick = near_tie_pick(&net, &plans)
+    let rows = Rows {
+        all: &all,
+        start: &start,
+    };
+    // Every configuration's plan, in the order above (simplest first);
+    // a large table's configurations in parallel (each is independent,
+    // and the order of `plans` is the configurations' whatever the
+    // threads do).
+    // (Each its own `Net`: it tracks a collective's burst credit.)
+    let run = |open: &Open| descend(&Net::of(prof, q), *open, layers, &fixed, rows);
+    let plans: Vec<(Open, f64, Vec<u8>)> = if layers.len() >= PARALLEL_LAYERS {
+        use rayon::prelude::*;
+        configs.par_iter().filter_map(run).collect()
+    } else {
+        configs.iter().filter_map(run).collect()
+    };
+    let expand = |picks: &[u8]| rows.expand(&fixed, picks);
+    let pick = near_tie_pick(&net, &plans, &expand)
         .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
-    let (_, _, assign) = plans.swap_remove(pick);
+    let assign = expand(&plans[pick].2);
     finite(describe(prof, q, layers, &assign))
+}
+
+/// Tables of at least this many layers plan their configurations in
+/// parallel (below it the threads cost more than they save).
+const PARALLEL_LAYERS: usize = 4096;
+
+/// Every `Auto` layer's options, priced once: layer `i`'s are
+/// `all[start[i]..start[i + 1]]` (a fixed layer's are none).
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    all: &'a [Option_],
+    start: &'a [usize],
+}
+
+impl Rows<'_> {
+    fn row(&self, i: usize) -> &[Option_] {
+        &self.all[self.start[i]..self.start[i + 1]]
+    }
+
+    /// A plan's options from its picks (an `Auto` layer's index in its
+    /// row; a fixed layer's own option): plans keep a byte a layer, not
+    /// the options (a table of 10^6 layers kept 48 MB per configuration).
+    fn expand(&self, fixed: &[Option<Option_>], picks: &[u8]) -> Vec<Option_> {
+        fixed
+            .iter()
+            .zip(picks)
+            .enumerate()
+            .map(|(i, (f, &k))| f.unwrap_or_else(|| self.row(i)[usize::from(k)]))
+            .collect()
+    }
+}
+
+/// One configuration's plan (`open`: the groups' collectives): every
+/// `Auto` layer's fastest option given the others, by coordinate descent
+/// from the fixed layers, and the step's total; `None` when some layer has
+/// no option that fits `open`. The plan's options as picks
+/// ([`Rows::expand`]).
+fn descend(
+    net: &Net,
+    open: Open,
+    layers: &[StepLayer],
+    fixed: &[Option<Option_>],
+    rows: Rows<'_>,
+) -> Option<(Open, f64, Vec<u8>)> {
+    let usable = |o: &&Option_| fits(open, o);
+    if layers
+        .iter()
+        .enumerate()
+        .any(|(i, l)| l.kind == LayerKind::Auto && !rows.row(i).iter().any(|o| usable(&o)))
+    {
+        return None;
+    }
+    let mut sizes = Sizes::default();
+    let mut assign: Vec<Option<Option_>> = fixed.to_vec();
+    let mut picks: Vec<u8> = vec![0; layers.len()];
+    for o in assign.iter().flatten() {
+        sizes.add(o, 1.0);
+    }
+    // At most 3 passes; a pass that changes no layer's pick leaves every
+    // later pass the same state, so it ends.
+    for _pass in 0..3 {
+        let mut changed = false;
+        for (i, l) in layers.iter().enumerate() {
+            if l.kind != LayerKind::Auto {
+                continue;
+            }
+            if let Some(o) = &assign[i] {
+                sizes.add(o, -1.0);
+            }
+            let before = Before::of(net, open, sizes);
+            let row = rows.row(i);
+            let k = argmin::fastest((0..row.len()).filter(|&k| usable(&&row[k])), |&k| {
+                marginal_from(net, open, sizes, before, &row[k])
+            })
+            .expect("options checked non-empty");
+            let pick = row[k];
+            sizes.add(&pick, 1.0);
+            changed |= assign[i].map(|o| o.id) != Some(pick.id);
+            assign[i] = Some(pick);
+            picks[i] = k as u8;
+        }
+        if !changed {
+            break;
+        }
+    }
+    let assign: Vec<Option_> = assign.into_iter().flatten().collect();
+    let total = total_seconds(net, open, &assign);
+    Some((open, total, picks))
 }
 
 /// Which of `plans` (every configuration's, simplest first) the step takes:
@@ -736,7 +839,11 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
 /// within [`NEAR_TIE`](super::NEAR_TIE) of that group's cost of the
 /// fastest, the dense algorithm first, then the sparse collective beside
 /// it. A tie is 2 % of the group the choice is about, not of the step.
-fn near_tie_pick(net: &Net, plans: &[(Open, f64, Vec<Option_>)]) -> Option<usize> {
+fn near_tie_pick(
+    net: &Net,
+    plans: &[(Open, f64, Vec<u8>)],
+    expand: &dyn Fn(&[u8]) -> Vec<Option_>,
+) -> Option<usize> {
     let fastest = |ok: &dyn Fn(&Open) -> bool| {
         argmin::fastest((0..plans.len()).filter(|&i| ok(&plans[i].0)), |&i| {
             plans[i].1
@@ -751,7 +858,7 @@ fn near_tie_pick(net: &Net, plans: &[(Open, f64, Vec<Option_>)]) -> Option<usize
     let mut pick = fastest(&|_| true)?;
     let best = plans[pick].0;
     if best.dense.is_some() {
-        let (dense, _) = group_costs(net, best, &plans[pick].2);
+        let (dense, _) = group_costs(net, best, &expand(&plans[pick].2));
         let same = |o: &Open| o.sparse == best.sparse && o.dense.is_some();
         pick = within(&same, pick, dense);
     }
@@ -759,7 +866,7 @@ fn near_tie_pick(net: &Net, plans: &[(Open, f64, Vec<Option_>)]) -> Option<usize
     if chosen.sparse.is_some() {
         let same = |o: &Open| o.dense == chosen.dense && o.sparse.is_some();
         let base = fastest(&same).unwrap_or(pick);
-        let (_, sparse) = group_costs(net, plans[base].0, &plans[base].2);
+        let (_, sparse) = group_costs(net, plans[base].0, &expand(&plans[base].2));
         pick = within(&same, base, sparse);
     }
     Some(pick)

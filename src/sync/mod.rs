@@ -238,6 +238,8 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// This call writes the window's weights back (`delay.rs`): set only
     /// while a `*_with_weights_mut` call submits.
     resets_weights: bool,
+    /// Each registered layer's index by name (names are unique).
+    names: std::collections::HashMap<String, usize>,
     /// `delay > 1`: the next step starts a delay window (the first step,
     /// or the one after a communicating step that succeeded on every
     /// rank): its weights are kept (`delay.rs`).
@@ -334,6 +336,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             warned_no_thread: false,
             warned_staged: false,
             resets_weights: false,
+            names: std::collections::HashMap::new(),
             window_start: true,
             window_kept: false,
             nodes: None,

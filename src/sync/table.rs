@@ -303,6 +303,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             },
         };
         self.table.push(LayerPlanInput::new(n, &layer.strategy));
+        self.names.insert(layer.name.clone(), id);
         self.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
         Ok(LayerId(id))
@@ -339,7 +340,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 "the name holds a control character (NUL, newline, ...)".into(),
             ));
         }
-        if let Some(j) = self.layers.iter().position(|l| l.name == name) {
+        // By the name index: a scan of the table here made registering
+        // n layers cost O(n²).
+        if let Some(&j) = self.names.get(name) {
             return Err(Error::InvalidArgument(format!(
                 "layer #{j} has the same name (names must be unique: errors, stats and \
                  snapshots name layers by them)"
