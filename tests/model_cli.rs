@@ -1287,3 +1287,113 @@ fn model_cli_review_findings() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// Negative numbers reach the range checks (not clap's "unexpected
+/// argument"), a zero-element layer is refused as Python's `predict`
+/// refuses it, and a tiny density prints in scientific notation.
+#[test]
+fn numbers_out_of_range_name_their_flag() {
+    for (args, want) in [
+        (
+            vec!["--alpha", "-1", "--bandwidth", "1e9"],
+            "--alpha -1: must be a finite number",
+        ),
+        (
+            vec!["--alpha", "1e-6", "--bandwidth", "-5"],
+            "--bandwidth -5: must be a positive number",
+        ),
+        (
+            vec![
+                "--alpha",
+                "1e-6",
+                "--bandwidth",
+                "1e9",
+                "--gamma-reduce",
+                "-1e-9",
+            ],
+            "--gamma-reduce -0.000000001: must be a finite number",
+        ),
+        (
+            vec!["--alpha", "1e-6", "--bandwidth", "1e9", "--density", "-0.5"],
+            "--density -0.5: must lie in (0, 1]",
+        ),
+    ] {
+        let mut a = vec!["predict", "--elements", "1000", "--ranks", "4"];
+        a.extend(args);
+        let (ok, _, err) = gradsync(&a);
+        assert!(!ok && err.contains(want), "{a:?}: {err}");
+    }
+    let (ok, _, err) = gradsync(&[
+        "predict",
+        "--elements",
+        "0",
+        "--ranks",
+        "4",
+        "--alpha",
+        "1e-6",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(
+        !ok && err.contains("--elements 0: a layer of 0 elements"),
+        "{err}"
+    );
+    let (ok, _, err) = gradsync(&[
+        "predict",
+        "--bytes",
+        "0",
+        "--ranks",
+        "4",
+        "--alpha",
+        "1e-6",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(
+        !ok && err.contains("--bytes 0: a layer of 0 elements"),
+        "{err}"
+    );
+    let (ok, out, err) = gradsync(&[
+        "predict",
+        "--elements",
+        "1000",
+        "--ranks",
+        "4",
+        "--alpha",
+        "1e-6",
+        "--bandwidth",
+        "1e9",
+        "--density",
+        "1e-308",
+    ]);
+    assert!(ok && out.contains("density 1e-308"), "{out}{err}");
+    assert!(out.lines().all(|l| l.len() < 200), "{out}");
+}
+
+/// A bad `--ranks` list is named by its start and length, not echoed whole.
+#[test]
+fn a_long_ranks_list_is_not_echoed_whole() {
+    let list: Vec<String> = (2..3000).map(|i| i.to_string()).collect();
+    let ranks = format!("{},x", list.join(","));
+    let layers = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/layers/resnet50.json");
+    let (ok, _, err) = gradsync(&[
+        "scale",
+        "--layers",
+        layers,
+        "--ranks",
+        &ranks,
+        "--alpha",
+        "5e-6",
+        "--bandwidth",
+        "1e9",
+    ]);
+    assert!(
+        !ok && err.contains("--ranks \"2,3,4,5,6,7,8,9,10,11,12,13,14,15,"),
+        "{err}"
+    );
+    assert!(
+        err.contains("characters)") && err.contains("\"x\" is not a rank count"),
+        "{err}"
+    );
+    assert!(err.len() < 300, "{err}");
+}

@@ -979,18 +979,19 @@ impl PyGradSync {
 
     /// Restore state written by `save_snapshot` (collective).
     fn load_snapshot(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
-        // A path of the wrong type still enters the collective load (as a
-        // path no file system opens), so every rank fails alike.
+        // A path of the wrong type still enters the collective load,
+        // carrying the reason, so every rank fails alike naming it.
         let p = to_path(path);
-        let target = p
-            .clone()
-            .unwrap_or_else(|why| PathBuf::from(format!("\0<{why}>")));
+        let target = p.clone();
         // A step this rank kept after its wait() failed is finished first
         // (as sync and start do): refusing the load on this rank alone
         // left its peers waiting in the restore's agreement.
         let mut g = self.begin(py)?;
         let eng = g.as_mut().expect("checked open");
-        let r = py.detach(move || eng.load_snapshot(&target));
+        let r = py.detach(move || match target {
+            Ok(t) => eng.load_snapshot(&t),
+            Err(why) => Err(eng.fail_restore(gradsync::Error::InvalidArgument(why))),
+        });
         match (r, p) {
             (Ok(()), _) => Ok(()),
             (Err(e), Err(why)) => Err(PyTypeError::new_err(format!(

@@ -306,6 +306,16 @@ pub(crate) fn parse_list<T>(s: &str, f: impl Fn(&str) -> Result<T>) -> Result<Ve
 /// A plot's tick label: three significant digits (whole numbers up to
 /// 9999 in full), `0.3` and `6e-4` rather than plotters'
 /// `0.30000000000000004` and `0.0006000000000000001`.
+/// A number as a person reads it: as written between 10^-4 and 10^15,
+/// else in scientific notation (`1e-308`, not 300 digits).
+pub(crate) fn short_float(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() || (1e-4..1e15).contains(&x.abs()) {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
+    }
+}
+
 pub(crate) fn tick_label(v: f64) -> String {
     let trim = |s: &str| -> String {
         if s.contains('.') {

@@ -24,7 +24,7 @@ pub struct PredictArgs {
     #[arg(long)]
     pub ranks: usize,
     /// Density of the sparse strategies.
-    #[arg(long, default_value_t = 0.001)]
+    #[arg(long, default_value_t = 0.001, allow_hyphen_values = true)]
     pub density: f64,
     /// Model constants.
     #[command(flatten)]
@@ -48,16 +48,17 @@ fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
                      (a multiple of 4)"
                 )));
             }
+            if bytes == 0 {
+                // (`--elements 0` is refused by the model's own check,
+                // which Python's `predict` shares.)
+                return Err(Error::InvalidArgument(format!(
+                    "--bytes {b}: a layer of 0 elements, nothing to predict"
+                )));
+            }
             Ok(bytes / 4)
         }
         _ => Err(Error::InvalidArgument("give --elements or --bytes".into())),
     }?;
-    if n == 0 {
-        // Nothing to synchronize: every prediction would be a bare α.
-        return Err(Error::InvalidArgument(
-            "a layer of 0 elements (--elements / --bytes): nothing to predict".into(),
-        ));
-    }
     Ok(n)
 }
 
@@ -75,7 +76,7 @@ pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
         r.elements,
         r.bytes,
         r.ranks,
-        r.density
+        super::short_float(r.density)
     );
     outln!(
         "{:<24} {:>14} {:>16}",
@@ -110,7 +111,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub ranks: usize,
     /// Density of the sparse strategies.
-    #[arg(long, default_value_t = 0.001)]
+    #[arg(long, default_value_t = 0.001, allow_hyphen_values = true)]
     pub density: f64,
     /// Model constants.
     #[command(flatten)]
@@ -204,7 +205,7 @@ pub struct CrossoverArgs {
     #[arg(long)]
     pub ranks: usize,
     /// Density of the sparse strategies.
-    #[arg(long, default_value_t = 0.001)]
+    #[arg(long, default_value_t = 0.001, allow_hyphen_values = true)]
     pub density: f64,
     /// The sparse strategy compared.
     #[arg(long, default_value = "sparse-allgather")]
@@ -346,7 +347,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
                 n,
                 human(4 * n),
                 a.ranks,
-                a.density
+                super::short_float(a.density)
             ),
             None => match band {
                 Some([lo, hi]) => outln!(
@@ -357,11 +358,15 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
                     human(hi),
                     a.max_bytes,
                     a.ranks,
-                    a.density
+                    super::short_float(a.density)
                 ),
                 None => outln!(
                     "{} never beats {} up to {} on {} ranks at density {}",
-                    a.sparse, a.dense, a.max_bytes, a.ranks, a.density
+                    a.sparse,
+                    a.dense,
+                    a.max_bytes,
+                    a.ranks,
+                    super::short_float(a.density)
                 ),
             },
         }

@@ -21,7 +21,7 @@ pub struct ScaleArgs {
     #[arg(long, default_value = "8..4096")]
     pub ranks: String,
     /// Density of the sparse strategies.
-    #[arg(long, default_value_t = 0.001)]
+    #[arg(long, default_value_t = 0.001, allow_hyphen_values = true)]
     pub density: f64,
     /// Model constants (`--ranks-per-node` places the ranks).
     #[command(flatten)]
@@ -94,7 +94,14 @@ pub struct ScaleRecord {
 
 /// Parse `A..B` or `a,b,c` (every count at least 1, increasing).
 pub fn parse_ranks(s: &str) -> Result<Vec<usize>> {
-    let bad = |m: String| Error::InvalidArgument(format!("--ranks {s:?}: {m}"));
+    // A long list is named by its start and length, not echoed whole.
+    let shown = if s.chars().count() > 60 {
+        let head: String = s.chars().take(40).collect();
+        format!("\"{head}...\" ({} characters)", s.chars().count())
+    } else {
+        format!("{s:?}")
+    };
+    let bad = |m: String| Error::InvalidArgument(format!("--ranks {shown}: {m}"));
     let num = |x: &str| {
         x.trim()
             .parse::<usize>()
@@ -320,7 +327,7 @@ fn plot(rec: &ScaleRecord, layers: &std::path::Path, path: &std::path::Path) -> 
         "{name}: predicted sync time per step, {} ranks/node, density {}",
         rec.ranks_per_node
             .map_or_else(|| "all".into(), |l| l.to_string()),
-        rec.density
+        super::short_float(rec.density)
     );
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))

@@ -292,7 +292,8 @@ impl Codec for Rgc {
 }
 
 /// RedSync quantized RGC: alternately the top-k positive and the bottom-k
-/// negative values, all sent as their mean.
+/// negative values, all sent as their mean; a turn whose sign has no value
+/// sends the other sign's set (the turns still alternate).
 #[derive(Clone, Debug)]
 pub struct RgcQuant {
     density: f64,
@@ -336,12 +337,21 @@ impl Codec for RgcQuant {
         let k = rgc_k(self.density, x.len());
         // Exact selection; the same pass checks every element is finite.
         let positive = self.next_is_positive();
-        let side = Some((&mut self.idx, &mut self.val));
-        let finite = if positive {
-            signed_topk(x, k, side, None)?
-        } else {
-            signed_topk(x, k, None, side)?
+        let select = |positive: bool, idx: &mut Vec<u32>, val: &mut Vec<f32>| {
+            let side = Some((idx, val));
+            if positive {
+                signed_topk(x, k, side, None)
+            } else {
+                signed_topk(x, k, None, side)
+            }
         };
+        let mut finite = select(positive, &mut self.idx, &mut self.val)?;
+        if finite && self.idx.is_empty() {
+            // No value of this turn's sign (a residual all of one sign):
+            // the other sign's set, or every other step would send nothing
+            // while the residual grows (and no single step looks starved).
+            finite = select(!positive, &mut self.idx, &mut self.val)?;
+        }
         if !finite {
             check_finite(x)?;
         }

@@ -19,31 +19,40 @@ pub struct ModelArgs {
     #[cfg_attr(feature = "cli", arg(long, conflicts_with_all = ["alpha", "bandwidth"]))]
     pub profile: Option<PathBuf>,
     /// Latency α, seconds per message (without --profile).
-    #[cfg_attr(feature = "cli", arg(long, requires = "bandwidth"))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, requires = "bandwidth", allow_hyphen_values = true)
+    )]
     pub alpha: Option<f64>,
     /// Bandwidth 1/β, bytes per second (without --profile).
-    #[cfg_attr(feature = "cli", arg(long, requires = "alpha"))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, requires = "alpha", allow_hyphen_values = true)
+    )]
     pub bandwidth: Option<f64>,
     /// γ_reduce, seconds per byte reduced (without --profile; with one,
     /// it replaces the profile's constant and its curve by message size).
-    #[cfg_attr(feature = "cli", arg(long))]
+    #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub gamma_reduce: Option<f64>,
     /// γ_unpack, seconds per byte of sparse unit scatter-added (without
     /// --profile; with one, it replaces the profile's constant and its
     /// curve by output size).
-    #[cfg_attr(feature = "cli", arg(long))]
+    #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub gamma_unpack: Option<f64>,
     /// Selection cost, seconds per element (overrides the profile's fit).
-    #[cfg_attr(feature = "cli", arg(long))]
+    #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub select_cost: Option<f64>,
     /// Fixed selection cost, seconds per layer (with --select-cost).
-    #[cfg_attr(feature = "cli", arg(long))]
+    #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub select_fixed: Option<f64>,
     /// Selection method whose profile fit `sparse-allgather` uses.
     #[cfg_attr(feature = "cli", arg(long, default_value = "trimmed"))]
     pub select_method: String,
     /// GradiVeQ compression ratio r.
-    #[cfg_attr(feature = "cli", arg(long, default_value_t = 8.0))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, default_value_t = 8.0, allow_hyphen_values = true)
+    )]
     pub gradiveq_ratio: f64,
     /// Strategies the choice is made among (comma list; default: all).
     #[cfg_attr(feature = "cli", arg(long, default_value = ""))]
@@ -54,15 +63,21 @@ pub struct ModelArgs {
     pub ranks_per_node: Option<u64>,
     /// Latency between nodes, seconds per message (default: the profile's
     /// `inter_node`, else its `alpha`). Needs --ranks-per-node.
-    #[cfg_attr(feature = "cli", arg(long, requires = "ranks_per_node"))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, requires = "ranks_per_node", allow_hyphen_values = true)
+    )]
     pub inter_alpha: Option<f64>,
     /// Bandwidth of a node's link, bytes per second (default: the
     /// profile's `inter_node`, else one level). Needs --ranks-per-node.
-    #[cfg_attr(feature = "cli", arg(long, requires = "ranks_per_node"))]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, requires = "ranks_per_node", allow_hyphen_values = true)
+    )]
     pub inter_bandwidth: Option<f64>,
     /// Measured fill ratio of the sparse allreduce, distinct indices of
     /// the sum over p·k, in (0, 1] (default: independent selections).
-    #[cfg_attr(feature = "cli", arg(long))]
+    #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub fill: Option<f64>,
     /// Layers with fewer elements stay dense in a planned step, as the
     /// engine keeps them under `auto` (its `compress_threshold`, 32768 by
@@ -97,6 +112,24 @@ impl Default for ModelArgs {
 impl ModelArgs {
     /// The profile these arguments describe.
     pub fn profile(&self) -> Result<Profile> {
+        // Every constant's range, naming its flag (Python's keyword through
+        // the binding's flag map), before the model's own checks.
+        for (flag, v) in [
+            ("--alpha", self.alpha),
+            ("--gamma-reduce", self.gamma_reduce),
+            ("--gamma-unpack", self.gamma_unpack),
+        ] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(Error::InvalidArgument(format!(
+                    "{flag} {v}: must be a finite number ≥ 0 (seconds, or seconds per byte)"
+                )));
+            }
+        }
+        if let Some(bw) = self.bandwidth.filter(|b| !(b.is_finite() && *b > 0.0)) {
+            return Err(Error::InvalidArgument(format!(
+                "--bandwidth {bw}: must be a positive number of bytes per second"
+            )));
+        }
         let mut p = match (&self.profile, self.alpha, self.bandwidth) {
             (Some(path), _, _) => Profile::load(path)?,
             (None, Some(a), Some(bw)) => Profile::from_network(a, bw, 0.0, 0.0)?,
@@ -304,6 +337,13 @@ pub fn predict_record(
     p: usize,
     d: f64,
 ) -> Result<PredictRecord> {
+    if n == 0 {
+        // Nothing to synchronize: every prediction would be a bare α.
+        // (The command line and Python's `predict` both come here.)
+        return Err(Error::InvalidArgument(
+            "--elements 0: a layer of 0 elements, nothing to predict".into(),
+        ));
+    }
     layer_bytes(n).map_err(Error::InvalidArgument)?;
     let preds = cost::predict(prof, &m.query(n, p, d), &m.select_method)?;
     let choice = cost::choose(&preds, &m.allowed(prof)?)

@@ -210,6 +210,10 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// The current (or last) step's plan.
     plan: StepPlan,
     table_hash: u64,
+    /// `table_hash` as it would be with `allgather: "recdbl"`, the default
+    /// when older snapshots were written: a snapshot that matches it gets
+    /// an error saying which option to set.
+    legacy_hash: u64,
     /// This run's identity: rank 0's random number, agreed at creation (or
     /// the restored snapshots'). Snapshots carry it, so that a restore
     /// refuses snapshots of different runs (at the same step they passed
@@ -313,6 +317,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let valid = cfg.check();
         let json = serde_json::to_vec(&cfg)?;
         let table_hash = fnv(FNV_OFFSET, &json);
+        let legacy = Config {
+            allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+            ..cfg.clone()
+        };
+        let legacy_hash = fnv(FNV_OFFSET, &serde_json::to_vec(&legacy)?);
         let mut s = GradSync {
             rank: comm.rank(),
             size: comm.size(),
@@ -322,6 +331,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             table: Vec::new(),
             plan: StepPlan::default(),
             table_hash,
+            legacy_hash,
             run: 0,
             table_checked: false,
             auto_plan: None,

@@ -184,6 +184,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.restore_agreed("the snapshot", |s| s.parse_snapshot(bytes))
     }
 
+    /// Take part in a restore carrying a failure the caller found before it
+    /// had a snapshot to give (a binding's path of the wrong type): every
+    /// rank's restore fails alike with [`Error::RankFailed`] naming this
+    /// rank and `err`, and no engine changes. Returns that error.
+    pub fn fail_restore(&mut self, err: Error) -> Error {
+        let msg = err.to_string();
+        match self.restore_agreed("no snapshot", move |_| Err(Error::Snapshot(msg))) {
+            Err(e) => e,
+            Ok(()) => Error::InvalidArgument("a failed restore succeeded".into()),
+        }
+    }
+
     /// Parse and validate locally, agree across ranks, then apply.
     /// The snapshots' steps are compared in the same agreement: ranks
     /// restored to different steps would run different plans (warm-up,
@@ -286,9 +298,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         if snap.table_hash != self.table_hash || snap.layers.len() != self.layers.len() {
             // The one option whose default changed under existing
-            // snapshots: they hash "allgather": "recdbl".
-            let hint = if self.cfg.allgather == crate::dense::AllgathervAlgo::Auto {
-                " (a snapshot written before \"allgather\" defaulted to \"auto\" loads with \"allgather\": \"recdbl\")"
+            // snapshots: they hash "allgather": "recdbl". Said only where
+            // that is the difference.
+            let legacy = snap.table_hash == self.legacy_hash
+                && snap.layers.len() == self.layers.len()
+                && self.cfg.allgather != crate::dense::AllgathervAlgo::RecursiveDoubling;
+            let hint = if legacy {
+                " (this one was written with \"allgather\": \"recdbl\", the default before \"auto\": load it with that option)"
             } else {
                 ""
             };

@@ -278,6 +278,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev, wc)) = local?;
         self.table_hash = h;
+        self.legacy_hash = layer_hash(self.legacy_hash, id, name, shape, &strategy)?;
         let layer = Layer {
             name: name.to_string(),
             shape: shape.to_vec(),
@@ -375,16 +376,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             _ => None,
         };
         let codec = build_codec(&strategy, n)?;
-        let h = {
-            let mut h = fnv(self.table_hash, b"layer");
-            h = fnv(h, &(id as u64).to_le_bytes());
-            h = fnv(h, name.as_bytes());
-            h = fnv(h, &[0xff]);
-            for d in shape {
-                h = fnv(h, &(*d as u64).to_le_bytes());
-            }
-            fnv(h, serde_json::to_string(&strategy)?.as_bytes())
-        };
+        let h = layer_hash(self.table_hash, id, name, shape, &strategy)?;
         let label = strategy.label();
         Ok((n, strategy, codec, h, label, gvq, auto))
     }
@@ -741,4 +733,24 @@ fn fixed_id(
             (id, d)
         }
     }
+}
+
+/// The layer table's hash `seed` with layer `id` (`name`, `shape`,
+/// `strategy`) folded in: what a snapshot carries to be loaded only into
+/// the same table and options.
+pub(super) fn layer_hash(
+    seed: u64,
+    id: usize,
+    name: &str,
+    shape: &[usize],
+    strategy: &Strategy,
+) -> Result<u64> {
+    let mut h = fnv(seed, b"layer");
+    h = fnv(h, &(id as u64).to_le_bytes());
+    h = fnv(h, name.as_bytes());
+    h = fnv(h, &[0xff]);
+    for d in shape {
+        h = fnv(h, &(*d as u64).to_le_bytes());
+    }
+    Ok(fnv(h, serde_json::to_string(strategy)?.as_bytes()))
 }

@@ -484,7 +484,11 @@ for kw, needle in [(dict(ranks_per_node=0), "ranks_per_node= 0"),
                    (dict(ranks_per_node=32), "ranks_per_node= 32 is more than ranks= 16"),
                    (dict(density=0.0), "density= 0"),
                    (dict(ranks_per_node=4, fill=1.5), "fill= 1.5"),
-                   (dict(strategies=["zzz"]), "strategies=")]:
+                   (dict(strategies=["zzz"]), "strategies="),
+                   # One range check with the command line's.
+                   (dict(elements=0), "elements= 0: a layer of 0 elements, nothing to predict"),
+                   (dict(alpha=-1.0), "alpha= -1: must be a finite number"),
+                   (dict(bandwidth=0.0), "bandwidth= 0: must be a positive number")]:
     e = expect_error(lambda: gradsync.predict(**{**net, **kw}), None, f"predict with {kw}")
     ok(isinstance(e, ValueError) and needle in str(e) and "--" not in str(e), f"predict {kw}: {e}")
 
@@ -560,6 +564,15 @@ w.register("r", (np.int32(2), 5))
 w.sync([np.ones(10, np.float32), np.ones((2, 5), np.float32)])
 e = expect_error(lambda: w.load_snapshot(123 if rank == last else "/nonexistent/x.snap"), None, "load path type")
 ok(isinstance(e, TypeError if rank == last else gradsync.Error), "load_snapshot: a bad path type fails every rank")
+# The other ranks' own snapshots are good: every rank reads the one
+# rank's cause (not a file name made of it).
+with tempfile.TemporaryDirectory() as d:
+    mine = os.path.join(d, f"w{rank}.snap")
+    w.save_snapshot(mine)
+    e = expect_error(lambda: w.load_snapshot(123 if rank == last else mine), None, "load path type, good peers")
+    ok(("a path must be str, bytes or os.PathLike, got int" in str(e) and "\\x00" not in str(e)
+        and "NUL" not in str(e) and (p == 1 or f"rank {last} failed" in str(e))),
+       f"load_snapshot: the bad path type named on every rank: {e}")
 e = expect_error(
     lambda: gradsync.GradSync(comm, profile=42 if rank == last else None), None, "profile is an int"
 )

@@ -218,7 +218,8 @@ fn rgc_quant_alternates_signs_and_sends_the_mean() {
             assert_eq!(out[i], w);
         }
     }
-    // Fewer values of the turn's sign than k: send those; none: len 0, mean 0.
+    // Fewer values of the turn's sign than k: send those; none: the other
+    // sign's set (a residual of one sign is never left unsent).
     let mut c = RgcQuant::new(0.5).expect("test"); // k = 3 of 6
     let y = [-1.0f32, -2.0, 4.0, -3.0, 0.0, -0.5];
     c.encode(&y, &mut msg).expect("test");
@@ -232,12 +233,16 @@ fn rgc_quant_alternates_signs_and_sends_the_mean() {
     assert_eq!(out, [-2.0, -2.0, 0.0, -2.0, 0.0, 0.0]);
     let neg = [-1.0f32, -2.0];
     let mut c = RgcQuant::new(0.5).expect("test");
-    c.encode(&neg, &mut msg).expect("test");
+    for turn in 0..2 {
+        // The positive turn has no positive value: the negative set goes.
+        c.encode(&neg, &mut msg).expect("test");
+        c.decode(&msg, &mut out[..2]).expect("test");
+        assert_eq!(&out[..2], &[0.0, -2.0], "turn {turn}");
+        assert_eq!(c.next_is_positive(), turn == 1);
+    }
+    // Nothing of either sign: len 0, mean 0.
+    c.encode(&[0.0, 0.0], &mut msg).expect("test");
     assert_eq!(&msg[HEADER_LEN..], &[0u8; 8][..]);
-    assert!(!c.next_is_positive());
-    c.encode(&neg, &mut msg).expect("test");
-    c.decode(&msg, &mut out[..2]).expect("test");
-    assert_eq!(&out[..2], &[0.0, -2.0]);
     // Empty tensor.
     c.encode(&[], &mut msg).expect("test");
     c.decode(&msg, &mut []).expect("test");

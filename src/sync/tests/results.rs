@@ -332,3 +332,33 @@ fn the_engine_executes_the_plan() {
         });
     }
 }
+
+/// `rgc-quant` on a residual of one sign (here every value ties): every
+/// step sends, the turns of the other sign included; before, every other
+/// step sent nothing and no single step counted as starved.
+#[test]
+fn rgc_quant_sends_every_step_on_a_residual_of_one_sign() {
+    let res = LocalComm::run(2, |c| {
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        s.register_spec("w", &[1000], "rgc-quant:density=0.01")
+            .expect("register");
+        (0..6)
+            .map(|_| {
+                let mut g = vec![0.5f32; 1000];
+                let st = s.sync(&mut [&mut g[..]]).expect("sync");
+                (
+                    st.layers[0].density,
+                    g.iter().filter(|&&x| x != 0.0).count(),
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    for (r, steps) in res.iter().enumerate() {
+        for (t, &(density, nonzero)) in steps.iter().enumerate() {
+            assert!(
+                density > 0.0 && nonzero >= 10,
+                "rank {r} step {t}: {density} {nonzero}"
+            );
+        }
+    }
+}

@@ -167,6 +167,18 @@ fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
         register_full(&mut s);
         s.restore_bytes(&snap)
             .expect("restores with the earlier default");
+        // Another difference (the momentum) gets no word about the
+        // allgather.
+        let c = LocalComm::create(1).pop().expect("one rank");
+        let other = Config {
+            momentum: full_cfg().momentum + 0.05,
+            ..full_cfg()
+        };
+        let mut s = GradSync::with_transport(c, other).expect("engine");
+        register_full(&mut s);
+        let e = s.restore_bytes(&snap).unwrap_err().to_string();
+        assert!(e.contains("another layer table or other options"), "{e}");
+        assert!(!e.contains("allgather"), "{e}");
     });
 }
 
