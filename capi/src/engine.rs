@@ -109,6 +109,13 @@ pub unsafe extern "C" fn gs_engine_create(
                              through the C ABI (gs_sync takes no weights); apply the decay \
                              in the optimizer",
                         ))
+                    } else if c.delay > 1 {
+                        // A communicating step writes the weights back.
+                        Err(invalid(
+                            "gs_engine_create: config_json: delay > 1 is not available through \
+                             the C ABI (gs_sync takes no weights, and a delayed run needs them \
+                             writable at every step so that the ranks' weights stay equal)",
+                        ))
                     } else {
                         Ok(c)
                     }

@@ -170,6 +170,13 @@ int main(int argc, char **argv) {
   if (e) fprintf(stderr, "rank %d: engine from a failed create\n", rank), failures++;
   gs_engine_destroy(e);
 
+  /* delay > 1 writes the weights back at each communicating step: the same. */
+  e = NULL;
+  rc = gs_engine_create(MPI_COMM_WORLD, rank == bad ? "{\"delay\": 2}" : "{}", &e);
+  report("create with delay 2 on one rank", rc, GS_ERR_RANK_FAILED, "delay > 1 is not available");
+  if (e) fprintf(stderr, "rank %d: engine from a failed create\n", rank), failures++;
+  gs_engine_destroy(e);
+
   /* Registration problems on one rank fail every rank. */
   gs_engine_create(MPI_COMM_WORLD, NULL, &e);
   rc = gs_register(e, rank == bad ? NULL : "w", wshape, 2, "dense");

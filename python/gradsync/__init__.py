@@ -159,6 +159,12 @@ class GradSync:
         self._engine = _gradsync.GradSync(comm, text)
         # For set-up agreements of the layers above it (gradsync.torch).
         self._comm = comm
+        # The options as given (gradsync.torch reads weight_decay, delay).
+        self._options = dict(opts)
+
+    def _delayed(self) -> bool:
+        delay = self._options.get("delay", 1)
+        return isinstance(delay, int) and delay > 1
 
     def register(self, name: str, shape: Union[int, Sequence[int]], strategy: str = "auto") -> int:
         """Register a layer (collective: every rank registers the same layers in the same order).
@@ -207,7 +213,11 @@ class GradSync:
         ``dense_bytes``, timings in seconds, and ``layers``, one dict per
         layer (``name``, ``strategy``, ``codec``, ``density``,
         ``bytes_sent``, ``ratio``, ...). With the ``weight_decay`` option,
-        pass ``weights`` (one array per layer, read only) too.
+        pass ``weights`` (one array per layer, read only) too. With ``delay``
+        above 1 pass ``weights`` at every step, writable (float32 numpy arrays,
+        or CPU tensors viewed in place): each communicating step writes the
+        weights of the last one back into them, so that every rank's weights
+        are the same, bit for bit, once the result is applied.
         """
         g, w = self._inputs(grads, weights, writable=True)
         return self._engine.sync(g, w)
@@ -230,7 +240,9 @@ class GradSync:
         rank, through :meth:`fail_step`, before this rank raises that error:
         its peers are about to enter the step's collectives."""
         try:
-            return _arrays(grads, writable), _arrays(weights, writable=False)
+            # With a delay the engine writes the weights back: views that
+            # can be written (a tensor's numpy view, not a read-only copy).
+            return _arrays(grads, writable), _arrays(weights, writable=self._delayed())
         except Exception as e:  # noqa: BLE001 - re-raised below
             try:
                 self._engine.fail_step(f"reading the arrays raised {type(e).__name__}: {e}")
@@ -260,7 +272,8 @@ class GradSync:
         backward has produced a bucket's gradients (any subset of the
         layers not yet submitted this step, e.g. the last layers first).
         Its compression runs here and its collectives on gradsync's
-        progress thread while backward goes on; the arrays are only read
+        progress thread while backward goes on; the arrays are only read (but
+        with ``delay`` above 1 the weights are written back at a communicating step)
         and may be reused when it returns. Finish the step with
         :meth:`finish_step`. The results equal :meth:`sync`'s of the whole
         step bit for bit (``docs/pytorch.md`` says how, and which options
@@ -276,7 +289,7 @@ class GradSync:
 
     def _bucket_inputs(self, layers: Any, grads: Any, weights: Any) -> Any:
         try:
-            return _arrays(grads, writable=False), _arrays(weights, writable=False)
+            return _arrays(grads, writable=False), _arrays(weights, writable=self._delayed())
         except Exception as e:  # noqa: BLE001 - re-raised below
             self._engine.fail_bucket(list(layers), f"reading the arrays raised {type(e).__name__}: {e}")
             raise e

@@ -293,6 +293,14 @@ def _needs_weights(opts: Mapping[str, Any]) -> bool:
     return bool(opts.get("weight_decay")) or (isinstance(delay, int) and delay > 1)
 
 
+def _stateless(torch: Any, optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps no state from one step to the next:
+    ``torch.optim.SGD`` without momentum or weight decay."""
+    return type(optimizer) is torch.optim.SGD and all(
+        not g.get("momentum") and not g.get("weight_decay") for g in optimizer.param_groups
+    )
+
+
 def _strategy_of(strategy: Strategy, name: str, p: Any) -> str:
     if isinstance(strategy, str):
         return strategy
@@ -415,6 +423,14 @@ class DistributedOptimizer:
                 raise ValueError(f"bucket_cap_mb must be None or a positive number, not {bucket_cap_mb!r}")
             if backward_passes_per_step > 1 and not overlap:
                 raise ValueError("backward_passes_per_step counts gradients with per-parameter hooks: it needs overlap=True")
+            delayed = _needs_weights({"delay": (getattr(sync, "_options", None) or gradsync_options).get("delay", 1)})
+            if delayed and not _stateless(torch, optimizer):
+                raise ValueError(
+                    "delay > 1 needs a stateless optimizer (torch.optim.SGD without momentum or "
+                    "weight_decay): a stateful one takes each rank's local directions into its "
+                    "state (momentum buffers, Adam's moments), and the ranks' weights drift apart; "
+                    "give gradsync momentum= and weight_decay= instead"
+                )
             setup_error: Optional[BaseException] = None
         except Exception as e:  # noqa: BLE001 - carried into the collective set-up
             setup_error = e
@@ -429,7 +445,7 @@ class DistributedOptimizer:
         self.overlap = not hasattr(sync, "register")  # the bucketed step
         # Weight decay in gradsync (`g += wd·w` before compression) reads
         # the weights, a delay writes them: every step passes them.
-        self._weight_decay = _needs_weights(gradsync_options)
+        self._weight_decay = _needs_weights(getattr(sync, "_options", None) or gradsync_options)
         self.optimizer = optimizer
         self.sync = sync
         self._params = params

@@ -287,7 +287,9 @@ impl crate::PyGradSync {
         );
         if weights {
             return Err(Bad::Type(
-                "weights with DLPack gradients are not supported: pass numpy arrays for weight decay".into(),
+                "weights with DLPack gradients are not supported: pass float32 numpy arrays (for \
+                 weight decay, or writable for delay > 1)"
+                    .into(),
             ));
         }
         let items: Vec<Bound<'_, PyAny>> = grads

@@ -1040,9 +1040,9 @@ impl PyGradSync {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // As `engine()`: another thread may hold the engine inside a
         // GIL-free step, and needs the GIL to return: wait without it.
-        let e = loop {
+        let mut g = loop {
             match self.inner.try_lock() {
-                Ok(mut g) => break g.take(),
+                Ok(g) => break g,
                 Err(std::sync::TryLockError::WouldBlock) => {
                     py.detach(|| std::thread::sleep(std::time::Duration::from_micros(50)))
                 }
@@ -1051,7 +1051,26 @@ impl PyGradSync {
                 }
             }
         };
+        let Some(eng) = g.as_mut() else {
+            return Ok(()); // closed already: no collective
+        };
+        // Every rank's close meets in one agreement: a peer in another
+        // call (a step) gets an error naming both, not a wait for ever.
+        // After that error the engine stays open; after any other (a
+        // broken engine) it is closed all the same, with a warning.
+        let broken = match py.detach(|| eng.prepare_close()) {
+            Err(e @ gradsync::Error::CallMismatch(_)) => return Err(engine_err(e)),
+            Err(e) => Some(format!("gradsync: close: {e} (closed all the same)")),
+            Ok(()) => None,
+        };
+        let e = g.take();
+        drop(g);
         py.detach(move || drop(e));
+        if let Some(text) = broken {
+            let msg = std::ffi::CString::new(text.replace('\0', " ")).expect("no NUL");
+            let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+            let _ = PyErr::warn(py, category.as_any(), &msg, 1);
+        }
         Ok(())
     }
 }

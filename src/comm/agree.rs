@@ -214,6 +214,8 @@ pub(crate) enum CallKind {
     Restore = 4,
     /// The engine's creation (its options agreement).
     Create = 5,
+    /// Closing the engine ([`crate::sync::GradSync::prepare_close`]).
+    Close = 6,
 }
 
 impl CallKind {
@@ -226,6 +228,7 @@ impl CallKind {
             CallKind::Step => format!("step {step} (sync, start, submit_bucket or finish_step)"),
             CallKind::Restore => "a restore (load_snapshot or restore_bytes)".into(),
             CallKind::Create => "the engine's creation".into(),
+            CallKind::Close => "close".into(),
         }
     }
 }

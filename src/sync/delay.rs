@@ -119,6 +119,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 .is_some_and(|l| l.wc.len() == w.len() && l.n == w.len())
         };
         let paired = ids.len() == weights.len();
+        self.resets_weights = true;
+        let r = {
+            let view: Vec<&[f32]> = weights.iter().map(|w| &**w).collect();
+            submit(self, &view)
+        };
+        self.resets_weights = false;
+        // A call refused on this rank alone (misuse) keeps nothing.
+        r?;
+        // The step reads the weights, never writes them: they are kept
+        // after it as they were before it (and before the write-back).
         if t > 1 && paired && self.window_start {
             for (&id, w) in ids.iter().zip(weights.iter()) {
                 if fits(self, id, w) {
@@ -127,13 +137,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             self.window_kept = true;
         }
-        self.resets_weights = true;
-        let r = {
-            let view: Vec<&[f32]> = weights.iter().map(|w| &**w).collect();
-            submit(self, &view)
-        };
-        self.resets_weights = false;
-        r?;
         if t > 1 && paired && self.plan.communicates {
             for (&id, w) in ids.iter().zip(weights.iter_mut()) {
                 if fits(self, id, w) {
@@ -167,7 +170,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             Ok(_) if self.cfg.delay > 1 && !self.resets_weights => {
                 Err(Error::InvalidArgument(NEEDS_WEIGHTS.into()))
             }
+            Ok(_) if self.diverged.is_some() => Err(Error::InvalidArgument(
+                self.diverged.clone().unwrap_or_default(),
+            )),
             i => i,
         }
+    }
+
+    /// A communicating step of `delay > 1` whose result this rank lost (a
+    /// `wait` refused on a bad output, or [`GradSync::discard_pending`])
+    /// after its weights were written back: its weights are no longer its
+    /// peers'. Every later step fails on every rank saying so, until a
+    /// restore.
+    pub(super) fn mark_diverged(&mut self, step: u64) {
+        self.diverged = Some(format!(
+            "the result of step {step} (a communicating step with delay > 1) was discarded on \
+             rank {} (a refused output, or discard_pending) after its weights were written back: its weights now differ from its \
+             peers'; restore every rank from a snapshot (load_snapshot)",
+            self.rank
+        ));
     }
 }

@@ -4,8 +4,9 @@
 //! momentum factor masking and error feedback (`V -= sent`, or `γ·V` for
 //! damped codecs), undone by `unsend` when a step fails; dense layers'
 //! contribution to the fused allreduce buffer and momentum on the average;
-//! SBC's communication delay (local directions accumulated in `acc`,
-//! subtracted again through `prev`); Lin et al.'s local gradient clipping
+//! SBC's communication delay (local directions accumulated in `acc`, put
+//! back from `prev` when a communicating step fails; the caller's weights
+//! go back to `wc`, `delay.rs`); Lin et al.'s local gradient clipping
 //! (§5.5). [`GradSync::local_phase`](super::local) runs it over the table.
 //! No policy and no communication here.
 

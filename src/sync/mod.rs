@@ -251,6 +251,10 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// The open step kept weights for its window (`window_start` ends with
     /// the step).
     window_kept: bool,
+    /// Set when a delayed communicating step's result was discarded on
+    /// this rank (`delay.rs`): every step fails on every rank until a
+    /// restore.
+    diverged: Option<String>,
     /// Every rank's node, when the configuration needs them (the
     /// node-aware collectives, a two-level profile for `Auto`,
     /// `sparse_exchange = "auto"`).
@@ -349,6 +353,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             names: std::collections::HashMap::new(),
             window_start: true,
             window_kept: false,
+            diverged: None,
             nodes: None,
             fill_estimate: None,
             auto_exchange: None,
@@ -578,7 +583,31 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let mut scratch: Vec<Vec<f32>> = self.layers.iter().map(|l| vec![0.0; l.n]).collect();
         let mut out: Vec<&mut [f32]> = scratch.iter_mut().map(|v| &mut v[..]).collect();
-        self.wait(&mut out).map(|_| true)
+        let (step, delayed) = (self.step, self.plan.delayed && self.plan.communicates);
+        let r = self.wait(&mut out).map(|_| true);
+        if r.is_ok() && delayed {
+            self.mark_diverged(step);
+        }
+        r
+    }
+
+    /// The collective half of closing the engine: every rank's close meets
+    /// in one agreement, so a rank that closes while a peer steps (or
+    /// restores, or registers) gets the same [`Error::CallMismatch`] as
+    /// that peer, naming both calls, instead of leaving it waiting. A
+    /// step this rank still has pending is finished first, its result
+    /// discarded ([`discard_pending`](Self::discard_pending)). Drop the
+    /// engine after `Ok`; after an error it is as it was.
+    pub fn prepare_close(&mut self) -> Result<()> {
+        if self.pending() {
+            // Its peers finished that step (or fail it alike).
+            let _ = self.discard_pending();
+        }
+        self.agree_status(
+            crate::comm::agree::CallKind::Close,
+            Ok(()),
+            (0, String::new()),
+        )
     }
 
     /// [`start`](Self::start) with the weights, for weight decay.

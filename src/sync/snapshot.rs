@@ -408,6 +408,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.step = snap.step;
         self.window_start = snap.window_start;
         self.window_kept = false;
+        self.diverged = None;
         // A new branch of the restored run: the loaded identity mixed with
         // this job's (alike on every rank). Two jobs restored from the same
         // files then write different identities, so a mix of their later

@@ -2,8 +2,8 @@
 //! decoded into the average (RedSync §4's decompression; SBC and the other
 //! codecs through their `decode`), the sparse allreduce's result sliced
 //! into its layers, the dense average and GradiVeQ's ring
-//! output with momentum applied (`dense_update`), the delayed steps'
-//! correction, and the NaN/Inf policy. What each layer reads is fixed by
+//! output with momentum applied (`dense_update`), a void delayed step's
+//! rollback, and the NaN/Inf policy. What each layer reads is fixed by
 //! the step's plan ([`plan`](super::plan)).
 //!
 //! [`GradSync::unpack`] runs the stages in order: the GradiVeQ states back
@@ -52,8 +52,25 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         comm?;
-        self.check_outputs(out)?;
-        self.parse_messages(&mut st.parts)?;
+        if let Err(e) = self.check_outputs(out) {
+            // This rank's result is lost; with a delay its weights were
+            // written back already: they are no longer its peers'.
+            if self.plan.delayed && self.plan.communicates {
+                self.mark_diverged(self.step);
+            }
+            return Err(e);
+        }
+        if let Err(e) = self.parse_messages(&mut st.parts) {
+            // The same gathered bytes on every rank: every rank fails here.
+            // With a delay the window's directions go back, as for a void
+            // step (the window stays open).
+            if self.plan.delayed && self.plan.communicates {
+                for l in &mut self.layers {
+                    l.rollback();
+                }
+            }
+            return Err(e);
+        }
         let plan = &self.plan;
         // `auto`'s group in the allgatherv: its unpacking counts the fill.
         let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);

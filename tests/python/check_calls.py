@@ -6,7 +6,7 @@ others; every rank must raise gradsync.Error naming both calls.
 Cases: the resume pattern whose snapshot exists on some ranks only
 (load_snapshot against the first step, and against a later step), a layer
 registered after the first step on one rank, complete_table and the first
-step against load_snapshot. Each rank prints "rank R: OK <n> checks" at the end.
+step against load_snapshot, close() against a step. Each rank prints "rank R: OK <n> checks" at the end.
 """
 
 import os
@@ -120,6 +120,22 @@ with engine() as s:
 
     e = raises(complete_or_load)
     both_calls_named(e, "step 0", "a restore", "complete_table and a step against load_snapshot")
+
+# 5. close() on the last rank while the others step: both calls named, and
+# every engine stays open and in step.
+with engine() as s:
+    s.sync(grads(0))
+
+    def close_or_step():
+        if rank == last:
+            s.close()
+        else:
+            s.sync(grads(1))
+
+    e = raises(close_or_step)
+    both_calls_named(e, "step 1", "close", "close against a step")
+    s.sync(grads(1))
+    ok(s.step == 2, f"a step after close's mismatch runs everywhere (step {s.step})")
 
 comm.Barrier()
 if rank == 0:

@@ -587,6 +587,16 @@ for opts, want in [({"weight_decay": 1e-3}, "give it to the torch optimizer"),
     except ValueError as e:
         assert want in str(e), e
 say("(h) weight_decay and delay > 1 refused by the hook, naming what to use OK")
+# With a delay the optimizer must keep no state of its own (each rank's
+# local directions would enter it, and the weights drift apart).
+for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adam(ps)):
+    m = Net()
+    try:
+        gst.DistributedOptimizer(make(m.parameters()), m.named_parameters(), strategy="dense", delay=2)
+        raise AssertionError("a stateful optimizer with delay=2 did not raise")
+    except ValueError as e:
+        assert "stateless optimizer" in str(e), e
+say("(h) delay > 1 with a stateful torch optimizer refused OK")
 
 dist.destroy_process_group()
 say("check_torch_hook: OK")

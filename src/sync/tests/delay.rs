@@ -155,3 +155,56 @@ fn a_delay_without_writable_weights_fails_on_every_rank() {
         assert_eq!(*step, 4, "rank {r}");
     }
 }
+
+/// A communicating step's result lost on one rank after the weights were
+/// written back (its `wait` failed on a bad output, or the binding threw
+/// the step away with `discard_pending`): that rank's weights differ from
+/// its peers' for good, so every later step fails on every rank saying so,
+/// until a restore.
+#[test]
+fn a_lost_delayed_result_fails_every_later_step_until_a_restore() {
+    for discard in [false, true] {
+        let res = LocalComm::run(2, |c| {
+            let rank = c.rank();
+            let mut s = GradSync::with_transport(c, Config { delay: 2, ..cfg() }).expect("engine");
+            s.register("w", &[8]).expect("register");
+            let mut w = vec![0.5f32; 8];
+            let mut g = vec![1.0f32; 8];
+            s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
+                .expect("step 0");
+            let snap = s.snapshot_bytes().expect("snapshot");
+            // Step 1 communicates.
+            let mut g = vec![1.0f32; 8];
+            if rank == 1 {
+                s.start_with_weights_mut(&[&g[..]], &mut [&mut w[..]])
+                    .expect("start");
+                if discard {
+                    assert!(s.discard_pending().expect("discarded"));
+                } else {
+                    let mut short = vec![0.0f32; 7];
+                    s.wait(&mut [&mut short[..]]).expect_err("a short output");
+                }
+            } else {
+                s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
+                    .expect("step 1");
+            }
+            let mut g = vec![1.0f32; 8];
+            let e = s
+                .sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            s.restore_bytes(&snap).expect("restore");
+            let mut g = vec![1.0f32; 8];
+            s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
+                .expect("the run goes on after the restore");
+            e
+        });
+        for (r, e) in res.iter().enumerate() {
+            assert!(
+                e.contains("rank 1 failed") && e.contains("was discarded on rank 1"),
+                "discard {discard}, rank {r}: {e}"
+            );
+        }
+    }
+}
