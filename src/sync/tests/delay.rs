@@ -168,34 +168,34 @@ fn a_lost_delayed_result_fails_every_later_step_until_a_restore() {
             let rank = c.rank();
             let mut s = GradSync::with_transport(c, Config { delay: 2, ..cfg() }).expect("engine");
             s.register("w", &[8]).expect("register");
-            let mut w = vec![0.5f32; 8];
-            let mut g = vec![1.0f32; 8];
+            let mut w = [0.5f32; 8];
+            let mut g = [1.0f32; 8];
             s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
                 .expect("step 0");
             let snap = s.snapshot_bytes().expect("snapshot");
             // Step 1 communicates.
-            let mut g = vec![1.0f32; 8];
+            let mut g = [1.0f32; 8];
             if rank == 1 {
                 s.start_with_weights_mut(&[&g[..]], &mut [&mut w[..]])
                     .expect("start");
                 if discard {
                     assert!(s.discard_pending().expect("discarded"));
                 } else {
-                    let mut short = vec![0.0f32; 7];
+                    let mut short = [0.0f32; 7];
                     s.wait(&mut [&mut short[..]]).expect_err("a short output");
                 }
             } else {
                 s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
                     .expect("step 1");
             }
-            let mut g = vec![1.0f32; 8];
+            let mut g = [1.0f32; 8];
             let e = s
                 .sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
                 .map(|_| ())
                 .unwrap_err()
                 .to_string();
             s.restore_bytes(&snap).expect("restore");
-            let mut g = vec![1.0f32; 8];
+            let mut g = [1.0f32; 8];
             s.sync_with_weights_mut(&mut [&mut g[..]], &mut [&mut w[..]])
                 .expect("the run goes on after the restore");
             e
