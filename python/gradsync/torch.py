@@ -82,6 +82,31 @@ def _engine_view(torch: Any, name: str, t: Any, what: str) -> Any:
     return arr
 
 
+_SETUP = "gradsync.torch set-up (DistributedOptimizer or GradSyncHookState)"
+_BROADCAST = "gradsync.torch.broadcast_parameters"
+
+
+def _call_kind(comm: Any, kind: str) -> None:
+    """The first collective of a ``gradsync.torch`` helper (one small
+    allgather over ``comm``): ranks in different helpers (one broadcasts the
+    parameters while another sets up the optimizer) all raise
+    ``gradsync.Error`` naming both calls, as the engine's own calls do,
+    instead of meeting in two different collectives."""
+    import gradsync
+
+    tag = "gradsync-call"
+    kinds = comm.allgather((tag, kind))
+    odd = next((r for r, k in enumerate(kinds) if k != kinds[0]), None)
+    if odd is not None:
+        def name(k: Any) -> str:
+            return k[1] if isinstance(k, tuple) and len(k) == 2 and k[0] == tag else repr(k)
+
+        raise gradsync.Error(
+            f"the call differs across ranks: rank 0 is in {name(kinds[0])}, rank {odd} in "
+            f"{name(kinds[odd])}; every rank must make the same gradsync calls in the same order"
+        )
+
+
 def _agree(comm: Any, local_error: Optional[BaseException], count: int) -> None:
     """Collective over ``comm`` (``COMM_WORLD`` when ``None``): every rank
     raises if any rank passed an error (its own error type on that rank,
@@ -130,7 +155,9 @@ def _engine_for(
     ``overlap=(bucket_cap_mb, backward_passes_per_step, param_hooks)``: the step in
     buckets (:mod:`gradsync._overlap`) where every rank can overlap."""
     import gradsync
+    from mpi4py import MPI
 
+    _call_kind(getattr(sync, "_comm", None) or MPI.COMM_WORLD, _SETUP)
     try:
         if setup_error is not None:
             raise setup_error
@@ -853,6 +880,7 @@ def broadcast_parameters(
 
     if comm is None:
         comm = MPI.COMM_WORLD
+    _call_kind(comm, _BROADCAST)
     items = list(named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters)
     table = []
     prepared: List[Any] = []

@@ -597,6 +597,22 @@ for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: to
     except ValueError as e:
         assert "stateless optimizer" in str(e), e
 say("(h) delay > 1 with a stateful torch optimizer refused OK")
+# Ranks in different helpers (the last broadcasts the parameters, the others
+# set up the optimizer) all raise, naming both calls, and stay in step.
+if size > 1:
+    m = Net()
+    try:
+        if rank == last:
+            gst.broadcast_parameters(m.named_parameters())
+        else:
+            gst.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                     strategy="dense")
+        raise AssertionError("different helpers did not raise")
+    except gradsync.Error as e:
+        assert "the call differs across ranks" in str(e) and "broadcast_parameters" in str(e) \
+            and "set-up" in str(e), e
+    gst.broadcast_parameters(m.named_parameters())
+    say("(h) broadcast_parameters against the optimizer's set-up: every rank raised naming both OK")
 
 dist.destroy_process_group()
 say("check_torch_hook: OK")
