@@ -1323,36 +1323,25 @@ fn numbers_out_of_range_name_their_flag() {
         let (ok, _, err) = gradsync(&a);
         assert!(!ok && err.contains(want), "{a:?}: {err}");
     }
-    let (ok, _, err) = gradsync(&[
-        "predict",
-        "--elements",
-        "0",
-        "--ranks",
-        "4",
-        "--alpha",
-        "1e-6",
-        "--bandwidth",
-        "1e9",
-    ]);
-    assert!(
-        !ok && err.contains("--elements 0: a layer of 0 elements"),
-        "{err}"
-    );
-    let (ok, _, err) = gradsync(&[
-        "predict",
-        "--bytes",
-        "0",
-        "--ranks",
-        "4",
-        "--alpha",
-        "1e-6",
-        "--bandwidth",
-        "1e9",
-    ]);
-    assert!(
-        !ok && err.contains("--bytes 0: a layer of 0 elements"),
-        "{err}"
-    );
+    // A layer of 0 elements, by either flag.
+    for (flag, want) in [
+        ("--elements", "--elements 0: a layer of 0 elements"),
+        ("--bytes", "--bytes 0: a layer of 0 elements"),
+    ] {
+        let a = [
+            "predict",
+            flag,
+            "0",
+            "--ranks",
+            "4",
+            "--alpha",
+            "1e-6",
+            "--bandwidth",
+            "1e9",
+        ];
+        let (ok, _, err) = gradsync(&a);
+        assert!(!ok && err.contains(want), "{a:?}: {err}");
+    }
     let (ok, out, err) = gradsync(&[
         "predict",
         "--elements",

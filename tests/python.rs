@@ -142,17 +142,7 @@ fn python_different_calls_fail_alike_under_mpirun() {
     if !python_ready("python_different_calls_fail_alike_under_mpirun") {
         return;
     }
-    let script = repo().join("tests/python/check_calls.py");
-    for p in [2, 3] {
-        let (ok, out, err) = mpirun_py(p, &script, &[], 60);
-        assert!(ok, "p={p}\n{out}\n{err}");
-        for r in 0..p {
-            assert!(
-                out.contains(&format!("rank {r}: OK ")),
-                "p={p} rank {r}\n{out}\n{err}"
-            );
-        }
-    }
+    mpirun_checks("check_calls.py", &[2, 3]);
 }
 
 /// SBC's delay with a per-step learning rate: every rank's weights
@@ -162,17 +152,7 @@ fn python_delayed_weights_agree_bitwise_under_mpirun() {
     if !python_ready("python_delayed_weights_agree_bitwise_under_mpirun") {
         return;
     }
-    let script = repo().join("tests/python/check_delay.py");
-    for p in [2, 3] {
-        let (ok, out, err) = mpirun_py(p, &script, &[], 60);
-        assert!(ok, "p={p}\n{out}\n{err}");
-        for r in 0..p {
-            assert!(
-                out.contains(&format!("rank {r}: OK ")),
-                "p={p} rank {r}\n{out}\n{err}"
-            );
-        }
-    }
+    mpirun_checks("check_delay.py", &[2, 3]);
 }
 
 /// GradSync.sync on DLPack tensors through the engine's own import (the
@@ -416,4 +396,20 @@ fn tempdir(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// `tests/python/<script>` under mpirun at each of `ps` ranks (60 s each):
+/// it must exit 0 with every rank's "rank R: OK" line.
+fn mpirun_checks(script: &str, ps: &[usize]) {
+    let path = repo().join("tests/python").join(script);
+    for &p in ps {
+        let (ok, out, err) = mpirun_py(p, &path, &[], 60);
+        assert!(ok, "{script} p={p}\n{out}\n{err}");
+        for r in 0..p {
+            assert!(
+                out.contains(&format!("rank {r}: OK ")),
+                "{script} p={p} rank {r}\n{out}\n{err}"
+            );
+        }
+    }
 }
