@@ -4,7 +4,8 @@ delay = 3, a dense and two sparse layers, momentum, and a learning rate that
 changes every step (a warm-up, then a decay), every rank's weights are the
 same bit for bit after every communicating step; they differ in between
 (each rank's own local steps). A delayed step without the weights, or with
-read-only weights, raises on every rank, saying why, and the run goes on.
+read-only weights, raises on every rank, saying why, and the run goes on;
+a communicating step's result lost on one rank fails every rank's next step.
 Each rank prints "rank R: OK <n> checks" at the end.
 """
 
@@ -69,5 +70,34 @@ for momentum in (0.0, 0.9):
     st = s.sync(g, weights=w)
     ok(st["step"] == 14, f"the run goes on: step {st['step']}")
     s.close()
+
+# A communicating step's result lost on one rank after its weights were
+# written back (its wait refused a bad output, then the next sync discarded
+# the kept result): every rank's next step raises, naming that rank, and no
+# rank waits for another.
+last = p - 1
+s = gradsync.GradSync(comm, delay=2)
+s.register("w", (8,), strategy="dense")
+w = [np.full(8, 0.5, np.float32)]
+s.sync([np.ones(8, np.float32)], weights=w)  # step 0, local
+if rank == last:
+    s.start([np.ones(8, np.float32)], weights=w)  # step 1 communicates
+    try:
+        s.wait([np.ones(7, np.float32)])
+        ok(False, "a bad output was accepted")
+    except ValueError:
+        pass
+else:
+    s.sync([np.ones(8, np.float32)], weights=w)
+try:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s.sync([np.ones(8, np.float32)], weights=w)
+    ok(False, "the step after a lost result ran")
+except gradsync.Error as e:
+    ok(f"was discarded on rank {last}" in str(e), f"lost result: {e}")
+s.close()
 
 print(f"rank {rank}: OK {checks} checks", flush=True)
