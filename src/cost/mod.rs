@@ -67,6 +67,7 @@ pub(crate) mod argmin;
 mod bucket;
 pub(crate) mod decide;
 mod exchange;
+mod layers_file;
 mod query;
 pub mod records;
 mod step;
