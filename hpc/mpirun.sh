@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# mpirun with the flags this kind of machine needs: root permission flags when
-# run as root, --oversubscribe when more ranks than cores are asked for.
+# mpirun with the flags this kind of machine needs: with Open MPI, root
+# permission flags when run as root, no binding, --oversubscribe when more
+# ranks than cores are asked for; MPICH's mpirun (Hydra) needs none of them
+# and gets the command line as given.
 #   hpc/mpirun.sh -np 4 target/release/gradsync bench --check
 set -euo pipefail
+if ! mpirun --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+  exec mpirun "$@"
+fi
 np=1
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do

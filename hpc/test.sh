@@ -3,7 +3,7 @@
 # property tests in process, integration tests on real mpirun ranks), the
 # Slurm tests (hpc/slurm_test.sh: the job scripts on a one-node Slurm,
 # skipped with the reason where Slurm cannot start; GRADSYNC_REQUIRE_SLURM=1
-# makes that a failure), then a short smoke run of every fuzz target over its
+# makes that a failure), the MPI tests against MPICH (hpc/mpich_test.sh), then a short smoke run of every fuzz target over its
 # kept corpus (fuzz/README.md; GRADSYNC_SKIP_FUZZ=1 skips it, FUZZ_SECONDS
 # sets seconds per target).
 set -euo pipefail
@@ -53,6 +53,14 @@ hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh, issue #15); skipped 
 # The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs
 # slurm-wlm and munge); skipped with the reason where Slurm cannot start here.
 hpc/slurm_test.sh
+# The MPI tests against MPICH as well: Debian's MPICH in a Debian root of its
+# own made with debootstrap (two MPIs never share a machine), this tree
+# mounted into it (docs/running.md#mpich). GRADSYNC_SKIP_MPICH=1 skips it.
+if [ "${GRADSYNC_SKIP_MPICH:-0}" = 1 ]; then
+  echo "test.sh: the MPICH run skipped (GRADSYNC_SKIP_MPICH=1)"
+else
+  GRADSYNC_REQUIRE_MPICH=1 hpc/mpich_test.sh
+fi
 if [ "${GRADSYNC_SKIP_FUZZ:-0}" = 1 ]; then
   echo "test.sh: fuzz smoke run skipped (GRADSYNC_SKIP_FUZZ=1)"
 else

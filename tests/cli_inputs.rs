@@ -5,14 +5,13 @@
 //! or file, and the cause. Every job runs under a time limit: a hang fails
 //! the test instead of blocking it.
 
+mod common;
+
+use common::MPI_JOBS;
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// One MPI job at a time (a 2-core machine).
-static MPI_JOBS: Mutex<()> = Mutex::new(());
 
 /// Time limit of one job: every job here ends in seconds unless it hangs.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -29,12 +28,7 @@ struct Job {
 fn mpmd(segments: &[(usize, &[&str])]) -> Job {
     let _one = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
     let np: usize = segments.iter().map(|s| s.0).sum();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "--bind-to", "none"]);
-    if np > cores {
-        cmd.args(["--mca", "btl", "self,tcp"]);
-    }
+    let mut cmd = common::mpirun_command(np);
     for (i, (n, args)) in segments.iter().enumerate() {
         if i > 0 {
             cmd.arg(":");
@@ -42,10 +36,7 @@ fn mpmd(segments: &[(usize, &[&str])]) -> Job {
         cmd.args(["-np", &n.to_string(), env!("CARGO_BIN_EXE_gradsync")])
             .args(*args);
     }
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let start = Instant::now();
     let mut child = cmd
         .spawn()

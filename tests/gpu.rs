@@ -196,6 +196,15 @@ fn direct_route_equals_mpi_allreduce() {
     }
 }
 
+/// What `mpichversion` says about the MPICH build, when it is there:
+/// `Some(false)` for a library configured without CUDA (Debian's).
+fn mpich_built_with_cuda() -> Option<bool> {
+    let out = std::process::Command::new("mpichversion").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("MPICH configure:"))?;
+    Some(line.contains("--with-cuda") && !line.contains("--with-cuda=no"))
+}
+
 /// What `ompi_info` says about the Open MPI build, when it is there:
 /// `Some(false)` for a library built without CUDA support.
 fn ompi_built_with_cuda() -> Option<bool> {
@@ -220,13 +229,20 @@ fn cuda_aware_detection_and_override() {
     for l in &aware {
         let v: serde_json::Value = serde_json::from_str(&l["AWARE ".len()..]).unwrap();
         assert_eq!(v["source"], "query", "{l}");
-        if ompi_built_with_cuda() == Some(false) {
+        if common::flavor() == common::Flavor::Mpich && mpich_built_with_cuda() == Some(false) {
+            // Debian's MPICH: built without CUDA, MPIX_GPU_query_support
+            // answers, and says 0.
+            assert_eq!(v["aware"], false, "{l}");
+            assert_eq!(v["query"], serde_json::json!({"gpu_query": 0}), "{l}");
+        } else if common::flavor() == common::Flavor::OpenMpi
+            && ompi_built_with_cuda() == Some(false)
+        {
             // This machine's Open MPI: built without CUDA, it exports
             // MPIX_Query_cuda_support and says 0.
             assert_eq!(v["aware"], false, "{l}");
             assert_eq!(v["query"], serde_json::json!({"returned": 0}), "{l}");
         } else {
-            println!("ompi_info does not say the MPI lacks CUDA: only the shape of {l} is checked");
+            println!("ompi_info/mpichversion do not say the MPI lacks CUDA: only the shape of {l} is checked");
         }
     }
     // The override wins and the library is not asked.

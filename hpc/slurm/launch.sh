@@ -69,7 +69,7 @@ echo "gradsync job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) on cluster ${SLURM_
 
 # One line per rank, then the command itself (exec: same process, same rank).
 # shellcheck disable=SC2016 # expanded by each rank's shell
-_GRADSYNC_PROLOGUE='echo "gradsync: rank ${OMPI_COMM_WORLD_RANK:-${SLURM_PROCID:-?}} of ${OMPI_COMM_WORLD_SIZE:-${SLURM_NTASKS:-?}}, local rank ${OMPI_COMM_WORLD_LOCAL_RANK:-${SLURM_LOCALID:-?}}, on $(hostname -s): ${1##*/}"; exec "$@"'
+_GRADSYNC_PROLOGUE='echo "gradsync: rank ${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-?}}} of ${OMPI_COMM_WORLD_SIZE:-${PMI_SIZE:-${SLURM_NTASKS:-?}}}, local rank ${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-${SLURM_LOCALID:-?}}}, on $(hostname -s): ${1##*/}"; exec "$@"'
 
 gradsync_launch() {
   local cmd=() extra=()
@@ -80,9 +80,14 @@ gradsync_launch() {
   else
     # shellcheck disable=SC2206
     extra=(${GRADSYNC_MPIRUN_ARGS:-})
-    cmd=(mpirun -np "${SLURM_NTASKS:?not inside a Slurm allocation}" --bind-to "${GRADSYNC_BIND:-none}")
-    [ "$(id -u)" -ne 0 ] || cmd+=(--allow-run-as-root)
-    [ "$GRADSYNC_OVERSUBSCRIBED" = 0 ] || cmd+=(--oversubscribe)
+    cmd=(mpirun -np "${SLURM_NTASKS:?not inside a Slurm allocation}")
+    # Open MPI's flags; MPICH's Hydra runs as root, oversubscribes and
+    # binds nothing by default (docs/running.md#mpich).
+    if mpirun --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+      cmd+=(--bind-to "${GRADSYNC_BIND:-none}")
+      [ "$(id -u)" -ne 0 ] || cmd+=(--allow-run-as-root)
+      [ "$GRADSYNC_OVERSUBSCRIBED" = 0 ] || cmd+=(--oversubscribe)
+    fi
     cmd+=("${extra[@]}")
   fi
   echo "gradsync job: ${cmd[*]} $*"

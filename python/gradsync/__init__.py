@@ -48,7 +48,7 @@ from mpi4py import MPI as _MPI  # initializes MPI (gradsync never does)
 from . import _gradsync
 from ._gradsync import Error
 
-__all__ = ["GradSync", "Error", "allreduce", "predict", "mpi_library_version", "__version__"]
+__all__ = ["GradSync", "Error", "allreduce", "predict", "mpi_library_version", "mpi_vendor", "__version__"]
 __version__: str = _gradsync.__version__
 
 
@@ -57,13 +57,40 @@ def mpi_library_version() -> str:
     return _gradsync.mpi_library_version()
 
 
+def _vendor_of(version: str) -> str:
+    """The MPI family an ``MPI_Get_library_version`` string names, as
+    mpi4py's ``MPI.get_vendor()`` spells it: ``"Open MPI"``, ``"MPICH"``
+    (also Cray MPICH), ``"Intel MPI"``, ``"MVAPICH"``, else the string's
+    first word."""
+    low = version.lower()
+    if "open mpi" in low:
+        return "Open MPI"
+    if "intel(r) mpi" in low or "intel mpi" in low:
+        return "Intel MPI"
+    if "mvapich" in low:
+        return "MVAPICH"
+    if "mpich" in low:
+        return "MPICH"
+    words = version.split()
+    return words[0] if words else "?"
+
+
+def mpi_vendor() -> str:
+    """The MPI family gradsync is linked with (``"Open MPI"``, ``"MPICH"``,
+    ``"Intel MPI"``, ``"MVAPICH"``; compare ``mpi4py.MPI.get_vendor()[0]``).
+    Handles are passed as Fortran integers (``comm.py2f()``), which both
+    families' mpi4py give, so nothing else differs for the caller."""
+    return _vendor_of(_gradsync.mpi_library_version())
+
+
 def _check_same_mpi() -> None:
     ours = _gradsync.mpi_library_version().replace("\x00", "").strip()
     theirs = _MPI.Get_library_version().replace("\x00", "").strip()
     first = lambda s: s.splitlines()[0].strip() if s else ""  # noqa: E731
     if first(ours) != first(theirs):
         raise ImportError(
-            "gradsync was built against a different MPI library than mpi4py uses:\n"
+            f"gradsync was built against a different MPI library ({_vendor_of(ours)}) "
+            f"than mpi4py uses ({_vendor_of(theirs)}):\n"
             f"  gradsync: {first(ours) or '?'}\n"
             f"  mpi4py:   {first(theirs) or '?'}\n"
             "Install mpi4py from source against the same MPI "

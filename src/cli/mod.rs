@@ -119,13 +119,18 @@ pub fn main() -> i32 {
     let cli = match parse() {
         Ok(cli) => cli,
         Err(e) => {
-            // Under a launcher, bad arguments on one rank end the job
-            // (mpirun sees the exit status) before MPI is up: say which.
+            // Under a launcher, bad arguments on one rank end the job: say
+            // which rank, then MPI_Abort. Exiting alone is not enough:
+            // Open MPI's mpirun ends the job when a rank exits before
+            // MPI_Init, but MPICH's Hydra leaves its peers waiting in
+            // MPI_Init for ever.
             if e.use_stderr() {
                 if let Some(rank) = launcher_rank() {
                     errln!(
                         "gradsync: rank {rank} (from the launcher's environment): bad arguments:"
                     );
+                    let _ = e.print();
+                    abort_job(e.exit_code());
                 }
             }
             e.exit()
@@ -207,6 +212,19 @@ fn launcher_rank() -> Option<String> {
         .find_map(|v| std::env::var(v).ok().filter(|r| !r.is_empty()))
 }
 
+/// Initialize MPI and end the whole job with `MPI_Abort(code)`: for a
+/// rank that must stop before running anything (its peers are, or soon
+/// will be, in `MPI_Init` or a collective).
+fn abort_job(code: i32) -> ! {
+    use mpi::raw::AsRaw;
+    if let Some(universe) = mpi::initialize() {
+        let world = universe.world();
+        // SAFETY: MPI is up and `world` is live.
+        unsafe { crate::comm::abort_raw(world.as_raw(), code) };
+    }
+    std::process::exit(code)
+}
+
 /// `MPI_Abort` on `MPI_COMM_WORLD` after printing `msg` with this rank.
 fn abort_world(world: &SimpleCommunicator, msg: &str) -> ! {
     use mpi::raw::AsRaw;
@@ -215,9 +233,8 @@ fn abort_world(world: &SimpleCommunicator, msg: &str) -> ! {
         world.rank(),
         world.size()
     );
-    // SAFETY: `world` is live; MPI_Abort does not return when it succeeds.
-    unsafe { mpi::ffi::MPI_Abort(world.as_raw(), 1) };
-    std::process::exit(1)
+    // SAFETY: MPI is up and `world` is live.
+    unsafe { crate::comm::abort_raw(world.as_raw(), 1) }
 }
 
 /// A panic on one rank (a bug) ends the whole job with `MPI_Abort` instead of
@@ -235,7 +252,7 @@ fn install_abort_on_panic() {
             };
             errln!("gradsync: rank {rank}: panic; aborting the job (MPI_Abort)");
             // SAFETY: as above; MPI_Abort ends every process of the job.
-            unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 70) };
+            unsafe { crate::comm::abort_raw(mpi::ffi::RSMPI_COMM_WORLD, 70) };
         }
     }));
 }

@@ -30,6 +30,8 @@ pub(crate) mod small;
 
 pub use group::Group;
 pub use local::LocalComm;
+#[cfg(feature = "cli")]
+pub(crate) use mpi_comm::abort_raw;
 pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
 pub use small::Gathered;
 

@@ -576,13 +576,8 @@ impl<C: Communicator> Transport for MpiComm<C> {
             self.rank,
             self.size
         );
-        // SAFETY: `raw` is this transport's live communicator; MPI_Abort
-        // does not return when it succeeds.
-        unsafe {
-            ffi::MPI_Abort(self.raw, code);
-        }
-        // MPI_Abort returned (it should not): end this process at least.
-        std::process::exit(code.max(1))
+        // SAFETY: `raw` is this transport's live communicator.
+        unsafe { abort_raw(self.raw, code) }
     }
 
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {
@@ -829,4 +824,23 @@ impl<C: Communicator> Transport for MpiComm<C> {
         };
         Some(run())
     }
+}
+
+/// `MPI_Abort(comm, code)` after the launcher has had a moment to forward
+/// what this rank printed: MPICH's Hydra kills the job's processes at once
+/// and drops output it has not forwarded yet (seen: the rank's message and
+/// MPICH's own "Abort(1)" line both lost in 1 of 8 jobs). Ends the process
+/// even if `MPI_Abort` returns.
+///
+/// # Safety
+/// MPI is initialized and not finalized, and `comm` is a live communicator.
+pub(crate) unsafe fn abort_raw(comm: ffi::MPI_Comm, code: c_int) -> ! {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // SAFETY: as the caller promises; MPI_Abort does not return when it
+    // succeeds.
+    unsafe { ffi::MPI_Abort(comm, code) };
+    std::process::exit(code.max(1))
 }

@@ -1,9 +1,12 @@
 //! Whether the MPI library takes device pointers (issue #16, part 3).
 //!
-//! The only thing trusted is the MPI library's own run-time answer,
-//! `MPIX_Query_cuda_support()` (Open MPI's `mpi-ext.h`, MPICH ≥ 4.0), or
-//! the user's override `GRADSYNC_CUDA_AWARE=auto|0|1`. The function is not
-//! in `mpi.h` (so not in `mpi::ffi`) and older MPICH lacks it, so it is
+//! The only thing trusted is the MPI library's own run-time answer, or
+//! the user's override `GRADSYNC_CUDA_AWARE=auto|0|1`. The answer is
+//! MPICH's `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &yes)` (MPICH ≥
+//! 4.0 and its derivatives) where the library has it, else
+//! `MPIX_Query_cuda_support()` (Open MPI's `mpi-ext.h`; MPICH 4 has it
+//! too, as a wrapper of the former). Neither is in `mpi.h`'s standard
+//! part (so not in `mpi::ffi`) and older MPIs lack both, so they are
 //! looked up at run time with `dlsym`: first in the process's global scope
 //! (`RTLD_DEFAULT`), then in the library that holds `MPI_Comm_rank` (an MPI
 //! loaded with `RTLD_LOCAL`, as inside a Python extension). A library
@@ -57,16 +60,23 @@ impl Override {
     }
 }
 
-/// What the MPI library's `MPIX_Query_cuda_support` said.
+/// What the MPI library said when asked whether it takes CUDA memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Query {
-    /// The library has no `MPIX_Query_cuda_support` (MPICH before 4.0,
-    /// other MPIs).
+    /// The library has neither `MPIX_GPU_query_support` nor
+    /// `MPIX_Query_cuda_support` (MPICH before 4.0, other MPIs).
     Missing,
-    /// It returned this value (non-zero: CUDA-aware at run time).
+    /// `MPIX_Query_cuda_support()` returned this value (non-zero:
+    /// CUDA-aware at run time); Open MPI.
     Returned(i32),
+    /// `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &v)` succeeded with
+    /// this `v` (non-zero: CUDA-aware at run time); MPICH ≥ 4.0.
+    GpuQuery(i32),
 }
+
+/// MPICH's `MPIX_GPU_SUPPORT_CUDA` (`mpi.h`, MPICH 4.0).
+const MPIX_GPU_SUPPORT_CUDA: std::os::raw::c_int = 0;
 
 /// Whether MPI takes device pointers, and why ([`cuda_aware`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -93,7 +103,7 @@ impl CudaAware {
             Override::Auto => {
                 let q = query();
                 CudaAware {
-                    aware: matches!(q, Query::Returned(v) if v != 0),
+                    aware: matches!(q, Query::Returned(v) | Query::GpuQuery(v) if v != 0),
                     source: "query",
                     query: Some(q),
                 }
@@ -109,7 +119,12 @@ impl std::fmt::Display for CudaAware {
             None => write!(f, "CUDA-aware MPI: {yes} ({ENV} override)"),
             Some(Query::Missing) => write!(
                 f,
-                "CUDA-aware MPI: {yes} (the MPI library has no MPIX_Query_cuda_support)"
+                "CUDA-aware MPI: {yes} (the MPI library has neither MPIX_GPU_query_support \
+                 nor MPIX_Query_cuda_support)"
+            ),
+            Some(Query::GpuQuery(v)) => write!(
+                f,
+                "CUDA-aware MPI: {yes} (MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) says {v})"
             ),
             Some(Query::Returned(v)) => {
                 write!(f, "CUDA-aware MPI: {yes} (MPIX_Query_cuda_support() = {v})")
@@ -119,7 +134,7 @@ impl std::fmt::Display for CudaAware {
 }
 
 /// Whether MPI takes device pointers in this process: `GRADSYNC_CUDA_AWARE`
-/// if it says `0` or `1`, else the MPI library's `MPIX_Query_cuda_support()`
+/// if it says `0` or `1`, else the MPI library's answer ([`query_mpi`])
 /// (MPI must be initialized: the answer may depend on what MPI loaded at
 /// `MPI_Init`). Decided by the first successful call and logged then at
 /// `info`; later calls return that decision (a later change of the
@@ -148,8 +163,21 @@ pub fn cuda_aware() -> Result<CudaAware> {
     }))
 }
 
-/// Call the MPI library's `MPIX_Query_cuda_support()`, found with `dlsym`.
+/// Ask the MPI library, through the functions found with `dlsym`:
+/// MPICH's `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &v)` first (its
+/// general GPU query), then `MPIX_Query_cuda_support()` (Open MPI's; also
+/// where the former fails).
 pub fn query_mpi() -> Query {
+    if let Some(f) = lookup(c"MPIX_GPU_query_support") {
+        // SAFETY: the symbol is MPICH's `int MPIX_GPU_query_support(int
+        // gpu_type, int *is_supported)`; `v` outlives the call.
+        let f: extern "C" fn(std::os::raw::c_int, *mut std::os::raw::c_int) -> std::os::raw::c_int =
+            unsafe { std::mem::transmute(f) };
+        let mut v: std::os::raw::c_int = 0;
+        if f(MPIX_GPU_SUPPORT_CUDA, &mut v) == mpi::ffi::MPI_SUCCESS as std::os::raw::c_int {
+            return Query::GpuQuery(v);
+        }
+    }
     match lookup(c"MPIX_Query_cuda_support") {
         None => Query::Missing,
         Some(f) => {
@@ -232,8 +260,10 @@ mod tests {
         assert_eq!(g, l);
         assert!(lookup(c"MPIX_no_such_function_gradsync").is_none());
         // The extension, where the library has it: the same address both ways.
-        if let Some(g) = lookup(c"MPIX_Query_cuda_support") {
-            assert_eq!(lookup_in_mpi_library(c"MPIX_Query_cuda_support"), Some(g));
+        for ext in [c"MPIX_Query_cuda_support", c"MPIX_GPU_query_support"] {
+            if let Some(g) = lookup(ext) {
+                assert_eq!(lookup_in_mpi_library(ext), Some(g));
+            }
         }
     }
 
@@ -248,6 +278,8 @@ mod tests {
             (Query::Missing, false),
             (Query::Returned(0), false),
             (Query::Returned(1), true),
+            (Query::GpuQuery(0), false),
+            (Query::GpuQuery(1), true),
         ] {
             let d = CudaAware::decide(Override::Auto, || q);
             assert_eq!((d.aware, d.source, d.query), (aware, "query", Some(q)));
@@ -255,6 +287,10 @@ mod tests {
         assert_eq!(
             CudaAware::decide(Override::Auto, || Query::Returned(0)).to_string(),
             "CUDA-aware MPI: no (MPIX_Query_cuda_support() = 0)"
+        );
+        assert_eq!(
+            CudaAware::decide(Override::Auto, || Query::GpuQuery(1)).to_string(),
+            "CUDA-aware MPI: yes (MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) says 1)"
         );
     }
 }

@@ -24,12 +24,8 @@ pub fn example(name: &str) -> PathBuf {
 /// slow each other down by orders of magnitude.
 pub static MPI_JOBS: Mutex<()> = Mutex::new(());
 
-/// Run `prog args` on `np` ranks; returns (exit ok, stdout, stderr).
-///
-/// With more ranks than cores the shared-memory BTL spins waiting for peers
-/// that are descheduled (measured here: 13 s vs 3.5 s for the same job), so
-/// oversubscribed jobs use the TCP BTL over loopback; they test correctness
-/// only.
+/// Run `prog args` on `np` ranks ([`mpirun_command`]); returns (exit ok,
+/// stdout, stderr).
 pub fn mpirun(np: usize, prog: &Path, args: &[&str], limit: Duration) -> (bool, String, String) {
     mpirun_env(np, prog, args, &[], limit)
 }
@@ -43,25 +39,60 @@ pub fn mpirun_env(
     limit: Duration,
 ) -> (bool, String, String) {
     let _one_job = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut cmd = Command::new("mpirun");
-    cmd.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        &np.to_string(),
-    ]);
-    if np > cores {
-        cmd.args(["--mca", "btl", "self,tcp"]);
-    }
-    cmd.arg(prog)
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .envs(env.iter().copied());
+    let mut cmd = mpirun_command(np);
+    cmd.args(["-np", &np.to_string()]);
+    cmd.arg(prog).args(args).envs(env.iter().copied());
     let what = format!("mpirun -np {np} {} {args:?}", prog.display());
     run_limited(cmd, limit, &what)
+}
+
+/// The MPI library whose `mpirun` is on `PATH`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// Open MPI (`mpirun (Open MPI) 4.1.4`).
+    OpenMpi,
+    /// MPICH's Hydra (`HYDRA build details`), or anything else.
+    Mpich,
+}
+
+/// Which `mpirun` this is, asked once (`mpirun --version`).
+pub fn flavor() -> Flavor {
+    static FLAVOR: std::sync::OnceLock<Flavor> = std::sync::OnceLock::new();
+    *FLAVOR.get_or_init(|| {
+        let out = Command::new("mpirun")
+            .arg("--version")
+            .output()
+            .unwrap_or_else(|e| panic!("mpirun --version: {e}: run hpc/setup.sh to install MPI"));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if text.contains("Open MPI") || text.contains("OpenRTE") {
+            Flavor::OpenMpi
+        } else {
+            Flavor::Mpich
+        }
+    })
+}
+
+/// `mpirun` with what a job of `np` ranks needs on this machine, before
+/// its `-np` and program (or its first `-np` of an MPMD line). Open MPI:
+/// root allowed, no binding, oversubscription allowed, and with more
+/// ranks than cores the TCP BTL over loopback (spinning shared-memory
+/// transfers crawl when peers are descheduled: 13 s against 3.5 s for the
+/// same job here); they test correctness only. MPICH's Hydra needs none
+/// of these: it runs as root, binds nothing and oversubscribes by default,
+/// and passes the whole environment to the ranks.
+pub fn mpirun_command(np: usize) -> Command {
+    let mut cmd = Command::new("mpirun");
+    if flavor() == Flavor::OpenMpi {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        if np > cores {
+            cmd.args(["--mca", "btl", "self,tcp"]);
+        }
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd
 }
 
 /// Run `cmd` (an mpirun job) with a time limit; returns (exit ok, stdout,

@@ -32,18 +32,32 @@ def ints(n, seed, dtype):
     return (((i * 7 + rank * 13 + seed) % 101) - 50).astype(dtype)
 
 
-# 0. Import refuses an mpi4py that uses another MPI library (simulated).
+# 0. gradsync and mpi4py name the same MPI family (Open MPI or MPICH,
+# whichever this job runs), and import refuses an mpi4py that uses the
+# other one (simulated).
+vendor = gradsync.mpi_vendor()
+ok(vendor == MPI.get_vendor()[0], f"mpi_vendor {vendor!r} against mpi4py's {MPI.get_vendor()!r}")
+other, other_text = (
+    ("Open MPI", "Open MPI v4.1.4, package: Debian OpenMPI\n")
+    if vendor == "MPICH"
+    else ("MPICH", "MPICH Version:\t4.0.2\n")
+)
 real = MPI.Get_library_version
-MPI.Get_library_version = lambda: "MPICH Version:\t4.0.2\n"
+MPI.Get_library_version = lambda: other_text
 try:
     gradsync._check_same_mpi()
     raise AssertionError("a different MPI library was accepted")
 except ImportError as e:
     ours = gradsync.mpi_library_version().splitlines()[0][:20]
-    ok("MPICH" in str(e) and ours in str(e) and "--no-binary mpi4py" in str(e), f"import check: {e}")
+    ok(
+        other in str(e) and vendor in str(e) and ours in str(e) and "--no-binary mpi4py" in str(e),
+        f"import check: {e}",
+    )
 finally:
     MPI.Get_library_version = real
 gradsync._check_same_mpi()
+if rank == 0:
+    print(f"MPI: gradsync and mpi4py both use {vendor}", flush=True)
 
 # 1. gradsync.allreduce == COMM_WORLD.Allreduce, exactly on integer data.
 for algo in ["rabenseifner", "ring", "mpi"]:
