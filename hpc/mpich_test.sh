@@ -24,7 +24,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
-ROOT="${GRADSYNC_MPICH_ROOT:-/var/tmp/gradsync-mpich}"
+ROOT="$(realpath -m "${GRADSYNC_MPICH_ROOT:-/var/tmp/gradsync-mpich}")"
+[ "$ROOT" != / ] || { echo "mpich_test.sh: GRADSYNC_MPICH_ROOT is /" >&2; exit 1; }
 MIRROR="${GRADSYNC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
 skip() {
@@ -37,6 +38,11 @@ skip() {
 }
 
 [ "$(id -u)" -eq 0 ] || skip "not root (debootstrap, mount and chroot need root)"
+# A mount namespace of its own where the machine allows one: the mounts
+# below then end with this script, even when it is killed.
+if [ -z "${GRADSYNC_MPICH_NS:-}" ] && unshare -m --propagation private true 2>/dev/null; then
+  exec env GRADSYNC_MPICH_NS=1 unshare -m --propagation private "$REPO/hpc/mpich_test.sh" "$@"
+fi
 CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}"
 RUSTUP_HOME="${RUSTUP_HOME:-$HOME/.rustup}"
 [ -x "$CARGO_HOME/bin/cargo" ] || skip "no cargo in $CARGO_HOME/bin"
@@ -50,7 +56,7 @@ if [ ! -x "$ROOT/usr/bin/mpichversion" ] || [ ! -f "$ROOT/.gradsync-ready" ]; th
   command -v debootstrap >/dev/null || {
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null
   } || skip "debootstrap cannot be installed"
-  if [ ! -x "$ROOT/usr/bin/apt-get" ]; then
+  if [ ! -f "$ROOT/.debootstrap-done" ]; then
     echo "mpich_test.sh: debootstrap bookworm into $ROOT"
     # Never remove a root that still has something mounted in it (a run
     # killed before its clean-up): the mounts are the host's own files.
@@ -58,9 +64,10 @@ if [ ! -x "$ROOT/usr/bin/mpichversion" ] || [ ! -f "$ROOT/.gradsync-ready" ]; th
       echo "mpich_test.sh: $ROOT is incomplete and has mounts inside (umount -R them first)" >&2
       exit 1
     fi
-    rm -rf "$ROOT"
+    rm -rf --one-file-system "$ROOT"
     debootstrap --variant=minbase bookworm "$ROOT" "$MIRROR" >/tmp/gradsync-debootstrap.log 2>&1 ||
       skip "debootstrap failed (see /tmp/gradsync-debootstrap.log)"
+    touch "$ROOT/.debootstrap-done"
   fi
 fi
 
@@ -94,12 +101,13 @@ bind "$CARGO_HOME"
 bind "$RUSTUP_HOME" ro
 bind "$REPO"
 cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
+cp -L /etc/hosts "$ROOT/etc/hosts" 2>/dev/null || true # Hydra resolves this machine's name
 
 # What reaches package registries from here (a proxy, pip's index and
 # certificate settings) reaches them from the root too.
 PASS=()
 while IFS= read -r kv; do PASS+=("$kv"); done < <(env | grep -E \
-  '^(PIP_(INDEX_URL|EXTRA_INDEX_URL|TRUSTED_HOST|CERT|DEFAULT_TIMEOUT)|https?_proxy|HTTPS?_PROXY|no_proxy|NO_PROXY)=' || true)
+  '^(PIP_(INDEX_URL|EXTRA_INDEX_URL|TRUSTED_HOST|CERT|DEFAULT_TIMEOUT)|https?_proxy|HTTPS?_PROXY|no_proxy|NO_PROXY|SSL_CERT_FILE|REQUESTS_CA_BUNDLE|CARGO_HTTP_CAINFO|CARGO_NET_OFFLINE|RUSTUP_TOOLCHAIN)=' || true)
 in_root() {
   chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb "${PASS[@]}" \
     PATH="$CARGO_HOME/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin" \
@@ -119,6 +127,11 @@ fi
 # pip's settings.
 cp -L /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt" 2>/dev/null || true
 [ ! -f /etc/pip.conf ] || cp -L /etc/pip.conf "$ROOT/etc/pip.conf"
+# Certificate files those variables name, at the same paths in the root.
+for kv in "${PASS[@]}"; do
+  f="${kv#*=}"
+  case "$f" in /*) [ ! -f "$f" ] || [ -e "$ROOT$f" ] || { mkdir -p "$ROOT$(dirname "$f")" && cp -L "$f" "$ROOT$f"; } ;; esac
+done
 in_root "command -v mpirun.openmpi" >/dev/null 2>&1 && {
   echo "mpich_test.sh: Open MPI is installed in $ROOT beside MPICH: remove it or the root" >&2
   exit 1

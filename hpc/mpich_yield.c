@@ -14,6 +14,8 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <sched.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 typedef unsigned (*progress_fn)(void *);
 
@@ -34,8 +36,14 @@ static progress_fn real_progress(void)
 unsigned ucp_worker_progress(void *worker)
 {
     static progress_fn real;
-    if (!real)
+    if (!real) {
         real = real_progress();
+        if (!real) {
+            static const char msg[] = "mpich_yield.so: ucp_worker_progress not found\n";
+            (void)!write(2, msg, sizeof msg - 1);
+            abort();
+        }
+    }
     unsigned events = real(worker);
     if (events == 0)
         sched_yield();

@@ -5,9 +5,13 @@
 # and gets the command line as given.
 #   hpc/mpirun.sh -np 4 target/release/gradsync bench --check
 set -euo pipefail
-if ! mpirun --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
-  exec mpirun "$@"
-fi
+# (The version text in a variable: `| grep -q` under pipefail would take a
+# SIGPIPE of mpirun's for "not Open MPI".)
+version="$(mpirun --version 2>&1 || true)"
+case "$version" in
+  *"Open MPI"* | *OpenRTE*) ;;
+  *) exec mpirun "$@" ;;
+esac
 np=1
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do

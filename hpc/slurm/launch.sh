@@ -83,7 +83,9 @@ gradsync_launch() {
     cmd=(mpirun -np "${SLURM_NTASKS:?not inside a Slurm allocation}")
     # Open MPI's flags; MPICH's Hydra runs as root, oversubscribes and
     # binds nothing by default (docs/running.md#mpich).
-    if mpirun --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+    local version
+    version="$(mpirun --version 2>&1 || true)"
+    if [[ "$version" == *"Open MPI"* || "$version" == *OpenRTE* ]]; then
       cmd+=(--bind-to "${GRADSYNC_BIND:-none}")
       [ "$(id -u)" -ne 0 ] || cmd+=(--allow-run-as-root)
       [ "$GRADSYNC_OVERSUBSCRIBED" = 0 ] || cmd+=(--oversubscribe)

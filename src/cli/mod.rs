@@ -124,13 +124,18 @@ pub fn main() -> i32 {
             // Open MPI's mpirun ends the job when a rank exits before
             // MPI_Init, but MPICH's Hydra leaves its peers waiting in
             // MPI_Init for ever.
+            // Only for the subcommands that start MPI: a command of the
+            // model (plan, predict, ...) run from inside a rank inherits
+            // the launcher's variables and must not join its job.
             if e.use_stderr() {
                 if let Some(rank) = launcher_rank() {
                     errln!(
                         "gradsync: rank {rank} (from the launcher's environment): bad arguments:"
                     );
-                    let _ = e.print();
-                    abort_job(e.exit_code());
+                    if !names_a_no_mpi_command(std::env::args().skip(1)) {
+                        let _ = e.print();
+                        abort_job(e.exit_code());
+                    }
                 }
             }
             e.exit()
@@ -210,6 +215,16 @@ fn launcher_rank() -> Option<String> {
     ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
         .iter()
         .find_map(|v| std::env::var(v).ok().filter(|r| !r.is_empty()))
+}
+
+/// The subcommands that never start MPI.
+const NO_MPI_COMMANDS: [&str; 5] = ["codecs", "predict", "plan", "crossover", "scale"];
+
+/// Whether the command line's first word (its subcommand, as typed) is one
+/// that never starts MPI.
+fn names_a_no_mpi_command(mut args: impl Iterator<Item = String>) -> bool {
+    args.next()
+        .is_some_and(|a| NO_MPI_COMMANDS.contains(&a.as_str()))
 }
 
 /// Initialize MPI and end the whole job with `MPI_Abort(code)`: for a
@@ -358,6 +373,28 @@ pub(crate) fn tick_label(v: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The commands that never start MPI are named as clap spells them,
+    /// and only they: bad arguments to any other one under a launcher end
+    /// the job with MPI_Abort.
+    #[test]
+    fn no_mpi_commands_are_real_subcommands() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for name in NO_MPI_COMMANDS {
+            assert!(cmd.find_subcommand(name).is_some(), "{name}");
+        }
+        let words = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(names_a_no_mpi_command(
+            words(&["plan", "--bad"]).into_iter()
+        ));
+        assert!(!names_a_no_mpi_command(
+            words(&["bench", "--itres", "1"]).into_iter()
+        ));
+        assert!(!names_a_no_mpi_command(words(&["--bogus"]).into_iter()));
+        assert!(!names_a_no_mpi_command(std::iter::empty()));
+    }
+
     #[test]
     fn tick_labels_are_short() {
         for (v, want) in [
