@@ -160,6 +160,9 @@ if [ -z "${1:-}" ]; then
 fi
 
 export_env="$YIELD GRADSYNC_PYTHON=$VENV/bin/python GRADSYNC_REQUIRE_PYTHON=1"
+# The examples the tests run under mpirun (`cargo test --test ...` does not
+# build them).
+in_root "cargo build --release --features cli --examples"
 if [ $# -gt 0 ]; then
   in_root "$export_env cargo test --release --features cli $*"
   exit 0
