@@ -90,6 +90,20 @@ impl PoliteWait {
     pub fn interval(&self) -> std::time::Duration {
         self.interval
     }
+    /// The sleep after a test of a wait that has lasted `elapsed`: the
+    /// interval, growing with the wait to an eighth of its length (at most
+    /// [`MAX_BACKOFF`](Self::MAX_BACKOFF), or the interval if larger). A
+    /// wait then ends at most an eighth late, and a long transfer (a large
+    /// bucket on a slow link) is tested a few hundred times, not thousands:
+    /// each test and wake-up takes CPU from the caller's backward pass.
+    pub fn pause(&self, elapsed: std::time::Duration) -> std::time::Duration {
+        let cap = self.interval.max(Self::MAX_BACKOFF);
+        (elapsed / 8).clamp(self.interval, cap)
+    }
+    /// The longest sleep [`pause`](Self::pause) grows to (unless the
+    /// interval is longer): what the sockets of a 1 Gbit/s link hold
+    /// (125 KB), so the link does not idle while the thread sleeps.
+    pub const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_millis(1);
     /// Set while a thread waits for the result: waits then spin.
     pub fn set_urgent(&self, on: bool) {
         self.urgent.store(on, std::sync::atomic::Ordering::Release);
@@ -214,4 +228,25 @@ pub fn ranks_per_node(nodes: &[usize]) -> Option<usize> {
         *counts.entry(n).or_insert(0usize) += 1;
     }
     (counts.len() > 1).then(|| counts.values().copied().max().unwrap_or(1))
+}
+
+#[cfg(test)]
+mod polite_tests {
+    use super::PoliteWait;
+    use std::time::Duration;
+
+    #[test]
+    fn pause_grows_with_the_wait_within_its_bounds() {
+        let us = Duration::from_micros;
+        let w = PoliteWait::new(us(100));
+        assert_eq!(w.pause(us(0)), us(100));
+        assert_eq!(w.pause(us(800)), us(100));
+        assert_eq!(w.pause(us(1600)), us(200));
+        assert_eq!(w.pause(us(4000)), us(500));
+        assert_eq!(w.pause(Duration::from_secs(5)), PoliteWait::MAX_BACKOFF);
+        // An interval above the cap is kept as given.
+        let slow = PoliteWait::new(us(5000));
+        assert_eq!(slow.pause(us(0)), us(5000));
+        assert_eq!(slow.pause(Duration::from_secs(5)), us(5000));
+    }
 }

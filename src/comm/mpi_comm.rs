@@ -463,8 +463,9 @@ fn check_immediate_len(len: usize) -> Result<()> {
 }
 
 /// Complete every request of `reqs` (`MPI_Waitall`), politely when `wait`
-/// is given ([`PoliteWait`]: `MPI_Testall`, then a sleep of its interval
-/// between tests once the first interval has passed, unless urgent).
+/// is given ([`PoliteWait`]: `MPI_Testall`, then a sleep of its
+/// [`pause`](PoliteWait::pause) between tests once the first interval has
+/// passed, unless urgent).
 fn wait_all(
     wait: Option<&PoliteWait>,
     reqs: &mut [ffi::MPI_Request],
@@ -493,7 +494,7 @@ fn wait_all(
         if w.is_urgent() || start.elapsed() < w.interval() {
             std::hint::spin_loop();
         } else {
-            std::thread::sleep(w.interval());
+            std::thread::sleep(w.pause(start.elapsed()));
         }
     }
 }
