@@ -214,3 +214,36 @@ fn nan_in_gradiveq_bench_data_ends_the_job_in_seconds() {
     );
     assert!(err.contains("NaN"), "the cause is printed\n{err}");
 }
+
+/// A progress thread that dies inside a step (here: a panic on one rank's
+/// thread while it holds the transport, in step 2) ends the whole job
+/// within seconds, with `MPI_Abort` and a message naming the rank and the
+/// cause, instead of leaving the peers in the step's collective. (At
+/// p = 1 a step calls no transport: there is nothing to die in.)
+#[test]
+fn a_dead_progress_thread_ends_the_job_with_mpi_abort() {
+    let ex = example("progress_death");
+    assert!(ex.exists(), "{} not built", ex.display());
+    for (np, bad) in [(3usize, 1usize), (2, 0), (4, 3)] {
+        let t = std::time::Instant::now();
+        let (ok, out, err) = mpirun(np, &ex, &[&bad.to_string()], Duration::from_secs(60));
+        assert!(!ok, "p={np}: the job must fail\n{out}\n{err}");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "p={np}: took {:?}\n{err}",
+            t.elapsed()
+        );
+        let want = format!(
+            "rank {bad} of {np}: the progress thread has exited; aborting the job \
+             (MPI_Abort on MPI_COMM_WORLD"
+        );
+        assert!(err.contains(&want), "p={np}: expected {want:?}\n{err}");
+        assert!(
+            err.contains("dies on purpose"),
+            "p={np}: the thread's panic\n{err}"
+        );
+        // Steps 0 and 1 finished on every rank; step 2 on none.
+        assert_eq!(out.matches("STEP 1 OK").count(), np, "p={np}\n{out}");
+        assert_eq!(out.matches("STEP 2 OK").count(), 0, "p={np}\n{out}");
+    }
+}

@@ -1,7 +1,7 @@
 //! A subset of a transport's ranks as a transport of its own ([`Group`]),
 //! so that any collective written over [`Transport`] runs among, say, the
 //! ranks of one node or the ranks of the same local index on every node
-//! (the node-aware collectives of issue #15: [`crate::dense::hierarchical`]).
+//! (the node-aware collectives: [`crate::dense::hierarchical`]).
 //!
 //! No communicator is created: a group maps its ranks `0..len` onto the
 //! parent's ranks and sends through the parent. Two groups sharing a pair
@@ -116,5 +116,8 @@ impl<C: Transport> Transport for Group<'_, C> {
     }
     fn abort(&self, code: i32, msg: &str) -> ! {
         self.parent.abort(code, msg)
+    }
+    fn aborter(&self) -> super::Aborter {
+        self.parent.aborter()
     }
 }

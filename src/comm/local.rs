@@ -5,7 +5,7 @@
 //! non-overtaking rule. A receive that waits longer than the timeout (default
 //! 60 s) fails instead of hanging a test forever.
 
-use super::{check_peer, Elem, Request, Tag, Transport};
+use super::{check_peer, Aborter, Elem, Request, Tag, Transport};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -212,6 +212,20 @@ impl Drop for LocalRequest {
     }
 }
 
+/// Fail every rank of `shared` (their waits return errors) and panic on
+/// this one: the in-process job's `MPI_Abort`.
+fn abort_local(shared: &Shared, rank: usize, code: i32, msg: &str) -> ! {
+    shared.aborted.store(true, Ordering::SeqCst);
+    for mb in &shared.boxes {
+        let _q = mb.queue.lock();
+        mb.arrived.notify_all();
+    }
+    panic!(
+        "gradsync: rank {rank} of {}: {msg}; aborting the job (code {code})",
+        shared.boxes.len()
+    )
+}
+
 impl Transport for LocalComm {
     type Request = LocalRequest;
 
@@ -223,16 +237,12 @@ impl Transport for LocalComm {
     }
 
     fn abort(&self, code: i32, msg: &str) -> ! {
-        self.shared.aborted.store(true, Ordering::SeqCst);
-        for mb in &self.shared.boxes {
-            let _q = mb.queue.lock();
-            mb.arrived.notify_all();
-        }
-        panic!(
-            "gradsync: rank {} of {}: {msg}; aborting the job (code {code})",
-            self.rank,
-            self.size()
-        )
+        abort_local(&self.shared, self.rank, code, msg)
+    }
+
+    fn aborter(&self) -> Aborter {
+        let (shared, rank) = (self.shared.clone(), self.rank);
+        Aborter::new(move |code, msg| abort_local(&shared, rank, code, msg))
     }
 
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {

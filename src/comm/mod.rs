@@ -114,6 +114,33 @@ impl PoliteWait {
     }
 }
 
+/// Ends the whole job from one rank without the transport
+/// ([`Transport::aborter`]).
+#[derive(Clone)]
+pub struct Aborter(std::sync::Arc<AbortFn>);
+
+/// What an [`Aborter`] runs: `(code, message)`.
+type AbortFn = dyn Fn(i32, &str) + Send + Sync;
+
+impl Aborter {
+    /// An aborter running `f(code, msg)`; should `f` return, the process
+    /// exits with `code` (at least 1).
+    pub fn new(f: impl Fn(i32, &str) + Send + Sync + 'static) -> Self {
+        Aborter(std::sync::Arc::new(f))
+    }
+    /// End the job with `code` and `msg`.
+    pub fn abort(&self, code: i32, msg: &str) -> ! {
+        (self.0)(code, msg);
+        std::process::exit(code.max(1))
+    }
+}
+
+impl std::fmt::Debug for Aborter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Aborter")
+    }
+}
+
 /// Point-to-point communication among `size()` ranks.
 ///
 /// Receives are exact: a receive of `buf.len()` elements fails with
@@ -182,6 +209,23 @@ pub trait Transport {
     /// process: marks every rank aborted (their receives fail at once) and
     /// panics on this thread.
     fn abort(&self, code: i32, msg: &str) -> !;
+
+    /// What ends the job from this rank once the transport itself is out
+    /// of reach (moved to a thread that died): kept by the engine before
+    /// its progress thread takes the transport. By default it prints and
+    /// exits the process; MPI's calls `MPI_Abort` on `MPI_COMM_WORLD`, the
+    /// in-process transport wakes and fails its peers as
+    /// [`abort`](Self::abort) does.
+    fn aborter(&self) -> Aborter {
+        let (rank, size) = (self.rank(), self.size());
+        Aborter::new(move |code, msg| {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "gradsync: rank {rank} of {size}: {msg}; exiting (code {code})"
+            );
+        })
+    }
 
     /// Every rank's node (equal ids share a node and its memory), if this
     /// transport knows them: [`MpiComm::node_ids`] (collective the first

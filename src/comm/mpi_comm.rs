@@ -581,6 +581,24 @@ impl<C: Communicator> Transport for MpiComm<C> {
         unsafe { abort_raw(self.raw, code) }
     }
 
+    fn aborter(&self) -> super::Aborter {
+        let (rank, size) = (self.rank, self.size);
+        super::Aborter::new(move |code, msg| {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "gradsync: rank {rank} of {size}: {msg}; aborting the job \
+                 (MPI_Abort on MPI_COMM_WORLD, code {code})"
+            );
+            // SAFETY: MPI is initialized (this transport was built on it)
+            // and not finalized (the engine that holds the aborter is
+            // alive); `MPI_COMM_WORLD` is always a valid handle then. The
+            // transport's own communicator may have been freed with the
+            // thread that held it.
+            unsafe { abort_raw(ffi::RSMPI_COMM_WORLD, code) }
+        })
+    }
+
     fn send<T: Elem>(&self, buf: &[T], dest: usize, tag: Tag) -> Result<()> {
         check_peer(self.size, dest)?;
         let mut chunks = buf.chunks(MAX_COUNT);

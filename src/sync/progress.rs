@@ -24,7 +24,7 @@
 use super::job::Job;
 use super::GradSync;
 use crate::comm::agree::CallKind;
-use crate::comm::{PoliteWait, Transport};
+use crate::comm::{Aborter, PoliteWait, Transport};
 use crate::{Error, Result};
 use std::sync::{mpsc, Arc};
 
@@ -35,8 +35,9 @@ pub(super) enum Progress<C> {
     Inline(C, Runner),
     /// A progress thread holds the transport.
     Threaded(Worker<C>),
-    /// The progress thread has died and the transport with it.
-    Lost,
+    /// The progress thread has died and the transport with it; what ends
+    /// the job from here remains.
+    Lost(Aborter),
 }
 
 impl<C> Progress<C> {
@@ -45,7 +46,7 @@ impl<C> Progress<C> {
     pub(super) fn inline_comm(&self) -> Option<&C> {
         match self {
             Progress::Inline(c, _) => Some(c),
-            Progress::Threaded(_) | Progress::Lost => None,
+            Progress::Threaded(_) | Progress::Lost(_) => None,
         }
     }
 }
@@ -60,6 +61,8 @@ pub(super) struct Worker<C> {
     /// How the thread's transport waits; urgent while the caller waits
     /// for a job ([`collect_job`](GradSync::collect_job)).
     wait: Option<Arc<PoliteWait>>,
+    /// Ends the job should the thread die with the transport.
+    aborter: Aborter,
 }
 
 /// Runs jobs in order, remembering the step whose earlier bucket failed
@@ -97,7 +100,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub(super) fn ensure_worker(&mut self) -> bool {
         match &self.progress {
             Progress::Threaded(_) => return true,
-            Progress::Lost => return false,
+            Progress::Lost(_) => return false,
             Progress::Inline(comm, _) if !comm.progress_thread_ok() => {
                 if !self.warned_no_thread {
                     log::warn!(
@@ -110,8 +113,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             Progress::Inline(..) => {}
         }
+        let Progress::Inline(comm, _) = &self.progress else {
+            unreachable!("matched Inline above")
+        };
+        let aborter = comm.aborter();
         let Progress::Inline(comm, mut runner) =
-            std::mem::replace(&mut self.progress, Progress::Lost)
+            std::mem::replace(&mut self.progress, Progress::Lost(aborter.clone()))
         else {
             unreachable!("matched Inline above")
         };
@@ -147,11 +154,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     thread,
                     in_flight: 0,
                     wait,
+                    aborter,
                 });
                 true
             }
             Err(e) => {
-                let msg = format!("gradsync: cannot start the progress thread: {e}");
+                let msg = format!("cannot start the progress thread: {e}");
                 // The transport went with the closure that was not run.
                 self.abort_job(&msg)
             }
@@ -174,11 +182,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
                 // The progress thread is gone (it panicked): peers may be
                 // waiting for this rank's part of the step.
-                self.abort_job("gradsync: the progress thread has exited")
+                self.abort_job("the progress thread has exited")
             }
-            Progress::Lost => {
-                self.abort_job("gradsync: the transport was lost with the progress thread")
-            }
+            Progress::Lost(_) => self.abort_job("the transport was lost with the progress thread"),
         }
     }
 
@@ -196,7 +202,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 return job;
             }
         }
-        self.abort_job("gradsync: the progress thread has exited")
+        self.abort_job("the progress thread has exited")
     }
 
     /// Agree on a rank-local outcome between steps (collective), on the
@@ -238,9 +244,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Stop the progress thread (after the jobs in flight: their buffers
     /// are in use by MPI) and take the transport back from it.
     pub(super) fn stop_worker(&mut self) {
-        if let Progress::Threaded(_) = self.progress {
-            let Progress::Threaded(w) = std::mem::replace(&mut self.progress, Progress::Lost)
-            else {
+        if let Progress::Threaded(w) = &self.progress {
+            let lost = Progress::Lost(w.aborter.clone());
+            let Progress::Threaded(w) = std::mem::replace(&mut self.progress, lost) else {
                 unreachable!("matched Threaded above")
             };
             for _ in 0..w.in_flight {
@@ -262,14 +268,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.stop_worker();
         match &self.progress {
             Progress::Inline(comm, _) => comm.abort(1, msg),
-            Progress::Threaded(_) | Progress::Lost => {
-                use std::io::Write as _;
-                let _ = writeln!(
-                    std::io::stderr().lock(),
-                    "gradsync: {msg}; the transport is lost, exiting"
-                );
-                std::process::exit(1)
-            }
+            Progress::Threaded(w) => w.aborter.abort(1, msg),
+            Progress::Lost(aborter) => aborter.abort(1, msg),
         }
     }
 }
