@@ -23,12 +23,8 @@ pub(crate) fn cheapest<T: Copy>(predictions: &[(T, f64)]) -> T {
         .iter()
         .map(|c| c.1)
         .fold(f64::INFINITY, f64::min);
-    let within = tie_limit(best, best);
-    predictions
-        .iter()
-        .find(|c| c.1 <= within)
-        .unwrap_or(&predictions[0])
-        .0
+    let i = first_tied(predictions.iter().map(|c| c.1), best, best).unwrap_or(0);
+    predictions[i].0
 }
 
 /// The first of `items` of least `price` (`None` when there is none).
@@ -52,6 +48,26 @@ pub(crate) fn fastest<T>(
 /// The highest price that still ties with `best`: within [`NEAR_TIE`] of
 /// `scale` (the cost the tie is relative to: `best` itself, or the group
 /// whose collective is being chosen).
-pub(crate) fn tie_limit(best: f64, scale: f64) -> f64 {
+fn tie_limit(best: f64, scale: f64) -> f64 {
     best + NEAR_TIE * scale.abs()
+}
+
+/// The index of the first of `prices` that ties with `best` (within
+/// [`NEAR_TIE`] of `scale`, as [`tie_limit`]); `None` when none does. A
+/// candidate that may not be taken is priced `f64::INFINITY`.
+pub(crate) fn first_tied(
+    prices: impl IntoIterator<Item = f64>,
+    best: f64,
+    scale: f64,
+) -> Option<usize> {
+    let limit = tie_limit(best, scale);
+    prices.into_iter().position(|p| p <= limit)
+}
+
+/// The index of the last of `prices` that ties with `best` (within
+/// [`NEAR_TIE`] of `best`): where the candidates are listed from the most
+/// to the fewest phases (the bucket caps, ascending).
+pub(crate) fn last_tied(prices: &[f64], best: f64) -> Option<usize> {
+    let limit = tie_limit(best, best);
+    prices.iter().rposition(|&p| p <= limit)
 }

@@ -181,11 +181,11 @@ pub fn choose_bucket_cap(
         .map(|c| price_buckets(prof, q, layers, backward_s, c))
         .collect::<Result<Vec<_>>>()?;
     let tried: Vec<(Option<usize>, f64)> = plans.iter().map(|p| (p.cap_bytes, p.step_s)).collect();
-    let best = argmin::fastest(plans.iter().map(|p| p.step_s), |&s| s).unwrap_or(0.0);
+    let prices: Vec<f64> = plans.iter().map(|p| p.step_s).collect();
+    let best = argmin::fastest(prices.iter().copied(), |&s| s).unwrap_or(0.0);
     // Largest cap within the tie of the best (the list is ascending, the
     // whole table last).
-    let limit = argmin::tie_limit(best, best);
-    let pick = plans.iter().rposition(|p| p.step_s <= limit).unwrap_or(0);
+    let pick = argmin::last_tied(&prices, best).unwrap_or(0);
     let mut plan = plans.swap_remove(pick);
     plan.tried = tried;
     Ok(plan)

@@ -1,6 +1,6 @@
 //! The step model: a whole synchronization step predicted as the engine
 //! ([`crate::sync`]) executes it, and the per-layer choice that minimizes
-//! it (issue #13; RedSync §5.3's fusion, §5.4's cost model and Appendix B).
+//! it (RedSync §5.3's fusion, §5.4's cost model and Appendix B).
 //!
 //! The engine does not synchronize layers one by one. Each step it runs
 //!
@@ -850,10 +850,10 @@ fn near_tie_pick(
         })
     };
     let within = |ok: &dyn Fn(&Open) -> bool, base: usize, group: f64| {
-        let limit = argmin::tie_limit(plans[base].1, group);
-        (0..plans.len())
-            .find(|&i| ok(&plans[i].0) && plans[i].1 <= limit)
-            .unwrap_or(base)
+        let prices = plans
+            .iter()
+            .map(|p| if ok(&p.0) { p.1 } else { f64::INFINITY });
+        argmin::first_tied(prices, plans[base].1, group).unwrap_or(base)
     };
     let mut pick = fastest(&|_| true)?;
     let best = plans[pick].0;

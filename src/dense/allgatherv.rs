@@ -113,7 +113,9 @@ pub fn allgatherv_with<C: Transport>(
 }
 
 /// The node-aware [`allgatherv_with`] by the node map `nodes` (the same on
-/// every rank: the engine's agreed map), the flat one without it.
+/// every rank: the engine's agreed map); an error without one (never the
+/// flat allgatherv in its place). Nodes that make no second level (one
+/// node, or a rank per node) run its one-level case, which is the flat one.
 pub(crate) fn allgatherv_nodes_with<C: Transport>(
     comm: &C,
     mine: &[u8],
@@ -121,6 +123,14 @@ pub(crate) fn allgatherv_nodes_with<C: Transport>(
     out: &mut Gathered,
 ) -> Result<()> {
     gather_with(comm, mine, AllgathervAlgo::Node, nodes, out)
+}
+
+fn no_node_map() -> Error {
+    Error::Unsupported(
+        "the node-aware allgatherv needs the ranks' nodes (an MPI communicator); \
+         this transport has none"
+            .into(),
+    )
 }
 
 fn gather_with<C: Transport>(
@@ -132,6 +142,10 @@ fn gather_with<C: Transport>(
 ) -> Result<()> {
     if algo == AllgathervAlgo::Auto {
         return Err(auto_refused());
+    }
+    if algo == AllgathervAlgo::Node && nodes.is_none() {
+        // Before any collective: every rank's transport answers alike.
+        return Err(no_node_map());
     }
     let p = comm.size();
     // 1. Lengths: one u64 per rank, gathered by the same algorithm; the
@@ -149,7 +163,7 @@ fn gather_with<C: Transport>(
                 Some(nodes) => {
                     node_gather_inplace(comm, nodes, &mut out.data, &out.displs, &mut out.scratch)
                 }
-                None => gather_inplace(comm, &mut out.data, &out.displs),
+                None => Err(no_node_map()),
             }
         }
         AllgathervAlgo::Auto => Err(auto_refused()),

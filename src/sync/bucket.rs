@@ -579,20 +579,24 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // was non-finite sent no pairs (every rank sees both alike: failures
         // are collective, `sp_bad_rank` is gathered).
         let jobs = || st.parts.iter().filter_map(|p| p.job.as_deref());
-        if r.is_ok() && jobs().all(|j| j.sp_bad_rank.iter().all(Option::is_none)) {
-            let nnz = if self.plan.sparse_reduce {
-                Some(
-                    jobs()
-                        .filter(|j| j.do_sparse)
-                        .map(|j| j.sparse_reduce_nnz)
-                        .sum(),
-                )
-            } else {
-                jobs().find_map(|j| j.probe_nnz)
-            };
-            self.update_fill(nnz);
-        }
-        self.record_stats(&st, wait_s);
+        let clean = r.is_ok() && jobs().all(|j| j.sp_bad_rank.iter().all(Option::is_none));
+        let sample = if !clean {
+            None
+        } else if self.plan.sparse_reduce {
+            Some(
+                jobs()
+                    .filter(|j| j.do_sparse)
+                    .map(|j| j.sparse_reduce_nnz)
+                    .sum(),
+            )
+        } else {
+            jobs().find_map(|j| j.probe_nnz)
+        };
+        self.record_stats(&st, wait_s, sample);
+        // The tuner learns from the step's record; the record reports the
+        // estimate the next step prices with.
+        self.tuner.on_step_done(&self.last, self.size);
+        self.last.fill_estimate = self.tuner.fill();
         self.recycle(&mut st);
         self.spare_step = Some(st);
         // The round happened (every rank sees the same gathered bytes, so

@@ -1,5 +1,5 @@
-//! The engine on device gradients through host staging (issue #16, item 2,
-//! first form): each layer's device buffer is copied into a host staging
+//! The engine on device gradients through host staging (the first form
+//! of device support): each layer's device buffer is copied into a host staging
 //! slot of its [`DeviceCopies`] (pinned memory on a GPU:
 //! [`crate::gpu::CudaStaging`]), the host engine runs the step on the
 //! slots ([`GradSync::sync`]: selection, compression, residuals and

@@ -44,13 +44,11 @@
 //! node-aware one changes the order of the additions).
 
 use super::plan::{set_exchange, StepPlan};
+use super::tuner::Choice;
 use super::{GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::cost::{ExchangeChoice, ExchangeQuery, StrategyId};
 use crate::sparse::TOC_ENTRY_LEN;
-
-/// Weight of a new measurement in the fill estimate.
-const FILL_WEIGHT: f64 = 0.5;
 
 /// The reduced group's load in a step: elements, nominal pairs per rank,
 /// bytes it would add to the fused allgatherv message.
@@ -100,7 +98,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// nominal load for the fill measurement. Cannot fail: a model error
     /// (the same on every rank) falls back to the allgatherv.
     pub(super) fn resolve_exchange(&mut self) {
-        self.step_load = if self.plan.sparse_reduce {
+        self.tuner.load = if self.plan.sparse_reduce {
             self.reduced_load()
         } else {
             Load::default()
@@ -109,16 +107,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return;
         }
         let q = ExchangeQuery {
-            n: self.step_load.n,
-            k: self.step_load.k,
-            message_bytes: self.step_load.message_bytes,
+            n: self.tuner.load.n,
+            k: self.tuner.load.k,
+            message_bytes: self.tuner.load.message_bytes,
             p: self.size,
             ranks_per_node: self.ranks_per_node(),
-            fill: self.fill_estimate,
+            fill: self.tuner.fill(),
             allgather: self.cfg.allgather,
-            layers: std::mem::take(&mut self.step_load.layers),
+            layers: std::mem::take(&mut self.tuner.load.layers),
         };
-        let load = &self.step_load;
         let choice = match self.cfg.profile.as_ref() {
             Some(prof) => crate::cost::choose_sparse_exchange(prof, &q),
             None => Err(crate::Error::InvalidArgument(
@@ -128,7 +125,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let ex = match &choice {
             // The sparse allreduces address the pairs' concatenated index
             // space with u32 indices: past it only the allgatherv runs.
-            _ if load.n > u32::MAX as usize => SparseExchange::Allgather,
+            _ if q.n > u32::MAX as usize => SparseExchange::Allgather,
             Ok(c) => exchange_of(c.id),
             Err(e) => {
                 log::warn!(
@@ -138,39 +135,21 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 SparseExchange::Allgather
             }
         };
-        if self.auto_exchange != Some(ex) {
+        if self.tuner.chose(Choice::Exchange(ex)) {
             if let Ok(c) = &choice {
                 log::info!(
                     "gradsync: step {}: sparse exchange auto chose {} for {} elements, {} pairs per rank, fill {}: {}",
                     self.step,
                     ex.name(),
-                    load.n,
-                    load.k,
-                    self.fill_estimate
+                    q.n,
+                    q.k,
+                    q.fill
                         .map_or_else(|| "independent".to_string(), |f| format!("{f:.3}")),
                     describe(c)
                 );
             }
-            self.auto_exchange = Some(ex);
         }
         set_exchange(&mut self.plan, ex, self.size);
-    }
-
-    /// Fold the step's measured fill in (module docs): `nnz` is the
-    /// distinct result indices of this step's reduced group, the same on
-    /// every rank (the reducing exchange's, or the nonzero elements the
-    /// allgatherv's unpacking counted); `None` measures nothing.
-    pub(super) fn update_fill(&mut self, nnz: Option<usize>) {
-        let k = self.step_load.k;
-        let Some(nnz) = nnz.filter(|&z| z > 0 && k > 0.0) else {
-            return;
-        };
-        let p = self.size as f64;
-        let rho = (nnz as f64 / (p * k)).clamp(1.0 / p, 1.0);
-        self.fill_estimate = Some(match self.fill_estimate {
-            None => rho,
-            Some(old) => (1.0 - FILL_WEIGHT) * old + FILL_WEIGHT * rho,
-        });
     }
 
     /// `allreduce = "auto"`: this step's dense algorithm, the cost model's
@@ -206,7 +185,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 AllreduceAlgo::Rabenseifner
             }
         };
-        if self.auto_allreduce != Some(algo) {
+        if self.tuner.chose(Choice::Allreduce(algo)) {
             if let Ok(c) = &choice {
                 log::info!(
                     "gradsync: step {}: allreduce auto chose {} for {} dense bytes: {}",
@@ -216,7 +195,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     describe(c)
                 );
             }
-            self.auto_allreduce = Some(algo);
         }
         self.plan.allreduce = algo;
     }
@@ -263,7 +241,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 AllgathervAlgo::RecursiveDoubling
             }
         };
-        if self.auto_allgather != Some(algo) {
+        if self.tuner.chose(Choice::Allgather(algo)) {
             if let Ok(c) = &choice {
                 log::info!(
                     "gradsync: step {}: allgather auto chose {} for {bytes} bytes a rank: {}",
@@ -276,7 +254,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         .join(", ")
                 );
             }
-            self.auto_allgather = Some(algo);
         }
         self.plan.allgather = algo;
     }
@@ -284,7 +261,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// The fill ratio estimated from the previous steps (module
     /// docs of `exchange.rs`), `None` before any.
     pub fn fill_estimate(&self) -> Option<f64> {
-        self.fill_estimate
+        self.tuner.fill()
     }
 }
 

@@ -163,6 +163,7 @@ mod progress;
 mod snapshot;
 mod stats;
 mod table;
+mod tuner;
 mod unpack;
 
 pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup, MAX_DELAY};
@@ -259,17 +260,10 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// node-aware collectives, a two-level profile for `Auto`,
     /// `sparse_exchange = "auto"`).
     nodes: Option<Vec<usize>>,
-    /// The fill ratio of the sparse allreduces, estimated from the
-    /// previous steps' results (`exchange.rs`).
-    fill_estimate: Option<f64>,
-    /// The last exchange `sparse_exchange = "auto"` chose (to log changes).
-    auto_exchange: Option<SparseExchange>,
-    /// The last algorithm `allreduce = "auto"` chose (to log changes).
-    auto_allreduce: Option<crate::dense::AllreduceAlgo>,
-    /// The last algorithm `allgather = "auto"` chose (to log changes).
-    auto_allgather: Option<crate::dense::AllgathervAlgo>,
-    /// This step's reduced group's nominal load (`exchange.rs`).
-    step_load: exchange::Load,
+    /// What the per-step `auto` choices learn from the steps done: the
+    /// fill estimate, the step's reduced load, the last choices
+    /// (`tuner.rs`).
+    tuner: tuner::Tuner,
     /// Float32 workspaces of half-precision gradients (`mixed.rs`).
     widened: Vec<Vec<f32>>,
 }
@@ -355,11 +349,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             window_kept: false,
             diverged: None,
             nodes: None,
-            fill_estimate: None,
-            auto_exchange: None,
-            auto_allreduce: None,
-            auto_allgather: None,
-            step_load: exchange::Load::default(),
+            tuner: tuner::Tuner::default(),
             widened: Vec::new(),
         };
         let create = || crate::comm::agree::CallKind::Create.describe(0);
@@ -426,6 +416,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     .expect("transport held at creation");
                 s.nodes = comm.node_ids();
             }
+        }
+        if s.cfg.allgather == crate::dense::AllgathervAlgo::Node && s.nodes.is_none() {
+            return Err(Error::Unsupported(
+                "allgather \"node\" needs the ranks' nodes (an MPI communicator); \
+                 this transport has none"
+                    .into(),
+            ));
         }
         if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
             let comm = s

@@ -7,7 +7,7 @@
 //! in the file, and the file is checked against the engine it is loaded into
 //! (format version, rank, size, layer table hash, layer names and lengths).
 //!
-//! Integrity (issue #11): the file is the bincode payload followed by the
+//! Integrity: the file is the bincode payload followed by the
 //! CRC-32 (IEEE, `crc32fast`) of the payload, u32 LE, so one flipped bit
 //! anywhere is caught; every loaded float (residuals, momentum, delay
 //! accumulators, density) must be finite; every error names the file.
@@ -385,7 +385,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let Restored { snap, codecs, gvqs } = r;
         // The fill estimate is not in the snapshot: a restored run starts
         // from the independent-selection estimate, as a fresh engine does.
-        self.fill_estimate = None;
+        self.tuner.reset();
         for (((s, l), c), g) in snap
             .layers
             .into_iter()

@@ -87,6 +87,11 @@ pub struct StepStats {
     /// average, `GradSync::fill_estimate`), what the next step's `auto`
     /// choice prices with; `None` before any such step.
     pub fill_estimate: Option<f64>,
+    /// What this step measured of the fill (the distinct result indices of
+    /// its reduced group, alike on every rank; `None`: nothing), for the
+    /// engine's tuner (`tuner.rs`).
+    #[serde(skip)]
+    pub(crate) fill_sample: Option<usize>,
     /// The algorithm of this step's dense allreduce (`rabenseifner`,
     /// `ring`, `mpi`, `hierarchical`; with `allreduce = "auto"` the cost
     /// model's choice for the step's dense group); empty when the step ran
@@ -130,8 +135,8 @@ pub struct DeviceStats {
 
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// Fill [`last_stats`](GradSync::last_stats) from the layers' records and
-    /// the step's job.
-    pub(super) fn record_stats(&mut self, st: &OpenStep, wait_s: f64) {
+    /// the step's job; `fill_sample` is what the step measured of the fill.
+    pub(super) fn record_stats(&mut self, st: &OpenStep, wait_s: f64, fill_sample: Option<usize>) {
         let info = &st.info;
         // Sums over the step's buckets.
         let jobs = || st.parts.iter().filter_map(|p| p.job.as_deref());
@@ -185,7 +190,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             sparse_reduce_s: sum(|j| j.sparse_reduce_s),
             sparse_reduce_nnz: jobs().map(|j| j.sparse_reduce_nnz).sum(),
             sparse_exchange: exchange,
-            fill_estimate: self.fill_estimate,
+            fill_estimate: self.tuner.fill(),
+            fill_sample,
             allreduce,
             allgather,
             gradiveq_s: sum(|j| j.gvq_s),

@@ -110,7 +110,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 density: d,
                 gradiveq_ratio: 8.0,
                 ranks_per_node: self.ranks_per_node(),
-                fill: self.fill_estimate,
+                fill: self.tuner.fill(),
             },
             &method_name,
         )?;
@@ -530,7 +530,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             select_method,
             gradiveq_ratio: 8.0,
             ranks_per_node: self.ranks_per_node(),
-            fill: self.fill_estimate,
+            fill: self.tuner.fill(),
             allgather: self.cfg.allgather,
             min_sparse_elems: self.cfg.compress_threshold,
             allowed: self.auto_candidates(),

@@ -73,7 +73,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let plan = &self.plan;
         // `auto`'s group in the allgatherv: its unpacking counts the fill.
-        let probe_ids = super::exchange::fill_probe_ids(plan, &self.step_load);
+        let probe_ids = super::exchange::fill_probe_ids(plan, &self.tuner.load);
         let unpacker = Unpacker::new(self, st, probe_ids);
         let unpacked: Result<Vec<Unpacked>> = if plan.parallel_unpack {
             self.layers

@@ -1,9 +1,9 @@
-//! Per-step `auto` choices on the in-process transport (issue #15): the sparse
+//! Per-step `auto` choices on the in-process transport: the sparse
 //! exchange and the dense allreduce follow the cost model with the same results.
 
 use super::*;
 
-/// Issue #15: `sparse_exchange = auto` chooses the exchange every step by
+/// `sparse_exchange = auto` chooses the exchange every step by
 /// the cost model: bitwise the allgather engine's outputs and residuals
 /// whatever it picks (the in-process transport has no nodes, so never the
 /// node-aware one); the allgatherv at 1 to 3 ranks, the sparse allreduce
@@ -103,7 +103,7 @@ fn auto_exchange_equals_the_allgather_bitwise_and_reports_its_choice() {
     }
 }
 
-/// Issue #15: the fill is learned on the allgatherv's steps too. Every
+/// The fill is learned on the allgatherv's steps too. Every
 /// rank selects the same pairs (ρ = 1/p): before any measurement `auto`
 /// prices independent selections and runs the allgatherv; that step's
 /// unpacking counts `k` distinct results, and from then on the sparse
@@ -161,7 +161,7 @@ fn auto_exchange_learns_overlap_on_allgatherv_steps() {
     }
 }
 
-/// Issue #15: `allreduce = "auto"` runs, every step, the dense algorithm
+/// `allreduce = "auto"` runs, every step, the dense algorithm
 /// the cost model finds fastest for the step's dense group (here the ring
 /// where Rabenseifner pays its fold, at 3 and 5 ranks, and Rabenseifner at
 /// powers of two), with results bitwise the configured Rabenseifner's on
@@ -238,7 +238,7 @@ fn auto_allreduce_follows_the_model_and_sums_alike() {
     assert!(e.iter().all(|e| e.contains("per-step choice")), "{e:?}");
 }
 
-/// Issue #15: `auto` needs a profile: without one, the same error on
+/// `auto` needs a profile: without one, the same error on
 /// every rank at creation; with one, the in-process transport (no nodes)
 /// is accepted (auto then never picks the node-aware exchange).
 #[test]

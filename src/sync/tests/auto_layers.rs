@@ -82,7 +82,7 @@ fn model_args(strategies: String) -> crate::cost::records::ModelArgs {
     }
 }
 
-/// Issue #13: `Strategy::Auto`, `gradsync predict`'s choice and `plan`
+/// `Strategy::Auto`, `gradsync predict`'s choice and `plan`
 /// decide through the one table (`cost::choose`): for the same layer,
 /// profile and candidates they agree.
 #[cfg(feature = "cli")]
@@ -135,7 +135,7 @@ fn auto_predict_and_plan_make_the_same_choice() {
     }
 }
 
-/// Issue #13: a table of `Auto` layers is planned as a whole, by the step
+/// A table of `Auto` layers is planned as a whole, by the step
 /// model: after the first step the engine runs exactly `gradsync plan`'s
 /// per-layer choice for the same table and profile (ResNet-50's table at
 /// p = 4 on a 1.25 GB/s network with a per-layer selection cost, where the
@@ -208,7 +208,7 @@ fn auto_layers_run_the_plan_of_the_whole_table() {
     }
 }
 
-/// Issue #15: `Strategy::Auto` layers under `sparse_exchange = auto` are
+/// `Strategy::Auto` layers under `sparse_exchange = auto` are
 /// planned among the dense group, the allgatherv and the sparse allreduce
 /// (never the node-aware one without nodes), run, and report their
 /// exchange every step.

@@ -45,7 +45,7 @@ fn a_rank_without_weights_fails_the_step_everywhere() {
     }
 }
 
-/// Issue #11: a rank that fails inside a step (here a gradient of the wrong
+/// A rank that fails inside a step (here a gradient of the wrong
 /// length on rank 1) makes every rank return the same `RankFailed` in that
 /// step; nothing is applied, every rank's residual again holds its
 /// gradient (what it had encoded is put back), and the next step runs.
@@ -97,7 +97,7 @@ fn a_failed_step_fails_every_rank_alike_and_loses_nothing() {
     }
 }
 
-/// Issue #12: a binding that finds a bad argument before it can hand over
+/// A binding that finds a bad argument before it can hand over
 /// the gradients (`fail_step`) still takes part in the step: every rank
 /// returns the same `RankFailed`, and the next step runs. Also the text
 /// strategies of `register_spec`: a spec that does not parse on one rank

@@ -1,4 +1,4 @@
-//! Node-aware exchanges (issue #15): ranks placed on nodes with a slow link between
+//! Node-aware exchanges: ranks placed on nodes with a slow link between
 //! them, where `auto` picks the node-aware sparse allreduce and allgatherv.
 
 use super::*;
@@ -119,7 +119,7 @@ fn run_on_nodes(
     })
 }
 
-/// Issue #15: with the ranks' nodes known and a two-level profile whose
+/// With the ranks' nodes known and a two-level profile whose
 /// link between nodes is slow, `auto` runs the node-aware sparse
 /// allreduce (2 nodes of 2 ranks): the same results as the allgather
 /// engine (exactly, for integer gradients: the node-by-node sum is exact),
@@ -173,7 +173,7 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
     }
 }
 
-/// Issue #15: `allgather = "auto"` (the default) runs the node-aware
+/// `allgather = "auto"` (the default) runs the node-aware
 /// allgatherv for the fused message where the cost model prices it below
 /// the flat one (2 nodes of 3 ranks, a slow link; QSGD layers, which only
 /// the fused allgatherv carries), with bitwise the results of `recdbl`;

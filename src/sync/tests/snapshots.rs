@@ -182,7 +182,7 @@ fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
     });
 }
 
-/// Issue #11 class 5: snapshots are checked (CRC-32 over the file, finite
+/// Snapshots are checked (CRC-32 over the file, finite
 /// floats) and loading is collective: bad bytes on one rank fail every rank
 /// with the same error and leave every engine unchanged.
 #[test]

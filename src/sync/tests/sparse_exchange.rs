@@ -1,9 +1,9 @@
-//! `sparse_exchange = allreduce` (issue #15): bitwise the fused allgatherv's results,
+//! `sparse_exchange = allreduce`: bitwise the fused allgatherv's results,
 //! non-finite inputs and failures alike, the option's parsing and checks.
 
 use super::*;
 
-/// Issue #15: the table of the sparse-exchange tests: a dense layer, RGC
+/// The table of the sparse-exchange tests: a dense layer, RGC
 /// (trimmed and threshold) and quantized RGC layers (reduced with
 /// `sparse_exchange = allreduce`), an fp16 layer (always in the fused
 /// message), an empty layer, a layer whose gradient is zero on every rank
@@ -84,7 +84,7 @@ fn reduced_layers_report_the_pairs_they_send() {
     }
 }
 
-/// Issue #15: `sparse_exchange = allreduce` gives bitwise the outputs and
+/// `sparse_exchange = allreduce` gives bitwise the outputs and
 /// residuals of the fused allgatherv, for RGC / quantized RGC / fp16 /
 /// dense layers together, empty selections, momentum (plain, Nesterov),
 /// communication delay and both warm-ups, at p = 1, 2, 3, 5, with the
@@ -177,7 +177,7 @@ fn allreduce_exchange_equals_the_allgather_bitwise() {
     }
 }
 
-/// Issue #15: NaN/Inf in a reduced layer on some ranks behaves as in the
+/// NaN/Inf in a reduced layer on some ranks behaves as in the
 /// fused allgatherv: the same error naming the lowest such rank (or NaN
 /// with `Propagate`), the other layers written, residuals not poisoned,
 /// bitwise the same outputs, and the next step runs — with and without
@@ -293,7 +293,7 @@ fn non_finite_reduced_layers_behave_as_in_the_allgather() {
     }
 }
 
-/// Issue #15: a local-phase failure on one rank (a gradient of the wrong
+/// A local-phase failure on one rank (a gradient of the wrong
 /// length) is the same `RankFailed` on every rank with the sparse
 /// allreduce as with the allgather, before the sparse allreduce (no rank
 /// enters it alone); nothing is lost and the next step runs.
@@ -351,7 +351,7 @@ fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
     }
 }
 
-/// Issue #15: the option as JSON and text; `hierarchical` is refused on
+/// The option as JSON and text; `hierarchical` is refused on
 /// every rank until the node-aware sparse allreduce is built in.
 #[test]
 fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
