@@ -339,6 +339,9 @@ fn prices_are_compared_only_in_cost_argmin() {
         "NEAR_TIE *",
         "NEAR_TIE)",
         "fold(f64::INFINITY, f64::min)",
+        "tie_limit(",
+        "<= limit",
+        "< limit",
     ];
     let mut found = Vec::new();
     for (file, m) in &all {
@@ -360,4 +363,88 @@ fn prices_are_compared_only_in_cost_argmin() {
         "prices compared outside src/cost/argmin.rs:\n{}",
         found.join("\n")
     );
+}
+
+/// Every `.rs` file under `dir` (recursively).
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<_> = rd.map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The longest `unsafe` block this code base keeps (lines from `unsafe {`
+/// to its closing brace): a block holds one operation and its arguments.
+const MAX_UNSAFE_LINES: usize = 20;
+
+/// `clippy::undocumented_unsafe_blocks` and small blocks, in every build
+/// (CI installs no clippy): each `unsafe {` block and `unsafe impl` of the
+/// engine, the C ABI and the Python extension has a `// SAFETY:` comment
+/// in the lines just above it (within 6, so a comment over a `let` or a
+/// call spanning a few lines counts), and no block spans more than
+/// [`MAX_UNSAFE_LINES`] lines.
+#[test]
+fn every_unsafe_block_is_small_and_says_why_it_is_sound() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut all = Vec::new();
+    for dir in ["src", "capi/src", "python/src"] {
+        rust_files(&root.join(dir), &mut all);
+    }
+    assert!(all.len() > 50, "found {} files", all.len());
+    let (mut blocks, mut problems) = (0, Vec::new());
+    for file in &all {
+        let raw = std::fs::read_to_string(file).unwrap();
+        let code: Vec<String> = strip_comments(&raw).lines().map(str::to_string).collect();
+        let lines: Vec<&str> = raw.lines().collect();
+        let rel = file.strip_prefix(&root).unwrap().display().to_string();
+        for (i, line) in code.iter().enumerate() {
+            let at_block = line.find("unsafe {");
+            if at_block.is_none() && !line.contains("unsafe impl") {
+                continue;
+            }
+            blocks += 1;
+            let above = &lines[i.saturating_sub(6)..i];
+            if !above.iter().any(|l| l.contains("SAFETY:")) && !lines[i].contains("SAFETY:") {
+                problems.push(format!("{rel}:{}: no SAFETY comment above", i + 1));
+            }
+            let Some(col) = at_block else { continue };
+            // The block's length, by its braces (strings and comments
+            // stripped: `code` keeps strings, which hold no braces here).
+            let mut depth = 0i32;
+            let mut end = i;
+            'scan: for (j, l) in code.iter().enumerate().skip(i) {
+                let from = if j == i { col } else { 0 };
+                for c in l[from..].chars() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = j;
+                                break 'scan;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if end + 1 - i > MAX_UNSAFE_LINES {
+                problems.push(format!(
+                    "{rel}:{}: an unsafe block of {} lines",
+                    i + 1,
+                    end + 1 - i
+                ));
+            }
+        }
+    }
+    assert!(blocks > 50, "found {blocks} unsafe blocks");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
