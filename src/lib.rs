@@ -16,12 +16,14 @@
 //! * [`sync`]: the engine a training loop calls every step ([`sync::GradSync`]).
 //! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
 //!   all-reduce (Algorithm 1), with the training schedule.
-//! * [`gpu`]: device buffers (issue #16): whether MPI is CUDA-aware, the
+//! * [`gpu`]: device buffers: whether MPI is CUDA-aware, the
 //!   host-staged allreduce of a device buffer, the GPU probe (feature
 //!   `cuda`).
 //! * [`cost`]: the α-β-γ cost model that predicts each strategy's time and
-//!   drives the engine's `Auto` strategy, and the calibration that measures
-//!   a cluster's profile from inside a job ([`calibrate::calibrate`]).
+//!   drives the engine's `Auto` strategy.
+//! * [`calibrate`]: measures a cluster's profile from inside a job
+//!   ([`calibrate::calibrate`]) on top of [`cost`] and [`sync`], and checks a
+//!   profile's predictions against measurements.
 //! * [`failure`]: the failure model — an error on some ranks reaches every
 //!   rank in the same step, or the job is aborted; never a hang.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).

@@ -187,7 +187,7 @@ impl Sizes {
         let net_sizes = net_sizes(net_max);
         let x = synthetic(ns.last().copied().unwrap_or(1 << 16), "normal", 1)?;
         let net = if p > 1 { net_sizes.len() } else { 0 };
-        // On several nodes (issue #15) the exchanges pair ranks inside their
+        // On several nodes the exchanges pair ranks inside their
         // node, and one more set of probes times rank 0 with a rank of
         // another node, alone on the link: the profile's two levels.
         let pairs = pairs(&if p > 1 { comm.node_ids() } else { vec![0] }, comm.rank());

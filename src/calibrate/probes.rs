@@ -28,7 +28,7 @@ pub(super) type Probe<'a> = Box<dyn FnMut(usize) -> Result<f64> + 'a>;
 /// ([`barrier_span`]), which the fits subtract.
 ///
 /// The caches are left as the previous call left them. Cold-cache probes
-/// (a 64 MiB sweep before each call) were tried for issue #13: they
+/// (a 64 MiB sweep before each call) were tried for the step model: they
 /// over-predicted the engine's sparse path in whole-model steps by about
 /// 25 % (1.6–1.8 ns per element against 1.3–1.45 measured in the step)
 /// and did not close the dense path's gap, so they were dropped.
@@ -234,7 +234,7 @@ pub(super) fn idle_exchange_time(
     Ok(t)
 }
 
-/// The pairs of a calibration on several nodes (issue #15): inside a node
+/// The pairs of a calibration on several nodes: inside a node
 /// every rank is paired with a neighbour of the same node (all pairs at
 /// once, as the collectives' intra-node steps run), across nodes rank 0
 /// alone with the first rank of another node (one pair on the link, the

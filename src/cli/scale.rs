@@ -1,7 +1,7 @@
 //! `gradsync scale`: the predicted synchronization time of a whole step
 //! (the step model, [`crate::cost::plan_step`]) per strategy as the job
 //! grows, on nodes of `L` ranks ([`crate::cost::topology`]), and the rank
-//! counts at which one strategy overtakes another (issue #15). No MPI.
+//! counts at which one strategy overtakes another. No MPI.
 
 use super::model::{read_layers, step_layers, step_query, ModelArgs};
 use crate::cost::{self, StrategyId};

@@ -20,15 +20,15 @@
 //!
 //! Kept keys (ascending) are delta-encoded (eq. 4: `Δk_1 = k_1`,
 //! `Δk_j = k_j − k_{j−1}`). `M` is the **bit length** of the largest delta
-//! (the paper's `ceil(log2 maxDelta)` is one bit short for powers of two, see
-//! the errata). The `l`-bit length flag `f ∈ 0..2^l` selects the width
+//! (the paper's `ceil(log2 maxDelta)`, Algorithm 2, is one bit short for powers
+//! of two: 256 needs 9 bits). The `l`-bit length flag `f ∈ 0..2^l` selects the width
 //! `w_f = ceil((f+1)·M / 2^l)`; for `l = 2` these are `M/4, M/2, 3M/4, M`
 //! (Fig. 3: `M = 8` gives ranges `[0,4), [4,16), [16,64), [64,256)`). Each
 //! delta is written as the smallest flag whose width holds it, then the delta
 //! in that many bits, MSB first (Fig. 3: delta 3, `l = 2`, `M = 8` →
 //! `0011`). The decoder accepts only this canonical form.
 //!
-//! # One byte per value (errata)
+//! # One byte per value (the paper's `τ = 128` needs 258 codes)
 //!
 //! `L ∈ 0..=τ` plus a sign needs `2(τ+1)` codes; with the paper's `τ = 128`
 //! that is 258, two more than a byte. gradsync keeps `τ = 128` and folds
@@ -43,7 +43,7 @@
 //! The paper's filter keeps nothing when `Σ|x| > b^τ · max|x|`, which dense
 //! tensors of more than about `b^τ` elements (`1.1^128 ≈ 196 000`) reach
 //! under error feedback: the residual's sum grows faster than its maximum,
-//! and the layer then sends nothing, for ever (issue #11). FastSGD is meant
+//! and the layer then sends nothing, for ever. FastSGD is meant
 //! for sparse gradients, where `Σ|x|` runs over the few values sent. So
 //! gradsync encodes against a reference sum `S` in place of `Σ|x|` (levels
 //! `L_i = ceil(log_b(S/|x_i|))`, kept iff `|x_i| ≥ S/b^τ`, `S` on the wire

@@ -1,6 +1,7 @@
 //! Golomb-Rice coding of position gaps (SBC §II "Optimal Position Encoding",
-//! eq. 5 as restored in `papers-errata.md`), with an MSB-first bit writer and
-//! a bounds-checked bit reader.
+//! eq. 5, derived from the paper's model: geometric gaps, a Golomb divisor
+//! that is a power of two), with an MSB-first bit writer and a bounds-checked
+//! bit reader.
 //!
 //! A gap `g ≥ 1` is coded with divisor `2^b`: the quotient `(g − 1) >> b` in
 //! unary (that many `1` bits, then one `0`), then the `b` low bits of `g − 1`,

@@ -46,7 +46,7 @@
 //!   `ω = 0.082`, full.
 //! * `ef=full`: full error feedback, refused (at the engine's `register` and
 //!   in [`ErrorFeedback`](super::ErrorFeedback)) when `ω ≥ 1`: the residual
-//!   then grows geometrically (issue #11).
+//!   then grows geometrically.
 //! * `ef=damped`: damped with `γ = 1/(1 + ω)` at any `ω`.
 //! * `ef=none`: no residual (QSGD's own, unbiased use).
 

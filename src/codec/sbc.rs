@@ -1,7 +1,8 @@
 //! Sparse Binary Compression (Sattler et al., "Sparse Binary Compression:
 //! Towards Distributed Deep Learning with minimal Communication"): §II
 //! "Sparse Binarization" (Algorithm 2) and "Optimal Position Encoding"
-//! (Golomb position coding, eq. 5 as restored in `papers-errata.md`).
+//! (Golomb position coding, eq. 5, derived from the paper's model: geometric
+//! gaps, a Golomb divisor that is a power of two; see "Position coding").
 //! Communication delay and residual accumulation are not part of the codec:
 //! run it under [`ErrorFeedback`](super::ErrorFeedback) for the latter.
 //!

@@ -75,7 +75,7 @@ fn baseline_configs() -> [CodecConfig; 3] {
     [CodecConfig::None, CodecConfig::Fp16, CodecConfig::Int8]
 }
 
-/// Issue #11, class 4: int8 returned ±max|x| everywhere when max|x| < 3.7e-37
+/// Regression: int8 returned ±max|x| everywhere when max|x| < 3.7e-37
 /// (`127/scale` overflowed in f32) and inf for ±f32::MAX; fp16 rejected
 /// values beyond ±65504 and flushed tiny tensors to zero.
 #[test]

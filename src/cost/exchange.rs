@@ -1,8 +1,8 @@
 //! The engine's per-step choice of its two collectives, from the same
 //! group costs as the step model ([`super::step`]): how the index/value
 //! layers' pairs are exchanged under `sparse_exchange = "auto"` (the fused
-//! allgatherv, Ok-Topk's sparse allreduce, or the node-aware one; issue
-//! #15) and which algorithm runs the fused dense allreduce under
+//! allgatherv, Ok-Topk's sparse allreduce, or the node-aware one) and which
+//! algorithm runs the fused dense allreduce under
 //! `allreduce = "auto"` (Rabenseifner, the ring, or the hierarchical
 //! allreduce), and which allgatherv carries the fused message under
 //! `allgather = "auto"` (recursive doubling/Bruck's, or the node-aware

@@ -927,8 +927,8 @@ pub fn nominal_wire_bytes(prof: &Profile, codec: &str, n: usize) -> f64 {
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile
-/// says otherwise: 3LC's 1.6 bits per value (its paper and issue #3's
-/// measurement); FastSGD 1 byte per value.
+/// says otherwise: 3LC's 1.6 bits per value (its paper and gradsync's
+/// own measurement); FastSGD 1 byte per value.
 fn nominal_bytes_per_element(codec: &str) -> f64 {
     match codec {
         "3lc" => 0.2,

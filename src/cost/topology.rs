@@ -1,4 +1,4 @@
-//! The two-level network (issue #15): ranks placed `L` per node, shared
+//! The two-level network: ranks placed `L` per node, shared
 //! memory inside a node, one network link per node between nodes, and the
 //! node-aware and O(k) strategies that only pay off there.
 //!

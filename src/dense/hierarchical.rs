@@ -1,4 +1,4 @@
-//! Node-aware (hierarchical) allreduce (issue #15): the ranks of a node
+//! Node-aware (hierarchical) allreduce: the ranks of a node
 //! reduce-scatter over shared memory, each local rank allreduces its shard
 //! with the ranks of the same local index on the other nodes, and the ranks
 //! of a node allgather the shards: the scheme of NCCL's and Horovod's

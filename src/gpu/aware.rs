@@ -1,4 +1,4 @@
-//! Whether the MPI library takes device pointers (issue #16, part 3).
+//! Whether the MPI library takes device pointers.
 //!
 //! The only thing trusted is the MPI library's own run-time answer, or
 //! the user's override `GRADSYNC_CUDA_AWARE=auto|0|1`. The answer is

@@ -1,4 +1,4 @@
-//! Gradients on the GPU (issue #16): what exists so far.
+//! Gradients on the GPU: what exists so far.
 //!
 //! * [`cuda_aware`]: whether the MPI library takes device pointers, from
 //!   its run-time `MPIX_Query_cuda_support()` (looked up with `dlsym`) and

@@ -1,5 +1,5 @@
 //! Host staging of a device buffer's allreduce, for an MPI that does not
-//! take device pointers (issue #16, part 3).
+//! take device pointers.
 //!
 //! The buffer is reduced in chunks through two host staging slots (pinned
 //! memory on a GPU): the copy of chunk `i+1` to the host runs while chunk

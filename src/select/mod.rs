@@ -21,11 +21,14 @@
 //! `x.len()` must not exceed 2^32 (longer slices give
 //! [`Error::InvalidArgument`]).
 //!
-//! ## Thresholds (the errata's reading of Algorithms 2 and 3)
+//! ## Thresholds (RedSync's Algorithms 2 and 3, corrected)
 //!
 //! With `mean` and `max` of `|x|`, a ratio in `[0, 1]` gives the threshold
 //! `mean + ratio · (max − mean)`; an element is *above* it when
-//! `|x_i| > threshold` (strictly).
+//! `|x_i| > threshold` (strictly). As printed, Algorithm 2 counts against
+//! the threshold before setting it, and Algorithm 3 assigns the threshold
+//! to the ratio's bounds `l`/`r` and has an `nnz < k/2` branch at odds with
+//! its goal `k ≤ nnz ≤ 2k`; what follows is their stated intent.
 //!
 //! * Algorithm 2 starts at ratio `1 − ε` ([`TRIM_EPS`] = 0.2 as printed) and
 //!   lowers it by `ε` until at least `k` elements are above; then it runs an
@@ -428,7 +431,7 @@ fn filter_signed(x: &[f32], tp: f32, tn: f32, pos: &mut Vec<u32>, neg: &mut Vec<
     mx.iter().copied().max().unwrap_or(0).max(tail_max) < 0x7f80_0000
 }
 
-/// Trimmed top-k (§5.2.1, Algorithm 2 as corrected in the errata): lower the
+/// Trimmed top-k (§5.2.1, Algorithm 2, its threshold set before counting): lower the
 /// ratio from `1 − 0.2` in steps of 0.2 until at least `k` elements exceed
 /// `mean + ratio · (max − mean)`, then take the exact top-k of those. Returns
 /// exactly `min(k, m)` entries (`m` = non-NaN count), the same set as
@@ -772,9 +775,9 @@ impl ThresholdSearch {
         })
     }
 
-    /// Algorithm 3 (errata): a threshold with count in `[k, 2k]`, or with
-    /// count above `2k` when the interval shrank below `ε`; `None` when the
-    /// last probe had fewer than `k`.
+    /// Algorithm 3, bisecting the ratio (not, as printed, the threshold): a
+    /// threshold with count in `[k, 2k]`, or with count above `2k` when the
+    /// interval shrank below `ε`; `None` when the last probe had fewer than `k`.
     fn binary_search(&self, x: &[f32], k: usize, mean: f64, max: f64) -> Option<f32> {
         let hi = k.saturating_mul(2);
         let (mut l, mut r) = (0f64, 1f64);

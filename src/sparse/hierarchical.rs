@@ -1,4 +1,4 @@
-//! Hierarchical (node-aware) sparse allreduce (issue #15, "hierarchical
+//! Hierarchical (node-aware) sparse allreduce (the "hierarchical
 //! sparse path"): the two-level scheme of NCCL's and Horovod's hierarchical
 //! allreduce applied to sparse units. The ranks of a node reduce their
 //! `(index, value)` pairs into one sparse unit per node over shared memory,

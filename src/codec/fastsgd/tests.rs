@@ -190,7 +190,7 @@ fn fig3_adaptive_binary_encoding() {
     }
 }
 
-/// Errata: M is the bit length (256 needs 9 bits, ceil(log2 256) = 8).
+/// Corrected Algorithm 2: M is the bit length (256 needs 9 bits, ceil(log2 256) = 8).
 #[test]
 fn delta_width_is_the_bit_length() {
     assert_eq!(bit_len(256), 9);
@@ -255,7 +255,7 @@ fn exact_small_message() {
     }
 }
 
-/// Issue #11: on a dense tensor whose Σ|x| exceeds b^τ·max|x| the paper's
+/// On a dense tensor whose Σ|x| exceeds b^τ·max|x| the paper's
 /// filter keeps nothing; the default keeps the maximum and a set near it.
 #[test]
 fn dense_tensor_beyond_b_tau_still_sends() {

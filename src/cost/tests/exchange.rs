@@ -1,4 +1,4 @@
-//! Issue #15: `sparse_exchange = "auto"`'s per-step choice.
+//! `sparse_exchange = "auto"`'s per-step choice.
 
 use super::*;
 use crate::cost::topology::{self, Net};

@@ -1,5 +1,5 @@
-//! The node-aware allgatherv ([`AllgathervAlgo::Node`](super::AllgathervAlgo::Node),
-//! issue #15): the hierarchy of NCCL's and Horovod's hierarchical
+//! The node-aware allgatherv ([`AllgathervAlgo::Node`](super::AllgathervAlgo::Node)):
+//! the hierarchy of NCCL's and Horovod's hierarchical
 //! collectives applied to the allgatherv. The ranks of a node send their
 //! messages to the node's leader (its lowest rank) over shared memory, the
 //! leaders allgatherv the node blocks (recursive doubling, Bruck's for a
