@@ -53,7 +53,7 @@
 //! anything, and the step goes on.
 
 use super::job::Job;
-use super::plan::{restrict_into, StepPlan};
+use super::plan::{restrict_into, StepScript};
 use super::table::{fnv, FNV_OFFSET};
 use super::{GradSync, LayerId, SparseExchange, StartInfo, StepStats};
 use crate::comm::agree::CallKind;
@@ -79,7 +79,7 @@ pub(super) enum StepState {
 /// One bucket of the open step: its plan and its job (`None` while the
 /// progress thread holds it).
 pub(super) struct Part {
-    pub(super) plan: StepPlan,
+    pub(super) plan: StepScript,
     pub(super) job: Option<Box<Job>>,
     /// Every rank's parsed units of the bucket's fused message.
     pub(super) entries: Vec<Entry>,
@@ -299,7 +299,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.check_table()?;
         let t = Instant::now();
         // 1. Plan: every per-step decision, alike on every rank (plan.rs).
-        super::plan::plan_step_into(&mut self.plan, self.step, &self.cfg, self.size, &self.table);
+        super::plan::script_step_into(&mut self.plan, self.step, &self.cfg, self.size, &self.table);
         // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
         self.resolve_exchange();
         // `allreduce = "auto"`: this step's dense algorithm (exchange.rs).
@@ -469,7 +469,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// layers' pairs.
     fn bucket_math(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         ids: &[LayerId],
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
@@ -623,7 +623,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// A bucket's plan and entries (kept across steps).
     fn spare_part(&mut self) -> Part {
         self.spare_parts.pop().unwrap_or_else(|| Part {
-            plan: StepPlan::default(),
+            plan: StepScript::default(),
             job: None,
             entries: Vec::new(),
         })

@@ -43,27 +43,12 @@
 //! allreduce give bitwise the same result; only a switch to or from the
 //! node-aware one changes the order of the additions).
 
-use super::plan::{set_exchange, StepPlan};
-use super::tuner::Choice;
+use super::plan::{set_exchange, StepScript};
+use super::tuner::{Choice, Load};
 use super::{GradSync, SparseExchange};
 use crate::comm::Transport;
 use crate::cost::{ExchangeChoice, ExchangeQuery, StrategyId};
 use crate::sparse::TOC_ENTRY_LEN;
-
-/// The reduced group's load in a step: elements, nominal pairs per rank,
-/// bytes it would add to the fused allgatherv message.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct Load {
-    pub(super) n: usize,
-    pub(super) k: f64,
-    pub(super) message_bytes: f64,
-    /// Each layer's elements and message bytes
-    /// ([`crate::cost::ExchangeQuery::layers`]).
-    pub(super) layers: Vec<(usize, f64)>,
-    /// The group's layers, in registration order (only with `auto`: the
-    /// layers whose result measures the fill when the allgatherv runs).
-    pub(super) ids: Vec<u32>,
-}
 
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// The plan's reduced group's load, from the plan and the layer
@@ -267,7 +252,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
 /// The layers whose unpacking counts the fill this step: the reduced
 /// group that `auto` moved back into the allgatherv (empty otherwise).
-pub(super) fn fill_probe_ids<'a>(plan: &StepPlan, load: &'a Load) -> &'a [u32] {
+pub(super) fn fill_probe_ids<'a>(plan: &StepScript, load: &'a Load) -> &'a [u32] {
     if plan.exchange == SparseExchange::Allgather {
         &load.ids
     } else {

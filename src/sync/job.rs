@@ -42,7 +42,7 @@
 //!    (`run`), like the other collectives'.
 
 use super::layer::Layer;
-use super::plan::{Mode, StepPlan};
+use super::plan::{Mode, StepScript};
 use super::{Config, SparseExchange};
 use crate::comm::agree::{agree_call, first_rank_differing, CallKind};
 use crate::comm::Transport;
@@ -412,7 +412,7 @@ impl Job {
     /// local phase: an error here is this rank's alone.
     pub(super) fn collect_pairs(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         layers: &[Layer],
         ranks: usize,
     ) -> Result<()> {
@@ -515,7 +515,7 @@ impl Job {
     /// collectives to run.
     pub(super) fn pack(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         layers: &[Layer],
         cfg: &Config,
         local: &Result<()>,

@@ -7,7 +7,7 @@
 
 use super::job::{GvqEntry, Job};
 use super::layer::{Layer, StepParams};
-use super::plan::{Mode, StepPlan};
+use super::plan::{Mode, StepScript};
 use super::GradSync;
 use crate::comm::Transport;
 use crate::{Error, Result};
@@ -23,7 +23,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// `grads` (and `weights`) are indexed by layer.
     pub(super) fn local_phase(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
         job: &mut Job,
@@ -53,7 +53,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// layer's length (the bucket's layers only).
     fn check_inputs(
         &self,
-        plan: &StepPlan,
+        plan: &StepScript,
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
     ) -> Result<()> {
@@ -121,7 +121,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// rolled back: nothing this rank encoded is sent.
     fn compress_layers(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
         params: &StepParams,
@@ -158,7 +158,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// order).
     fn dense_inputs(
         &mut self,
-        plan: &StepPlan,
+        plan: &StepScript,
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
         params: &StepParams,

@@ -137,13 +137,14 @@
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
 //! | what a snapshot holds and how a restore is agreed | `snapshot.rs` |
 //!
-//! Files: `config.rs` (options), `plan.rs` (the step planner), `layer.rs`
+//! Files: `config.rs` (options), `plan.rs` (the step's script), `layer.rs`
 //! (layer state and Algorithm 4), `bucket.rs` (the step as a program of
 //! buckets; the step's state), `progress.rs` (who runs the collectives:
 //! inline, a progress thread, lost), `job.rs` (one bucket's job and its
 //! collectives),
 //! `unpack.rs`, `stats.rs`, `table.rs` (registration and table agreement),
-//! `exchange.rs` (the per-step exchange of `auto`, the fill estimate),
+//! `exchange.rs` (the per-step collectives of `auto`, the fill estimate's
+//! rule), `tuner.rs` (what those choices learn from the steps done),
 //! `snapshot.rs`, `options.rs` (options as flat JSON for the bindings),
 //! `mixed.rs` (float16 and bfloat16 gradients through float32 workspaces);
 //! this file holds the engine, its constructors and the step script.
@@ -178,7 +179,7 @@ use crate::{Error, Result};
 use bucket::{OpenStep, Part, StepState};
 use job::Job;
 use layer::Layer;
-use plan::{LayerPlanInput, Mode, StepPlan};
+use plan::{Mode, StepScript, TableRow};
 use progress::{Progress, Runner};
 use table::{fnv, FNV_OFFSET};
 
@@ -207,9 +208,9 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     cfg: Config,
     layers: Vec<Layer>,
     /// The planner's view of the layer table (one row per layer).
-    table: Vec<LayerPlanInput>,
+    table: Vec<TableRow>,
     /// The current (or last) step's plan.
-    plan: StepPlan,
+    plan: StepScript,
     table_hash: u64,
     /// `table_hash` as it would be with `allgather: "recdbl"`, the default
     /// when older snapshots were written: a snapshot that matches it gets
@@ -327,7 +328,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             cfg,
             layers: Vec::new(),
             table: Vec::new(),
-            plan: StepPlan::default(),
+            plan: StepScript::default(),
             table_hash,
             legacy_hash,
             run: 0,
@@ -634,7 +635,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// This rank's pairs of the bucket's reduced layers into `job` (the
     /// end of the local phase); on failure what this rank encoded goes
     /// back into its residuals, as for any local failure.
-    fn reduced_pairs(&mut self, plan: &StepPlan, job: &mut Job) -> Result<()> {
+    fn reduced_pairs(&mut self, plan: &StepScript, job: &mut Job) -> Result<()> {
         let r = job.collect_pairs(plan, &self.layers, self.size);
         if r.is_err() {
             for l in &mut self.layers {

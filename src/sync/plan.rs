@@ -3,7 +3,7 @@
 //! layer state, no transport — so it is the same on every rank by
 //! construction and is tested without one (the tests below).
 //!
-//! [`plan_step`] decides:
+//! [`script_step`] decides:
 //!
 //! * whether the step communicates: SBC's communication delay (`delay = T`,
 //!   SBC §3 "communication delay"): steps `T−1, 2T−1, ...` (0-based)
@@ -61,7 +61,7 @@ pub(super) enum Mode {
 
 /// How a registered layer is synchronized, as far as the planner cares.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) enum LayerKind {
+pub(super) enum RowKind {
     /// Dense allreduce.
     Dense,
     /// A sparse codec with its configured density (the strategy's
@@ -79,27 +79,27 @@ pub(super) enum LayerKind {
 
 /// One row of the layer table the planner reads.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct LayerPlanInput {
+pub(super) struct TableRow {
     /// Element count.
     pub(super) n: usize,
     /// Registered kind.
-    pub(super) kind: LayerKind,
+    pub(super) kind: RowKind,
 }
 
-impl LayerPlanInput {
+impl TableRow {
     /// The planner's row of a layer of `n` elements with the resolved
     /// `strategy` (`Auto` is resolved at registration; it counts as dense,
     /// as a layer without a codec does).
     pub(super) fn new(n: usize, strategy: &Strategy) -> Self {
         let kind = match strategy {
-            Strategy::Sparse { codec, density } => LayerKind::Sparse {
+            Strategy::Sparse { codec, density } => RowKind::Sparse {
                 density: density.or_else(|| config_density(codec)),
                 pairs: config_pairs(codec),
             },
-            Strategy::Gradiveq(_) => LayerKind::Gradiveq,
-            Strategy::Dense | Strategy::Auto => LayerKind::Dense,
+            Strategy::Gradiveq(_) => RowKind::Gradiveq,
+            Strategy::Dense | Strategy::Auto => RowKind::Dense,
         };
-        LayerPlanInput { n, kind }
+        TableRow { n, kind }
     }
 }
 
@@ -123,7 +123,7 @@ pub(super) fn config_pairs(c: &CodecConfig) -> bool {
 
 /// One layer's part of the plan.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(super) struct LayerPlan {
+pub(super) struct LayerStep {
     /// What the layer does this step.
     pub(super) mode: Mode,
     /// Sparse layers: the density the codec is set to this step (`None`:
@@ -162,7 +162,7 @@ impl Group {
 
 /// Everything a step decides before it touches data. See the module docs.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct StepPlan {
+pub(super) struct StepScript {
     /// The step (0-based).
     pub(super) step: u64,
     /// Whether this step communicates (SBC's delay).
@@ -175,7 +175,7 @@ pub(super) struct StepPlan {
     /// communicating step subtracts what each rank applied alone.
     pub(super) delayed: bool,
     /// Per layer, in registration order.
-    pub(super) layers: Vec<LayerPlan>,
+    pub(super) layers: Vec<LayerStep>,
     /// Dense layers (the fused allreduce buffer).
     pub(super) dense: Group,
     /// Sparse layers in the fused allgatherv message.
@@ -217,7 +217,7 @@ pub(super) struct StepPlan {
     pub(super) parallel_unpack: bool,
 }
 
-impl StepPlan {
+impl StepScript {
     /// Every group emptied (buffers kept).
     fn clear_groups(&mut self) {
         for g in [
@@ -234,27 +234,22 @@ impl StepPlan {
 
 /// The plan of step `step` for `ranks` ranks under `cfg` with the layer
 /// table `table`. Pure: the same inputs give the same plan on every rank.
-// The engine replans into its own buffers (`plan_step_into`).
+// The engine replans into its own buffers (`script_step_into`).
 #[cfg_attr(not(test), allow(dead_code))]
-pub(super) fn plan_step(
-    step: u64,
-    cfg: &Config,
-    ranks: usize,
-    table: &[LayerPlanInput],
-) -> StepPlan {
-    let mut plan = StepPlan::default();
-    plan_step_into(&mut plan, step, cfg, ranks, table);
+pub(super) fn script_step(step: u64, cfg: &Config, ranks: usize, table: &[TableRow]) -> StepScript {
+    let mut plan = StepScript::default();
+    script_step_into(&mut plan, step, cfg, ranks, table);
     plan
 }
 
-/// [`plan_step`] into an existing plan, reusing its buffers (no allocation
+/// [`script_step`] into an existing plan, reusing its buffers (no allocation
 /// once they have grown to the table).
-pub(super) fn plan_step_into(
-    plan: &mut StepPlan,
+pub(super) fn script_step_into(
+    plan: &mut StepScript,
     step: u64,
     cfg: &Config,
     ranks: usize,
-    table: &[LayerPlanInput],
+    table: &[TableRow],
 ) {
     // `delay` ≥ 1 is checked with the options; 0 is read as 1.
     let delay = cfg.delay.max(1);
@@ -285,14 +280,14 @@ pub(super) fn plan_step_into(
             Mode::Dense
         } else {
             match l.kind {
-                LayerKind::Dense => Mode::Dense,
-                LayerKind::Sparse { .. } => Mode::Sparse,
-                LayerKind::Gradiveq => Mode::Gradiveq,
+                RowKind::Dense => Mode::Dense,
+                RowKind::Sparse { .. } => Mode::Sparse,
+                RowKind::Gradiveq => Mode::Gradiveq,
             }
         };
-        let mut lp = LayerPlan {
+        let mut lp = LayerStep {
             mode,
-            ..LayerPlan::default()
+            ..LayerStep::default()
         };
         match mode {
             Mode::Dense => {
@@ -301,8 +296,8 @@ pub(super) fn plan_step_into(
             }
             Mode::Sparse => {
                 let (own, pairs) = match l.kind {
-                    LayerKind::Sparse { density, pairs } => (density, pairs),
-                    LayerKind::Dense | LayerKind::Gradiveq => (None, false),
+                    RowKind::Sparse { density, pairs } => (density, pairs),
+                    RowKind::Dense | RowKind::Gradiveq => (None, false),
                 };
                 lp.density = stage_density.or(own);
                 if pairs && reduce_pairs {
@@ -351,7 +346,7 @@ pub(super) fn plan_step_into(
 
 /// Whether the step runs the dense allreduce: for the dense buffer, or
 /// as the status exchange (module docs).
-fn set_reduce(plan: &mut StepPlan, ranks: usize) {
+fn set_reduce(plan: &mut StepScript, ranks: usize) {
     plan.reduce = plan.dense.elems > 0
         || (plan.rings && !plan.gather)
         || plan.sparse_reduce
@@ -364,7 +359,7 @@ fn set_reduce(plan: &mut StepPlan, ranks: usize) {
 /// message, giving the plan of `sparse_exchange = "allgather"`; the
 /// sparse allreduces keep the group. Nothing to do without reduced
 /// layers.
-pub(super) fn set_exchange(plan: &mut StepPlan, exchange: SparseExchange, ranks: usize) {
+pub(super) fn set_exchange(plan: &mut StepScript, exchange: SparseExchange, ranks: usize) {
     if !plan.sparse_reduce {
         plan.exchange = SparseExchange::Allgather;
         return;
@@ -393,15 +388,15 @@ pub(super) fn set_exchange(plan: &mut StepPlan, exchange: SparseExchange, ranks:
 /// the algorithms) restricted to the layers `members` (ascending), every
 /// other layer [`Mode::Other`]. The groups keep registration order and
 /// their offsets start at 0 in the bucket's own buffers; which
-/// collectives run is decided for the bucket as [`plan_step`] decides it
+/// collectives run is decided for the bucket as [`script_step`] decides it
 /// for a whole step, so a bucket always carries the step's status (a
 /// bucket of one rank with nothing to exchange runs none). Pure, like
-/// [`plan_step`]: alike on every rank that cuts the step alike.
+/// [`script_step`]: alike on every rank that cuts the step alike.
 pub(super) fn restrict_into(
-    part: &mut StepPlan,
-    whole: &StepPlan,
+    part: &mut StepScript,
+    whole: &StepScript,
     members: &[u32],
-    table: &[LayerPlanInput],
+    table: &[TableRow],
     cfg: &Config,
     ranks: usize,
 ) {
@@ -416,9 +411,9 @@ pub(super) fn restrict_into(
     part.layers.clear();
     part.layers.resize(
         whole.layers.len(),
-        LayerPlan {
+        LayerStep {
             mode: Mode::Other,
-            ..LayerPlan::default()
+            ..LayerStep::default()
         },
     );
     part.clear_groups();
@@ -456,14 +451,14 @@ pub(super) fn restrict_into(
 }
 
 /// Whether the local math and the unpacking run in parallel.
-fn plan_parallel(plan: &mut StepPlan, cfg: &Config) {
+fn plan_parallel(plan: &mut StepScript, cfg: &Config) {
     let non_dense = plan.layers.len() - plan.dense.ids.len();
     parallel_flags(plan, cfg, non_dense);
 }
 
 /// [`plan_parallel`] for a plan whose layers outside its groups are
 /// `non_dense` (every layer of a whole step's).
-fn parallel_flags(plan: &mut StepPlan, cfg: &Config, non_dense: usize) {
+fn parallel_flags(plan: &mut StepScript, cfg: &Config, non_dense: usize) {
     // Parallel only across two or more layers: one layer gains nothing,
     // and idle rayon workers spinning next to MPI's polling cost more than
     // they bring on a few cores.

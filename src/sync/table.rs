@@ -10,7 +10,7 @@
 //! model of [`crate::comm::agree`]).
 
 use super::layer::{zeros, Layer};
-use super::plan::LayerPlanInput;
+use super::plan::TableRow;
 use super::{GradSync, LayerStats, Strategy};
 use crate::codec::{Codec, CodecConfig, RgcMethod};
 use crate::comm::Transport;
@@ -303,7 +303,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 ..LayerStats::default()
             },
         };
-        self.table.push(LayerPlanInput::new(n, &layer.strategy));
+        self.table.push(TableRow::new(n, &layer.strategy));
         self.names.insert(layer.name.clone(), id);
         self.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
@@ -638,7 +638,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 s.label(),
                 plan.layers[i].marginal_s * 1e6
             );
-            self.table[i] = LayerPlanInput::new(l.n, &s);
+            self.table[i] = TableRow::new(l.n, &s);
             l.strategy = s;
             l.codec = codec;
         }

@@ -12,9 +12,23 @@
 //! added in the same order everywhere) and the step's nominal load, never
 //! from a rank's own timings. See `exchange.rs` for the estimate's rule.
 
-use super::exchange::Load;
 use super::{SparseExchange, StepStats};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
+
+/// The reduced group's load in a step: elements, nominal pairs per rank,
+/// bytes it would add to the fused allgatherv message.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Load {
+    pub(super) n: usize,
+    pub(super) k: f64,
+    pub(super) message_bytes: f64,
+    /// Each layer's elements and message bytes
+    /// ([`crate::cost::ExchangeQuery::layers`]).
+    pub(super) layers: Vec<(usize, f64)>,
+    /// The group's layers, in registration order (only with `auto`: the
+    /// layers whose result measures the fill when the allgatherv runs).
+    pub(super) ids: Vec<u32>,
+}
 
 /// Weight of a new measurement in the fill estimate.
 const FILL_WEIGHT: f64 = 0.5;

@@ -15,7 +15,7 @@
 use super::bucket::{OpenStep, Part};
 use super::job::Job;
 use super::layer::Layer;
-use super::plan::{Mode, StepPlan};
+use super::plan::{Mode, StepScript};
 use super::{GradSync, NonFinitePolicy};
 use crate::comm::Transport;
 use crate::sparse::{parse_fused, unpack_layer_counting, Entry, EntryKind};
@@ -282,7 +282,7 @@ impl<'a> Unpacker<'a> {
     /// was non-finite is void on every rank: every local layer's result
     /// is NaN and no rank's state takes any of it (a loss scaler skips
     /// the whole step on every rank, and the weights stay in step).
-    fn void_local_step(&self, plan: &StepPlan, layers: &[Layer]) -> bool {
+    fn void_local_step(&self, plan: &StepScript, layers: &[Layer]) -> bool {
         plan.layers.iter().enumerate().any(|(i, lp)| {
             lp.mode == Mode::Local
                 && (self.part_of(i).1.dn_bad_rank[i].is_some() || layers[i].non_finite)
@@ -291,7 +291,7 @@ impl<'a> Unpacker<'a> {
 
     /// Layer `i`'s bucket: its plan, its job and its parsed entries.
     #[inline]
-    fn part_of(&self, i: usize) -> (&'a StepPlan, &'a Job, &'a [Entry]) {
+    fn part_of(&self, i: usize) -> (&'a StepScript, &'a Job, &'a [Entry]) {
         let part = &self.parts[self.owner[i] as usize];
         (
             &part.plan,

@@ -5,8 +5,8 @@ use super::*;
 #[test]
 fn parallel_local_phase_only_where_the_profile_says_it_pays() {
     let table = [
-        LayerPlanInput::new(1 << 20, &Strategy::rgc(0.01)),
-        LayerPlanInput::new(1 << 20, &Strategy::rgc(0.01)),
+        TableRow::new(1 << 20, &Strategy::rgc(0.01)),
+        TableRow::new(1 << 20, &Strategy::rgc(0.01)),
     ];
     let mut prof = crate::cost::Profile::from_network(1e-6, 1e9, 0.0, 0.0).unwrap();
     for (par, want) in [(None, true), (Some(0.9), false), (Some(1.6), true)] {
@@ -17,7 +17,7 @@ fn parallel_local_phase_only_where_the_profile_says_it_pays() {
             }),
             ..Config::default()
         };
-        let p = plan_step(0, &cfg, 2, &table);
+        let p = script_step(0, &cfg, 2, &table);
         assert_eq!(
             (p.parallel_local, p.parallel_unpack),
             (want, want),
@@ -27,43 +27,43 @@ fn parallel_local_phase_only_where_the_profile_says_it_pays() {
 }
 use crate::codec::RgcMethod;
 
-fn sparse(n: usize, density: Option<f64>) -> LayerPlanInput {
-    LayerPlanInput {
+fn sparse(n: usize, density: Option<f64>) -> TableRow {
+    TableRow {
         n,
-        kind: LayerKind::Sparse {
+        kind: RowKind::Sparse {
             density,
             pairs: false,
         },
     }
 }
 /// A sparse layer whose codec sends index/value pairs (RGC).
-fn pairs(n: usize, density: f64) -> LayerPlanInput {
-    LayerPlanInput {
+fn pairs(n: usize, density: f64) -> TableRow {
+    TableRow {
         n,
-        kind: LayerKind::Sparse {
+        kind: RowKind::Sparse {
             density: Some(density),
             pairs: true,
         },
     }
 }
-fn dense(n: usize) -> LayerPlanInput {
-    LayerPlanInput {
+fn dense(n: usize) -> TableRow {
+    TableRow {
         n,
-        kind: LayerKind::Dense,
+        kind: RowKind::Dense,
     }
 }
-fn gvq(n: usize) -> LayerPlanInput {
-    LayerPlanInput {
+fn gvq(n: usize) -> TableRow {
+    TableRow {
         n,
-        kind: LayerKind::Gradiveq,
+        kind: RowKind::Gradiveq,
     }
 }
-fn modes(p: &StepPlan) -> Vec<Mode> {
+fn modes(p: &StepScript) -> Vec<Mode> {
     p.layers.iter().map(|l| l.mode).collect()
 }
 /// A table of every kind: dense 10, sparse 1000 (own density 0.01),
 /// GradiVeQ 500, dense 7, sparse 300 (codec without a density).
-fn table() -> Vec<LayerPlanInput> {
+fn table() -> Vec<TableRow> {
     vec![
         dense(10),
         sparse(1000, Some(0.01)),
@@ -75,7 +75,7 @@ fn table() -> Vec<LayerPlanInput> {
 
 #[test]
 fn groups_offsets_and_collectives() {
-    let p = plan_step(0, &Config::default(), 4, &table());
+    let p = script_step(0, &Config::default(), 4, &table());
     assert!(p.communicates && !p.dense_warmup && !p.delayed);
     use Mode::*;
     assert_eq!(modes(&p), [Dense, Sparse, Gradiveq, Dense, Sparse]);
@@ -97,20 +97,20 @@ fn groups_offsets_and_collectives() {
         parallel_min_elems: 1300,
         ..Config::default()
     };
-    let p = plan_step(0, &cfg, 4, &table());
+    let p = script_step(0, &cfg, 4, &table());
     assert!(p.parallel_local && p.parallel_unpack);
 }
 
 #[test]
 fn one_rank_gathers_nothing() {
-    let p = plan_step(0, &Config::default(), 1, &table());
+    let p = script_step(0, &Config::default(), 1, &table());
     assert!(!p.gather && p.reduce && p.rings);
     // GradiVeQ alone on one rank: its status goes in a one-word allreduce.
-    let p = plan_step(0, &Config::default(), 1, &[gvq(100)]);
+    let p = script_step(0, &Config::default(), 1, &[gvq(100)]);
     assert!(!p.gather && p.reduce && p.rings);
     assert_eq!(p.dense.elems, 0);
     // With a fused message, that message carries the status.
-    let p = plan_step(0, &Config::default(), 2, &[gvq(100), sparse(50, None)]);
+    let p = script_step(0, &Config::default(), 2, &[gvq(100), sparse(50, None)]);
     assert!(p.gather && !p.reduce && p.rings);
 }
 
@@ -121,7 +121,7 @@ fn empty_table() {
             delay: 2,
             ..Config::default()
         };
-        let p = plan_step(step, &cfg, 3, &[]);
+        let p = script_step(step, &cfg, 3, &[]);
         assert!(p.layers.is_empty());
         assert_eq!(p.dense, Group::default());
         assert_eq!(p.sparse, Group::default());
@@ -129,7 +129,7 @@ fn empty_table() {
         // The status allreduce (8 bytes) still runs, so a failure on
         // one rank reaches every rank; alone, nothing runs.
         assert!(p.reduce && p.dense.elems == 0);
-        assert!(!plan_step(step, &cfg, 1, &[]).reduce);
+        assert!(!script_step(step, &cfg, 1, &[]).reduce);
         assert!(!p.parallel_local && !p.parallel_unpack);
         assert_eq!(p.communicates, step % 2 == 1);
     }
@@ -142,7 +142,7 @@ fn dense_warmup_makes_every_layer_dense_gradiveq_included() {
         ..Config::default()
     };
     for step in 0..3 {
-        let p = plan_step(step, &cfg, 2, &table());
+        let p = script_step(step, &cfg, 2, &table());
         assert!(p.dense_warmup, "step {step}");
         assert!(p.layers.iter().all(|l| l.mode == Mode::Dense));
         assert_eq!(p.dense.ids, [0, 1, 2, 3, 4]);
@@ -152,7 +152,7 @@ fn dense_warmup_makes_every_layer_dense_gradiveq_included() {
         assert!(p.layers.iter().all(|l| l.density.is_none()));
         assert!(!p.gather && p.reduce && !p.rings);
     }
-    let p = plan_step(3, &cfg, 2, &table());
+    let p = script_step(3, &cfg, 2, &table());
     assert!(!p.dense_warmup);
     use Mode::*;
     assert_eq!(modes(&p), [Dense, Sparse, Gradiveq, Dense, Sparse]);
@@ -177,7 +177,7 @@ fn density_schedule_then_own_density() {
         None,
     ];
     for (step, w) in want.into_iter().enumerate() {
-        let p = plan_step(step as u64, &cfg, 2, &table());
+        let p = script_step(step as u64, &cfg, 2, &table());
         assert_eq!(p.stage_density, w, "step {step}");
         assert!(!p.dense_warmup);
         // The stage's density overrides the layer's own, for codecs
@@ -198,13 +198,13 @@ fn delay_communicates_every_t_th_step() {
     };
     let t = table();
     let comm: Vec<bool> = (0..9)
-        .map(|s| plan_step(s, &cfg, 2, &t).communicates)
+        .map(|s| script_step(s, &cfg, 2, &t).communicates)
         .collect();
     assert_eq!(
         comm,
         [false, false, true, false, false, true, false, false, true]
     );
-    let p = plan_step(0, &cfg, 2, &t);
+    let p = script_step(0, &cfg, 2, &t);
     assert!(p.delayed);
     assert!(p.layers.iter().all(|l| l.mode == Mode::Local));
     assert_eq!(p.local.ids, [0, 1, 2, 3, 4]);
@@ -213,14 +213,14 @@ fn delay_communicates_every_t_th_step() {
     // reaches every rank in this step. Alone, no collective at all.
     assert!(!p.gather && p.reduce && !p.rings);
     assert_eq!(p.dense.elems, 0);
-    assert!(!plan_step(0, &cfg, 1, &t).reduce);
+    assert!(!script_step(0, &cfg, 1, &t).reduce);
     // Several local layers but nothing sparse: serial.
     assert!(!p.parallel_local);
-    let p = plan_step(2, &cfg, 2, &t);
+    let p = script_step(2, &cfg, 2, &t);
     assert!(p.delayed && p.communicates);
     assert_eq!(p.sparse.ids, [1, 4]);
     // delay 1: every step, no accumulators.
-    let p = plan_step(7, &Config::default(), 2, &t);
+    let p = script_step(7, &Config::default(), 2, &t);
     assert!(p.communicates && !p.delayed);
 }
 
@@ -233,11 +233,11 @@ fn delay_and_dense_warmup() {
     };
     let t = [sparse(100, None), dense(5)];
     // Local steps stay local in the warm-up; communicating ones are dense.
-    assert_eq!(modes(&plan_step(0, &cfg, 2, &t)), [Mode::Local; 2]);
-    assert_eq!(modes(&plan_step(1, &cfg, 2, &t)), [Mode::Dense; 2]);
-    assert_eq!(modes(&plan_step(2, &cfg, 2, &t)), [Mode::Local; 2]);
+    assert_eq!(modes(&script_step(0, &cfg, 2, &t)), [Mode::Local; 2]);
+    assert_eq!(modes(&script_step(1, &cfg, 2, &t)), [Mode::Dense; 2]);
+    assert_eq!(modes(&script_step(2, &cfg, 2, &t)), [Mode::Local; 2]);
     assert_eq!(
-        modes(&plan_step(3, &cfg, 2, &t)),
+        modes(&script_step(3, &cfg, 2, &t)),
         [Mode::Sparse, Mode::Dense]
     );
 }
@@ -246,8 +246,8 @@ fn delay_and_dense_warmup() {
 fn table_rows_from_strategies() {
     let rgc = Strategy::rgc(0.02);
     assert_eq!(
-        LayerPlanInput::new(9, &rgc).kind,
-        LayerKind::Sparse {
+        TableRow::new(9, &rgc).kind,
+        RowKind::Sparse {
             density: Some(0.02),
             pairs: true
         }
@@ -257,8 +257,8 @@ fn table_rows_from_strategies() {
         density: None,
     };
     assert_eq!(
-        LayerPlanInput::new(9, &quant).kind,
-        LayerKind::Sparse {
+        TableRow::new(9, &quant).kind,
+        RowKind::Sparse {
             density: Some(0.02),
             pairs: true
         }
@@ -269,8 +269,8 @@ fn table_rows_from_strategies() {
             density: None,
         };
         assert_eq!(
-            LayerPlanInput::new(9, &st).kind,
-            LayerKind::Sparse {
+            TableRow::new(9, &st).kind,
+            RowKind::Sparse {
                 density: None,
                 pairs: false
             },
@@ -285,8 +285,8 @@ fn table_rows_from_strategies() {
         density: Some(0.5),
     };
     assert_eq!(
-        LayerPlanInput::new(9, &over).kind,
-        LayerKind::Sparse {
+        TableRow::new(9, &over).kind,
+        RowKind::Sparse {
             density: Some(0.5),
             pairs: true
         }
@@ -296,17 +296,17 @@ fn table_rows_from_strategies() {
         density: None,
     };
     assert_eq!(
-        LayerPlanInput::new(9, &sbc).kind,
-        LayerKind::Sparse {
+        TableRow::new(9, &sbc).kind,
+        RowKind::Sparse {
             density: Some(0.03),
             pairs: false
         }
     );
     assert_eq!(
-        LayerPlanInput::new(9, &Strategy::Dense),
-        LayerPlanInput {
+        TableRow::new(9, &Strategy::Dense),
+        TableRow {
             n: 9,
-            kind: LayerKind::Dense
+            kind: RowKind::Dense
         }
     );
 }
@@ -322,10 +322,10 @@ fn replanning_reuses_the_plan_and_matches_a_fresh_one() {
         ..Config::default()
     };
     let t = table();
-    let mut p = StepPlan::default();
+    let mut p = StepScript::default();
     for step in 0..8 {
-        plan_step_into(&mut p, step, &cfg, 3, &t);
-        assert_eq!(p, plan_step(step, &cfg, 3, &t), "step {step}");
+        script_step_into(&mut p, step, &cfg, 3, &t);
+        assert_eq!(p, script_step(step, &cfg, 3, &t), "step {step}");
     }
 }
 
@@ -354,7 +354,7 @@ fn auto_exchange_resolves_to_the_plan_of_the_chosen_exchange() {
     };
     for ranks in [1, 2, 3] {
         for step in 0..6 {
-            let planned = plan_step(step, &auto, ranks, &t);
+            let planned = script_step(step, &auto, ranks, &t);
             assert_eq!(
                 planned.exchange,
                 if planned.sparse_reduce {
@@ -376,14 +376,14 @@ fn auto_exchange_resolves_to_the_plan_of_the_chosen_exchange() {
                 };
                 assert_eq!(
                     p,
-                    plan_step(step, &cfg, ranks, &t),
+                    script_step(step, &cfg, ranks, &t),
                     "{ex:?} step {step} ranks {ranks}"
                 );
             }
         }
     }
     // Some step reduces (and moving back matters).
-    let p = plan_step(3, &auto, 3, &t);
+    let p = script_step(3, &auto, 3, &t);
     assert_eq!(p.reduced.ids, [1, 3, 4]);
     let mut q = p.clone();
     set_exchange(&mut q, SparseExchange::Allgather, 3);
@@ -410,7 +410,7 @@ fn allreduce_exchange_moves_pair_layers_to_the_reduced_group() {
         pairs(77, 0.1),
     ];
     for ranks in [1, 2, 5] {
-        let p = plan_step(0, &cfg, ranks, &t);
+        let p = script_step(0, &cfg, ranks, &t);
         use Mode::*;
         assert_eq!(modes(&p), [Dense, Sparse, Sparse, Sparse, Sparse]);
         assert_eq!(p.sparse.ids, [2]);
@@ -433,11 +433,11 @@ fn allreduce_exchange_moves_pair_layers_to_the_reduced_group() {
         assert_eq!(p.gather, ranks > 1);
     }
     // Only reduced layers: the status allreduce still runs.
-    let p = plan_step(0, &cfg, 3, &[pairs(100, 0.1)]);
+    let p = script_step(0, &cfg, 3, &[pairs(100, 0.1)]);
     assert!(p.sparse_reduce && p.reduce && !p.gather && !p.rings);
     assert_eq!(p.dense.elems, 0);
     // The default exchange keeps every sparse layer in the message.
-    let p = plan_step(0, &Config::default(), 3, &t);
+    let p = script_step(0, &Config::default(), 3, &t);
     assert_eq!(p.sparse.ids, [1, 2, 3, 4]);
     assert!(p.reduced.ids.is_empty() && !p.sparse_reduce);
     assert!(p.layers.iter().all(|l| !l.reduced));
@@ -448,15 +448,15 @@ fn allreduce_exchange_moves_pair_layers_to_the_reduced_group() {
         ..cfg.clone()
     };
     for step in 0..3 {
-        let p = plan_step(step, &warm, 3, &t);
+        let p = script_step(step, &warm, 3, &t);
         assert!(!p.sparse_reduce && p.reduced.ids.is_empty(), "step {step}");
     }
-    assert!(plan_step(3, &warm, 3, &t).sparse_reduce);
+    assert!(script_step(3, &warm, 3, &t).sparse_reduce);
     // Parallel phases count the reduced layers as sparse ones.
     let par = Config {
         parallel_min_elems: 1000,
         ..cfg
     };
-    let p = plan_step(0, &par, 2, &[pairs(600, 0.1), pairs(600, 0.1)]);
+    let p = script_step(0, &par, 2, &[pairs(600, 0.1), pairs(600, 0.1)]);
     assert!(p.parallel_local && p.parallel_unpack);
 }

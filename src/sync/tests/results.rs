@@ -308,7 +308,7 @@ fn the_engine_executes_the_plan() {
                     )
                     .expect("sync")
                     .clone();
-                let plan = plan::plan_step(step, &c, p, &s.table);
+                let plan = plan::script_step(step, &c, p, &s.table);
                 assert_eq!(s.plan, plan, "step {step}");
                 assert_eq!(st.communicated, plan.communicates, "step {step}");
                 for (l, lp) in st.layers.iter().zip(&plan.layers) {
