@@ -87,7 +87,10 @@ pub unsafe extern "C" fn gs_allreduce(
     op: abi::gs_op,
 ) -> c_int {
     guard(|| {
-        let mpi = MpiComm::duplicate_raw(comm)?;
+        // SAFETY: `comm` is a valid communicator of the MPI library
+        // gradsync is linked with, as gs_allreduce's `# Safety` contract
+        // requires of the caller: duplicate_raw's own requirement.
+        let mpi = unsafe { MpiComm::duplicate_raw(comm) }?;
         let local = parse(dtype.0, algo.0, op.0).and_then(|(dt, algo, op)| {
             let (size, aligned) = match dt {
                 gs_dtype::GS_FLOAT32 => (4, buf.cast::<f32>().is_aligned()),
@@ -111,12 +114,22 @@ pub unsafe extern "C" fn gs_allreduce(
                 gs_dtype::GS_FLOAT32 => AnyBuf::F32(if count == 0 {
                     &mut []
                 } else {
-                    std::slice::from_raw_parts_mut(buf.cast(), count)
+                    // SAFETY: `local` is Ok, so with `count > 0` `buf` is
+                    // non-null and aligned for `f32`, and `count * 4` ≤
+                    // isize::MAX (all checked above); the contract promises
+                    // `count` writable `f32`s at `buf`, lent for this call,
+                    // which the slice does not outlive.
+                    unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }
                 }),
                 gs_dtype::GS_FLOAT64 => AnyBuf::F64(if count == 0 {
                     &mut []
                 } else {
-                    std::slice::from_raw_parts_mut(buf.cast(), count)
+                    // SAFETY: `local` is Ok, so with `count > 0` `buf` is
+                    // non-null and aligned for `f64`, and `count * 8` ≤
+                    // isize::MAX (all checked above); the contract promises
+                    // `count` writable `f64`s at `buf`, lent for this call,
+                    // which the slice does not outlive.
+                    unsafe { std::slice::from_raw_parts_mut(buf.cast(), count) }
                 }),
             };
             (b, algo, op)

@@ -38,7 +38,12 @@ unsafe fn with_engine(
     if e.is_null() {
         return guard(|| Err(invalid(format!("{what}: the engine is NULL"))));
     }
-    if (*e).poisoned {
+    // SAFETY: `e` is non-null (checked above), so by this function's
+    // contract it is a live handle from gs_engine_create (a valid, aligned
+    // `gs_engine`); handles are not thread-safe (one call at a time on
+    // each), so nothing else refers to it during this call.
+    let e = unsafe { &mut *e };
+    if e.poisoned {
         let _ = guard(|| Ok(()));
         set_last_error(&format!(
             "{what}: the engine panicked in an earlier call and cannot be used; destroy it"
@@ -58,7 +63,7 @@ unsafe fn with_engine(
     }
     let code = guard(|| f(&mut *e));
     if code == gs_status::GS_ERR_PANIC as c_int {
-        (*e).poisoned = true;
+        e.poisoned = true;
     }
     code
 }
@@ -90,7 +95,9 @@ pub unsafe extern "C" fn gs_engine_create(
     out: *mut *mut gs_engine,
 ) -> c_int {
     if !out.is_null() {
-        *out = std::ptr::null_mut();
+        // SAFETY: `out` is non-null (checked above), and the contract
+        // promises that a non-null `out` is writable.
+        unsafe { *out = std::ptr::null_mut() };
     }
     guard(|| {
         let cfg = if out.is_null() {
@@ -98,7 +105,10 @@ pub unsafe extern "C" fn gs_engine_create(
         } else if config_json.is_null() {
             Ok(Config::default())
         } else {
-            c_text(config_json, "gs_engine_create: config_json")
+            // SAFETY: `config_json` is non-null (checked above), and the
+            // contract promises it is then a NUL-terminated string; it is
+            // only read during this call.
+            unsafe { c_text(config_json, "gs_engine_create: config_json") }
                 .map_err(invalid)
                 .and_then(Config::from_options_json)
                 .and_then(|c| {
@@ -124,13 +134,21 @@ pub unsafe extern "C" fn gs_engine_create(
         // The options are parsed on each rank: the engine agrees on them
         // before its own collectives, so a rank with bad options fails
         // them all.
-        let sync = GradSync::from_raw_comm(comm, cfg)?;
-        *out = Box::into_raw(Box::new(gs_engine {
+        // SAFETY: the contract promises that `comm` is a valid communicator
+        // of the MPI library gradsync is linked with, as from_raw_comm
+        // requires.
+        let sync = unsafe { GradSync::from_raw_comm(comm, cfg) }?;
+        let eng = Box::into_raw(Box::new(gs_engine {
             sync,
             lens: Vec::new(),
             stats_json: CString::default(),
             poisoned: false,
         }));
+        // SAFETY: `out` is non-null here: a NULL `out` made `cfg` an error,
+        // which from_raw_comm returns (its agreement fails every rank on a
+        // local error), so the `?` above left; a non-null `out` is writable
+        // (contract).
+        unsafe { *out = eng };
         Ok(())
     })
 }
@@ -149,7 +167,10 @@ pub unsafe extern "C" fn gs_engine_destroy(e: *mut gs_engine) {
         return;
     }
     let _ = guard(|| {
-        drop(Box::from_raw(e));
+        // SAFETY: `e` is non-null (checked above), so by the contract it is a
+        // live handle from gs_engine_create (made by `Box::into_raw`) that
+        // the caller never uses again: ownership returns to a Box once.
+        drop(unsafe { Box::from_raw(e) });
         Ok(())
     });
 }
@@ -181,8 +202,10 @@ pub unsafe extern "C" fn gs_register(
     ndim: usize,
     strategy: *const c_char,
 ) -> c_int {
-    with_engine(e, "gs_register", |eng| {
-        let name_r = c_text(name, "gs_register: name");
+    let register = |eng: &mut gs_engine| {
+        // SAFETY: the contract promises that `name` is NULL (which c_text
+        // reports) or NUL-terminated; it is only read during this call.
+        let name_r = unsafe { c_text(name, "gs_register: name") };
         let shape_r: Result<&[usize], String> = if ndim == 0 {
             Ok(&[])
         } else if shape.is_null() {
@@ -190,12 +213,17 @@ pub unsafe extern "C" fn gs_register(
         } else if ndim > max_elems::<usize>() {
             Err(format!("gs_register: ndim = {ndim} is absurd"))
         } else {
-            Ok(std::slice::from_raw_parts(shape, ndim))
+            // SAFETY: `shape` is non-null and `ndim` ≤ isize::MAX / 8 (both
+            // checked above), so by the contract it points to `ndim` readable
+            // `usize`s, only read during this call.
+            Ok(unsafe { std::slice::from_raw_parts(shape, ndim) })
         };
         let spec_r = if strategy.is_null() {
             Ok("auto")
         } else {
-            c_text(strategy, "gs_register: strategy")
+            // SAFETY: `strategy` is non-null (checked above), and the contract
+            // promises it is then NUL-terminated; only read during this call.
+            unsafe { c_text(strategy, "gs_register: strategy") }
         };
         let id = match (&name_r, &shape_r, &spec_r) {
             (Ok(name), Ok(shape), Ok(spec)) => eng.sync.register_spec(name, shape, spec)?,
@@ -216,14 +244,17 @@ pub unsafe extern "C" fn gs_register(
             .map_or(0, |(_, shape, _)| shape.iter().product());
         eng.lens.push(n);
         Ok(())
-    })
+    };
+    // SAFETY: the contract promises that `e` is NULL or a live handle, which
+    // is all with_engine requires.
+    unsafe { with_engine(e, "gs_register", register) }
 }
 
 /// The gradient arrays as slices, or what is wrong with them.
 ///
 /// # Safety
-/// `grads` is NULL or points to `nlayers` pointers, each NULL or to at least
-/// the layer's element count of floats.
+/// `grads` is NULL or points to `nlayers` pointers, readable during the
+/// call (the pointers are returned, not dereferenced).
 unsafe fn slices<P: Copy>(
     eng: &gs_engine,
     what: &str,
@@ -244,7 +275,10 @@ unsafe fn slices<P: Copy>(
     if grads.is_null() {
         return Err(format!("{what}: grads is NULL"));
     }
-    let ptrs = std::slice::from_raw_parts(grads, n);
+    // SAFETY: `grads` is non-null (checked above) and `nlayers == n`, so by
+    // this function's contract it points to `n` readable pointers, which the
+    // slice (dropped on return) only reads.
+    let ptrs = unsafe { std::slice::from_raw_parts(grads, n) };
     let name = |i: usize| {
         eng.sync
             .layer(LayerId(i))
@@ -285,12 +319,18 @@ pub unsafe extern "C" fn gs_sync(
     grads: *const *mut f32,
     nlayers: usize,
 ) -> c_int {
-    with_engine(e, "gs_sync", |eng| {
-        match mut_slices(eng, "gs_sync", grads, nlayers) {
+    let step = |eng: &mut gs_engine| {
+        // SAFETY: the contract promises that `grads` is NULL or points to
+        // `nlayers` pointers, each NULL or to the layer's element count of
+        // writable floats: mut_slices' requirement (it checks the rest).
+        match unsafe { mut_slices(eng, "gs_sync", grads, nlayers) } {
             Ok(mut g) => eng.sync.sync(&mut g).map(|_| ()),
             Err(why) => Err(eng.sync.fail_step(invalid(why))),
         }
-    })
+    };
+    // SAFETY: the contract promises that `e` is NULL or a live handle, which
+    // is all with_engine requires.
+    unsafe { with_engine(e, "gs_sync", step) }
 }
 
 /// gs_sync with the gradient arrays in `memory` (a gs_memory value).
@@ -323,22 +363,40 @@ pub unsafe extern "C" fn gs_sync_device(
     stream: *mut std::ffi::c_void,
 ) -> c_int {
     const WHAT: &str = "gs_sync_device";
-    with_engine(e, WHAT, |eng| match memory.0 {
+    let step = |eng: &mut gs_engine| match memory.0 {
         x if x == crate::gs_memory::GS_MEMORY_HOST as c_int => {
-            match mut_slices(eng, WHAT, grads, nlayers) {
+            // SAFETY: with GS_MEMORY_HOST the contract is gs_sync's: `grads`
+            // is NULL or points to `nlayers` pointers, each NULL or to the
+            // layer's element count of writable host floats, as mut_slices
+            // requires.
+            match unsafe { mut_slices(eng, WHAT, grads, nlayers) } {
                 Ok(mut g) => eng.sync.sync(&mut g).map(|_| ()),
                 Err(why) => Err(eng.sync.fail_step(invalid(why))),
             }
         }
         x if x == crate::gs_memory::GS_MEMORY_CUDA as c_int => {
-            sync_cuda(eng, grads, nlayers, stream)
+            // SAFETY: with GS_MEMORY_CUDA the contract promises device
+            // arrays of the layers' element counts behind `grads`, not
+            // written by other work during the call, and a NULL or live
+            // `stream` of their context: sync_cuda's requirements.
+            unsafe { sync_cuda(eng, grads, nlayers, stream) }
         }
         x => Err(eng
             .sync
             .fail_step(invalid(format!("{WHAT}: memory {x} is not a gs_memory")))),
-    })
+    };
+    // SAFETY: the contract (gs_sync's) promises that `e` is NULL or a live
+    // handle, which is all with_engine requires.
+    unsafe { with_engine(e, WHAT, step) }
 }
 
+/// gs_sync_device's `GS_MEMORY_CUDA` step.
+///
+/// # Safety
+/// `grads` is NULL or points to `nlayers` pointers, each NULL or a CUDA
+/// device pointer to the layer's element count of floats that no other work
+/// writes during the call; `stream` is NULL or a live stream of their
+/// context.
 #[cfg(feature = "cuda")]
 unsafe fn sync_cuda(
     eng: &mut gs_engine,
@@ -347,14 +405,19 @@ unsafe fn sync_cuda(
     stream: *mut std::ffi::c_void,
 ) -> Result<(), Error> {
     use gradsync_engine::gpu::BorrowedCuda;
-    let bufs = slices(
-        eng,
-        "gs_sync_device",
-        grads,
-        nlayers,
-        |p| p.is_null(),
-        |p| p.is_aligned(),
-    )
+    // SAFETY: by this function's contract `grads` is NULL or points to
+    // `nlayers` pointers (slices only reads those pointers, never the
+    // device memory they point to).
+    let bufs = unsafe {
+        slices(
+            eng,
+            "gs_sync_device",
+            grads,
+            nlayers,
+            |p| p.is_null(),
+            |p| p.is_aligned(),
+        )
+    }
     .and_then(|s| {
         let spans: Vec<(usize, usize)> = s.iter().map(|&(p, n)| (p as usize, n)).collect();
         no_overlap(eng, "gs_sync_device", &spans).map(|()| s)
@@ -364,7 +427,12 @@ unsafe fn sync_cuda(
         s.into_iter()
             .enumerate()
             .map(|(i, (p, n))| {
-                BorrowedCuda::new(p as u64, n, stream)
+                // SAFETY: `p` is non-null and aligned when `n > 0` (slices
+                // checked), and by this function's contract a device
+                // pointer to `n` floats not written by other work during
+                // the call (the borrows are dropped before it returns);
+                // `stream` is NULL or a live stream of their context.
+                unsafe { BorrowedCuda::new(p as u64, n, stream) }
                     .map_err(|e| invalid(format!("gs_sync_device: grads[{i}]: {e}")))
             })
             .collect::<Result<Vec<_>, Error>>()
@@ -390,27 +458,41 @@ unsafe fn sync_cuda(
 /// [`slices`] of writable arrays, as slices.
 ///
 /// # Safety
-/// As [`slices`]; the arrays are writable and do not overlap.
+/// As [`slices`], and each `grads[i]` is NULL or points to the layer's
+/// element count of writable floats that nothing else accesses for `'a`
+/// (overlap between them is checked here).
 unsafe fn mut_slices<'a>(
     eng: &gs_engine,
     what: &str,
     grads: *const *mut f32,
     nlayers: usize,
 ) -> Result<Vec<&'a mut [f32]>, String> {
-    let s = slices(
-        eng,
-        what,
-        grads,
-        nlayers,
-        |p| p.is_null(),
-        |p| p.is_aligned(),
-    )?;
+    // SAFETY: this function's contract includes slices' (`grads` is NULL or
+    // points to `nlayers` readable pointers).
+    let s = unsafe {
+        slices(
+            eng,
+            what,
+            grads,
+            nlayers,
+            |p| p.is_null(),
+            |p| p.is_aligned(),
+        )
+    }?;
     no_overlap(
         eng,
         what,
         &s.iter().map(|&(p, n)| (p as usize, n)).collect::<Vec<_>>(),
     )?;
-    Ok(s.into_iter().map(|(p, n)| mut_slice(p, n)).collect())
+    Ok(s.into_iter()
+        .map(|(p, n)| {
+            // SAFETY: slices checked that `p` is non-null and aligned when
+            // `n > 0`, no_overlap that the arrays are disjoint, and this
+            // function's contract that `p` points to `n` writable floats
+            // nothing else accesses for `'a`: mut_slice's requirement.
+            unsafe { mut_slice(p, n) }
+        })
+        .collect())
 }
 
 /// Arrays written in place must not overlap: one layer's result would
@@ -437,19 +519,36 @@ fn no_overlap(eng: &gs_engine, what: &str, spans: &[(usize, usize)]) -> Result<(
     ))
 }
 
+/// `n` floats at `p` as a slice (`p` unused when `n` is 0).
+///
+/// # Safety
+/// With `n > 0`, `p` is non-null, aligned and points to `n` writable floats
+/// that nothing else accesses for `'a`.
 unsafe fn mut_slice<'a>(p: *mut f32, n: usize) -> &'a mut [f32] {
     if n == 0 {
         &mut []
     } else {
-        std::slice::from_raw_parts_mut(p, n)
+        // SAFETY: `n > 0` here, so by this function's contract `p` is
+        // non-null, aligned and points to `n` writable floats (one
+        // allocation, so `n * 4` ≤ isize::MAX) that nothing else accesses
+        // for `'a`.
+        unsafe { std::slice::from_raw_parts_mut(p, n) }
     }
 }
 
+/// `n` floats at `p` as a slice (`p` unused when `n` is 0).
+///
+/// # Safety
+/// With `n > 0`, `p` is non-null, aligned and points to `n` floats that
+/// nothing writes for `'a`.
 unsafe fn ref_slice<'a>(p: *const f32, n: usize) -> &'a [f32] {
     if n == 0 {
         &[]
     } else {
-        std::slice::from_raw_parts(p, n)
+        // SAFETY: `n > 0` here, so by this function's contract `p` is
+        // non-null, aligned and points to `n` readable floats (one
+        // allocation, so `n * 4` ≤ isize::MAX) that nothing writes for `'a`.
+        unsafe { std::slice::from_raw_parts(p, n) }
     }
 }
 
@@ -471,23 +570,40 @@ pub unsafe extern "C" fn gs_start(
     grads: *const *const f32,
     nlayers: usize,
 ) -> c_int {
-    with_engine(e, "gs_start", |eng| {
-        let s = slices(
-            eng,
-            "gs_start",
-            grads,
-            nlayers,
-            |p| p.is_null(),
-            |p| p.is_aligned(),
-        );
+    let start = |eng: &mut gs_engine| {
+        // SAFETY: the contract (gs_sync's) promises that `grads` is NULL or
+        // points to `nlayers` pointers, as slices requires.
+        let s = unsafe {
+            slices(
+                eng,
+                "gs_start",
+                grads,
+                nlayers,
+                |p| p.is_null(),
+                |p| p.is_aligned(),
+            )
+        };
         match s {
             Ok(s) => {
-                let g: Vec<&[f32]> = s.into_iter().map(|(p, n)| ref_slice(p, n)).collect();
+                let g: Vec<&[f32]> = s
+                    .into_iter()
+                    .map(|(p, n)| {
+                        // SAFETY: slices checked that `p` is non-null and
+                        // aligned when `n > 0`; the contract promises it
+                        // points to the layer's `n` floats, unchanged during
+                        // the call, which `g` (dropped on return) does not
+                        // outlive.
+                        unsafe { ref_slice(p, n) }
+                    })
+                    .collect();
                 eng.sync.start(&g)
             }
             Err(why) => Err(eng.sync.fail_step(invalid(why))),
         }
-    })
+    };
+    // SAFETY: the contract (gs_sync's) promises that `e` is NULL or a live
+    // handle, which is all with_engine requires.
+    unsafe { with_engine(e, "gs_start", start) }
 }
 
 /// Finish the step started by gs_start: `grads[i]` receives layer `i`'s
@@ -505,8 +621,11 @@ pub unsafe extern "C" fn gs_wait(
     grads: *const *mut f32,
     nlayers: usize,
 ) -> c_int {
-    with_engine(e, "gs_wait", |eng| {
-        match mut_slices(eng, "gs_wait", grads, nlayers) {
+    let wait = |eng: &mut gs_engine| {
+        // SAFETY: the contract (gs_sync's) promises that `grads` is NULL or
+        // points to `nlayers` pointers, each NULL or to the layer's element
+        // count of writable floats: mut_slices' requirement.
+        match unsafe { mut_slices(eng, "gs_wait", grads, nlayers) } {
             Ok(mut g) => eng.sync.wait(&mut g).map(|_| ()),
             Err(why) => {
                 // Finish the step into scratch buffers, so this rank's engine
@@ -521,7 +640,10 @@ pub unsafe extern "C" fn gs_wait(
                 )))
             }
         }
-    })
+    };
+    // SAFETY: the contract (gs_sync's) promises that `e` is NULL or a live
+    // handle, which is all with_engine requires.
+    unsafe { with_engine(e, "gs_wait", wait) }
 }
 
 /// JSON of the last completed step's statistics (step, whether it
@@ -537,7 +659,9 @@ pub unsafe extern "C" fn gs_last_stats_json(e: *mut gs_engine) -> *const c_char 
         if e.is_null() {
             return Err(invalid("gs_last_stats_json: the engine is NULL"));
         }
-        let eng = &mut *e;
+        // SAFETY: `e` is non-null (checked above), so by the contract it is
+        // a live handle from gs_engine_create, used by one call at a time.
+        let eng = unsafe { &mut *e };
         let json = serde_json::to_string(eng.sync.last_stats())?;
         eng.stats_json = CString::new(json.replace('\0', " ")).unwrap_or_default();
         Ok(eng.stats_json.as_ptr())
@@ -545,9 +669,18 @@ pub unsafe extern "C" fn gs_last_stats_json(e: *mut gs_engine) -> *const c_char 
 }
 
 /// A path argument (any bytes but NUL, as POSIX allows).
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that stays valid and
+/// unchanged for `'a`.
 unsafe fn c_path<'a>(p: *const c_char) -> Option<&'a std::path::Path> {
-    (!p.is_null())
-        .then(|| std::path::Path::new(std::ffi::OsStr::from_bytes(CStr::from_ptr(p).to_bytes())))
+    (!p.is_null()).then(|| {
+        // SAFETY: `p` is non-null (checked by `then`'s condition), so by
+        // this function's contract it points to a NUL-terminated string
+        // valid and unchanged for `'a`.
+        let c = unsafe { CStr::from_ptr(p) };
+        std::path::Path::new(std::ffi::OsStr::from_bytes(c.to_bytes()))
+    })
 }
 
 /// Write this rank's engine state (residuals, momentum, codec state, step)
@@ -559,10 +692,16 @@ unsafe fn c_path<'a>(p: *const c_char) -> Option<&'a std::path::Path> {
 /// `e` is NULL or a live handle; `path` is NULL or NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn gs_save_snapshot(e: *mut gs_engine, path: *const c_char) -> c_int {
-    with_engine(e, "gs_save_snapshot", |eng| {
-        let path = c_path(path).ok_or_else(|| invalid("gs_save_snapshot: path is NULL"))?;
+    let save = |eng: &mut gs_engine| {
+        // SAFETY: the contract promises that `path` is NULL or
+        // NUL-terminated; it is only read during this call.
+        let path = unsafe { c_path(path) };
+        let path = path.ok_or_else(|| invalid("gs_save_snapshot: path is NULL"))?;
         eng.sync.save_snapshot(path)
-    })
+    };
+    // SAFETY: the contract promises that `e` is NULL or a live handle, which
+    // is all with_engine requires.
+    unsafe { with_engine(e, "gs_save_snapshot", save) }
 }
 
 /// Restore the state written by gs_save_snapshot (this rank's own file).
@@ -574,13 +713,21 @@ pub unsafe extern "C" fn gs_save_snapshot(e: *mut gs_engine, path: *const c_char
 /// `e` is NULL or a live handle; `path` is NULL or NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn gs_load_snapshot(e: *mut gs_engine, path: *const c_char) -> c_int {
-    with_engine(e, "gs_load_snapshot", |eng| match c_path(path) {
-        Some(path) => eng.sync.load_snapshot(path),
-        // Still enter the restore's collective: a path no file system has
-        // (a NUL byte) makes this rank's read fail, and so every rank.
-        None => eng
-            .sync
-            .load_snapshot("(gs_load_snapshot: path is NULL)\0")
-            .and(Err(invalid("gs_load_snapshot: path is NULL"))),
-    })
+    let load = |eng: &mut gs_engine| {
+        // SAFETY: the contract promises that `path` is NULL or
+        // NUL-terminated; it is only read during this call.
+        match unsafe { c_path(path) } {
+            Some(path) => eng.sync.load_snapshot(path),
+            // Still enter the restore's collective: a path no file system
+            // has (a NUL byte) makes this rank's read fail, and so every
+            // rank.
+            None => eng
+                .sync
+                .load_snapshot("(gs_load_snapshot: path is NULL)\0")
+                .and(Err(invalid("gs_load_snapshot: path is NULL"))),
+        }
+    };
+    // SAFETY: the contract promises that `e` is NULL or a live handle, which
+    // is all with_engine requires.
+    unsafe { with_engine(e, "gs_load_snapshot", load) }
 }

@@ -199,14 +199,17 @@ pub(crate) fn invalid(msg: impl Into<String>) -> Error {
 /// A C string argument as UTF-8 text; `what` names it in errors.
 ///
 /// # Safety
-/// `p` is NULL or points to a NUL-terminated string.
+/// `p` is NULL or points to a NUL-terminated string that stays valid and
+/// unchanged for `'a`.
 pub(crate) unsafe fn c_text<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
     if p.is_null() {
         return Err(format!("{what} is NULL"));
     }
-    CStr::from_ptr(p)
-        .to_str()
-        .map_err(|e| format!("{what} is not UTF-8: {e}"))
+    // SAFETY: `p` is non-null (checked above), so by this function's
+    // contract it points to a NUL-terminated string valid and unchanged for
+    // `'a`, which is what `CStr::from_ptr` requires.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str().map_err(|e| format!("{what} is not UTF-8: {e}"))
 }
 
 /// Text of the last failed call on this thread: what failed and why (for a
