@@ -321,7 +321,37 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ..cfg.clone()
         };
         let legacy_hash = fnv(FNV_OFFSET, &serde_json::to_vec(&legacy)?);
-        let mut s = GradSync {
+        let mut s = Self::fresh(comm, cfg, table_hash, legacy_hash);
+        let create = || crate::comm::agree::CallKind::Create.describe(0);
+        match s.agree(
+            (crate::comm::agree::CallKind::Create, &create),
+            valid.map(|()| table_hash),
+            String::new,
+        ) {
+            // Every rank is here: name what differs (one more collective).
+            // Before any layer is registered the table is the options.
+            Err(Error::TableMismatch(_)) => {
+                let comm = s
+                    .progress
+                    .inline_comm()
+                    .expect("transport held at creation");
+                return Err(Error::ArgumentMismatch(
+                    crate::comm::agree::option_differences(comm, &json)?,
+                ));
+            }
+            r => r?,
+        }
+        s.agree_run_id()?;
+        s.fetch_nodes()?;
+        // Every job carries `s.nodes` (`spare_job`): the map `allgather =
+        // "auto"` prices the node-aware allgatherv with is the one it runs
+        // on.
+        Ok(s)
+    }
+
+    /// An engine over `comm` with nothing registered, before any agreement.
+    fn fresh(comm: C, cfg: Config, table_hash: u64, legacy_hash: u64) -> Self {
+        GradSync {
             rank: comm.rank(),
             size: comm.size(),
             progress: Progress::Inline(comm, Runner::default()),
@@ -352,97 +382,68 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             nodes: None,
             tuner: tuner::Tuner::default(),
             widened: Vec::new(),
-        };
-        let create = || crate::comm::agree::CallKind::Create.describe(0);
-        match s.agree(
-            (crate::comm::agree::CallKind::Create, &create),
-            valid.map(|()| table_hash),
-            String::new,
-        ) {
-            // Every rank is here: name what differs (one more collective).
-            // Before any layer is registered the table is the options.
-            Err(Error::TableMismatch(_)) => {
-                let comm = s
-                    .progress
-                    .inline_comm()
-                    .expect("transport held at creation");
-                return Err(Error::ArgumentMismatch(
-                    crate::comm::agree::option_differences(comm, &json)?,
-                ));
-            }
-            r => r?,
         }
-        // The run's identity: rank 0's draw, on every rank (8 bytes).
-        {
-            let comm = s
-                .progress
-                .inline_comm()
-                .expect("transport held at creation");
-            let mut run = [if s.rank == 0 {
-                snapshot::new_run_id()
-            } else {
-                0
-            }];
-            crate::dense::small_allreduce_max(comm, &mut run, crate::comm::tags::TABLE)?;
-            s.run = run[0];
+    }
+
+    /// The run's identity: rank 0's draw, on every rank (8 bytes).
+    fn agree_run_id(&mut self) -> Result<()> {
+        let comm = self
+            .progress
+            .inline_comm()
+            .expect("transport held at creation");
+        let mut run = [if self.rank == 0 {
+            snapshot::new_run_id()
+        } else {
+            0
+        }];
+        crate::dense::small_allreduce_max(comm, &mut run, crate::comm::tags::TABLE)?;
+        self.run = run[0];
+        Ok(())
+    }
+
+    /// Every rank's node, where the agreed options need them: the
+    /// node-aware collectives, a two-level profile, and the `auto` choices
+    /// (the node-aware exchange is a candidate only where the nodes are
+    /// known). Every rank has the same options here, so every rank asks
+    /// (collective on MPI) or none does, and all get the same answer. A
+    /// node-aware collective forced without a node map is refused, naming
+    /// why.
+    fn fetch_nodes(&mut self) -> Result<()> {
+        use crate::dense::{AllgathervAlgo, AllreduceAlgo};
+        let cfg = &self.cfg;
+        let two_level = cfg.profile.as_ref().is_some_and(|p| p.inter_node.is_some());
+        let wanted = two_level
+            || cfg.allreduce == AllreduceAlgo::Hierarchical
+            || cfg.allreduce == AllreduceAlgo::Auto
+            || cfg.allgather == AllgathervAlgo::Node
+            || cfg.sparse_exchange == SparseExchange::Auto
+            || cfg.sparse_exchange == SparseExchange::Hierarchical;
+        if !wanted {
+            return Ok(());
         }
-        // Every rank has the same options here, so every rank asks for the
-        // nodes (collective on MPI) or none does, and all get the same answer.
-        let two_level = s
-            .cfg
-            .profile
-            .as_ref()
-            .is_some_and(|p| p.inter_node.is_some());
-        if two_level
-            || s.cfg.allreduce == crate::dense::AllreduceAlgo::Hierarchical
-            || s.cfg.allgather == crate::dense::AllgathervAlgo::Node
-        {
-            let comm = s
-                .progress
-                .inline_comm()
-                .expect("transport held at creation");
-            s.nodes = comm.node_ids();
+        let comm = self
+            .progress
+            .inline_comm()
+            .expect("transport held at creation");
+        self.nodes = comm.node_ids();
+        if self.nodes.is_some() {
+            return Ok(());
         }
-        if s.cfg.sparse_exchange == SparseExchange::Auto
-            || s.cfg.allreduce == crate::dense::AllreduceAlgo::Auto
-        {
-            // The node-aware exchange is a candidate only where the nodes
-            // are known; without them `auto` never picks it. (Whether they
-            // were asked for above is decided by the agreed options, and a
-            // transport answers alike on every rank.)
-            if s.nodes.is_none() {
-                let comm = s
-                    .progress
-                    .inline_comm()
-                    .expect("transport held at creation");
-                s.nodes = comm.node_ids();
-            }
-        }
-        if s.cfg.allgather == crate::dense::AllgathervAlgo::Node && s.nodes.is_none() {
+        if cfg.allgather == AllgathervAlgo::Node {
             return Err(Error::Unsupported(
                 "allgather \"node\" needs the ranks' nodes (an MPI communicator); \
                  this transport has none"
                     .into(),
             ));
         }
-        if s.cfg.sparse_exchange == SparseExchange::Hierarchical {
-            let comm = s
-                .progress
-                .inline_comm()
-                .expect("transport held at creation");
-            let nodes = comm.node_ids().ok_or_else(|| {
-                Error::Unsupported(
-                    "sparse_exchange \"hierarchical\" needs the ranks' nodes \
-                     (an MPI communicator); this transport has none"
-                        .into(),
-                )
-            })?;
-            s.nodes = Some(nodes);
+        if cfg.sparse_exchange == SparseExchange::Hierarchical {
+            return Err(Error::Unsupported(
+                "sparse_exchange \"hierarchical\" needs the ranks' nodes \
+                 (an MPI communicator); this transport has none"
+                    .into(),
+            ));
         }
-        // Every job carries `s.nodes` (`spare_job`): the map `allgather =
-        // "auto"` prices the node-aware allgatherv with is the one it runs
-        // on.
-        Ok(s)
+        Ok(())
     }
 
     /// Options in use.

@@ -196,6 +196,28 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
     }
 
+    /// A registration after the table was fixed (by the first step's
+    /// start, or a restore): no peer is in a registration collective any
+    /// more (peers are in steps, or registering late alike). This call
+    /// still enters their call's first agreement, as a registration
+    /// carrying the error, so that they fail with it instead of waiting (in
+    /// a step: ranks in different calls). A rank whose own step is open is
+    /// alone in its misuse (its step's collectives run on; no peer waits
+    /// for this call).
+    fn refuse_late_registration(&mut self, name: &str) -> Result<LayerId> {
+        let err = Error::InvalidArgument(format!(
+            "register {name:?}: register every layer before the first step"
+        ));
+        if self.pending() {
+            return Err(err);
+        }
+        let what = format!("registration of {name:?} after the first step");
+        self.agree_status(CallKind::Register, Err(err), (0, what))?;
+        Err(Error::InvalidArgument(
+            "a registration after the first step succeeded".into(),
+        ))
+    }
+
     pub(super) fn register_impl(
         &mut self,
         name: &str,
@@ -207,25 +229,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             || self.step > 0
             || matches!(self.progress, super::progress::Progress::Threaded(_))
         {
-            // After the table was fixed (by the first step's start, or a
-            // restore) no peer is in a registration collective any more:
-            // peers are in steps, or registering late alike. This call
-            // still enters their call's first agreement, as a registration
-            // carrying this error, so that they fail with it instead of
-            // waiting (in a step: ranks in different calls). A rank whose
-            // own step is open is alone in its misuse (its step's
-            // collectives run on; no peer waits for this call).
-            let err = Error::InvalidArgument(format!(
-                "register {name:?}: register every layer before the first step"
-            ));
-            if self.pending() {
-                return Err(err);
-            }
-            let what = format!("registration of {name:?} after the first step");
-            self.agree_status(CallKind::Register, Err(err), (0, what))?;
-            return Err(Error::InvalidArgument(
-                "a registration after the first step succeeded".into(),
-            ));
+            return self.refuse_late_registration(name);
         }
         let id = self.layers.len();
         // Everything rank-local first; a failure still enters the
@@ -239,15 +243,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .and_then(|l| {
                 // An `Auto` layer may become sparse when the table is planned.
                 let sparse = l.2.is_some() || l.6;
-                // Every layer needs its length in the step's buffers.
-                drop(zeros(l.0, true, false)?);
-                let st = (
-                    zeros(l.0, sparse, true)?,
-                    zeros(l.0, mom, true)?,
-                    zeros(l.0, delay, true)?,
-                    zeros(l.0, delay, true)?,
-                    zeros(l.0, delay, true)?,
-                );
+                let st = layer_buffers(l.0, sparse, mom, delay)?;
                 Ok((l, st))
             });
         // The resolved strategy with all its parameters (the mismatch
@@ -753,4 +749,23 @@ pub(super) fn layer_hash(
         h = fnv(h, &(*d as u64).to_le_bytes());
     }
     Ok(fnv(h, serde_json::to_string(strategy)?.as_bytes()))
+}
+
+/// A layer's state: the residual `v` (sparse layers, and `Auto` ones that
+/// may become sparse), the momentum `u`, and the delay window's
+/// accumulator, previous and kept weights.
+type LayerBuffers = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Allocate a layer's state (zeroed), failing (not aborting) when the
+/// memory is not there; every layer also needs its length in the step's
+/// buffers, tried once here.
+fn layer_buffers(n: usize, sparse: bool, momentum: bool, delay: bool) -> Result<LayerBuffers> {
+    drop(zeros(n, true, false)?);
+    Ok((
+        zeros(n, sparse, true)?,
+        zeros(n, momentum, true)?,
+        zeros(n, delay, true)?,
+        zeros(n, delay, true)?,
+        zeros(n, delay, true)?,
+    ))
 }
