@@ -71,9 +71,14 @@ pub(super) fn new_run_id() -> u64 {
 /// A parsed and validated snapshot, ready to apply.
 struct Restored {
     snap: Snapshot,
-    codecs: Vec<Option<Box<dyn crate::codec::Codec>>>,
-    gvqs: Vec<Option<crate::gradiveq::schedule::GradiveqLayer>>,
+    codecs: Codecs,
+    gvqs: Gvqs,
 }
+
+/// Each layer's rebuilt codec (`None`: a layer without one).
+type Codecs = Vec<Option<Box<dyn crate::codec::Codec>>>;
+/// Each layer's restored GradiVeQ state (`None`: not a GradiVeQ layer).
+type Gvqs = Vec<Option<crate::gradiveq::schedule::GradiveqLayer>>;
 
 #[derive(Serialize, Deserialize)]
 struct LayerSnap {
@@ -239,49 +244,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// The rank-local half of a restore: everything that can fail.
     fn parse_snapshot(&self, bytes: &[u8]) -> Result<Restored> {
-        if bytes.len() < CRC_LEN {
-            return Err(Error::Snapshot(format!(
-                "{} bytes: truncated (not a gradsync snapshot)",
-                bytes.len()
-            )));
-        }
-        let (payload, crc) = bytes.split_at(bytes.len() - CRC_LEN);
-        let want = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
-        if crc32fast::hash(payload) != want {
-            return Err(Error::Snapshot(
-                "checksum mismatch: the file is corrupt or truncated (or from a gradsync \
-                 older than snapshot format 3, which had no checksum)"
-                    .into(),
-            ));
-        }
-        // Magic and version first (bytes 0..12): an older format's payload
-        // would otherwise fail the full decode as "truncated".
-        if payload.len() >= 12 {
-            if payload[..8] != MAGIC {
-                return Err(Error::Snapshot("not a gradsync snapshot".into()));
-            }
-            let version = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes"));
-            if version != SNAPSHOT_VERSION {
-                return Err(Error::Snapshot(format!(
-                    "format version {version} (this build reads {SNAPSHOT_VERSION})"
-                )));
-            }
-        }
-        let snap: Snapshot = options(payload.len() as u64)
-            .deserialize(payload)
-            .map_err(|e| {
-                let why = match *e {
-                    // bincode's message for a length past the data is
-                    // empty ("io error: ").
-                    bincode::ErrorKind::Io(ref io)
-                        if io.kind() == std::io::ErrorKind::UnexpectedEof =>
-                    {
-                        "a length field runs past the end of the data".to_string()
-                    }
-                    ref e => e.to_string(),
-                };
-                Error::Snapshot(format!("corrupt or truncated: {why}"))
-            })?;
+        let snap = decode_snapshot(bytes)?;
+        self.check_snapshot(&snap)?;
+        let (codecs, gvqs) = self.restored_states(&snap)?;
+        Ok(Restored { snap, codecs, gvqs })
+    }
+
+    /// Whether `snap` was written by this rank of an engine with this
+    /// engine's options and layer table, and holds values it can take.
+    fn check_snapshot(&self, snap: &Snapshot) -> Result<()> {
         // (Magic and version were checked above: a payload shorter than
         // 12 bytes does not decode.)
         if snap.step > MAX_STEP {
@@ -338,7 +309,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 )));
             }
         }
-        // Codec state first: it is the only part that can still fail.
+        Ok(())
+    }
+
+    /// The layers' codec and GradiVeQ states rebuilt from `snap`: the only
+    /// part of a restore that can still fail after the checks.
+    fn restored_states(&self, snap: &Snapshot) -> Result<(Codecs, Gvqs)> {
         let mut codecs = Vec::with_capacity(self.layers.len());
         for (s, l) in snap.layers.iter().zip(&self.layers) {
             codecs.push(match &l.codec {
@@ -377,7 +353,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 (None, _) => None,
             });
         }
-        Ok(Restored { snap, codecs, gvqs })
+        Ok((codecs, gvqs))
     }
 
     /// Apply a validated restore (cannot fail).
@@ -448,4 +424,52 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             })
         })
     }
+}
+
+/// A snapshot file's bytes decoded: the checksum, the magic and the
+/// format version checked first, each failure named.
+fn decode_snapshot(bytes: &[u8]) -> Result<Snapshot> {
+    if bytes.len() < CRC_LEN {
+        return Err(Error::Snapshot(format!(
+            "{} bytes: truncated (not a gradsync snapshot)",
+            bytes.len()
+        )));
+    }
+    let (payload, crc) = bytes.split_at(bytes.len() - CRC_LEN);
+    let want = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+    if crc32fast::hash(payload) != want {
+        return Err(Error::Snapshot(
+            "checksum mismatch: the file is corrupt or truncated (or from a gradsync \
+                 older than snapshot format 3, which had no checksum)"
+                .into(),
+        ));
+    }
+    // Magic and version first (bytes 0..12): an older format's payload
+    // would otherwise fail the full decode as "truncated".
+    if payload.len() >= 12 {
+        if payload[..8] != MAGIC {
+            return Err(Error::Snapshot("not a gradsync snapshot".into()));
+        }
+        let version = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes"));
+        if version != SNAPSHOT_VERSION {
+            return Err(Error::Snapshot(format!(
+                "format version {version} (this build reads {SNAPSHOT_VERSION})"
+            )));
+        }
+    }
+    options(payload.len() as u64)
+        .deserialize(payload)
+        .map_err(|e| {
+            let why = match *e {
+                // bincode's message for a length past the data is
+                // empty ("io error: ").
+                bincode::ErrorKind::Io(ref io)
+                    if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+                {
+                    "a length field runs past the end of the data".to_string()
+                }
+                ref e => e.to_string(),
+            };
+            Error::Snapshot(format!("corrupt or truncated: {why}"))
+        })
 }
