@@ -215,7 +215,9 @@ fn the_readme_is_a_front_page() {
     );
 }
 
-/// Every codec is a strategy string of the strategies reference.
+/// Every codec is a strategy string of the strategies reference, and so
+/// is every strategy the cost model names (`predict`, `plan`, the step
+/// stats), taken from the engine's own list.
 #[test]
 fn every_codec_is_in_the_strategies_reference() {
     let doc = read(&repo().join("docs/reference/strategies.md"));
@@ -223,6 +225,13 @@ fn every_codec_is_in_the_strategies_reference() {
         assert!(
             doc.contains(&format!("`{spec}`")),
             "strategy {spec:?} is not in docs/reference/strategies.md"
+        );
+    }
+    for id in gradsync::cost::StrategyId::ALL {
+        assert!(
+            doc.contains(&format!("`{}`", id.name())),
+            "the cost model's strategy {:?} is not in docs/reference/strategies.md",
+            id.name()
         );
     }
 }
