@@ -519,8 +519,25 @@ impl Profile {
                 self.version
             )));
         }
-        let ok = |v: f64| v.is_finite() && v >= 0.0;
         let mut bad = Vec::new();
+        self.bad_constants(&mut bad);
+        self.bad_fits(&mut bad);
+        self.bad_curves(&mut bad);
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "bad profile constants (each must be finite and ≥ 0, curves in increasing \
+                 sizes): {}",
+                bad.join(", ")
+            )))
+        }
+    }
+
+    /// Appends to `bad` the scalar constants out of range (the local
+    /// parallelism, α, β, the γs, the link between nodes and its burst
+    /// credit).
+    fn bad_constants(&self, bad: &mut Vec<String>) {
         if !(self.local_parallelism.is_finite() && self.local_parallelism > 0.0) {
             bad.push(format!("local_parallelism = {}", self.local_parallelism));
         }
@@ -542,7 +559,7 @@ impl Profile {
                 inter.and_then(|e| e.burst).map_or(0.0, |b| b.beta),
             ),
         ] {
-            if !ok(v) {
+            if !non_negative(v) {
                 bad.push(format!("{name} = {v}"));
             }
         }
@@ -556,7 +573,7 @@ impl Profile {
                 .iter()
                 .map(|c| c.per_byte)
                 .fold(e.beta, f64::max);
-            if ok(b.beta) && b.bytes > 0.0 && b.beta >= slowest {
+            if non_negative(b.beta) && b.bytes > 0.0 && b.beta >= slowest {
                 bad.push(format!(
                     "inter_node.burst.beta = {} (not below the link's sustained {slowest} s/B \
                      at any size: a burst credit is faster than the link)",
@@ -564,6 +581,11 @@ impl Profile {
                 ));
             }
         }
+    }
+
+    /// Appends to `bad` the linear fits out of range and the codecs' wire
+    /// bytes per element outside [0, 16].
+    fn bad_fits(&self, bad: &mut Vec<String>) {
         let fits = self
             .select
             .iter()
@@ -582,7 +604,7 @@ impl Profile {
                 ("allgather".to_string(), self.allgather),
             ]);
         for (k, f) in fits {
-            if !ok(f.a) || !ok(f.b) {
+            if !non_negative(f.a) || !non_negative(f.b) {
                 bad.push(format!("{k} = {f:?}"));
             }
         }
@@ -597,6 +619,12 @@ impl Profile {
                 }
             }
         }
+    }
+
+    /// Appends to `bad` the curves' points out of range or out of order
+    /// (sizes must increase).
+    fn bad_curves(&self, bad: &mut Vec<String>) {
+        let inter = self.inter_node.as_ref();
         let no_curve = Vec::new();
         for (name, curve) in [
             ("beta_curve", &self.beta_curve),
@@ -614,21 +642,12 @@ impl Profile {
             ),
         ] {
             for (i, c) in curve.iter().enumerate() {
-                if !(c.bytes.is_finite() && c.bytes > 0.0 && ok(c.per_byte)) {
+                if !(c.bytes.is_finite() && c.bytes > 0.0 && non_negative(c.per_byte)) {
                     bad.push(format!("{name}[{i}] = {c:?}"));
                 } else if i > 0 && curve[i - 1].bytes >= c.bytes {
                     bad.push(format!("{name}[{i}]: sizes must increase"));
                 }
             }
-        }
-        if bad.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "bad profile constants (each must be finite and ≥ 0, curves in increasing \
-                 sizes): {}",
-                bad.join(", ")
-            )))
         }
     }
 
@@ -739,6 +758,11 @@ impl Profile {
             .copied()
             .unwrap_or_default()
     }
+}
+
+/// Whether a profile constant is in range: finite and ≥ 0.
+fn non_negative(v: f64) -> bool {
+    v.is_finite() && v >= 0.0
 }
 
 /// A layer and the parameters of the sparse strategies.

@@ -112,6 +112,25 @@ impl Default for ModelArgs {
 impl ModelArgs {
     /// The profile these arguments describe.
     pub fn profile(&self) -> Result<Profile> {
+        self.check_constants()?;
+        let mut p = self.base_profile()?;
+        self.apply_gammas(&mut p);
+        self.apply_inter_node(&mut p)?;
+        if let Some(f) = self.fill {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "--fill {f}: must lie in (0, 1] (distinct indices of the sum over p·k)"
+                )));
+            }
+        }
+        self.apply_select(&mut p)?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Range checks of `--alpha`, `--gamma-*` and `--bandwidth`, before
+    /// any profile is read.
+    fn check_constants(&self) -> Result<()> {
         // Every constant's range, naming its flag (Python's keyword through
         // the binding's flag map), before the model's own checks.
         for (flag, v) in [
@@ -130,15 +149,24 @@ impl ModelArgs {
                 "--bandwidth {bw}: must be a positive number of bytes per second"
             )));
         }
-        let mut p = match (&self.profile, self.alpha, self.bandwidth) {
-            (Some(path), _, _) => Profile::load(path)?,
-            (None, Some(a), Some(bw)) => Profile::from_network(a, bw, 0.0, 0.0)?,
-            _ => {
-                return Err(Error::InvalidArgument(
-                    "give --profile FILE, or --alpha S and --bandwidth BYTES_PER_S".into(),
-                ))
-            }
-        };
+        Ok(())
+    }
+
+    /// The profile read from `--profile`, or built from `--alpha` and
+    /// `--bandwidth`.
+    fn base_profile(&self) -> Result<Profile> {
+        match (&self.profile, self.alpha, self.bandwidth) {
+            (Some(path), _, _) => Profile::load(path),
+            (None, Some(a), Some(bw)) => Profile::from_network(a, bw, 0.0, 0.0),
+            _ => Err(Error::InvalidArgument(
+                "give --profile FILE, or --alpha S and --bandwidth BYTES_PER_S".into(),
+            )),
+        }
+    }
+
+    /// `--gamma-reduce` and `--gamma-unpack` in place of the profile's
+    /// constants and curves.
+    fn apply_gammas(&self, p: &mut Profile) {
         if let Some(g) = self.gamma_reduce {
             // The constant everywhere, as --gamma-unpack: the profile's
             // curve would otherwise still price every message it covers.
@@ -151,6 +179,11 @@ impl ModelArgs {
             p.gamma_unpack = g;
             p.gamma_unpack_curve.clear();
         }
+    }
+
+    /// Checks `--ranks-per-node` and applies `--inter-alpha` and
+    /// `--inter-bandwidth` to the profile's link between nodes.
+    fn apply_inter_node(&self, p: &mut Profile) -> Result<()> {
         // clap checks these for the command line; the Python binding
         // fills the same struct from keywords.
         if self.ranks_per_node == Some(0) {
@@ -197,13 +230,12 @@ impl ModelArgs {
             }
             p.inter_node = Some(e);
         }
-        if let Some(f) = self.fill {
-            if !(f > 0.0 && f <= 1.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "--fill {f}: must lie in (0, 1] (distinct indices of the sum over p·k)"
-                )));
-            }
-        }
+        Ok(())
+    }
+
+    /// Checks `--select-cost` and `--select-fixed` and puts their fit in
+    /// place of the profile's selection fits.
+    fn apply_select(&self, p: &mut Profile) -> Result<()> {
         for (flag, v) in [
             ("--select-cost", self.select_cost),
             ("--select-fixed", self.select_fixed),
@@ -233,8 +265,7 @@ impl ModelArgs {
                 p.select.insert(m.to_string(), fit);
             }
         }
-        p.validate()?;
-        Ok(p)
+        Ok(())
     }
 
     /// `--ranks-per-node` past `ranks` would put every rank on one node

@@ -654,6 +654,35 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             LayerKind::Fixed(id, d) => Some(option(prof, q, (l.n, table), id, d)),
         })
         .collect();
+    let configs = configurations(&cands, &fixed);
+    let (all, start) = auto_options(prof, q, layers, table, &cands);
+    let rows = Rows {
+        all: &all,
+        start: &start,
+    };
+    // Every configuration's plan, in `configs`' order (simplest first);
+    // a large table's configurations in parallel (each is independent,
+    // and the order of `plans` is the configurations' whatever the
+    // threads do).
+    // (Each its own `Net`: it tracks a collective's burst credit.)
+    let run = |open: &Open| descend(&Net::of(prof, q), *open, layers, &fixed, rows);
+    let plans: Vec<(Open, f64, Vec<u8>)> = if layers.len() >= PARALLEL_LAYERS {
+        use rayon::prelude::*;
+        configs.par_iter().filter_map(run).collect()
+    } else {
+        configs.iter().filter_map(run).collect()
+    };
+    let expand = |picks: &[u8]| rows.expand(&fixed, picks);
+    let pick = near_tie_pick(&net, &plans, &expand)
+        .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
+    let assign = expand(&plans[pick].2);
+    finite(describe(prof, q, layers, &assign))
+}
+
+/// The configurations of open groups [`plan_step`] tries, simplest first:
+/// every dense algorithm (or none) with every sparse collective (or none)
+/// among `cands`, only those the `fixed` layers force where they force one.
+fn configurations(cands: &[StrategyId], fixed: &[Option<Option_>]) -> Vec<Open> {
     // The dense algorithm a fixed dense layer forces (the engine fuses all
     // dense layers into one allreduce), likewise the sparse collective.
     let forced_dense = fixed.iter().flatten().find_map(|o| match o.group {
@@ -670,7 +699,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         None => cands.iter().filter_map(|c| c.sparse_group()).collect(),
     };
     // The simplest first, whatever order the caller listed them in: a
-    // near-tie goes to the first (below).
+    // near-tie goes to the first ([`near_tie_pick`]).
     let rank = |id: &StrategyId| StrategyId::ALL.iter().position(|a| a == id);
     dense_algos.sort_by_key(rank);
     dense_algos.dedup();
@@ -703,6 +732,17 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
             });
         }
     }
+    configs
+}
+
+/// The `all` and `start` of [`Rows`]: the options of every `Auto` layer.
+fn auto_options(
+    prof: &Profile,
+    q: &StepQuery,
+    layers: &[StepLayer],
+    table: f64,
+    cands: &[StrategyId],
+) -> (Vec<Option_>, Vec<usize>) {
     // Every candidate's option for every `Auto` layer, priced once for
     // all configurations (row `i`, `all[start[i]..start[i + 1]]`, is layer
     // `i`'s; a fixed layer's is empty): a table of 10^6 layers priced them
@@ -721,27 +761,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         }
         start.push(all.len());
     }
-    let rows = Rows {
-        all: &all,
-        start: &start,
-    };
-    // Every configuration's plan, in the order above (simplest first);
-    // a large table's configurations in parallel (each is independent,
-    // and the order of `plans` is the configurations' whatever the
-    // threads do).
-    // (Each its own `Net`: it tracks a collective's burst credit.)
-    let run = |open: &Open| descend(&Net::of(prof, q), *open, layers, &fixed, rows);
-    let plans: Vec<(Open, f64, Vec<u8>)> = if layers.len() >= PARALLEL_LAYERS {
-        use rayon::prelude::*;
-        configs.par_iter().filter_map(run).collect()
-    } else {
-        configs.iter().filter_map(run).collect()
-    };
-    let expand = |picks: &[u8]| rows.expand(&fixed, picks);
-    let pick = near_tie_pick(&net, &plans, &expand)
-        .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
-    let assign = expand(&plans[pick].2);
-    finite(describe(prof, q, layers, &assign))
+    (all, start)
 }
 
 /// Tables of at least this many layers plan their configurations in
@@ -1018,6 +1038,8 @@ pub(super) fn overflow(what: &str, seconds: f64) -> Error {
     ))
 }
 
+/// The plan of `layers` under the assignment `assign`: every layer's
+/// costs, every group's, and the step's totals.
 fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Option_]) -> StepPlan {
     let net = Net::of(prof, q);
     let p = q.p;
@@ -1036,71 +1058,17 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         .filter(|o| o.group == GroupKind::Sparse)
         .count();
     let mut out_layers = Vec::with_capacity(layers.len());
-    let mut dense = GroupPlan {
-        kind: GroupKind::Dense,
-        algorithm: algo,
-        layers: 0,
-        elements: 0,
-        message_bytes: 0.0,
-        wire_bytes: 0.0,
-        comm_s: 0.0,
-        local_s: 0.0,
-    };
-    let mut sparse = GroupPlan {
-        kind: GroupKind::Sparse,
-        algorithm: salgo,
-        message_bytes: if salgo == StrategyId::SparseAllgather {
-            FUSED_HEADER_LEN as f64
-        } else {
-            0.0
-        },
-        ..dense.clone()
-    };
+    let (mut dense, mut sparse) = empty_groups(algo, salgo);
     let mut gvq = Vec::new();
     for (l, o) in layers.iter().zip(assign) {
-        // The layer's marginal cost against the rest of the step.
-        let mut rest = sizes;
-        rest.add(o, -1.0);
-        let local_s = effective_local(prof, o, nsparse);
-        let marginal_s = if l.n == 0 {
-            // No elements: the layer adds nothing to the step (the
-            // difference of two step totals could come out below zero).
-            0.0
-        } else if o.group == GroupKind::Gradiveq {
-            o.local
-        } else {
-            marginal(&net, open, rest, o) - effective_local(prof, o, 2) + local_s
-        };
-        let density = match l.kind {
-            LayerKind::Fixed(_, d) => d,
-            LayerKind::Auto => q.density,
-        };
-        let alone_s = alone(prof, q, l.n, o.id, density).seconds;
-        out_layers.push(LayerPlan {
-            name: l.name.clone(),
-            elements: l.n,
-            choice: o.id,
-            group: o.group,
-            auto: l.kind == LayerKind::Auto,
-            message_bytes: o.bytes,
-            local_s,
-            marginal_s,
-            alone_s,
-        });
+        let layer = layer_plan(prof, q, &net, open, sizes, nsparse, (l, o));
+        let local_s = layer.local_s;
+        out_layers.push(layer);
         let g = match o.group {
             GroupKind::Dense => &mut dense,
             GroupKind::Sparse => &mut sparse,
             GroupKind::Gradiveq => {
-                gvq.push(GroupPlan {
-                    kind: GroupKind::Gradiveq,
-                    algorithm: StrategyId::GradiveqRing,
-                    layers: 1,
-                    elements: l.n,
-                    message_bytes: o.bytes,
-                    wire_bytes: dense_wire(&net, StrategyId::DenseRing, o.bytes),
-                    comm_s: 0.0,
-                    local_s: o.local,
-                });
+                gvq.push(gradiveq_group(&net, l, o));
                 continue;
             }
         };
@@ -1109,18 +1077,7 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         g.message_bytes += o.bytes;
         g.local_s += local_s;
     }
-    let mut groups = Vec::new();
-    if dense.layers > 0 {
-        dense.comm_s = dense_group(&net, algo, dense.message_bytes);
-        dense.wire_bytes = dense_wire(&net, algo, dense.message_bytes);
-        groups.push(dense);
-    }
-    if sparse.layers > 0 {
-        sparse.comm_s = sparse_group(&net, salgo, sizes);
-        sparse.wire_bytes = sparse_wire(&net, salgo, sizes);
-        groups.push(sparse);
-    }
-    groups.extend(gvq);
+    let groups = step_groups(&net, dense, sparse, gvq, sizes);
     let seconds = groups.iter().map(|g| g.comm_s + g.local_s).sum();
     let wire_bytes = groups.iter().map(|g| g.wire_bytes).sum();
     StepPlan {
@@ -1131,4 +1088,112 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         seconds,
         wire_bytes,
     }
+}
+
+/// The dense group of algorithm `algo` and the sparse group of collective
+/// `salgo`, with no layers yet (the fused allgatherv's message starts
+/// with its header).
+fn empty_groups(algo: StrategyId, salgo: StrategyId) -> (GroupPlan, GroupPlan) {
+    let dense = GroupPlan {
+        kind: GroupKind::Dense,
+        algorithm: algo,
+        layers: 0,
+        elements: 0,
+        message_bytes: 0.0,
+        wire_bytes: 0.0,
+        comm_s: 0.0,
+        local_s: 0.0,
+    };
+    let sparse = GroupPlan {
+        kind: GroupKind::Sparse,
+        algorithm: salgo,
+        message_bytes: if salgo == StrategyId::SparseAllgather {
+            FUSED_HEADER_LEN as f64
+        } else {
+            0.0
+        },
+        ..dense.clone()
+    };
+    (dense, sparse)
+}
+
+/// Layer `l`'s plan under its option `o`, in a step of groups `open` and
+/// `sizes` (all layers' options added) with `nsparse` sparse layers.
+fn layer_plan(
+    prof: &Profile,
+    q: &StepQuery,
+    net: &Net,
+    open: Open,
+    sizes: Sizes,
+    nsparse: usize,
+    (l, o): (&StepLayer, &Option_),
+) -> LayerPlan {
+    // The layer's marginal cost against the rest of the step.
+    let mut rest = sizes;
+    rest.add(o, -1.0);
+    let local_s = effective_local(prof, o, nsparse);
+    let marginal_s = if l.n == 0 {
+        // No elements: the layer adds nothing to the step (the
+        // difference of two step totals could come out below zero).
+        0.0
+    } else if o.group == GroupKind::Gradiveq {
+        o.local
+    } else {
+        marginal(net, open, rest, o) - effective_local(prof, o, 2) + local_s
+    };
+    let density = match l.kind {
+        LayerKind::Fixed(_, d) => d,
+        LayerKind::Auto => q.density,
+    };
+    let alone_s = alone(prof, q, l.n, o.id, density).seconds;
+    LayerPlan {
+        name: l.name.clone(),
+        elements: l.n,
+        choice: o.id,
+        group: o.group,
+        auto: l.kind == LayerKind::Auto,
+        message_bytes: o.bytes,
+        local_s,
+        marginal_s,
+        alone_s,
+    }
+}
+
+/// The group of GradiVeQ layer `l` (option `o`): its own ring.
+fn gradiveq_group(net: &Net, l: &StepLayer, o: &Option_) -> GroupPlan {
+    GroupPlan {
+        kind: GroupKind::Gradiveq,
+        algorithm: StrategyId::GradiveqRing,
+        layers: 1,
+        elements: l.n,
+        message_bytes: o.bytes,
+        wire_bytes: dense_wire(net, StrategyId::DenseRing, o.bytes),
+        comm_s: 0.0,
+        local_s: o.local,
+    }
+}
+
+/// The step's groups in order (dense, sparse, then the GradiVeQ layers'
+/// `gvq`), the dense and sparse ones priced and left out when empty.
+fn step_groups(
+    net: &Net,
+    mut dense: GroupPlan,
+    mut sparse: GroupPlan,
+    gvq: Vec<GroupPlan>,
+    sizes: Sizes,
+) -> Vec<GroupPlan> {
+    let (algo, salgo) = (dense.algorithm, sparse.algorithm);
+    let mut groups = Vec::new();
+    if dense.layers > 0 {
+        dense.comm_s = dense_group(net, algo, dense.message_bytes);
+        dense.wire_bytes = dense_wire(net, algo, dense.message_bytes);
+        groups.push(dense);
+    }
+    if sparse.layers > 0 {
+        sparse.comm_s = sparse_group(net, salgo, sizes);
+        sparse.wire_bytes = sparse_wire(net, salgo, sizes);
+        groups.push(sparse);
+    }
+    groups.extend(gvq);
+    groups
 }
