@@ -118,13 +118,32 @@ const LOCAL_VIEW: [&str; 6] = [
 fn one_ranks_bad_arguments_fail_every_rank_alike_and_nobody_hangs() {
     let dir = programs();
     for np in 1..=4 {
-        let (ok, out, err) = mpirun(np, &dir.join("failure"), &[], Duration::from_secs(120));
+        // Each rank's lines from its own file: mpirun may cut and
+        // interleave the ranks' lines on its stdout under load.
+        let reports =
+            std::env::temp_dir().join(format!("gradsync-capi-failure-{}-{np}", std::process::id()));
+        std::fs::create_dir_all(&reports).unwrap();
+        let (ok, out, err) = common::mpirun_env(
+            np,
+            &dir.join("failure"),
+            &[],
+            &[("GRADSYNC_REPORT_DIR", reports.to_str().unwrap())],
+            Duration::from_secs(120),
+        );
         assert!(
             ok && out.contains("c failure: OK"),
             "failure.c on {np} ranks failed\n{out}\n{err}"
         );
+        let text: String = (0..np)
+            .map(|r| {
+                let f = reports.join(format!("report-{r}.txt"));
+                std::fs::read_to_string(&f)
+                    .unwrap_or_else(|e| panic!("p={np}: {}: {e}\n{out}\n{err}", f.display()))
+            })
+            .collect();
+        std::fs::remove_dir_all(&reports).ok();
         let mut by_check: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for line in out.lines().filter(|l| l.contains(" | rc=")) {
+        for line in text.lines().filter(|l| l.contains(" | rc=")) {
             let key = line.split(" | ").next().unwrap();
             by_check.entry(key).or_default().push(line);
         }

@@ -3,8 +3,9 @@
  * rank return the same error from the same call (nobody hangs), and the
  * next step works. Every rank prints one line per check,
  *   <check> | rc=<code> | <gs_last_error text>
- * which must be identical on every rank (tests/capi.rs compares them), and
- * rank 0 prints "c failure: OK" if every rank saw the expected codes.
+ * which must be identical on every rank (tests/capi.rs compares them, read
+ * from GRADSYNC_REPORT_DIR/report-<rank>.txt when that is set), and rank 0
+ * prints "c failure: OK" if every rank saw the expected codes.
  *
  *   mpicc -I include examples/c/failure.c -L target/release -lgradsync \
  *         -Wl,-rpath,$PWD/target/release -o failure
@@ -12,15 +13,41 @@
  */
 #include <gradsync.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static int rank, nprocs, failures;
+
+/* Every line printed, kept for GRADSYNC_REPORT_DIR/report-<rank>.txt: the
+ * test reads the ranks' lines from there, since mpirun may cut and
+ * interleave lines of several ranks on its own stdout under load. */
+static char kept[1 << 16];
+static size_t kept_len;
+
+static void keep(const char *line) {
+  size_t n = strlen(line);
+  if (kept_len + n < sizeof kept) memcpy(kept + kept_len, line, n), kept_len += n;
+}
+
+static void write_kept(void) {
+  const char *dir = getenv("GRADSYNC_REPORT_DIR");
+  if (!dir) return;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/report-%d.txt", dir, rank);
+  FILE *f = fopen(path, "w");
+  if (!f) return;
+  fwrite(kept, 1, kept_len, f);
+  fclose(f);
+}
 
 /* Print the check's line; count it as failed unless rc == want and the
  * error text contains `needle` (NULL: anything). */
 static void report(const char *check, int rc, int want, const char *needle) {
   const char *err = gs_last_error();
-  printf("%s | rc=%d | %s\n", check, rc, err);
+  char line[2048];
+  snprintf(line, sizeof line, "%s | rc=%d | %s\n", check, rc, err);
+  keep(line);
+  fputs(line, stdout);
   fflush(stdout);
   if (rc != want || (needle && !strstr(err, needle))) {
     fprintf(stderr, "rank %d: %s: rc %d (want %d), error %s (want %s)\n", rank, check, rc, want,
@@ -239,9 +266,15 @@ int main(int argc, char **argv) {
   if (rank == 0) printf(total ? "c failure: FAILED (%d checks)\n" : "c failure: OK\n", total);
   MPI_Finalize();
   rc = gs_sync(late, NULL, 0);
-  printf("sync after MPI_Finalize | rc=%d | %s\n", rc, gs_last_error());
+  {
+    char line[2048];
+    snprintf(line, sizeof line, "sync after MPI_Finalize | rc=%d | %s\n", rc, gs_last_error());
+    keep(line);
+    fputs(line, stdout);
+  }
   int after = rc == GS_ERR_INVALID && strstr(gs_last_error(), "finalized") != NULL;
   if (!after) fprintf(stderr, "rank %d: sync after MPI_Finalize: rc %d, %s\n", rank, rc, gs_last_error());
   gs_engine_destroy(late);
+  write_kept();
   return total || !after ? 1 : 0;
 }
