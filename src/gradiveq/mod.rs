@@ -124,114 +124,17 @@ impl Compressor {
     /// PCA of `samples` (each of length `K`, at least 2): mean, covariance,
     /// symmetric eigendecomposition, top `d` by `dim`.
     pub fn fit(samples: &[&[f32]], dim: Dim) -> Result<Self> {
-        let l = samples.len();
-        let k = samples.first().map_or(0, |s| s.len());
-        if l < 2 || k == 0 || samples.iter().any(|s| s.len() != k) {
-            return Err(Error::InvalidArgument(format!(
-                "PCA needs at least 2 samples of one positive length (got {l} of lengths {:?})",
-                samples
-                    .iter()
-                    .map(|s| s.len())
-                    .collect::<std::collections::BTreeSet<_>>()
-            )));
-        }
-        if samples.iter().any(|s| s.iter().any(|x| !x.is_finite())) {
-            return Err(Error::InvalidArgument("PCA samples hold NaN/Inf".into()));
-        }
-        let mut mean = vec![0f64; k];
-        for s in samples {
-            for (m, &x) in mean.iter_mut().zip(s.iter()) {
-                *m += f64::from(x);
-            }
-        }
-        for m in &mut mean {
-            *m /= l as f64;
-        }
-        // Covariance (K × K, column-major), a fixed summation order.
-        let mut cov = Mat::<f64>::zeros(k, k);
-        let mut centered = vec![0f64; k];
-        for s in samples {
-            for ((c, &x), m) in centered.iter_mut().zip(s.iter()).zip(&mean) {
-                *c = f64::from(x) - m;
-            }
-            for j in 0..k {
-                let cj = centered[j];
-                if cj == 0.0 {
-                    continue;
-                }
-                let col = cov
-                    .col_mut(j)
-                    .try_as_col_major_mut()
-                    .expect("owned columns are contiguous");
-                let col = col.as_slice_mut();
-                for i in j..k {
-                    col[i] += centered[i] * cj;
-                }
-            }
-        }
-        let scale = 1.0 / (l as f64 - 1.0);
-        for j in 0..k {
-            for i in j..k {
-                let v = cov[(i, j)] * scale;
-                cov[(i, j)] = v;
-                cov[(j, i)] = v;
-            }
-        }
-        let mut s = Diag::<f64>::zeros(k);
-        let mut u = Mat::<f64>::zeros(k, k);
-        let params = Default::default();
-        let mut mem = MemBuffer::new(self_adjoint_evd_scratch::<f64>(
-            k,
-            ComputeEigenvectors::Yes,
-            Par::Seq,
-            params,
-        ));
-        self_adjoint_evd(
-            cov.as_ref(),
-            s.as_mut(),
-            Some(u.as_mut()),
-            Par::Seq,
-            MemStack::new(&mut mem),
-            params,
-        )
-        .map_err(|e| Error::InvalidArgument(format!("eigendecomposition failed: {e:?}")))?;
+        let (l, k) = check_samples(samples)?;
+        let mean = sample_mean(samples, k, l);
+        let cov = sample_covariance(samples, &mean, l);
+        let (s, u) = symmetric_evd(&cov, k)?;
         // Descending order of eigenvalues.
         let mut order: Vec<usize> = (0..k).collect();
         let sv: Vec<f64> = (0..k).map(|i| s[i].max(0.0)).collect();
         order.sort_by(|&a, &b| sv[b].total_cmp(&sv[a]).then(a.cmp(&b)));
         let eig: Vec<f64> = order.iter().map(|&i| sv[i]).collect();
-        let d = match dim {
-            Dim::Fixed(d) if (1..=k).contains(&d) => d,
-            Dim::Fixed(d) => {
-                return Err(Error::InvalidArgument(format!(
-                    "d {d} must be in 1..={k} (the slice size)"
-                )))
-            }
-            Dim::Lambda(lambda) => {
-                if !(0.0..1.0).contains(&lambda) {
-                    return Err(Error::InvalidArgument(format!(
-                        "lambda {lambda} must lie in [0, 1)"
-                    )));
-                }
-                select_d(&eig, lambda)
-            }
-        };
-        let mut ut = vec![0f32; d * k];
-        for (j, &col) in order.iter().take(d).enumerate() {
-            // A sign convention (largest-magnitude entry positive) so the
-            // basis does not depend on the solver's arbitrary signs.
-            let c = u.col(col);
-            let (mut best, mut sign) = (0f64, 1f64);
-            for i in 0..k {
-                if c[i].abs() > best {
-                    best = c[i].abs();
-                    sign = c[i].signum();
-                }
-            }
-            for i in 0..k {
-                ut[j * k + i] = (sign * c[i]) as f32;
-            }
-        }
+        let d = kept_components(dim, &eig, k)?;
+        let ut = signed_basis(&u, &order, d, k);
         let mu: Vec<f32> = mean.iter().map(|&m| m as f32).collect();
         let ut_mu = (0..d)
             .map(|j| {
@@ -379,6 +282,144 @@ pub fn select_d(eig_desc: &[f64], lambda: f64) -> usize {
         }
     }
     eig_desc.len().max(1)
+}
+
+/// [`Compressor::fit`]'s argument checks: at least 2 samples of one positive
+/// length, all finite; returns `(L, K)`.
+fn check_samples(samples: &[&[f32]]) -> Result<(usize, usize)> {
+    let l = samples.len();
+    let k = samples.first().map_or(0, |s| s.len());
+    if l < 2 || k == 0 || samples.iter().any(|s| s.len() != k) {
+        return Err(Error::InvalidArgument(format!(
+            "PCA needs at least 2 samples of one positive length (got {l} of lengths {:?})",
+            samples
+                .iter()
+                .map(|s| s.len())
+                .collect::<std::collections::BTreeSet<_>>()
+        )));
+    }
+    if samples.iter().any(|s| s.iter().any(|x| !x.is_finite())) {
+        return Err(Error::InvalidArgument("PCA samples hold NaN/Inf".into()));
+    }
+    Ok((l, k))
+}
+
+/// The mean of the `l` samples of length `k`, in f64, summed in sample order.
+fn sample_mean(samples: &[&[f32]], k: usize, l: usize) -> Vec<f64> {
+    let mut mean = vec![0f64; k];
+    for s in samples {
+        for (m, &x) in mean.iter_mut().zip(s.iter()) {
+            *m += f64::from(x);
+        }
+    }
+    for m in &mut mean {
+        *m /= l as f64;
+    }
+    mean
+}
+
+/// The sample covariance (divided by `l − 1`) of the `l` samples about
+/// `mean`, as a symmetric `K × K` matrix.
+fn sample_covariance(samples: &[&[f32]], mean: &[f64], l: usize) -> Mat<f64> {
+    let k = mean.len();
+    // Covariance (K × K, column-major), a fixed summation order.
+    let mut cov = Mat::<f64>::zeros(k, k);
+    let mut centered = vec![0f64; k];
+    for s in samples {
+        for ((c, &x), m) in centered.iter_mut().zip(s.iter()).zip(mean) {
+            *c = f64::from(x) - m;
+        }
+        for j in 0..k {
+            let cj = centered[j];
+            if cj == 0.0 {
+                continue;
+            }
+            let col = cov
+                .col_mut(j)
+                .try_as_col_major_mut()
+                .expect("owned columns are contiguous");
+            let col = col.as_slice_mut();
+            for i in j..k {
+                col[i] += centered[i] * cj;
+            }
+        }
+    }
+    let scale = 1.0 / (l as f64 - 1.0);
+    for j in 0..k {
+        for i in j..k {
+            let v = cov[(i, j)] * scale;
+            cov[(i, j)] = v;
+            cov[(j, i)] = v;
+        }
+    }
+    cov
+}
+
+/// Eigenvalues and eigenvectors of the symmetric `k × k` matrix `cov`
+/// (faer, sequential), in the solver's order.
+fn symmetric_evd(cov: &Mat<f64>, k: usize) -> Result<(Diag<f64>, Mat<f64>)> {
+    let mut s = Diag::<f64>::zeros(k);
+    let mut u = Mat::<f64>::zeros(k, k);
+    let params = Default::default();
+    let mut mem = MemBuffer::new(self_adjoint_evd_scratch::<f64>(
+        k,
+        ComputeEigenvectors::Yes,
+        Par::Seq,
+        params,
+    ));
+    self_adjoint_evd(
+        cov.as_ref(),
+        s.as_mut(),
+        Some(u.as_mut()),
+        Par::Seq,
+        MemStack::new(&mut mem),
+        params,
+    )
+    .map_err(|e| Error::InvalidArgument(format!("eigendecomposition failed: {e:?}")))?;
+    Ok((s, u))
+}
+
+/// The number of components `d` that `dim` keeps of the descending
+/// eigenvalues `eig` of a slice of size `k` (checking `dim`).
+fn kept_components(dim: Dim, eig: &[f64], k: usize) -> Result<usize> {
+    Ok(match dim {
+        Dim::Fixed(d) if (1..=k).contains(&d) => d,
+        Dim::Fixed(d) => {
+            return Err(Error::InvalidArgument(format!(
+                "d {d} must be in 1..={k} (the slice size)"
+            )))
+        }
+        Dim::Lambda(lambda) => {
+            if !(0.0..1.0).contains(&lambda) {
+                return Err(Error::InvalidArgument(format!(
+                    "lambda {lambda} must lie in [0, 1)"
+                )));
+            }
+            select_d(eig, lambda)
+        }
+    })
+}
+
+/// `U_dᵀ` (row-major `d × k`, f32): the eigenvector columns of `u` named by
+/// the first `d` entries of `order`, each signed by the sign convention.
+fn signed_basis(u: &Mat<f64>, order: &[usize], d: usize, k: usize) -> Vec<f32> {
+    let mut ut = vec![0f32; d * k];
+    for (j, &col) in order.iter().take(d).enumerate() {
+        // A sign convention (largest-magnitude entry positive) so the
+        // basis does not depend on the solver's arbitrary signs.
+        let c = u.col(col);
+        let (mut best, mut sign) = (0f64, 1f64);
+        for i in 0..k {
+            if c[i].abs() > best {
+                best = c[i].abs();
+                sign = c[i].signum();
+            }
+        }
+        for i in 0..k {
+            ut[j * k + i] = (sign * c[i]) as f32;
+        }
+    }
+    ut
 }
 
 /// A layer of `n` elements: `⌊n/K⌋` slices compressed in groups of `s`

@@ -168,35 +168,9 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
     opts: &SparseAllreduceOptions,
     ws: &mut HierarchicalWorkspace,
 ) -> Result<HierarchicalSparseReport> {
-    let (rank, p) = (comm.rank(), comm.size());
+    let rank = comm.rank();
     // 1. Agreement on failures, n, the node map and the allgatherv.
-    let local = check_local(rank, p, n, nodes, indices, values, out.len(), opts);
-    let map = map_hash(nodes);
-    let algo = match opts.gather {
-        AllgathervAlgo::RecursiveDoubling => 1u64,
-        AllgathervAlgo::Mpi => 2,
-        AllgathervAlgo::Node => 3,
-        AllgathervAlgo::Auto => 4,
-    };
-    agree_args(
-        comm,
-        TAG,
-        local,
-        n,
-        &[
-            (map, &|| {
-                format!(
-                    "the node maps of the hierarchical sparse allreduce differ across ranks (this rank's: {nodes:?})"
-                )
-            }),
-            (algo, &|| {
-                format!(
-                    "the allgatherv of the hierarchical sparse allreduce differs across ranks (this rank: {})",
-                    opts.gather.name()
-                )
-            }),
-        ],
-    )?;
+    agree_call(comm, n, nodes, indices, values, out.len(), opts)?;
 
     // Phase times for `RUST_LOG=gradsync::sparse=trace` (docs/benchmarks/cluster.md).
     let t0 = std::time::Instant::now();
@@ -226,11 +200,75 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
     phases[1] = t0.elapsed().as_secs_f64();
     out.fill(0.0);
     phases[2] = t0.elapsed().as_secs_f64();
+    let report = add_units(&counts, &data, &layout.leaders, n, out, &mut ws.seen)?;
+    // The units' buffer serves the next call (its allgatherv or receive).
+    ws.gathered.data = data;
+    phases[3] = t0.elapsed().as_secs_f64();
+    log::trace!(
+        "hierarchical sparse allreduce: rank {rank}, seconds since the call: merged and encoded {:.4} (leaders), units received {:.4}, output cleared {:.4}, units added {:.4}",
+        phases[0], phases[1], phases[2], phases[3]
+    );
+    Ok(report)
+}
+
+/// Step 1: every rank agrees on the rank-local argument checks
+/// ([`check_local`]), `n`, the node map and the allgatherv algorithm.
+fn agree_call<C: Transport>(
+    comm: &C,
+    n: usize,
+    nodes: &[usize],
+    indices: &[u32],
+    values: &[f32],
+    out_len: usize,
+    opts: &SparseAllreduceOptions,
+) -> Result<()> {
+    let (rank, p) = (comm.rank(), comm.size());
+    let local = check_local(rank, p, n, nodes, indices, values, out_len, opts);
+    let map = map_hash(nodes);
+    let algo = match opts.gather {
+        AllgathervAlgo::RecursiveDoubling => 1u64,
+        AllgathervAlgo::Mpi => 2,
+        AllgathervAlgo::Node => 3,
+        AllgathervAlgo::Auto => 4,
+    };
+    agree_args(
+        comm,
+        TAG,
+        local,
+        n,
+        &[
+            (map, &|| {
+                format!(
+                    "the node maps of the hierarchical sparse allreduce differ across ranks (this rank's: {nodes:?})"
+                )
+            }),
+            (algo, &|| {
+                format!(
+                    "the allgatherv of the hierarchical sparse allreduce differs across ranks (this rank: {})",
+                    opts.gather.name()
+                )
+            }),
+        ],
+    )
+}
+
+/// Step 4's sum: the gathered node units (`counts[j]` bytes of `data` for
+/// the node led by `leaders[j]`) added into `out` in node order, their
+/// indices marked in the bitset `seen` (grown to `n` bits, and left all
+/// zero again, after an error too); the first bad unit's error stops it.
+fn add_units(
+    counts: &[u64],
+    data: &[u8],
+    leaders: &[usize],
+    n: usize,
+    out: &mut [f32],
+    seen: &mut Vec<u64>,
+) -> Result<HierarchicalSparseReport> {
     let words = n.div_ceil(64);
-    if ws.seen.len() < words {
-        ws.seen.resize(words, 0);
+    if seen.len() < words {
+        seen.resize(words, 0);
     }
-    let seen = &mut ws.seen[..words];
+    let seen = &mut seen[..words];
     let mut report = HierarchicalSparseReport::default();
     let mut at = 0usize;
     let mut added = Ok(());
@@ -238,7 +276,7 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
         // The lengths were checked against the data in `broadcast`.
         let m = &data[at..at + c as usize];
         at += c as usize;
-        match add_unit(m, layout.leaders[j], n, out, seen) {
+        match add_unit(m, leaders[j], n, out, seen) {
             Ok((nnz, dense, fresh)) => {
                 report.node_nnz.push(nnz);
                 report.dense.push(dense);
@@ -251,16 +289,9 @@ pub fn hierarchical_sparse_allreduce_with<C: Transport>(
         }
     }
     // Back to all zero for the next call (after an error too): `n/8`
-    // bytes, 1/32 of the output cleared above.
+    // bytes, 1/32 of the output the caller cleared.
     seen.fill(0);
     added?;
-    // The units' buffer serves the next call (its allgatherv or receive).
-    ws.gathered.data = data;
-    phases[3] = t0.elapsed().as_secs_f64();
-    log::trace!(
-        "hierarchical sparse allreduce: rank {rank}, seconds since the call: merged and encoded {:.4} (leaders), units received {:.4}, output cleared {:.4}, units added {:.4}",
-        phases[0], phases[1], phases[2], phases[3]
-    );
     Ok(report)
 }
 
