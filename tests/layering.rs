@@ -448,3 +448,75 @@ fn every_unsafe_block_is_small_and_says_why_it_is_sound() {
     assert!(blocks > 50, "found {blocks} unsafe blocks");
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The longest function the engine's path keeps (signature to closing
+/// brace): past it a function usually holds two concerns.
+const MAX_FN_LINES: usize = 100;
+
+/// Every function of the engine's path (all of `src/` but the command
+/// line, `calibrate` and tests) is at most [`MAX_FN_LINES`] lines.
+#[test]
+fn no_function_on_the_engines_path_is_over_100_lines() {
+    let mut all = Vec::new();
+    rust_files(&src(), &mut all);
+    let mut long = Vec::new();
+    for file in &all {
+        let rel = file.strip_prefix(src()).unwrap().display().to_string();
+        let skip = rel.starts_with("cli/")
+            || rel.starts_with("calibrate/")
+            || rel.starts_with("bin/")
+            || rel.contains("tests")
+            || rel.ends_with("_tests.rs");
+        if skip {
+            continue;
+        }
+        let code = strip_comments(&std::fs::read_to_string(file).unwrap());
+        let lines: Vec<&str> = code.lines().collect();
+        let mut i = 0;
+        while i < lines.len() {
+            let t = lines[i].trim_start();
+            let is_fn = [
+                "fn ",
+                "pub fn ",
+                "pub(crate) fn ",
+                "pub(super) fn ",
+                "unsafe fn ",
+                "pub unsafe fn ",
+                "pub(crate) unsafe fn ",
+                "const fn ",
+                "pub const fn ",
+            ]
+            .iter()
+            .any(|p| t.starts_with(p));
+            if !is_fn || lines[i].trim_end().ends_with('}') {
+                i += 1;
+                continue;
+            }
+            let indent = lines[i].len() - t.len();
+            // The signature ends at `{` (a body) or `;` (a declaration).
+            let mut j = i;
+            while j < lines.len() && !lines[j].contains('{') && !lines[j].trim_end().ends_with(';')
+            {
+                j += 1;
+            }
+            if j == lines.len() || !lines[j].contains('{') {
+                i = j + 1;
+                continue;
+            }
+            let end = (j..lines.len()).find(|&k| {
+                let l = lines[k];
+                l.trim() == "}" && l.len() - l.trim_start().len() == indent
+            });
+            let Some(end) = end else { break };
+            if end + 1 - i > MAX_FN_LINES {
+                long.push(format!("src/{rel}:{}: {} lines: {}", i + 1, end + 1 - i, t));
+            }
+            i = end + 1;
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines:\n{}",
+        long.join("\n")
+    );
+}
