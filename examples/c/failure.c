@@ -90,7 +90,12 @@ int main(int argc, char **argv) {
   const int bad = nprocs - 1; /* the rank that misbehaves */
   const size_t wshape[2] = {10, 100}, bshape[1] = {10};
 
-  printf("create before MPI_Init | rc=%d | %s\n", early_rc, early_err);
+  {
+    char line[2048];
+    snprintf(line, sizeof line, "create before MPI_Init | rc=%d | %s\n", early_rc, early_err);
+    keep(line);
+    fputs(line, stdout);
+  }
   if (early_rc != GS_ERR_INVALID || early || early_init || !strstr(early_err, "not initialized"))
     fprintf(stderr, "rank %d: create before MPI_Init: rc %d\n", rank, early_rc), failures++;
 

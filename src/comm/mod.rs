@@ -59,17 +59,19 @@ pub trait Request {
 }
 
 /// How a transport's blocking calls wait while the engine's caller
-/// computes: by testing their requests and sleeping `interval` between
-/// tests, so that a progress thread leaves the CPU to the caller's compute
-/// instead of spinning inside MPI. While [`urgent`](Self::set_urgent) is
-/// set (the caller itself waits for the result) or during the first
-/// `interval` of a wait, they test without sleeping.
+/// computes: by testing their requests and sleeping between tests
+/// ([`pause`](Self::pause): `interval`, growing in a long wait to an eighth
+/// of the time waited, at most 1 ms), so that a progress thread leaves the
+/// CPU to the caller's compute instead of spinning inside MPI. While
+/// [`urgent`](Self::set_urgent) is set (the caller itself waits for the
+/// result) or during the first `interval` of a wait, they test without
+/// sleeping; `urgent` is seen when the current sleep ends.
 ///
 /// Why: an MPI library progresses transfers only while a thread is inside
 /// it, and its blocking calls spin. On a CPU with a core per rank (CPU
 /// training), a progress thread spinning in `MPI_Wait` halves the caller's
 /// backward pass, and overlapping gains nothing; a sleeping one costs at
-/// most `interval` per transfer round while the caller computes (the
+/// most a pause per transfer round while the caller computes (the
 /// network keeps moving what the sockets and shared-memory buffers hold).
 /// Horovod's background thread sleeps its cycle time for the same reason.
 #[derive(Debug)]
@@ -86,7 +88,7 @@ impl PoliteWait {
             urgent: std::sync::atomic::AtomicBool::new(false),
         }
     }
-    /// The sleep between two tests of a wait.
+    /// The first sleep between two tests of a wait (and its spin).
     pub fn interval(&self) -> std::time::Duration {
         self.interval
     }

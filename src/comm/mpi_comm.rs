@@ -590,11 +590,19 @@ impl<C: Communicator> Transport for MpiComm<C> {
                 "gradsync: rank {rank} of {size}: {msg}; aborting the job \
                  (MPI_Abort on MPI_COMM_WORLD, code {code})"
             );
+            // After MPI_Finalize no MPI call but a few may be made: then
+            // there is no job left to end, only this process.
+            let mut finalized: c_int = 0;
+            // SAFETY: MPI_Finalized may be called at any time; `finalized`
+            // is a live int.
+            unsafe { ffi::MPI_Finalized(&mut finalized) };
+            if finalized != 0 {
+                std::process::exit(code.max(1));
+            }
             // SAFETY: MPI is initialized (this transport was built on it)
-            // and not finalized (the engine that holds the aborter is
-            // alive); `MPI_COMM_WORLD` is always a valid handle then. The
-            // transport's own communicator may have been freed with the
-            // thread that held it.
+            // and not finalized (checked above); `MPI_COMM_WORLD` is a valid
+            // handle then. The transport's own communicator may have been
+            // freed with the thread that held it.
             unsafe { abort_raw(ffi::RSMPI_COMM_WORLD, code) }
         })
     }

@@ -90,7 +90,8 @@ pub struct Config {
     /// Communicate on a progress thread so `start`/`wait` overlap computation.
     pub overlap: bool,
     /// While the caller computes, the progress thread tests its transfers
-    /// and sleeps this many microseconds between tests instead of spinning
+    /// and sleeps this many microseconds between tests (growing in a long
+    /// wait to an eighth of the time waited, at most 1 ms) instead of spinning
     /// inside MPI ([`crate::comm::PoliteWait`]), leaving the CPU to the
     /// caller; while the caller waits for the step it spins. 0: MPI's own
     /// blocking calls throughout (they spin).
