@@ -144,17 +144,6 @@ fn ring_pipelined<C: Transport, T: Real>(
     // (step the send belongs to, request); bounded by ~2 segments of chunks.
     let mut sends: VecDeque<(usize, C::Request)> = VecDeque::with_capacity(2 * nchunks + 2);
     let mut recvs: Vec<C::Request> = Vec::with_capacity(nchunks);
-    let pipe = Pipe {
-        comm,
-        p,
-        steps,
-        right,
-        left,
-        base,
-        tbase,
-        op,
-        chunk,
-    };
 
     // The rule every unsafe block below relies on: every slice made from
     // `base`/`tbase` is in bounds (segments partition 0..n, chunks
@@ -163,10 +152,9 @@ fn ring_pipelined<C: Transport, T: Real>(
     // step rule above); a region handed to a pending irecv is not touched
     // until that receive is waited; `buf` and `tmp` are not used through
     // their references meanwhile.
-    let first = segment(n, p, rank);
-    // SAFETY: `first` is this rank's segment of `buf` and nothing is
-    // pending yet; the rule holds for these sends from here on.
-    unsafe { pipe.send_first(first, &mut sends)? };
+    // SAFETY: this rank's segment of `buf`, not written until these sends
+    // are waited (the rule above).
+    unsafe { send_first(comm, base, segment(n, p, rank), chunk, right, &mut sends)? };
     for s in 0..steps {
         let seg = recv_seg(s);
         let reduce = s < p - 1;
@@ -177,88 +165,12 @@ fn ring_pipelined<C: Transport, T: Real>(
                 sends.pop_front().expect("front exists").1.wait()?;
             }
         }
-        // SAFETY: `seg` is a segment of `buf`; the sends that read it were
-        // waited above (allgather half), and `tmp`'s chunks of step s − 1
-        // were all added into `buf` (the rule).
-        unsafe { pipe.post_recvs(&seg, reduce, &mut recvs)? };
-        // SAFETY: `recvs` are this step's receives into `seg`, posted above.
-        unsafe { pipe.reduce_and_forward(s, &seg, &mut recvs, &mut sends)? };
-        // Bound what is in flight: sends of steps up to s − 1 are done.
-        while sends.front().is_some_and(|(t, _)| *t < s) {
-            sends.pop_front().expect("front exists").1.wait()?;
-        }
-    }
-    for (_, req) in sends.drain(..) {
-        req.wait()?;
-    }
-    Ok(())
-}
-
-/// What the steps of [`ring_pipelined`] share: the transport, the ring's
-/// shape, raw pointers to `buf` (`base`) and `tmp` (`tbase`), and the
-/// reduction and chunk size.
-struct Pipe<'c, C, T> {
-    comm: &'c C,
-    p: usize,
-    steps: usize,
-    right: usize,
-    left: usize,
-    base: *mut T,
-    tbase: *mut T,
-    op: ReduceOp,
-    chunk: usize,
-}
-
-impl<C: Transport, T: Real> Pipe<'_, C, T> {
-    /// Step 0's sends: this rank's segment `first` of `buf` to the right,
-    /// chunk by chunk (one empty message for an empty segment), each
-    /// recorded in `sends` as step 0's.
-    ///
-    /// # Safety
-    /// `first` is a segment of `buf`, and the rule of [`ring_pipelined`]
-    /// holds: it is not written until these sends are waited.
-    unsafe fn send_first(
-        &self,
-        first: Range<usize>,
-        sends: &mut VecDeque<(usize, C::Request)>,
-    ) -> Result<()> {
-        let (comm, base, chunk, right) = (self.comm, self.base, self.chunk, self.right);
-        for c in (first.start..first.end).step_by(chunk) {
-            // SAFETY: in `first` (the rule of `ring_pipelined`); read while
-            // the send is pending.
-            let part = unsafe { view(base, c, chunk.min(first.end - c)) };
-            // SAFETY: `part` is not written before this send is waited.
-            sends.push_back((0, unsafe { comm.isend(part, right, TAG)? }));
-        }
-        if first.is_empty() {
-            // SAFETY: an empty static slice.
-            sends.push_back((0, unsafe { comm.isend(&[] as &[T], right, TAG)? }));
-        }
-        Ok(())
-    }
-
-    /// Post every chunk receive of a step from the left into `recvs`: into
-    /// `tmp` when the step reduces (`reduce`), else into segment `seg` of
-    /// `buf`. An empty segment is one empty message.
-    ///
-    /// # Safety
-    /// `seg` is a segment of `buf` and the rule of [`ring_pipelined`]
-    /// holds: no pending send reads the region received into, which is not
-    /// touched until these receives are waited.
-    unsafe fn post_recvs(
-        &self,
-        seg: &Range<usize>,
-        reduce: bool,
-        recvs: &mut Vec<C::Request>,
-    ) -> Result<()> {
-        let (comm, base, tbase, chunk, left) =
-            (self.comm, self.base, self.tbase, self.chunk, self.left);
         // Post every chunk receive of this step (empty segment: one empty message).
         let mut c = seg.start;
         loop {
             let len = chunk.min(seg.end - c);
             // SAFETY: in `tmp` (reduce) or `seg` of `buf`; the sends that read
-            // this region were waited by the caller (the rule).
+            // this region were waited above (the rule).
             let dst = unsafe {
                 if reduce {
                     view_mut(tbase, c - seg.start, len)
@@ -273,29 +185,6 @@ impl<C: Transport, T: Real> Pipe<'_, C, T> {
                 break;
             }
         }
-        Ok(())
-    }
-
-    /// Wait for step `s`'s chunk receives (`recvs`, drained) in order; in
-    /// the reduce-scatter half add each received chunk into `buf` (and
-    /// average the last reduced segment for [`ReduceOp::Average`]); unless
-    /// it is the last step, forward each chunk to the right as a send of
-    /// step `s + 1` in `sends`.
-    ///
-    /// # Safety
-    /// `recvs` are step `s`'s receives posted by [`Self::post_recvs`] for
-    /// `seg`, and the rule of [`ring_pipelined`] holds.
-    unsafe fn reduce_and_forward(
-        &self,
-        s: usize,
-        seg: &Range<usize>,
-        recvs: &mut Vec<C::Request>,
-        sends: &mut VecDeque<(usize, C::Request)>,
-    ) -> Result<()> {
-        let (comm, base, tbase, chunk, right) =
-            (self.comm, self.base, self.tbase, self.chunk, self.right);
-        let (p, steps, op) = (self.p, self.steps, self.op);
-        let reduce = s < p - 1;
         let mut c = seg.start;
         for req in recvs.drain(..) {
             req.wait()?;
@@ -315,8 +204,44 @@ impl<C: Transport, T: Real> Pipe<'_, C, T> {
             }
             c += len;
         }
-        Ok(())
+        // Bound what is in flight: sends of steps up to s − 1 are done.
+        while sends.front().is_some_and(|(t, _)| *t < s) {
+            sends.pop_front().expect("front exists").1.wait()?;
+        }
     }
+    for (_, req) in sends.drain(..) {
+        req.wait()?;
+    }
+    Ok(())
+}
+
+/// Step 0 of [`ring_pipelined`]: the segment `first` of the buffer at
+/// `base` to `right`, chunk by chunk (one empty message for an empty
+/// segment), each send recorded as step 0's.
+///
+/// # Safety
+/// `first` lies in the buffer at `base`, which is not written (nor used
+/// through a reference) until these sends are waited.
+unsafe fn send_first<C: Transport, T: Real>(
+    comm: &C,
+    base: *const T,
+    first: Range<usize>,
+    chunk: usize,
+    right: usize,
+    sends: &mut VecDeque<(usize, C::Request)>,
+) -> Result<()> {
+    for c in (first.start..first.end).step_by(chunk) {
+        // SAFETY: in `first` (the caller's promise); read while the send is
+        // pending.
+        let part = unsafe { view(base, c, chunk.min(first.end - c)) };
+        // SAFETY: `part` is not written before this send is waited.
+        sends.push_back((0, unsafe { comm.isend(part, right, TAG)? }));
+    }
+    if first.is_empty() {
+        // SAFETY: an empty static slice.
+        sends.push_back((0, unsafe { comm.isend(&[] as &[T], right, TAG)? }));
+    }
+    Ok(())
 }
 
 /// `len` elements at `base + off`.
