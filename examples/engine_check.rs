@@ -44,7 +44,9 @@
 //! choice of both (`allreduce = "auto"`, `sparse_exchange = "auto"`).
 
 use gradsync::codec::CodecConfig;
+
 use gradsync::dense::AllreduceAlgo;
+use gradsync::strategy::Pick;
 use gradsync::sync::{Config, GradSync, SparseExchange, Strategy, Warmup};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
@@ -69,15 +71,15 @@ fn fail(msg: String) -> ! {
 fn base_cfg() -> Config {
     if std::env::args().any(|a| a == "--node-aware") {
         Config {
-            allreduce: AllreduceAlgo::Hierarchical,
-            sparse_exchange: SparseExchange::Hierarchical,
-            allgather: gradsync::dense::AllgathervAlgo::Node,
+            allreduce: Pick::Fixed(AllreduceAlgo::Hierarchical),
+            sparse_exchange: Pick::Fixed(SparseExchange::Hierarchical),
+            allgather: Pick::Fixed(gradsync::dense::AllgathervAlgo::Node),
             ..Config::default()
         }
     } else if std::env::args().any(|a| a == "--auto") {
         Config {
-            allreduce: AllreduceAlgo::Auto,
-            sparse_exchange: SparseExchange::Auto,
+            allreduce: Pick::Auto,
+            sparse_exchange: Pick::Auto,
             profile: Some(
                 gradsync::cost::Profile::from_network(1e-9, 1e9, 0.0, 0.0)
                     .unwrap_or_else(|e| fail(format!("{e}"))),
@@ -187,7 +189,7 @@ fn codecs<C: Communicator>(world: &C) {
     }
 }
 
-fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
+fn exchange<C: Communicator>(world: &C, ex: Pick<SparseExchange>) {
     let (rank, p) = (world.rank() as usize, world.size() as usize);
     let sp = |c: &str| Strategy::Sparse {
         codec: c.parse().unwrap_or_else(|e| fail(format!("{c}: {e}"))),
@@ -207,10 +209,10 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
     // only the bytes decide; with a layer at density 0.5, whose sum is
     // nearly dense, the sparse allreduce wins at 8 ranks (and 4), the
     // allgatherv at 1, 2, 3 and 5.
-    if ex == SparseExchange::Auto {
+    if ex == Pick::Auto {
         table.push(("wide", 4000, sp("rgc:density=0.5"), true));
     }
-    let profile = (ex == SparseExchange::Auto).then(|| {
+    let profile = (ex == Pick::Auto).then(|| {
         gradsync::cost::Profile::from_network(1e-12, 1e9, 0.0, 0.0)
             .unwrap_or_else(|e| fail(format!("{e}")))
     });
@@ -221,7 +223,7 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
         ..Config::default()
     };
     let gather_cfg = Config {
-        sparse_exchange: SparseExchange::Allgather,
+        sparse_exchange: Pick::Fixed(SparseExchange::Allgather),
         ..cfg.clone()
     };
     let mut s = GradSync::new(world, cfg).unwrap_or_else(|e| fail(format!("{e}")));
@@ -334,11 +336,10 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
             }
         }
         if stats.sparse_exchange == "allgather" {
-            if ex != SparseExchange::Auto || stats.sparse_reduce_nnz != 0 {
+            if ex != Pick::Auto || stats.sparse_reduce_nnz != 0 {
                 fail(format!(
                     "step {step}: exchange allgather under {} with {} sparse-allreduce indices",
-                    ex.name(),
-                    stats.sparse_reduce_nnz
+                    ex, stats.sparse_reduce_nnz
                 ));
             }
         } else if stats.sparse_reduce_nnz != want_nnz || want_nnz == 0 {
@@ -350,7 +351,7 @@ fn exchange<C: Communicator>(world: &C, ex: SparseExchange) {
         // `auto` measures the fill after every clean step, whichever
         // exchange ran it (the allgatherv's unpacking counts it), and every
         // rank holds the same estimate: the next choice depends on it.
-        if ex == SparseExchange::Auto {
+        if ex == Pick::Auto {
             let f = stats.fill_estimate.unwrap_or_else(|| {
                 fail(format!(
                     "step {step}: no fill estimate after a clean {} step",
@@ -500,9 +501,9 @@ fn main() {
         Some("exchange") => exchange(
             &world,
             match args.get(1).map(String::as_str) {
-                None | Some("allreduce") => SparseExchange::Allreduce,
-                Some("hierarchical") => SparseExchange::Hierarchical,
-                Some("auto") => SparseExchange::Auto,
+                None | Some("allreduce") => Pick::Fixed(SparseExchange::Allreduce),
+                Some("hierarchical") => Pick::Fixed(SparseExchange::Hierarchical),
+                Some("auto") => Pick::Auto,
                 Some(x) => fail(format!(
                     "exchange {x:?}: allreduce, hierarchical or auto"
                 )),

@@ -122,7 +122,7 @@ fn main() {
     }
     // The engine's fused dense group through the hierarchical allreduce.
     let cfg = Config {
-        allreduce: AllreduceAlgo::Hierarchical,
+        allreduce: AllreduceAlgo::Hierarchical.into(),
         ..Config::default()
     };
     let mut engine = GradSync::new(&universe.world(), cfg).expect("engine");

@@ -2,8 +2,10 @@
 //! ([`crate::cost`]) decides in and the engine ([`crate::sync`]) runs.
 //! [`Strategy`] is a layer's strategy (dense, a sparse codec, GradiVeQ, or
 //! the cost model's choice), with its text form ([`Strategy::parse`]);
-//! [`SparseExchange`] is how the step's index/value units travel. Plain
-//! data, below both the decider and the engine.
+//! [`SparseExchange`] is how the step's index/value units travel;
+//! [`Pick`] is an option the user may leave to the cost model (`auto`) or
+//! force (one runnable algorithm). Plain data, below both the decider and
+//! the engine.
 
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::{Error, Result};
@@ -170,17 +172,6 @@ pub enum SparseExchange {
     /// memory). Sums node by node, so equal to `Allreduce` up to the order
     /// of the additions (exactly for integers).
     Hierarchical,
-    /// The cost model's choice, every step, among the three above
-    /// ([`crate::cost::choose_sparse_exchange`] with
-    /// [`Config::profile`](crate::sync::Config::profile), which `Auto` needs): the index/value layers'
-    /// element count, their nominal pairs per rank (each layer's
-    /// `⌈density·n⌉` at this step's density, the same on every rank), the
-    /// ranks, the ranks per node and the fill ratio measured by the
-    /// previous steps (whichever exchange ran them). `Hierarchical` only when the job spans
-    /// several nodes (the ranks' nodes are asked for at creation; a
-    /// transport without nodes never gets it). The choice is logged when
-    /// it changes and reported in [`StepStats::sparse_exchange`](crate::sync::StepStats::sparse_exchange).
-    Auto,
 }
 
 impl std::str::FromStr for SparseExchange {
@@ -190,9 +181,8 @@ impl std::str::FromStr for SparseExchange {
             "allgather" => Ok(Self::Allgather),
             "allreduce" => Ok(Self::Allreduce),
             "hierarchical" => Ok(Self::Hierarchical),
-            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical, auto)"
+                "unknown sparse exchange {s:?} (allgather, allreduce, hierarchical)"
             ))),
         }
     }
@@ -205,13 +195,114 @@ impl SparseExchange {
             Self::Allgather => "allgather",
             Self::Allreduce => "allreduce",
             Self::Hierarchical => "hierarchical",
-            Self::Auto => "auto",
         }
     }
-    /// The default (serde skips it, so that the options' JSON, and with it
-    /// the table hash that snapshots record, is what it was before the
-    /// option existed).
-    pub(crate) fn is_default(&self) -> bool {
-        *self == Self::default()
+}
+
+impl std::fmt::Display for SparseExchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An option the user may leave to the cost model or force: the policy
+/// layered on a mechanism enum ([`crate::dense::AllreduceAlgo`],
+/// [`crate::dense::AllgathervAlgo`], [`SparseExchange`]), which holds only
+/// what runs. `Auto` is the decision table's choice
+/// ([`crate::cost::Tuning`]); `Fixed` masks the table to one candidate, and
+/// one that cannot run in this job is an error naming why, never a silent
+/// substitute. Text and JSON: `"auto"` or the algorithm's own name.
+///
+/// ```
+/// use gradsync::dense::AllreduceAlgo;
+/// use gradsync::strategy::Pick;
+/// let p: Pick<AllreduceAlgo> = "ring".parse().unwrap();
+/// assert_eq!(p, Pick::Fixed(AllreduceAlgo::Ring));
+/// assert_eq!("auto".parse::<Pick<AllreduceAlgo>>().unwrap(), Pick::Auto);
+/// assert_eq!(serde_json::to_string(&p).unwrap(), "\"ring\"");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Pick<T> {
+    /// The decision table chooses, per step where its input changes.
+    #[default]
+    Auto,
+    /// Forced by the user.
+    Fixed(T),
+}
+
+impl<T: Copy> Pick<T> {
+    /// The forced value, `None` for `Auto`.
+    pub fn fixed(self) -> Option<T> {
+        match self {
+            Pick::Auto => None,
+            Pick::Fixed(t) => Some(t),
+        }
+    }
+
+    /// Whether the cost model chooses.
+    pub fn is_auto(self) -> bool {
+        matches!(self, Pick::Auto)
+    }
+}
+
+impl<T: PartialEq + Copy> Pick<T> {
+    /// Whether this forces `t`.
+    pub fn is(self, t: T) -> bool {
+        self == Pick::Fixed(t)
+    }
+}
+
+impl<T> From<T> for Pick<T> {
+    fn from(t: T) -> Self {
+        Pick::Fixed(t)
+    }
+}
+
+impl<T: std::fmt::Display> std::fmt::Display for Pick<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            Pick::Auto => f.write_str("auto"),
+            Pick::Fixed(t) => t.fmt(f),
+        }
+    }
+}
+
+impl<T: std::str::FromStr<Err = Error>> std::str::FromStr for Pick<T> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        if s == "auto" {
+            return Ok(Pick::Auto);
+        }
+        // The mechanism's error lists its names in parentheses: `auto` joins them.
+        s.parse().map(Pick::Fixed).map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(match m.strip_suffix(')') {
+                Some(head) => format!("{head}, auto)"),
+                None => format!("{m} (or auto)"),
+            }),
+            e => e,
+        })
+    }
+}
+
+impl<T: Serialize> Serialize for Pick<T> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Pick::Auto => s.serialize_str("auto"),
+            Pick::Fixed(t) => t.serialize(s),
+        }
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Pick<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{Error as _, IntoDeserializer};
+        let s = String::deserialize(d)?;
+        if s == "auto" {
+            return Ok(Pick::Auto);
+        }
+        let de: serde::de::value::StringDeserializer<D::Error> = s.into_deserializer();
+        T::deserialize(de)
+            .map(Pick::Fixed)
+            .map_err(|e| D::Error::custom(format!("{e}, or `auto`")))
     }
 }

@@ -1099,7 +1099,7 @@ fn allreduce(
                 let name = to_str(a, "algo").map_err(Bad::Type)?;
                 // `auto` is the engine's per-step choice, not a call's.
                 match name.parse() {
-                    Ok(AllreduceAlgo::Auto) | Err(_) => {
+                    Err(_) => {
                         return Err(Bad::Value(format!(
                             "unknown allreduce algorithm {name:?} (rabenseifner, ring, mpi, \
                              hierarchical; \"auto\" is an engine option, not an algorithm)"

@@ -24,6 +24,7 @@ use crate::cost::{self, Profile, StrategyId};
 use crate::dense::{allgatherv_with, AllgathervAlgo, Gathered};
 use crate::sparse::allreduce::{sparse_allreduce, SparseAllreduceOptions};
 use crate::sparse::hierarchical::{hierarchical_sparse_allreduce_with, HierarchicalWorkspace};
+use crate::strategy::Pick;
 use crate::{Error, Result};
 use rand::SeedableRng;
 
@@ -33,7 +34,7 @@ const ALGOS: [&str; 3] = [
     "hierarchical-sparse-allreduce",
 ];
 
-type Inputs = (Vec<usize>, f64, Option<Profile>, AllgathervAlgo);
+type Inputs = (Vec<usize>, f64, Option<Profile>, Pick<AllgathervAlgo>);
 
 fn inputs(a: &BenchArgs) -> Result<Inputs> {
     check_common(a)?;
@@ -41,7 +42,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         Some(p) => Some(Profile::load(p).map_err(|e| flag_error("--profile", e))?),
         None => None,
     };
-    let allgather: AllgathervAlgo = a
+    let allgather: Pick<AllgathervAlgo> = a
         .allgather
         .parse()
         .map_err(|e| flag_error(format!("--allgather {:?}", a.allgather), e))?;
@@ -72,7 +73,7 @@ fn predicted(
         "fused-allgatherv" => StrategyId::SparseAllgather,
         _ => StrategyId::SparseHierarchical,
     };
-    let t = cost::sparse_collective_by(prof, id, n, k, p, l, None, Some(gather))?;
+    let t = cost::sparse_collective_by(prof, id, n, k, p, l, None, Some(Pick::Fixed(gather)))?;
     if !t.is_finite() {
         return Err(Error::InvalidArgument(format!(
             "--profile {}: its constants price {algo} of {n} elements at {t} s (not a finite time)",
@@ -119,7 +120,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let (sizes, density, profile, allgather) =
         agree_inputs(comm, inputs(a), |(sizes, density, prof, allgather)| {
             let mut m = common_must_match(a);
-            m.push(("--allgather", allgather.name().to_string()));
+            m.push(("--allgather", allgather.to_string()));
             m.push(("--bytes", format!("{sizes:?}")));
             m.push(("--density", density.to_string()));
             m.push(("--hierarchical", a.hierarchical.to_string()));
@@ -147,12 +148,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let gathers = sizes
         .iter()
         .map(|&bytes| match (allgather, &profile) {
-            (AllgathervAlgo::Auto, Some(prof)) => {
+            (Pick::Auto, Some(prof)) => {
                 let k = pairs_of(density, bytes / 4);
                 Ok(cost::choose_allgatherv(prof, (4 + 8 * k) as f64, p, per_node)?.algo)
             }
-            (AllgathervAlgo::Auto, None) => Ok(AllgathervAlgo::RecursiveDoubling),
-            (a, _) => Ok(a),
+            (Pick::Auto, None) => Ok(AllgathervAlgo::RecursiveDoubling),
+            (Pick::Fixed(a), _) => Ok(a),
         })
         .collect::<Result<Vec<_>>>();
     let gathers = agree(comm, gathers)?;
@@ -207,7 +208,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             dense[i as usize] = v;
         }
         let gather = gathers[si];
-        if rank == 0 && allgather == AllgathervAlgo::Auto && profile.is_some() {
+        if rank == 0 && allgather.is_auto() && profile.is_some() {
             errln!(
                 "gradsync bench: {bytes} bytes: fused-allgatherv runs the {} allgatherv (--allgather auto: the model's choice)",
                 gather.name()

@@ -18,6 +18,7 @@ use crate::codec::CodecConfig;
 use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
 use crate::dense::AllgathervAlgo;
+use crate::strategy::Pick;
 use crate::sync::{Config, GradSync, LayerId, Strategy};
 use crate::{Error, Result};
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
@@ -91,7 +92,7 @@ struct Inputs {
     strategy: Strategy,
     /// The density used, for codecs with one.
     density: Option<f64>,
-    allgather: AllgathervAlgo,
+    allgather: Pick<AllgathervAlgo>,
     compute: std::time::Duration,
 }
 
@@ -181,7 +182,7 @@ fn inputs(a: &BenchArgs) -> Result<Inputs> {
         sizes.iter().copied().max().unwrap_or(0),
         mem_available(),
     )?;
-    let allgather: AllgathervAlgo = a
+    let allgather: Pick<AllgathervAlgo> = a
         .allgather
         .parse()
         .map_err(|e| flag_error(format!("--allgather {:?}", a.allgather), e))?;
@@ -280,7 +281,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         ));
         m.push(("--bytes", format!("{:?}", i.sizes)));
         m.push(("--layers", i.layers.to_string()));
-        m.push(("--allgather", i.allgather.name().to_string()));
+        m.push(("--allgather", i.allgather.to_string()));
         m.push(("--overlap", a.overlap.to_string()));
         m
     })?;
@@ -440,7 +441,7 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
         // What ran (`auto` resolves each step; the last step's), else
         // the configured name (one rank: no allgatherv).
         allgather: if ran_gather.is_empty() {
-            inp.allgather.name().into()
+            inp.allgather.to_string()
         } else {
             ran_gather
         },

@@ -26,7 +26,7 @@ use crate::comm::agree::agree_inputs;
 use crate::comm::{MpiComm, Transport};
 use crate::cost::{self, GroupKind, Profile, StepQuery, StrategyId};
 use crate::dense::AllreduceAlgo;
-use crate::sync::{Config, GradSync, SparseExchange, Strategy};
+use crate::sync::{Config, GradSync, Pick, SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -130,7 +130,7 @@ struct Inputs {
     /// Ranks per node of this job (the two-level model), if several nodes.
     ranks_per_node: Option<usize>,
     /// `--sparse-exchange`.
-    exchange: SparseExchange,
+    exchange: Pick<SparseExchange>,
 }
 
 fn inputs(a: &BenchArgs, rank: usize) -> Result<Inputs> {
@@ -169,11 +169,11 @@ fn inputs(a: &BenchArgs, rank: usize) -> Result<Inputs> {
             "--strategies: the engine cannot run {id} from a plan"
         )));
     }
-    let exchange: SparseExchange = a
+    let exchange: Pick<SparseExchange> = a
         .sparse_exchange
         .parse()
         .map_err(|e| flag_error(format!("--sparse-exchange {:?}", a.sparse_exchange), e))?;
-    if exchange == SparseExchange::Auto && profile.is_none() && !a.calibrate {
+    if exchange.is_auto() && profile.is_none() && !a.calibrate {
         return Err(Error::InvalidArgument(
             "--sparse-exchange auto needs --profile or --calibrate (the cost model chooses)".into(),
         ));
@@ -236,7 +236,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         gradiveq_ratio: 8.0,
         ranks_per_node: inp.ranks_per_node,
         fill: None,
-        allgather: crate::dense::AllgathervAlgo::Auto,
+        allgather: Pick::Auto,
         min_sparse_elems: cfg.compress_threshold,
         allowed: allowed.clone(),
     };
@@ -264,31 +264,31 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
 /// error.
 fn through_exchange(
     allowed: &[StrategyId],
-    exchange: SparseExchange,
+    exchange: Pick<SparseExchange>,
     ranks_per_node: Option<usize>,
 ) -> Result<Vec<StrategyId>> {
     use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
     let runs = |id: StrategyId| match exchange {
-        SparseExchange::Allgather => id != SparseAllreduce && id != SparseHierarchical,
-        SparseExchange::Allreduce => id != SparseHierarchical,
-        SparseExchange::Hierarchical => id != SparseAllreduce,
-        SparseExchange::Auto => id != SparseHierarchical || ranks_per_node.is_some(),
+        Pick::Fixed(SparseExchange::Allgather) => id != SparseAllreduce && id != SparseHierarchical,
+        Pick::Fixed(SparseExchange::Allreduce) => id != SparseHierarchical,
+        Pick::Fixed(SparseExchange::Hierarchical) => id != SparseAllreduce,
+        Pick::Auto => id != SparseHierarchical || ranks_per_node.is_some(),
     };
     if let Some(id) = allowed.iter().find(|&&id| !runs(id)) {
         return Err(Error::InvalidArgument(format!(
             "--strategies {id} is not what --sparse-exchange {} runs (allgather: sparse-allgather; allreduce: sparse-allreduce; hierarchical: sparse-hierarchical, on several nodes; auto: any of them)",
-            exchange.name()
+            exchange
         )));
     }
     let mut out = Vec::new();
     for &id in allowed {
         let mapped: &[StrategyId] = match (id, exchange) {
-            (SparseAllgather, SparseExchange::Allreduce) => &[SparseAllreduce],
-            (SparseAllgather, SparseExchange::Hierarchical) => &[SparseHierarchical],
-            (SparseAllgather, SparseExchange::Auto) if ranks_per_node.is_some() => {
+            (SparseAllgather, Pick::Fixed(SparseExchange::Allreduce)) => &[SparseAllreduce],
+            (SparseAllgather, Pick::Fixed(SparseExchange::Hierarchical)) => &[SparseHierarchical],
+            (SparseAllgather, Pick::Auto) if ranks_per_node.is_some() => {
                 &[SparseAllgather, SparseAllreduce, SparseHierarchical]
             }
-            (SparseAllgather, SparseExchange::Auto) => &[SparseAllgather, SparseAllreduce],
+            (SparseAllgather, Pick::Auto) => &[SparseAllgather, SparseAllreduce],
             _ => std::slice::from_ref(&id),
         };
         for &m in mapped {
@@ -340,7 +340,7 @@ fn uniform(
                 gradiveq_ratio: 8.0,
                 ranks_per_node: inp.ranks_per_node,
                 fill: None,
-                allgather: crate::dense::AllgathervAlgo::Auto,
+                allgather: Pick::Auto,
                 min_sparse_elems: 0,
                 allowed: Vec::new(),
             };
@@ -402,7 +402,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         m.push(("--density", inp.density.to_string()));
         m.push(("--calibrate", a.calibrate.to_string()));
         m.push(("--compare", a.compare.to_string()));
-        m.push(("--sparse-exchange", inp.exchange.name().to_string()));
+        m.push(("--sparse-exchange", inp.exchange.to_string()));
         m
     })?;
     // The job's placement for the two-level model (collective on every rank).
@@ -441,15 +441,15 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         .filter(|id| id.is_dense())
         .collect();
     cfg.allreduce = match dense_named.as_slice() {
-        [StrategyId::DenseRing] => AllreduceAlgo::Ring,
-        [StrategyId::DenseHierarchical] => AllreduceAlgo::Hierarchical,
-        [_, _, ..] if cfg.profile.is_some() => AllreduceAlgo::Auto,
-        _ => AllreduceAlgo::Rabenseifner,
+        [StrategyId::DenseRing] => Pick::Fixed(AllreduceAlgo::Ring),
+        [StrategyId::DenseHierarchical] => Pick::Fixed(AllreduceAlgo::Hierarchical),
+        [_, _, ..] if cfg.profile.is_some() => Pick::Auto,
+        _ => Pick::Fixed(AllreduceAlgo::Rabenseifner),
     };
     let algo = cfg.allreduce;
     let dense_id = match algo {
-        AllreduceAlgo::Ring => StrategyId::DenseRing,
-        AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
+        Pick::Fixed(AllreduceAlgo::Ring) => StrategyId::DenseRing,
+        Pick::Fixed(AllreduceAlgo::Hierarchical) => StrategyId::DenseHierarchical,
         _ => StrategyId::DenseRabenseifner,
     };
     let (strategies, plan, allowed) = plan(&inp, p, &cfg)?;
@@ -458,8 +458,8 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         let (s, pl) = uniform(&inp, p, Strategy::Dense, dense_id)?;
         configs.push(("dense", s, pl));
         let sparse_id = match inp.exchange {
-            SparseExchange::Allreduce => StrategyId::SparseAllreduce,
-            SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+            Pick::Fixed(SparseExchange::Allreduce) => StrategyId::SparseAllreduce,
+            Pick::Fixed(SparseExchange::Hierarchical) => StrategyId::SparseHierarchical,
             _ => StrategyId::SparseAllgather,
         };
         let (s, pl) = uniform(&inp, p, Strategy::rgc(inp.density), sparse_id)?;
@@ -543,7 +543,7 @@ fn record(
     r: &mut Measured,
     t: &mut [f64],
     dense: f64,
-    algo: AllreduceAlgo,
+    algo: Pick<AllreduceAlgo>,
     allowed: &[StrategyId],
     p: usize,
 ) -> Result<StepRecord> {
@@ -582,16 +582,16 @@ fn record(
                 kind: group,
                 algorithm: match group {
                     GroupKind::Dense => match algo {
-                        AllreduceAlgo::Ring => "dense-ring",
-                        AllreduceAlgo::Hierarchical => "dense-hierarchical",
-                        AllreduceAlgo::Auto => "dense-auto",
+                        Pick::Fixed(AllreduceAlgo::Ring) => "dense-ring",
+                        Pick::Fixed(AllreduceAlgo::Hierarchical) => "dense-hierarchical",
+                        Pick::Auto => "dense-auto",
                         _ => "dense-rabenseifner",
                     },
                     _ => match inp.exchange {
-                        SparseExchange::Allgather => "sparse-allgather",
-                        SparseExchange::Allreduce => "sparse-allreduce",
-                        SparseExchange::Hierarchical => "sparse-hierarchical",
-                        SparseExchange::Auto => "sparse-auto",
+                        Pick::Fixed(SparseExchange::Allgather) => "sparse-allgather",
+                        Pick::Fixed(SparseExchange::Allreduce) => "sparse-allreduce",
+                        Pick::Fixed(SparseExchange::Hierarchical) => "sparse-hierarchical",
+                        Pick::Auto => "sparse-auto",
                     },
                 }
                 .into(),
@@ -641,7 +641,7 @@ fn record(
         local_s: med[2],
         choices,
         choice_counts: counts,
-        sparse_exchange: inp.exchange.name().into(),
+        sparse_exchange: inp.exchange.to_string(),
         exchanges,
         fill_estimate: r.fill,
     })
@@ -697,22 +697,22 @@ mod tests {
     #[test]
     fn strategies_are_priced_through_the_configured_exchange() {
         let rgc = [DenseRabenseifner, SparseAllgather];
-        let x = |e: SparseExchange, l: Option<usize>| through_exchange(&rgc, e, l);
-        assert_eq!(x(SparseExchange::Allgather, None).unwrap(), rgc);
+        let x = |e: Pick<SparseExchange>, l: Option<usize>| through_exchange(&rgc, e, l);
+        assert_eq!(x(SparseExchange::Allgather.into(), None).unwrap(), rgc);
         assert_eq!(
-            x(SparseExchange::Allreduce, None).unwrap(),
+            x(SparseExchange::Allreduce.into(), None).unwrap(),
             [DenseRabenseifner, SparseAllreduce]
         );
         assert_eq!(
-            x(SparseExchange::Hierarchical, Some(2)).unwrap(),
+            x(SparseExchange::Hierarchical.into(), Some(2)).unwrap(),
             [DenseRabenseifner, SparseHierarchical]
         );
         assert_eq!(
-            x(SparseExchange::Auto, None).unwrap(),
+            x(Pick::Auto, None).unwrap(),
             [DenseRabenseifner, SparseAllgather, SparseAllreduce]
         );
         assert_eq!(
-            x(SparseExchange::Auto, Some(2)).unwrap(),
+            x(Pick::Auto, Some(2)).unwrap(),
             [
                 DenseRabenseifner,
                 SparseAllgather,
@@ -721,7 +721,7 @@ mod tests {
             ]
         );
         // A reducing collective the exchange does not run: an error naming both flags.
-        let e = through_exchange(&[SparseAllreduce], SparseExchange::Allgather, None)
+        let e = through_exchange(&[SparseAllreduce], SparseExchange::Allgather.into(), None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -729,6 +729,6 @@ mod tests {
                 && e.contains("--sparse-exchange allgather"),
             "{e}"
         );
-        assert!(through_exchange(&[SparseHierarchical], SparseExchange::Auto, None).is_err());
+        assert!(through_exchange(&[SparseHierarchical], Pick::Auto, None).is_err());
     }
 }

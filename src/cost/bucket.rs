@@ -212,7 +212,9 @@ mod tests {
             allowed: Vec::new(),
             ranks_per_node: None,
             fill: None,
-            allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+            allgather: crate::strategy::Pick::Fixed(
+                crate::dense::AllgathervAlgo::RecursiveDoubling,
+            ),
             min_sparse_elems: 0,
         }
     }

@@ -12,7 +12,7 @@
 use super::{Prediction, STRATEGIES};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::dense::AllreduceAlgo;
-use crate::strategy::{SparseExchange, Strategy};
+use crate::strategy::{Pick, SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -184,15 +184,15 @@ impl std::fmt::Display for StrategyId {
 /// `auto`s never run a node-aware collective, so neither is a candidate
 /// through them.
 pub fn engine_candidates(
-    allreduce: AllreduceAlgo,
-    exchange: SparseExchange,
+    allreduce: Pick<AllreduceAlgo>,
+    exchange: Pick<SparseExchange>,
     quant: bool,
     several_nodes: bool,
 ) -> Vec<StrategyId> {
     let dense: &[StrategyId] = match allreduce {
-        AllreduceAlgo::Ring => &[StrategyId::DenseRing],
-        AllreduceAlgo::Hierarchical => &[StrategyId::DenseHierarchical],
-        AllreduceAlgo::Auto => &[
+        Pick::Fixed(AllreduceAlgo::Ring) => &[StrategyId::DenseRing],
+        Pick::Fixed(AllreduceAlgo::Hierarchical) => &[StrategyId::DenseHierarchical],
+        Pick::Auto => &[
             StrategyId::DenseRabenseifner,
             StrategyId::DenseRing,
             StrategyId::DenseHierarchical,
@@ -200,10 +200,10 @@ pub fn engine_candidates(
         _ => &[StrategyId::DenseRabenseifner],
     };
     let sparse: &[StrategyId] = match exchange {
-        SparseExchange::Allgather => &[StrategyId::SparseAllgather],
-        SparseExchange::Allreduce => &[StrategyId::SparseAllreduce],
-        SparseExchange::Hierarchical => &[StrategyId::SparseHierarchical],
-        SparseExchange::Auto => &[
+        Pick::Fixed(SparseExchange::Allgather) => &[StrategyId::SparseAllgather],
+        Pick::Fixed(SparseExchange::Allreduce) => &[StrategyId::SparseAllreduce],
+        Pick::Fixed(SparseExchange::Hierarchical) => &[StrategyId::SparseHierarchical],
+        Pick::Auto => &[
             StrategyId::SparseAllgather,
             StrategyId::SparseAllreduce,
             StrategyId::SparseHierarchical,
@@ -211,14 +211,19 @@ pub fn engine_candidates(
     };
     let mut v = dense.to_vec();
     v.extend_from_slice(sparse);
-    if quant && matches!(exchange, SparseExchange::Allgather | SparseExchange::Auto) {
+    if quant
+        && matches!(
+            exchange,
+            Pick::Fixed(SparseExchange::Allgather) | Pick::Auto
+        )
+    {
         v.push(StrategyId::SparseAllgatherQuant);
     }
     if !several_nodes {
-        if allreduce == AllreduceAlgo::Auto {
+        if allreduce.is_auto() {
             v.retain(|&id| id != StrategyId::DenseHierarchical);
         }
-        if exchange == SparseExchange::Auto {
+        if exchange.is_auto() {
             v.retain(|&id| id != StrategyId::SparseHierarchical);
         }
     }
@@ -301,24 +306,29 @@ mod tests {
     fn engine_candidates_follow_the_engine_collectives() {
         use StrategyId::*;
         let c = |a, e, q| engine_candidates(a, e, q, true);
+        let (a, e) = (Pick::Fixed, Pick::Fixed);
         assert_eq!(
-            c(AllreduceAlgo::Rabenseifner, SparseExchange::Allgather, true),
+            c(
+                a(AllreduceAlgo::Rabenseifner),
+                e(SparseExchange::Allgather),
+                true
+            ),
             vec![DenseRabenseifner, SparseAllgather, SparseAllgatherQuant]
         );
         assert_eq!(
             c(
-                AllreduceAlgo::Hierarchical,
-                SparseExchange::Hierarchical,
+                a(AllreduceAlgo::Hierarchical),
+                e(SparseExchange::Hierarchical),
                 true
             ),
             vec![DenseHierarchical, SparseHierarchical]
         );
         assert_eq!(
-            c(AllreduceAlgo::Ring, SparseExchange::Allreduce, false),
+            c(a(AllreduceAlgo::Ring), e(SparseExchange::Allreduce), false),
             vec![DenseRing, SparseAllreduce]
         );
         assert_eq!(
-            c(AllreduceAlgo::Rabenseifner, SparseExchange::Auto, true),
+            c(a(AllreduceAlgo::Rabenseifner), Pick::Auto, true),
             vec![
                 DenseRabenseifner,
                 SparseAllgather,
@@ -329,7 +339,7 @@ mod tests {
         );
         // One node: the autos' node-aware collectives are not candidates.
         assert_eq!(
-            engine_candidates(AllreduceAlgo::Auto, SparseExchange::Auto, false, false),
+            engine_candidates(Pick::Auto, Pick::Auto, false, false),
             vec![
                 DenseRabenseifner,
                 DenseRing,
@@ -338,7 +348,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            c(AllreduceAlgo::Auto, SparseExchange::Allgather, false),
+            c(Pick::Auto, e(SparseExchange::Allgather), false),
             vec![
                 DenseRabenseifner,
                 DenseRing,

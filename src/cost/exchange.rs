@@ -46,7 +46,7 @@ pub struct ExchangeQuery {
     pub fill: Option<f64>,
     /// The fused message's allgatherv ([`StepQuery::allgather`]): how the
     /// fused allgatherv candidate is priced.
-    pub allgather: AllgathervAlgo,
+    pub allgather: crate::strategy::Pick<AllgathervAlgo>,
     /// Each of those layers' elements and the bytes it adds to the
     /// message (summing to `n` and `message_bytes`). The fused allgatherv
     /// adds a layer's received pairs into that layer's own output, so its

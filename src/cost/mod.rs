@@ -72,6 +72,7 @@ mod query;
 pub mod records;
 mod step;
 pub mod topology;
+mod tuning;
 pub use argmin::NEAR_TIE;
 pub use bucket::{
     choose_bucket_cap, cut_buckets, price_buckets, BucketPlan, BucketTiming, CAPS_MB,
@@ -87,6 +88,7 @@ pub use step::{
     LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
+pub use tuning::{Decision, ExchangeLoad, Masks, Tuning};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -975,7 +977,7 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         allowed: Vec::new(),
         ranks_per_node: q.ranks_per_node,
         fill: q.fill,
-        allgather: crate::dense::AllgathervAlgo::Auto,
+        allgather: crate::strategy::Pick::Auto,
         min_sparse_elems: 0,
     };
     step::check(&sq)?;

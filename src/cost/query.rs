@@ -30,7 +30,7 @@ pub struct StepQuery {
     /// `Auto` prices the cheaper of the flat and the node-aware one, as the
     /// engine's `auto` runs it; `Node` the node-aware one; any other the
     /// flat one (`mpi` priced as that).
-    pub allgather: crate::dense::AllgathervAlgo,
+    pub allgather: crate::strategy::Pick<crate::dense::AllgathervAlgo>,
     /// Free layers with fewer elements stay dense (in the dense group,
     /// whatever sparse or low-rank strategy would price lower): RedSync's
     /// `compress_thd` and DGC's uncompressed small layers, a rule for

@@ -442,7 +442,7 @@ pub fn step_query(
         allowed: m.allowed(prof)?,
         ranks_per_node: m.rpn(),
         fill: m.fill,
-        allgather: crate::dense::AllgathervAlgo::Auto,
+        allgather: crate::strategy::Pick::Auto,
         min_sparse_elems: m.compress_threshold,
     })
 }

@@ -394,7 +394,7 @@ pub fn sparse_collective_by(
     p: usize,
     ranks_per_node: Option<usize>,
     fill: Option<f64>,
-    gather: Option<crate::dense::AllgathervAlgo>,
+    gather: Option<crate::strategy::Pick<crate::dense::AllgathervAlgo>>,
 ) -> Result<f64> {
     use StrategyId::{SparseAllgather, SparseAllreduce, SparseHierarchical};
     if !matches!(id, SparseAllgather | SparseAllreduce | SparseHierarchical) {
@@ -407,8 +407,7 @@ pub fn sparse_collective_by(
             "a sparse collective of {k} pairs of {n} elements on {p} ranks"
         )));
     }
-    let net = Net::new(prof, p, ranks_per_node, fill)
-        .with_gather(gather.unwrap_or(crate::dense::AllgathervAlgo::Auto));
+    let net = Net::new(prof, p, ranks_per_node, fill).with_gather(gather.unwrap_or_default());
     let s = Sizes {
         dense: 0.0,
         sparse: 8.0 * k as f64,

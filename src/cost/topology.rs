@@ -169,7 +169,7 @@ pub(crate) struct Net<'a> {
     /// Measured fill ratio of the sparse allreduces, if any.
     pub fill: Option<f64>,
     /// The fused message's allgatherv ([`StepQuery::allgather`]).
-    pub gather: crate::dense::AllgathervAlgo,
+    pub gather: crate::strategy::Pick<crate::dense::AllgathervAlgo>,
     /// Bytes of the link's [`Burst`] credit the current collective has not
     /// spent yet (each collective's entry point refills it).
     credit: Cell<f64>,
@@ -182,7 +182,7 @@ impl<'a> Net<'a> {
     }
 
     /// The same placement with the fused message's allgatherv `gather`.
-    pub fn with_gather(self, gather: crate::dense::AllgathervAlgo) -> Self {
+    pub fn with_gather(self, gather: crate::strategy::Pick<crate::dense::AllgathervAlgo>) -> Self {
         Net { gather, ..self }
     }
 
@@ -198,7 +198,7 @@ impl<'a> Net<'a> {
             p,
             l: ranks_per_node.unwrap_or(p).max(1),
             fill,
-            gather: crate::dense::AllgathervAlgo::Auto,
+            gather: crate::strategy::Pick::Auto,
             credit: Cell::new(0.0),
         }
     }
@@ -597,9 +597,10 @@ pub(crate) fn allgather_node(net: &Net, m: f64) -> f64 {
 /// ([`crate::cost::choose_allgatherv`]).
 pub(crate) fn fused_allgather(net: &Net, m: f64) -> f64 {
     use crate::dense::AllgathervAlgo;
+    use crate::strategy::Pick;
     match net.gather {
-        AllgathervAlgo::Node => allgather_node(net, m),
-        AllgathervAlgo::Auto => {
+        Pick::Fixed(AllgathervAlgo::Node) => allgather_node(net, m),
+        Pick::Auto => {
             let c = allgatherv_candidates(net, m);
             let pick = super::argmin::cheapest(&c);
             c.iter().find(|x| x.0 == pick).map_or(0.0, |x| x.1)

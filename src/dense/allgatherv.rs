@@ -43,12 +43,6 @@ pub enum AllgathervAlgo {
     /// map ([`Transport::node_ids`]). The flat `recdbl` where the map is
     /// unknown (in process), one node, or one rank per node.
     Node,
-    /// The engine's choice for each step's fused message
-    /// (`sync::Config::allgather`, its default): the cost model's cheaper
-    /// of `recdbl` and `node` ([`crate::cost::choose_allgatherv`]) with a
-    /// profile, `recdbl` without one. Not an algorithm of its own: a
-    /// direct call with it is an error.
-    Auto,
 }
 
 impl AllgathervAlgo {
@@ -58,8 +52,13 @@ impl AllgathervAlgo {
             Self::RecursiveDoubling => "recdbl",
             Self::Mpi => "mpi",
             Self::Node => "node",
-            Self::Auto => "auto",
         }
+    }
+}
+
+impl std::fmt::Display for AllgathervAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -70,9 +69,8 @@ impl std::str::FromStr for AllgathervAlgo {
             "recdbl" | "recursive-doubling" => Ok(Self::RecursiveDoubling),
             "mpi" => Ok(Self::Mpi),
             "node" => Ok(Self::Node),
-            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allgatherv algorithm {s:?} (recdbl, mpi, node, auto)"
+                "unknown allgatherv algorithm {s:?} (recdbl, mpi, node)"
             ))),
         }
     }
@@ -140,9 +138,6 @@ fn gather_with<C: Transport>(
     nodes: Option<&[usize]>,
     out: &mut Gathered,
 ) -> Result<()> {
-    if algo == AllgathervAlgo::Auto {
-        return Err(auto_refused());
-    }
     if algo == AllgathervAlgo::Node && nodes.is_none() {
         // Before any collective: every rank's transport answers alike.
         return Err(no_node_map());
@@ -166,7 +161,6 @@ fn gather_with<C: Transport>(
                 None => Err(no_node_map()),
             }
         }
-        AllgathervAlgo::Auto => Err(auto_refused()),
         AllgathervAlgo::Mpi => {
             out.counts.clear();
             out.counts
@@ -177,10 +171,4 @@ fn gather_with<C: Transport>(
                 })?
         }
     }
-}
-
-fn auto_refused() -> Error {
-    Error::InvalidArgument(
-        "allgatherv algorithm \"auto\" is the engine's per-step choice (sync::Config::allgather); name recdbl, mpi or node".into(),
-    )
 }

@@ -112,12 +112,6 @@ pub enum AllreduceAlgo {
     /// [`hierarchical_allreduce`] over the transport's node map
     /// ([`Transport::node_ids`]; only on [`MpiComm`](crate::comm::MpiComm)).
     Hierarchical,
-    /// Not an algorithm: the engine's per-step choice among Rabenseifner,
-    /// the ring and (on several nodes) the hierarchical allreduce by the
-    /// cost model (`sync::Config::allreduce` with `Config::profile`;
-    /// [`crate::cost::choose_dense_allreduce`]). [`allreduce`] with it is
-    /// an error.
-    Auto,
 }
 
 impl std::str::FromStr for AllreduceAlgo {
@@ -128,9 +122,8 @@ impl std::str::FromStr for AllreduceAlgo {
             "ring" => Ok(Self::Ring),
             "mpi" => Ok(Self::Mpi),
             "hierarchical" => Ok(Self::Hierarchical),
-            "auto" => Ok(Self::Auto),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi, hierarchical, auto)"
+                "unknown allreduce algorithm {s:?} (rabenseifner, ring, mpi, hierarchical)"
             ))),
         }
     }
@@ -144,8 +137,13 @@ impl AllreduceAlgo {
             Self::Ring => "ring",
             Self::Mpi => "mpi",
             Self::Hierarchical => "hierarchical",
-            Self::Auto => "auto",
         }
+    }
+}
+
+impl std::fmt::Display for AllreduceAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -200,10 +198,6 @@ pub fn allreduce_with<C: Transport, T: Real>(
             })?;
             hierarchical_allreduce_with(comm, buf, &nodes, opts, ws)
         }
-        AllreduceAlgo::Auto => Err(Error::InvalidArgument(
-            "allreduce algorithm \"auto\" is the engine's per-step choice (sync::Config::allreduce with a profile); name rabenseifner, ring, mpi or hierarchical"
-                .into(),
-        )),
         AllreduceAlgo::Mpi => {
             if opts.validate {
                 validate_same_len(comm, buf.len())?;
@@ -313,8 +307,6 @@ pub fn allreduce_agreed<C: Transport>(
             AllreduceAlgo::Ring => 2,
             AllreduceAlgo::Mpi => 3,
             AllreduceAlgo::Hierarchical => 4,
-            // Agreed like the others, then the same error on every rank.
-            AllreduceAlgo::Auto => 5,
         };
         (a, if o == ReduceOp::Sum { 1 } else { 2 })
     };

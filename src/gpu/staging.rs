@@ -183,7 +183,7 @@ pub trait DeviceCopies {
 pub struct StagingOptions {
     /// Elements per chunk (> 0).
     pub chunk_elems: usize,
-    /// The allreduce of each chunk (not `Auto`).
+    /// The allreduce of each chunk.
     pub algo: AllreduceAlgo,
     /// Sum or average.
     pub op: ReduceOp,
@@ -258,10 +258,6 @@ fn agree_start<C: Transport, D: DeviceCopies>(
             "device allreduce: chunk_elems must be in 1..={MAX_CHUNK}, not {}",
             opts.chunk_elems
         )))
-    } else if opts.algo == AllreduceAlgo::Auto {
-        Err(Error::InvalidArgument(
-            "device allreduce: name an allreduce algorithm, not auto".into(),
-        ))
     } else {
         match route {
             Route::Staged => dev.prepare(SLOTS, chunk),

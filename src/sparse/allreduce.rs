@@ -470,7 +470,6 @@ fn fingerprint(opts: &SparseAllreduceOptions) -> u64 {
         AllgathervAlgo::RecursiveDoubling => 1,
         AllgathervAlgo::Mpi => 2,
         AllgathervAlgo::Node => 3,
-        AllgathervAlgo::Auto => 4,
     });
     words.iter().fold(crate::comm::agree::FNV_OFFSET, |h, w| {
         crate::comm::agree::fnv(h, &w.to_le_bytes())

@@ -229,7 +229,6 @@ fn agree_call<C: Transport>(
         AllgathervAlgo::RecursiveDoubling => 1u64,
         AllgathervAlgo::Mpi => 2,
         AllgathervAlgo::Node => 3,
-        AllgathervAlgo::Auto => 4,
     };
     agree_args(
         comm,

@@ -300,12 +300,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let t = Instant::now();
         // 1. Plan: every per-step decision, alike on every rank (plan.rs).
         super::plan::script_step_into(&mut self.plan, self.step, &self.cfg, self.size, &self.table);
-        // `sparse_exchange = "auto"`: this step's exchange (exchange.rs).
+        // 2. This step's collectives, looked up in the decision table
+        // (exchange.rs; `crate::cost::Tuning`): the reduced pairs'
+        // exchange, the dense algorithm, the fused message's allgatherv.
         self.resolve_exchange();
-        // `allreduce = "auto"`: this step's dense algorithm (exchange.rs).
         self.resolve_allreduce();
-        // `allgather = "auto"`: this step's allgatherv (exchange.rs).
         self.resolve_allgather();
+        self.tuning.log_once();
         for l in &mut self.layers {
             l.begin_step();
         }
@@ -435,7 +436,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             log::debug!("gradsync: rank {} step {}: {e}", self.rank, self.step);
         }
         // 3. Pack: the fused sparse message and the status words (job.rs).
-        job.pack(&part.plan, &self.layers, &self.cfg, &local);
+        job.pack(&part.plan, &self.layers, &local);
         job.check = Some((st.seq, what));
         job.call = Some((CallKind::Step, self.step));
         job.first = st.parts.is_empty();

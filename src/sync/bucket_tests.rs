@@ -3,8 +3,10 @@
 //! differently fail alike; misuse is refused locally.
 
 use super::{Config, GradSync, LayerId, SparseExchange, Warmup};
+
 use crate::comm::LocalComm;
 use crate::dense::AllreduceAlgo;
+use crate::strategy::Pick;
 use crate::Error;
 use rand::rngs::SmallRng as StdRng;
 use rand::seq::SliceRandom;
@@ -102,7 +104,7 @@ fn run(
             let st = s.finish_step(&mut ov).expect("finish").clone();
             if let Some(b) = cut(step) {
                 let staged = cfg.clip_norm.is_some()
-                    || cfg.allreduce != AllreduceAlgo::Rabenseifner
+                    || !cfg.allreduce.is(AllreduceAlgo::Rabenseifner)
                     || table.iter().any(|t| t.2.starts_with("gradiveq"));
                 assert_eq!(st.buckets, if staged { 1 } else { b.len() }, "step {step}");
             }
@@ -170,7 +172,7 @@ fn buckets_equal_the_whole_step_bit_for_bit() {
         (
             "sparse allreduce",
             Config {
-                sparse_exchange: SparseExchange::Allreduce,
+                sparse_exchange: Pick::Fixed(SparseExchange::Allreduce),
                 ..base.clone()
             },
         ),
@@ -209,7 +211,7 @@ fn buckets_equal_the_whole_step_bit_for_bit() {
         (
             "ring (staged)",
             Config {
-                allreduce: AllreduceAlgo::Ring,
+                allreduce: Pick::Fixed(AllreduceAlgo::Ring),
                 ..base.clone()
             },
         ),

@@ -9,7 +9,7 @@
 
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
-pub use crate::strategy::{SparseExchange, Strategy};
+pub use crate::strategy::{Pick, SparseExchange, Strategy};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -82,9 +82,10 @@ pub struct Config {
     /// without a profile), `recdbl`, `node` or `mpi`
     /// ([`AllgathervAlgo`]). The sparse allreduces' own allgatherv is the
     /// configured one, `recdbl` under `auto`.
-    pub allgather: AllgathervAlgo,
-    /// Allreduce of the fused dense buffer.
-    pub allreduce: AllreduceAlgo,
+    pub allgather: Pick<AllgathervAlgo>,
+    /// Allreduce of the fused dense buffer: an algorithm, or `auto` (the
+    /// cost model's choice for the step's dense group; needs `profile`).
+    pub allreduce: Pick<AllreduceAlgo>,
     /// NaN/Inf policy.
     pub non_finite: NonFinitePolicy,
     /// Communicate on a progress thread so `start`/`wait` overlap computation.
@@ -111,8 +112,8 @@ pub struct Config {
     /// are exchanged: in the fused allgatherv (default), by one sparse
     /// allreduce (flat or node-aware), or as the cost model chooses each
     /// step (`auto`, needs `profile`) ([`SparseExchange`]).
-    #[serde(skip_serializing_if = "SparseExchange::is_default")]
-    pub sparse_exchange: SparseExchange,
+    #[serde(skip_serializing_if = "is_default_exchange")]
+    pub sparse_exchange: Pick<SparseExchange>,
 }
 
 impl Default for Config {
@@ -129,8 +130,8 @@ impl Default for Config {
             clip_norm: None,
             warmup: Warmup::None,
             delay: 1,
-            allgather: AllgathervAlgo::Auto,
-            allreduce: AllreduceAlgo::Rabenseifner,
+            allgather: Pick::Auto,
+            allreduce: Pick::Fixed(AllreduceAlgo::Rabenseifner),
             non_finite: NonFinitePolicy::Error,
             overlap: true,
             progress_poll_us: DEFAULT_PROGRESS_POLL_US,
@@ -138,7 +139,20 @@ impl Default for Config {
             profile: None,
             auto_density: 0.001,
             auto_quant: false,
-            sparse_exchange: SparseExchange::Allgather,
+            sparse_exchange: Pick::Fixed(SparseExchange::Allgather),
+        }
+    }
+}
+
+impl Config {
+    /// The forced options of the engine's decision table
+    /// ([`crate::cost::Tuning`]): `allreduce`, `allgather` and
+    /// `sparse_exchange`.
+    pub fn masks(&self) -> crate::cost::Masks {
+        crate::cost::Masks {
+            allreduce: self.allreduce,
+            allgather: self.allgather,
+            exchange: self.sparse_exchange,
         }
     }
 }
@@ -155,6 +169,13 @@ pub const MAX_PROGRESS_POLL_US: u32 = 1_000_000;
 /// existed (it changes how the engine waits, never a result).
 fn is_default_poll(us: &u32) -> bool {
     *us == DEFAULT_PROGRESS_POLL_US
+}
+
+/// Serde skips the default exchange (the fused allgatherv), so that the
+/// options' JSON, and with it the table hash that snapshots record, is
+/// what it was before the option existed.
+fn is_default_exchange(x: &Pick<SparseExchange>) -> bool {
+    x.is(SparseExchange::Allgather)
 }
 
 /// Largest `delay`: a million steps between synchronizations is longer
@@ -219,12 +240,12 @@ impl Config {
                 ));
             }
         }
-        if cfg.allreduce == AllreduceAlgo::Auto && cfg.profile.is_none() {
+        if cfg.allreduce.is_auto() && cfg.profile.is_none() {
             return Err(Error::InvalidArgument(
                 "allreduce \"auto\" needs Config::profile (gradsync calibrate)".into(),
             ));
         }
-        if cfg.sparse_exchange == SparseExchange::Auto && cfg.profile.is_none() {
+        if cfg.sparse_exchange.is_auto() && cfg.profile.is_none() {
             return Err(Error::InvalidArgument(
                 "sparse_exchange \"auto\" needs Config::profile (gradsync calibrate)".into(),
             ));

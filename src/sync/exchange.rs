@@ -3,7 +3,9 @@
 //! model prices the sparse allreduces with.
 //!
 //! **The choice.** After planning (the pair layers planned as reduced),
-//! [`crate::cost::choose_sparse_exchange`] picks the fused allgatherv, the
+//! the engine looks the exchange up in its decision table
+//! ([`crate::cost::Tuning::exchange`]), whose `auto` row is priced by
+//! [`crate::cost::choose_sparse_exchange`]: the fused allgatherv, the
 //! sparse allreduce or (when the job spans several nodes) the node-aware
 //! one from inputs that are the same on every rank: the agreed profile,
 //! the reduced group's elements, its *nominal* pairs per rank (each
@@ -47,7 +49,7 @@ use super::plan::{set_exchange, StepScript};
 use super::tuner::{Choice, Load};
 use super::{GradSync, SparseExchange};
 use crate::comm::Transport;
-use crate::cost::{ExchangeChoice, ExchangeQuery, StrategyId};
+use crate::cost::ExchangeLoad;
 use crate::sparse::TOC_ENTRY_LEN;
 
 impl<C: Transport + Send + 'static> GradSync<C> {
@@ -56,7 +58,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub(super) fn reduced_load(&self) -> Load {
         let mut load = Load::default();
         // The per-layer list only for the auto choice, its one reader.
-        let per_layer = self.plan.exchange == SparseExchange::Auto;
+        let per_layer = self.cfg.sparse_exchange.is_auto();
         for &id in &self.plan.reduced.ids {
             let i = id as usize;
             let n = self.table[i].n;
@@ -78,128 +80,108 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         load
     }
 
-    /// Resolve this step's exchange of the reduced group (`auto`: the cost
-    /// model's choice; otherwise the configured one) and remember its
-    /// nominal load for the fill measurement. Cannot fail: a model error
-    /// (the same on every rank) falls back to the allgatherv.
+    /// This step's exchange of the reduced group, looked up in the
+    /// decision table ([`crate::cost::Tuning::exchange`]: `auto`'s choice
+    /// for the group's nominal load and the fill estimate, or the forced
+    /// one), and its nominal load remembered for the fill measurement.
+    /// Cannot fail: the table falls back to the allgatherv on a model
+    /// error (the same on every rank).
     pub(super) fn resolve_exchange(&mut self) {
         self.tuner.load = if self.plan.sparse_reduce {
             self.reduced_load()
         } else {
             Load::default()
         };
-        if self.plan.exchange != SparseExchange::Auto {
+        if !self.plan.sparse_reduce {
             return;
         }
-        let q = ExchangeQuery {
-            n: self.tuner.load.n,
-            k: self.tuner.load.k,
-            message_bytes: self.tuner.load.message_bytes,
-            p: self.size,
-            ranks_per_node: self.ranks_per_node(),
-            fill: self.tuner.fill(),
-            allgather: self.cfg.allgather,
-            layers: std::mem::take(&mut self.tuner.load.layers),
+        let fill = self.tuner.fill();
+        let load = &mut self.tuner.load;
+        let row = ExchangeLoad {
+            n: load.n,
+            k: load.k,
+            message_bytes: load.message_bytes,
+            layers: std::mem::take(&mut load.layers),
         };
-        let choice = match self.cfg.profile.as_ref() {
-            Some(prof) => crate::cost::choose_sparse_exchange(prof, &q),
-            None => Err(crate::Error::InvalidArgument(
-                "sparse_exchange \"auto\" needs Config::profile".into(),
-            )),
-        };
-        let ex = match &choice {
-            // The sparse allreduces address the pairs' concatenated index
-            // space with u32 indices: past it only the allgatherv runs.
-            _ if q.n > u32::MAX as usize => SparseExchange::Allgather,
-            Ok(c) => exchange_of(c.id),
-            Err(e) => {
-                log::warn!(
-                    "gradsync: step {}: sparse exchange auto: {e}; using the allgatherv",
-                    self.step
-                );
-                SparseExchange::Allgather
-            }
-        };
-        if self.tuner.chose(Choice::Exchange(ex)) {
-            if let Ok(c) = &choice {
-                log::info!(
-                    "gradsync: step {}: sparse exchange auto chose {} for {} elements, {} pairs per rank, fill {}: {}",
-                    self.step,
-                    ex.name(),
-                    q.n,
-                    q.k,
-                    q.fill
-                        .map_or_else(|| "independent".to_string(), |f| format!("{f:.3}")),
-                    describe(c)
-                );
-            }
+        let d = self.tuning.exchange(&row, fill);
+        let ex = d.pick;
+        if self.cfg.sparse_exchange.is_auto()
+            && self.tuner.chose(Choice::Exchange(ex))
+            && d.fallback.is_none()
+        {
+            log::info!(
+                "gradsync: step {}: sparse exchange auto chose {} for {} elements, {} pairs per rank, fill {}: {}",
+                self.step,
+                ex.name(),
+                row.n,
+                row.k,
+                fill.map_or_else(|| "independent".to_string(), |f| format!("{f:.3}")),
+                d.describe()
+            );
         }
+        self.tuner.load.layers = row.layers;
         set_exchange(&mut self.plan, ex, self.size);
     }
 
-    /// `allreduce = "auto"`: this step's dense algorithm, the cost model's
-    /// fastest for the step's dense group ([`crate::cost::choose_dense_allreduce`]
-    /// from its elements, the communicator's size and the node map: alike
-    /// on every rank, so every rank runs the same algorithm). Logged when
-    /// the choice changes. Nothing to do for a configured algorithm.
+    /// This step's dense algorithm, looked up in the decision table for
+    /// the step's dense group ([`crate::cost::Tuning::dense_allreduce`]:
+    /// `auto`'s choice from the group's bytes, the communicator's size and
+    /// the node map, alike on every rank; or the forced one). A change of
+    /// `auto`'s choice is logged.
     pub(super) fn resolve_allreduce(&mut self) {
-        use crate::dense::AllreduceAlgo;
-        if self.cfg.allreduce != AllreduceAlgo::Auto {
-            return;
-        }
         let bytes = 4.0 * self.plan.dense.elems as f64;
-        let choice = match self.cfg.profile.as_ref() {
-            Some(prof) => {
-                crate::cost::choose_dense_allreduce(prof, bytes, self.size, self.ranks_per_node())
-            }
-            None => Err(crate::Error::InvalidArgument(
-                "allreduce \"auto\" needs Config::profile".into(),
-            )),
-        };
-        let algo = match &choice {
-            Ok(c) => match c.id {
-                StrategyId::DenseRing => AllreduceAlgo::Ring,
-                StrategyId::DenseHierarchical => AllreduceAlgo::Hierarchical,
-                _ => AllreduceAlgo::Rabenseifner,
-            },
-            Err(e) => {
-                log::warn!(
-                    "gradsync: step {}: allreduce auto: {e}; using Rabenseifner",
-                    self.step
-                );
-                AllreduceAlgo::Rabenseifner
-            }
-        };
-        if self.tuner.chose(Choice::Allreduce(algo)) {
-            if let Ok(c) = &choice {
-                log::info!(
-                    "gradsync: step {}: allreduce auto chose {} for {} dense bytes: {}",
-                    self.step,
-                    algo.name(),
-                    bytes,
-                    describe(c)
-                );
-            }
+        let d = self.tuning.dense_allreduce(bytes);
+        let algo = d.pick;
+        if self.cfg.allreduce.is_auto()
+            && self.tuner.chose(Choice::Allreduce(algo))
+            && d.fallback.is_none()
+        {
+            log::info!(
+                "gradsync: step {}: allreduce auto chose {} for {} dense bytes: {}",
+                self.step,
+                algo.name(),
+                bytes,
+                d.describe()
+            );
         }
         self.plan.allreduce = algo;
     }
 
-    /// `allgather = "auto"`: this step's allgatherv of the fused message,
-    /// the cost model's cheaper of the flat and the node-aware one
-    /// ([`crate::cost::choose_allgatherv`]) for the message's nominal size
-    /// (each fused layer's codec at this step's density, the sizes the
-    /// step model prices; a data-dependent codec at the profile's measured
-    /// bytes per element, else its nominal ones), the communicator's size
-    /// and the node map: alike on every rank. Without a profile, or without
-    /// a fused message, recursive doubling. Logged when the choice changes.
+    /// This step's allgatherv of the fused message, looked up in the
+    /// decision table ([`crate::cost::Tuning::allgatherv`]) for the
+    /// message's nominal size ([`fused_bytes`](Self::fused_bytes)): `auto`'s
+    /// cheaper of the flat and the node-aware one (recursive doubling
+    /// without a profile), or the forced one. A change of `auto`'s choice
+    /// is logged.
     pub(super) fn resolve_allgather(&mut self) {
-        use crate::dense::AllgathervAlgo;
-        if self.cfg.allgather != AllgathervAlgo::Auto || !self.plan.gather {
+        self.plan.reduce_allgather = self.tuning.reduce_allgatherv();
+        if !self.plan.gather {
+            self.plan.allgather = self.plan.reduce_allgather;
             return;
         }
-        let Some(prof) = self.cfg.profile.as_ref() else {
-            return;
-        };
+        let bytes = self.fused_bytes();
+        let d = self.tuning.allgatherv(bytes);
+        let algo = d.pick;
+        if self.cfg.allgather.is_auto()
+            && !d.prices.is_empty()
+            && self.tuner.chose(Choice::Allgather(algo))
+        {
+            log::info!(
+                "gradsync: step {}: allgather auto chose {} for {bytes} bytes a rank: {}",
+                self.step,
+                algo.name(),
+                d.describe()
+            );
+        }
+        self.plan.allgather = algo;
+    }
+
+    /// The fused message's nominal bytes per rank this step: each fused
+    /// layer's codec at this step's density (the sizes the step model
+    /// prices; a data-dependent codec at the profile's measured bytes per
+    /// element, else its nominal ones), with the header and the table of
+    /// contents.
+    pub(super) fn fused_bytes(&self) -> f64 {
         let mut bytes = crate::sparse::FUSED_HEADER_LEN as f64;
         for &id in &self.plan.sparse.ids {
             let i = id as usize;
@@ -211,36 +193,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 };
                 config
                     .wire_bytes(n)
-                    .unwrap_or_else(|| crate::cost::nominal_wire_bytes(prof, &config.name(), n))
+                    .unwrap_or_else(|| match &self.cfg.profile {
+                        Some(prof) => crate::cost::nominal_wire_bytes(prof, &config.name(), n),
+                        None => 0.0,
+                    })
             });
             bytes += unit + TOC_ENTRY_LEN as f64;
         }
-        let choice = crate::cost::choose_allgatherv(prof, bytes, self.size, self.ranks_per_node());
-        let algo = match &choice {
-            Ok(c) => c.algo,
-            Err(e) => {
-                log::warn!(
-                    "gradsync: step {}: allgather auto: {e}; using recursive doubling",
-                    self.step
-                );
-                AllgathervAlgo::RecursiveDoubling
-            }
-        };
-        if self.tuner.chose(Choice::Allgather(algo)) {
-            if let Ok(c) = &choice {
-                log::info!(
-                    "gradsync: step {}: allgather auto chose {} for {bytes} bytes a rank: {}",
-                    self.step,
-                    algo.name(),
-                    c.predictions
-                        .iter()
-                        .map(|(a, s)| format!("{} {:.1} us", a.name(), s * 1e6))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-        }
-        self.plan.allgather = algo;
+        bytes
     }
 
     /// The fill ratio estimated from the previous steps (module
@@ -258,22 +218,4 @@ pub(super) fn fill_probe_ids<'a>(plan: &StepScript, load: &'a Load) -> &'a [u32]
     } else {
         &[]
     }
-}
-
-/// The engine's exchange for the cost model's id.
-fn exchange_of(id: StrategyId) -> SparseExchange {
-    match id {
-        StrategyId::SparseAllreduce => SparseExchange::Allreduce,
-        StrategyId::SparseHierarchical => SparseExchange::Hierarchical,
-        _ => SparseExchange::Allgather,
-    }
-}
-
-/// `name 1.2 us, ...` of the predictions.
-fn describe(c: &ExchangeChoice) -> String {
-    c.predictions
-        .iter()
-        .map(|(id, s)| format!("{id} {:.1} us", s * 1e6))
-        .collect::<Vec<_>>()
-        .join(", ")
 }

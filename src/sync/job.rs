@@ -43,7 +43,7 @@
 
 use super::layer::Layer;
 use super::plan::{Mode, StepScript};
-use super::{Config, SparseExchange};
+use super::SparseExchange;
 use crate::comm::agree::{agree_call, first_rank_differing, CallKind};
 use crate::comm::Transport;
 use crate::dense::{
@@ -115,10 +115,12 @@ pub(super) struct Job {
     pub(super) step: Option<u64>,
     /// This rank's own failure in the local phase (error text).
     pub(super) local_failed: Option<String>,
-    pub(super) gather_algo: Option<AllgathervAlgo>,
-    /// The allgatherv inside the sparse allreduces this step.
+    /// The step's collectives, as the decision table gave them (`pack`):
+    /// the fused message's allgatherv, the one inside the sparse
+    /// allreduces, the dense allreduce.
+    pub(super) gather_algo: AllgathervAlgo,
     pub(super) reduce_gather_algo: AllgathervAlgo,
-    pub(super) reduce_algo: Option<AllreduceAlgo>,
+    pub(super) reduce_algo: AllreduceAlgo,
     pub(super) allgather_s: f64,
     pub(super) allreduce_s: f64,
     /// GradiVeQ layers of this step: state, input, output.
@@ -247,9 +249,7 @@ impl Job {
     /// marker.
     fn gather_messages<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
         let t = Instant::now();
-        let algo = self
-            .gather_algo
-            .unwrap_or(AllgathervAlgo::RecursiveDoubling);
+        let algo = self.gather_algo;
         if algo == AllgathervAlgo::Node && !self.nodes.is_empty() {
             // The engine's agreed node map, the one its model priced.
             allgatherv_nodes_with(comm, &self.fused, Some(&self.nodes), &mut self.gathered)?;
@@ -281,7 +281,7 @@ impl Job {
             validate: false,
             chunk_elems: 0,
         };
-        let algo = self.reduce_algo.unwrap_or(AllreduceAlgo::Rabenseifner);
+        let algo = self.reduce_algo;
         allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
         self.allreduce_s = t.elapsed().as_secs_f64();
         // The status word: the fraction of ranks that failed.
@@ -501,10 +501,9 @@ fn reduce_sparse<C: Transport>(
                 hierarchical_sparse_allreduce_with(comm, n, nodes, idx, vals, out, opts, ws)?;
             Ok(report.result_nnz)
         }
-        SparseExchange::Allgather | SparseExchange::Auto => Err(Error::InvalidArgument(format!(
-            "sparse_exchange {:?} reduces no layer (auto is resolved before the step)",
-            exchange.name()
-        ))),
+        SparseExchange::Allgather => Err(Error::InvalidArgument(
+            "the fused allgatherv reduces no layer".into(),
+        )),
     }
 }
 
@@ -513,13 +512,7 @@ impl Job {
     /// dense buffer (filled by the local phase), this rank's fused sparse
     /// message (or its failure marker when `local` failed), and the
     /// collectives to run.
-    pub(super) fn pack(
-        &mut self,
-        plan: &StepScript,
-        layers: &[Layer],
-        cfg: &Config,
-        local: &Result<()>,
-    ) {
+    pub(super) fn pack(&mut self, plan: &StepScript, layers: &[Layer], local: &Result<()>) {
         let step = plan.step;
         let dense_len = plan.dense.elems;
         // Dense layers: the status words after the fused buffer (0 = ok):
@@ -579,14 +572,9 @@ impl Job {
         self.do_gvq = plan.rings;
         self.do_reduce = plan.reduce;
         self.gvq_s = 0.0;
-        self.gather_algo = Some(plan.allgather);
-        // The sparse allreduces' own allgatherv: the configured one, flat
-        // under `auto` (which chooses for the fused message's size).
-        self.reduce_gather_algo = match cfg.allgather {
-            AllgathervAlgo::Auto => AllgathervAlgo::RecursiveDoubling,
-            a => a,
-        };
-        self.reduce_algo = Some(plan.allreduce);
+        self.gather_algo = plan.allgather;
+        self.reduce_gather_algo = plan.reduce_allgather;
+        self.reduce_algo = plan.allreduce;
         self.allgather_s = 0.0;
         self.allreduce_s = 0.0;
         self.result = None;

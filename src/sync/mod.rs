@@ -167,7 +167,7 @@ mod table;
 mod tuner;
 mod unpack;
 
-pub use config::{Config, NonFinitePolicy, SparseExchange, Strategy, Warmup, MAX_DELAY};
+pub use config::{Config, NonFinitePolicy, Pick, SparseExchange, Strategy, Warmup, MAX_DELAY};
 pub use mixed::Grad;
 pub use snapshot::SNAPSHOT_VERSION;
 pub use stats::{DeviceStats, LayerStats, StepStats};
@@ -265,6 +265,10 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// fill estimate, the step's reduced load, the last choices
     /// (`tuner.rs`).
     tuner: tuner::Tuner,
+    /// The decision table every per-step collective is looked up in
+    /// ([`crate::cost::Tuning`]): built at creation from the agreed
+    /// profile, the node map and the forced options.
+    tuning: crate::cost::Tuning,
     /// Float32 workspaces of half-precision gradients (`mixed.rs`).
     widened: Vec<Vec<f32>>,
 }
@@ -317,7 +321,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let json = serde_json::to_vec(&cfg)?;
         let table_hash = fnv(FNV_OFFSET, &json);
         let legacy = Config {
-            allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+            allgather: Pick::Fixed(crate::dense::AllgathervAlgo::RecursiveDoubling),
             ..cfg.clone()
         };
         let legacy_hash = fnv(FNV_OFFSET, &serde_json::to_vec(&legacy)?);
@@ -351,6 +355,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// An engine over `comm` with nothing registered, before any agreement.
     fn fresh(comm: C, cfg: Config, table_hash: u64, legacy_hash: u64) -> Self {
+        // Replaced once the node map is known (`fetch_nodes`); with nodes
+        // assumed nothing is refused.
+        let tuning = crate::cost::Tuning::new(None, 1, None, true, cfg.masks())
+            .expect("a table assuming a node map refuses nothing");
         GradSync {
             rank: comm.rank(),
             size: comm.size(),
@@ -381,6 +389,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             diverged: None,
             nodes: None,
             tuner: tuner::Tuner::default(),
+            tuning,
             widened: Vec::new(),
         }
     }
@@ -405,44 +414,34 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// node-aware collectives, a two-level profile, and the `auto` choices
     /// (the node-aware exchange is a candidate only where the nodes are
     /// known). Every rank has the same options here, so every rank asks
-    /// (collective on MPI) or none does, and all get the same answer. A
-    /// node-aware collective forced without a node map is refused, naming
-    /// why.
+    /// (collective on MPI) or none does, and all get the same answer. Then
+    /// the decision table is built from them ([`crate::cost::Tuning::new`],
+    /// which refuses a node-aware collective forced without a node map,
+    /// naming why).
     fn fetch_nodes(&mut self) -> Result<()> {
         use crate::dense::{AllgathervAlgo, AllreduceAlgo};
         let cfg = &self.cfg;
         let two_level = cfg.profile.as_ref().is_some_and(|p| p.inter_node.is_some());
         let wanted = two_level
-            || cfg.allreduce == AllreduceAlgo::Hierarchical
-            || cfg.allreduce == AllreduceAlgo::Auto
-            || cfg.allgather == AllgathervAlgo::Node
-            || cfg.sparse_exchange == SparseExchange::Auto
-            || cfg.sparse_exchange == SparseExchange::Hierarchical;
-        if !wanted {
-            return Ok(());
+            || cfg.allreduce.is(AllreduceAlgo::Hierarchical)
+            || cfg.allreduce.is_auto()
+            || cfg.allgather.is(AllgathervAlgo::Node)
+            || cfg.sparse_exchange.is_auto()
+            || cfg.sparse_exchange.is(SparseExchange::Hierarchical);
+        if wanted {
+            let comm = self
+                .progress
+                .inline_comm()
+                .expect("transport held at creation");
+            self.nodes = comm.node_ids();
         }
-        let comm = self
-            .progress
-            .inline_comm()
-            .expect("transport held at creation");
-        self.nodes = comm.node_ids();
-        if self.nodes.is_some() {
-            return Ok(());
-        }
-        if cfg.allgather == AllgathervAlgo::Node {
-            return Err(Error::Unsupported(
-                "allgather \"node\" needs the ranks' nodes (an MPI communicator); \
-                 this transport has none"
-                    .into(),
-            ));
-        }
-        if cfg.sparse_exchange == SparseExchange::Hierarchical {
-            return Err(Error::Unsupported(
-                "sparse_exchange \"hierarchical\" needs the ranks' nodes \
-                 (an MPI communicator); this transport has none"
-                    .into(),
-            ));
-        }
+        self.tuning = crate::cost::Tuning::new(
+            self.cfg.profile.as_ref(),
+            self.size,
+            self.ranks_per_node(),
+            self.nodes.is_some(),
+            self.cfg.masks(),
+        )?;
         Ok(())
     }
 

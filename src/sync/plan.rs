@@ -39,7 +39,7 @@
 //! The rest of the step ([`super::GradSync`]'s `start`/`wait`) only executes
 //! the plan.
 
-use super::config::{Config, SparseExchange, Strategy, Warmup};
+use super::config::{Config, Pick, SparseExchange, Strategy, Warmup};
 use crate::codec::CodecConfig;
 
 /// What a layer does in one step.
@@ -198,19 +198,21 @@ pub(super) struct StepScript {
     /// Run the sparse allreduce of the `reduced` layers (after the status
     /// agreement; at one rank it only copies this rank's pairs).
     pub(super) sparse_reduce: bool,
-    /// How the `reduced` layers are exchanged this step: the configured
-    /// exchange, `Auto` until the engine resolves it
-    /// ([`set_exchange`]), `Allgather` when no layer is reduced.
+    /// How the `reduced` layers are exchanged this step: the forced
+    /// exchange, or the decision table's ([`crate::cost::Tuning::exchange`],
+    /// set by [`set_exchange`]); `Allgather` when no layer is reduced.
     pub(super) exchange: SparseExchange,
-    /// The dense allreduce this step: the configured algorithm; with
-    /// `allreduce = "auto"` Rabenseifner until the engine resolves it by
-    /// the dense group's size ([`crate::cost::choose_dense_allreduce`]).
+    /// The dense allreduce this step: the forced algorithm, or the
+    /// decision table's for the dense group's size
+    /// ([`crate::cost::Tuning::dense_allreduce`]).
     pub(super) allreduce: crate::dense::AllreduceAlgo,
     /// The allgatherv of the fused message this step: the configured
-    /// algorithm; with `allgather = "auto"` recursive doubling until the
-    /// engine resolves it by the message's nominal size
-    /// ([`crate::cost::choose_allgatherv`]).
+    /// algorithm, or the decision table's for the message's nominal size
+    /// ([`crate::cost::Tuning::allgatherv`]).
     pub(super) allgather: crate::dense::AllgathervAlgo,
+    /// The allgatherv inside the sparse allreduces: the forced one, else
+    /// the flat one ([`crate::cost::Tuning::reduce_allgatherv`]).
+    pub(super) reduce_allgather: crate::dense::AllgathervAlgo,
     /// Compress / step the non-dense layers in parallel (rayon).
     pub(super) parallel_local: bool,
     /// Unpack the layers in parallel (rayon).
@@ -271,7 +273,7 @@ pub(super) fn script_step_into(
     plan.stage_density = stage_density;
     plan.delayed = cfg.delay > 1;
     plan.layers.clear();
-    let reduce_pairs = cfg.sparse_exchange != SparseExchange::Allgather;
+    let reduce_pairs = !cfg.sparse_exchange.is(SparseExchange::Allgather);
     plan.clear_groups();
     for (i, l) in table.iter().enumerate() {
         let mode = if !communicates {
@@ -317,19 +319,16 @@ pub(super) fn script_step_into(
     plan.gather = !plan.sparse.ids.is_empty() && ranks > 1;
     plan.rings = !plan.gradiveq.ids.is_empty();
     plan.sparse_reduce = !plan.reduced.ids.is_empty();
-    plan.exchange = if plan.sparse_reduce {
-        cfg.sparse_exchange
-    } else {
-        SparseExchange::Allgather
+    // The forced collectives; under `auto` the engine looks this step's
+    // up in its decision table (`crate::cost::Tuning`, exchange.rs) and
+    // these are the table's simplest candidates until then.
+    plan.exchange = match cfg.sparse_exchange {
+        Pick::Fixed(x) if plan.sparse_reduce => x,
+        _ => SparseExchange::Allgather,
     };
-    plan.allreduce = match cfg.allreduce {
-        crate::dense::AllreduceAlgo::Auto => crate::dense::AllreduceAlgo::Rabenseifner,
-        a => a,
-    };
-    plan.allgather = match cfg.allgather {
-        crate::dense::AllgathervAlgo::Auto => crate::dense::AllgathervAlgo::RecursiveDoubling,
-        a => a,
-    };
+    plan.allreduce = cfg.allreduce.fixed().unwrap_or_default();
+    plan.allgather = cfg.allgather.fixed().unwrap_or_default();
+    plan.reduce_allgather = plan.allgather;
     // A step with GradiVeQ layers and no fused message carries its status
     // in a one-word allreduce before the rings. A step with reduced layers
     // always runs the status allreduce: its second word says whether some
@@ -408,6 +407,7 @@ pub(super) fn restrict_into(
     part.delayed = whole.delayed;
     part.allreduce = whole.allreduce;
     part.allgather = whole.allgather;
+    part.reduce_allgather = whole.reduce_allgather;
     part.layers.clear();
     part.layers.resize(
         whole.layers.len(),

@@ -273,7 +273,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // that is the difference.
             let legacy = snap.table_hash == self.legacy_hash
                 && snap.layers.len() == self.layers.len()
-                && self.cfg.allgather != crate::dense::AllgathervAlgo::RecursiveDoubling;
+                && !self
+                    .cfg
+                    .allgather
+                    .is(crate::dense::AllgathervAlgo::RecursiveDoubling);
             let hint = if legacy {
                 " (this one was written with \"allgather\": \"recdbl\", the default before \"auto\": load it with that option)"
             } else {

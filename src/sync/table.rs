@@ -458,7 +458,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// configuration ([`crate::cost::engine_candidates`]). `None` when no
     /// layer is `Auto`.
     fn plan_auto(&self) -> Result<Option<AutoPlan>> {
-        use crate::cost::{self, LayerKind, StepLayer, StrategyId};
+        use crate::cost::{self, LayerKind, StepLayer};
         if !self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Ok(None);
         }
@@ -469,23 +469,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         })?;
         let d = self.cfg.auto_density;
         let (method, method_name) = self.auto_method()?;
-        let dense = match self.cfg.allreduce {
-            crate::dense::AllreduceAlgo::Ring => StrategyId::DenseRing,
-            crate::dense::AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
-            // `auto` chooses every step by the dense group's size: the
-            // layers fixed dense are priced with the choice for theirs.
-            crate::dense::AllreduceAlgo::Auto => {
-                let bytes: usize = self
-                    .layers
-                    .iter()
-                    .filter(|l| l.strategy == Strategy::Dense)
-                    .map(|l| 4 * l.n)
-                    .sum();
-                cost::choose_dense_allreduce(prof, bytes as f64, self.size, self.ranks_per_node())?
-                    .id
-            }
-            _ => StrategyId::DenseRabenseifner,
-        };
+        // The decision table's algorithm for the layers fixed dense (`auto`
+        // chooses every step by the dense group's size).
+        let dense = self.tuning.dense_id(self.fixed_dense_bytes());
         let table: Vec<StepLayer> = self
             .layers
             .iter()
@@ -516,6 +502,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             layers.push((i, s, codec));
         }
         Ok(Some(AutoPlan { plan, layers }))
+    }
+
+    /// Bytes of the layers fixed dense (the dense group of a step without
+    /// warm-up), which the decision table's allreduce is looked up for.
+    fn fixed_dense_bytes(&self) -> f64 {
+        let elems: usize = self
+            .layers
+            .iter()
+            .filter(|l| l.strategy == Strategy::Dense)
+            .map(|l| l.n)
+            .sum();
+        4.0 * elems as f64
     }
 
     /// The step model's query for this engine's table.
@@ -558,11 +556,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ));
         }
         let d = self.cfg.auto_density;
-        let dense = match self.cfg.allreduce {
-            crate::dense::AllreduceAlgo::Ring => crate::cost::StrategyId::DenseRing,
-            crate::dense::AllreduceAlgo::Hierarchical => crate::cost::StrategyId::DenseHierarchical,
-            _ => crate::cost::StrategyId::DenseRabenseifner,
-        };
+        let dense = self.tuning.dense_id(self.fixed_dense_bytes());
         let table: Vec<StepLayer> = self
             .layers
             .iter()
@@ -693,9 +687,10 @@ fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> 
 fn fixed_id(
     s: &Strategy,
     dense: crate::cost::StrategyId,
-    exchange: super::SparseExchange,
+    exchange: super::Pick<super::SparseExchange>,
     auto_density: f64,
 ) -> (crate::cost::StrategyId, f64) {
+    use super::{Pick, SparseExchange};
     use crate::cost::StrategyId;
     match s {
         Strategy::Dense | Strategy::Auto => (dense, 1.0),
@@ -712,11 +707,11 @@ fn fixed_id(
                 CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. }
                     if matches!(
                         exchange,
-                        super::SparseExchange::Allreduce | super::SparseExchange::Hierarchical
+                        Pick::Fixed(SparseExchange::Allreduce | SparseExchange::Hierarchical)
                     ) =>
                 {
                     match exchange {
-                        super::SparseExchange::Hierarchical => StrategyId::SparseHierarchical,
+                        Pick::Fixed(SparseExchange::Hierarchical) => StrategyId::SparseHierarchical,
                         _ => StrategyId::SparseAllreduce,
                     }
                 }

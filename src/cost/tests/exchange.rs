@@ -1,7 +1,9 @@
 //! `sparse_exchange = "auto"`'s per-step choice.
 
 use super::*;
+
 use crate::cost::topology::{self, Net};
+use crate::strategy::Pick;
 
 fn q(n: usize, k: f64, p: usize) -> ExchangeQuery {
     ExchangeQuery {
@@ -11,7 +13,7 @@ fn q(n: usize, k: f64, p: usize) -> ExchangeQuery {
         p,
         ranks_per_node: None,
         fill: None,
-        allgather: crate::dense::AllgathervAlgo::Auto,
+        allgather: Pick::Auto,
         layers: Vec::new(),
     }
 }
@@ -95,7 +97,7 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         allowed: Vec::new(),
                         ranks_per_node: l,
                         fill,
-                        allgather: crate::dense::AllgathervAlgo::Auto,
+                        allgather: Pick::Auto,
                         min_sparse_elems: 0,
                     };
                     let plan = predict_step(&pr, &sq, &layers, &[StrategyId::SparseAllgather])
@@ -267,7 +269,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     // An engine configured with the flat allgatherv is priced with it:
     // its L = 8 ranks a node pull 8 times the bytes through the link.
     let flat = ExchangeQuery {
-        allgather: crate::dense::AllgathervAlgo::RecursiveDoubling,
+        allgather: Pick::Fixed(crate::dense::AllgathervAlgo::RecursiveDoubling),
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &flat).unwrap();
@@ -277,7 +279,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         "{c:?}"
     );
     let node = ExchangeQuery {
-        allgather: crate::dense::AllgathervAlgo::Node,
+        allgather: Pick::Fixed(crate::dense::AllgathervAlgo::Node),
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &node).unwrap();

@@ -9,6 +9,8 @@ mod step_plan;
 
 use super::*;
 
+use crate::strategy::Pick;
+
 pub(super) fn prof() -> Profile {
     let mut p = Profile::from_network(3e-6, 2.5e9, 1.5e-10, 7e-10).expect("profile");
     p.select
@@ -54,7 +56,7 @@ pub(super) fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
         gradiveq_ratio: 8.0,
         ranks_per_node: None,
         fill: None,
-        allgather: crate::dense::AllgathervAlgo::Auto,
+        allgather: Pick::Auto,
         min_sparse_elems: 0,
         allowed: allowed.to_vec(),
     }

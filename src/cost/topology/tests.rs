@@ -659,8 +659,8 @@ fn the_fused_collective_is_priced_by_its_allgatherv() {
             .expect("priced")
     };
     let (flat, node, auto) = (
-        by(Some(AllgathervAlgo::RecursiveDoubling)),
-        by(Some(AllgathervAlgo::Node)),
+        by(Some(AllgathervAlgo::RecursiveDoubling.into())),
+        by(Some(AllgathervAlgo::Node.into())),
         by(None),
     );
     assert!(node < flat, "{node} {flat}");
@@ -669,11 +669,11 @@ fn the_fused_collective_is_priced_by_its_allgatherv() {
         sparse_collective(&pr, StrategyId::SparseAllgather, n, k, 6, Some(2), None).unwrap(),
         auto
     );
-    assert_eq!(by(Some(AllgathervAlgo::Mpi)), flat);
+    assert_eq!(by(Some(AllgathervAlgo::Mpi.into())), flat);
     // One level: every algorithm is the closed form.
     let one = |g| {
         sparse_collective_by(&pr, StrategyId::SparseAllgather, n, k, 6, None, None, g)
             .expect("priced")
     };
-    assert_eq!(one(Some(AllgathervAlgo::Node)), one(None));
+    assert_eq!(one(Some(AllgathervAlgo::Node.into())), one(None));
 }

@@ -3,6 +3,8 @@
 
 use super::*;
 
+use crate::strategy::Pick;
+
 /// RedSync's §5.4 rules come out of the model: with its 3.5 GB/s network,
 /// p = 8 and a GPU-like selection cost (60 µs per layer + 0.2 ns per
 /// element), Auto keeps layers below ~100 KB dense and compresses larger ones.
@@ -109,8 +111,8 @@ fn auto_predict_and_plan_make_the_same_choice() {
         });
         let m = model_args(
             crate::cost::engine_candidates(
-                crate::dense::AllreduceAlgo::Rabenseifner,
-                SparseExchange::Allgather,
+                crate::dense::AllreduceAlgo::Rabenseifner.into(),
+                SparseExchange::Allgather.into(),
                 quant,
                 false,
             )
@@ -218,7 +220,7 @@ fn auto_layers_with_auto_exchange_plan_and_run() {
     let res = LocalComm::run(4, |c| {
         let rank = c.rank();
         let cfg = Config {
-            sparse_exchange: SparseExchange::Auto,
+            sparse_exchange: Pick::Auto,
             profile: Some(prof.clone()),
             auto_density: 0.5,
             ..cfg()

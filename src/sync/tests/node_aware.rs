@@ -3,6 +3,8 @@
 
 use super::*;
 
+use crate::strategy::Pick;
+
 /// The in-process transport with a node map, ranks in blocks of `per`
 /// (what `MpiComm::node_ids` reports on a multi-node job).
 struct Noded {
@@ -132,7 +134,7 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
         ("a", 20_000, Strategy::rgc(0.2)),
         ("b", 5000, Strategy::rgc(0.2)),
     ];
-    let run = |exchange: SparseExchange, per: usize| {
+    let run = |exchange: Pick<SparseExchange>, per: usize| {
         let cfg = Config {
             sparse_exchange: exchange,
             profile: Some(prof.clone()),
@@ -140,9 +142,9 @@ fn auto_exchange_goes_node_aware_across_slow_nodes() {
         };
         run_on_nodes(4, per, &cfg, &table, 3, true)
     };
-    let gather = run(SparseExchange::Allgather, 2);
-    let nodes = run(SparseExchange::Auto, 2);
-    let one = run(SparseExchange::Auto, 4);
+    let gather = run(SparseExchange::Allgather.into(), 2);
+    let nodes = run(Pick::Auto, 2);
+    let one = run(Pick::Auto, 4);
     for r in 0..4 {
         for t in 0..3 {
             let at = format!("rank {r} step {t}");
@@ -190,7 +192,7 @@ fn auto_allgather_goes_node_aware_across_slow_nodes() {
         ("w", 60_000, qsgd()),
         ("v", 7, qsgd()),
     ];
-    let run = |allgather: AllgathervAlgo, per: usize, profile: bool| {
+    let run = |allgather: Pick<AllgathervAlgo>, per: usize, profile: bool| {
         let cfg = Config {
             allgather,
             profile: profile.then(|| prof.clone()),
@@ -205,10 +207,10 @@ fn auto_allgather_goes_node_aware_across_slow_nodes() {
             })
             .collect::<Vec<_>>()
     };
-    let flat = run(AllgathervAlgo::RecursiveDoubling, 3, true);
-    let auto = run(AllgathervAlgo::Auto, 3, true);
-    let one = run(AllgathervAlgo::Auto, 6, true);
-    let bare = run(AllgathervAlgo::Auto, 3, false);
+    let flat = run(AllgathervAlgo::RecursiveDoubling.into(), 3, true);
+    let auto = run(Pick::Auto, 3, true);
+    let one = run(Pick::Auto, 6, true);
+    let bare = run(Pick::Auto, 3, false);
     for r in 0..6 {
         for t in 0..2 {
             let at = format!("rank {r} step {t}");

@@ -3,6 +3,8 @@
 
 use super::*;
 
+use crate::strategy::Pick;
+
 fn full_cfg() -> Config {
     Config {
         momentum: 0.9,
@@ -143,7 +145,7 @@ fn corrupt_or_foreign_snapshots_are_rejected_and_change_nothing() {
 fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
     LocalComm::run(1, |c| {
         let old = Config {
-            allgather: AllgathervAlgo::RecursiveDoubling,
+            allgather: Pick::Fixed(AllgathervAlgo::RecursiveDoubling),
             ..full_cfg()
         };
         let mut s = GradSync::with_transport(c, old).expect("engine");
@@ -152,7 +154,7 @@ fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
         let snap = s.snapshot_bytes().expect("snapshot");
         drop(s);
         let c = LocalComm::create(1).pop().expect("one rank");
-        assert_eq!(full_cfg().allgather, AllgathervAlgo::Auto);
+        assert_eq!(full_cfg().allgather, Pick::Auto);
         let mut s = GradSync::with_transport(c, full_cfg()).expect("engine");
         register_full(&mut s);
         let e = s.restore_bytes(&snap).unwrap_err().to_string();
@@ -160,7 +162,7 @@ fn a_snapshot_of_the_earlier_allgather_default_names_the_option() {
         assert!(e.contains("\"allgather\": \"recdbl\""), "{e}");
         let c = LocalComm::create(1).pop().expect("one rank");
         let old = Config {
-            allgather: AllgathervAlgo::RecursiveDoubling,
+            allgather: Pick::Fixed(AllgathervAlgo::RecursiveDoubling),
             ..full_cfg()
         };
         let mut s = GradSync::with_transport(c, old).expect("engine");

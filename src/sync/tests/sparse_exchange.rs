@@ -3,6 +3,8 @@
 
 use super::*;
 
+use crate::strategy::Pick;
+
 /// The table of the sparse-exchange tests: a dense layer, RGC
 /// (trimmed and threshold) and quantized RGC layers (reduced with
 /// `sparse_exchange = allreduce`), an fp16 layer (always in the fused
@@ -41,7 +43,10 @@ fn run_exchange(
 /// sparse allreduce.
 #[test]
 fn reduced_layers_report_the_pairs_they_send() {
-    for exchange in [SparseExchange::Allgather, SparseExchange::Allreduce] {
+    for exchange in [
+        SparseExchange::Allgather.into(),
+        SparseExchange::Allreduce.into(),
+    ] {
         let res = LocalComm::run(2, |c| {
             let rank = c.rank();
             let mut s = GradSync::with_transport(
@@ -76,7 +81,7 @@ fn reduced_layers_report_the_pairs_they_send() {
                 "{exchange:?}: {unit} bytes, {pairs} pairs"
             );
             let want = match exchange {
-                SparseExchange::Allgather => unit,
+                Pick::Fixed(SparseExchange::Allgather) => unit,
                 _ => 8 * pairs,
             };
             assert_eq!(sent, want, "{exchange:?}");
@@ -124,7 +129,7 @@ fn allreduce_exchange_equals_the_allgather_bitwise() {
                 let steps = 5;
                 let gather = run_exchange(p, base, int, steps);
                 let reduce_cfg = Config {
-                    sparse_exchange: SparseExchange::Allreduce,
+                    sparse_exchange: Pick::Fixed(SparseExchange::Allreduce),
                     ..base.clone()
                 };
                 let reduce = run_exchange(p, &reduce_cfg, int, steps);
@@ -259,7 +264,7 @@ fn non_finite_reduced_layers_behave_as_in_the_allgather() {
                 let reduce = run(
                     p,
                     Config {
-                        sparse_exchange: SparseExchange::Allreduce,
+                        sparse_exchange: Pick::Fixed(SparseExchange::Allreduce),
                         ..base
                     },
                     with_others,
@@ -301,7 +306,7 @@ fn non_finite_reduced_layers_behave_as_in_the_allgather() {
 fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
     for overlap in [false, true] {
         for with_dense in [false, true] {
-            let run = |exchange: SparseExchange| {
+            let run = |exchange: Pick<SparseExchange>| {
                 LocalComm::run(3, |c| {
                     let rank = c.rank();
                     let cfg = Config {
@@ -336,8 +341,8 @@ fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
                     steps
                 })
             };
-            let gather = run(SparseExchange::Allgather);
-            let reduce = run(SparseExchange::Allreduce);
+            let gather = run(SparseExchange::Allgather.into());
+            let reduce = run(SparseExchange::Allreduce.into());
             assert_eq!(gather, reduce, "overlap={overlap} dense={with_dense}");
             for r in &reduce {
                 let e = r[1].0.as_ref().expect_err("every rank fails");
@@ -356,20 +361,23 @@ fn a_local_failure_fails_every_rank_before_the_sparse_allreduce() {
 #[test]
 fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
     for (name, want) in [
-        ("allgather", SparseExchange::Allgather),
-        ("allreduce", SparseExchange::Allreduce),
-        ("hierarchical", SparseExchange::Hierarchical),
-        ("auto", SparseExchange::Auto),
+        ("allgather", Pick::Fixed(SparseExchange::Allgather)),
+        ("allreduce", Pick::Fixed(SparseExchange::Allreduce)),
+        ("hierarchical", Pick::Fixed(SparseExchange::Hierarchical)),
+        ("auto", Pick::Auto),
     ] {
-        assert_eq!(name.parse::<SparseExchange>().unwrap(), want);
-        assert_eq!(want.name(), name);
+        assert_eq!(name.parse::<Pick<SparseExchange>>().unwrap(), want);
+        assert_eq!(want.to_string(), name);
         let c = Config::from_options_json(&format!(r#"{{"sparse_exchange": "{name}"}}"#)).unwrap();
         assert_eq!(c.sparse_exchange, want);
         // JSON round trip.
         let back: Config = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
     }
-    let e = "ring".parse::<SparseExchange>().unwrap_err().to_string();
+    let e = "ring"
+        .parse::<Pick<SparseExchange>>()
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("auto"), "the error lists every exchange: {e}");
     let e = Config::from_options_json(r#"{"sparse_exchange": "tree"}"#)
         .unwrap_err()
@@ -384,7 +392,7 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
     let res = creation_errors(
         2,
         Config {
-            sparse_exchange: SparseExchange::Hierarchical,
+            sparse_exchange: Pick::Fixed(SparseExchange::Hierarchical),
             ..cfg()
         },
     );
@@ -399,9 +407,9 @@ fn sparse_exchange_option_parses_and_hierarchical_needs_nodes() {
         let rank = c.rank();
         let cfg = Config {
             sparse_exchange: if rank == 0 {
-                SparseExchange::Allgather
+                SparseExchange::Allgather.into()
             } else {
-                SparseExchange::Allreduce
+                SparseExchange::Allreduce.into()
             },
             ..cfg()
         };
