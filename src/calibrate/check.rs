@@ -281,12 +281,15 @@ pub(super) fn compare(
             let preds = cost::predict(
                 prof,
                 &Query {
+                    at: crate::cost::Placement {
+                        p,
+                        ranks_per_node: None,
+                        fill: None,
+                        ..crate::cost::Placement::default()
+                    },
                     n,
-                    p,
                     density: d,
                     gradiveq_ratio: 8.0,
-                    ranks_per_node: None,
-                    fill: None,
                 },
                 "trimmed",
             )?;

@@ -230,13 +230,15 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         through_exchange(&inp.allowed, inp.exchange, inp.ranks_per_node)?
     };
     let q = StepQuery {
-        p,
+        at: crate::cost::Placement {
+            p,
+            ranks_per_node: inp.ranks_per_node,
+            fill: None,
+            allgather: Pick::Auto,
+        },
         density: inp.density,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
-        ranks_per_node: inp.ranks_per_node,
-        fill: None,
-        allgather: Pick::Auto,
         min_sparse_elems: cfg.compress_threshold,
         allowed: allowed.clone(),
     };
@@ -334,13 +336,15 @@ fn uniform(
     let plan = match &inp.profile {
         Some(prof) => {
             let q = StepQuery {
-                p,
+                at: crate::cost::Placement {
+                    p,
+                    ranks_per_node: inp.ranks_per_node,
+                    fill: None,
+                    allgather: Pick::Auto,
+                },
                 density: inp.density,
                 select_method: "trimmed".into(),
                 gradiveq_ratio: 8.0,
-                ranks_per_node: inp.ranks_per_node,
-                fill: None,
-                allgather: Pick::Auto,
                 min_sparse_elems: 0,
                 allowed: Vec::new(),
             };

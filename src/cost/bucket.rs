@@ -205,16 +205,18 @@ mod tests {
 
     fn query(p: usize) -> StepQuery {
         StepQuery {
-            p,
+            at: crate::cost::Placement {
+                p,
+                ranks_per_node: None,
+                fill: None,
+                allgather: crate::strategy::Pick::Fixed(
+                    crate::dense::AllgathervAlgo::RecursiveDoubling,
+                ),
+            },
             density: 0.01,
             select_method: "trimmed".into(),
             gradiveq_ratio: 8.0,
             allowed: Vec::new(),
-            ranks_per_node: None,
-            fill: None,
-            allgather: crate::strategy::Pick::Fixed(
-                crate::dense::AllgathervAlgo::RecursiveDoubling,
-            ),
             min_sparse_elems: 0,
         }
     }

@@ -35,18 +35,10 @@ pub struct ExchangeQuery {
     /// Bytes those layers add to the fused allgatherv message per rank
     /// (their nominal units and table-of-contents entries).
     pub message_bytes: f64,
-    /// Ranks.
-    pub p: usize,
-    /// Ranks per node when the job spans several nodes (block
-    /// placement); `None`: one node, or nodes unknown. Only with several
-    /// nodes is the node-aware sparse allreduce a candidate.
-    pub ranks_per_node: Option<usize>,
-    /// Fill ratio `ρ = F/(p·k)` measured by earlier steps; `None`:
-    /// independent selections ([`super::topology`]).
-    pub fill: Option<f64>,
-    /// The fused message's allgatherv ([`StepQuery::allgather`]): how the
-    /// fused allgatherv candidate is priced.
-    pub allgather: crate::strategy::Pick<AllgathervAlgo>,
+    /// Where the step runs (its `allgather` prices the fused allgatherv
+    /// candidate; only with several nodes is the node-aware sparse
+    /// allreduce a candidate).
+    pub at: super::query::Placement,
     /// Each of those layers' elements and the bytes it adds to the
     /// message (summing to `n` and `message_bytes`). The fused allgatherv
     /// adds a layer's received pairs into that layer's own output, so its
@@ -86,13 +78,13 @@ pub struct ExchangeChoice {
 /// Near-ties (one rank) and a group without pairs (empty layers) go to the
 /// allgatherv.
 pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
-    if q.p == 0 {
+    if q.at.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
-    if q.p > MAX_RANKS {
+    if q.at.p > MAX_RANKS {
         return Err(Error::InvalidArgument(format!(
             "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
-            q.p
+            q.at.p
         )));
     }
     if !(q.k >= 0.0 && q.k.is_finite() && q.message_bytes >= 0.0 && q.message_bytes.is_finite()) {
@@ -102,14 +94,11 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         )));
     }
     let sq = StepQuery {
-        p: q.p,
+        at: q.at,
         density: 1.0,
         select_method: String::new(),
         gradiveq_ratio: 1.0,
         allowed: Vec::new(),
-        ranks_per_node: q.ranks_per_node,
-        fill: q.fill,
-        allgather: q.allgather,
         min_sparse_elems: 0,
     };
     check(&sq)?;
@@ -136,17 +125,17 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
             q.n
         )));
     }
-    let unpack = if q.p == 1 {
+    let unpack = if q.at.p == 1 {
         0.0
     } else if q.layers.is_empty() {
-        q.p as f64 * q.message_bytes * prof.gamma_unpack_at(4.0 * n)
+        q.at.p as f64 * q.message_bytes * prof.gamma_unpack_at(4.0 * n)
     } else {
         // The layers' adds run on the engine's threads side by side, as
         // `effective_local` charges them in a plan.
         let adds: f64 = q
             .layers
             .iter()
-            .map(|&(ln, bytes)| q.p as f64 * bytes * prof.gamma_unpack_at(4.0 * ln as f64))
+            .map(|&(ln, bytes)| q.at.p as f64 * bytes * prof.gamma_unpack_at(4.0 * ln as f64))
             .sum();
         if q.layers.len() >= 2 {
             adds / prof.local_parallelism.max(1.0)
@@ -164,7 +153,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
             sparse_group(&net, StrategyId::SparseAllreduce, pairs),
         ),
     ];
-    if q.ranks_per_node.is_some_and(|l| l < q.p) {
+    if q.at.ranks_per_node.is_some_and(|l| l < q.at.p) {
         predictions.push((
             StrategyId::SparseHierarchical,
             sparse_group(&net, StrategyId::SparseHierarchical, pairs),

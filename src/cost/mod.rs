@@ -82,7 +82,7 @@ pub use exchange::{
     choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, AllgathervChoice,
     ExchangeChoice, ExchangeQuery,
 };
-pub use query::StepQuery;
+pub use query::{Placement, StepQuery};
 pub use step::{
     plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,
     LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
@@ -772,17 +772,12 @@ fn non_negative(v: f64) -> bool {
 pub struct Query {
     /// f32 elements of the layer.
     pub n: usize,
-    /// Ranks.
-    pub p: usize,
+    /// Where it is synchronized.
+    pub at: Placement,
     /// Density of the sparse strategies, in `(0, 1]`.
     pub density: f64,
     /// GradiVeQ compression ratio `r ≥ 1`.
     pub gradiveq_ratio: f64,
-    /// Ranks per node (`None`: one node; [`topology`]).
-    pub ranks_per_node: Option<usize>,
-    /// Measured fill ratio of the sparse allreduce (`None`: independent
-    /// selections; [`topology`]).
-    pub fill: Option<f64>,
 }
 
 /// One strategy's prediction.
@@ -970,14 +965,11 @@ fn nominal_bytes_per_element(codec: &str) -> f64 {
 pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Prediction>> {
     step::check_select_method(select_method)?;
     let sq = StepQuery {
-        p: q.p,
+        at: q.at,
         density: q.density,
         select_method: select_method.to_string(),
         gradiveq_ratio: q.gradiveq_ratio,
         allowed: Vec::new(),
-        ranks_per_node: q.ranks_per_node,
-        fill: q.fill,
-        allgather: crate::strategy::Pick::Auto,
         min_sparse_elems: 0,
     };
     step::check(&sq)?;

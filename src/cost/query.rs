@@ -1,26 +1,24 @@
-//! The one query of the step model: a step's placement (ranks, ranks per
-//! node), its density and the candidates the layers are chosen among.
-//! Below every pricing module ([`super::topology`], [`super::step`],
-//! [`super::exchange`], [`super::bucket`]), which all read it.
+//! The queries of the cost model and the one placement they share: where
+//! the step's collectives run ([`Placement`]: ranks, ranks per node, the
+//! measured fill ratio, the fused message's allgatherv), asked about one
+//! layer ([`super::Query`]), a whole step ([`StepQuery`]) or the reduced
+//! pairs' exchange ([`super::ExchangeQuery`]). Below every pricing module
+//! ([`super::topology`], [`super::step`], [`super::exchange`],
+//! [`super::bucket`]), which all read it.
 
 use super::StrategyId;
+use crate::dense::AllgathervAlgo;
+use crate::strategy::Pick;
 
-/// The step's parameters.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepQuery {
+/// Where a step's collectives run, and what the engine learned about it:
+/// the one part every query of the cost model shares.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Placement {
     /// Ranks.
     pub p: usize,
-    /// Density of the sparse strategies the planner chooses.
-    pub density: f64,
-    /// The profile's selection fit `sparse-allgather` uses (`trimmed`, ...).
-    pub select_method: String,
-    /// GradiVeQ compression ratio.
-    pub gradiveq_ratio: f64,
-    /// Strategies free layers are chosen among (empty:
-    /// [`super::default_candidates`](crate::cost::default_candidates)).
-    pub allowed: Vec<StrategyId>,
-    /// Ranks per node (block placement); `None`: one node, the one-level
-    /// model ([`super::topology`]).
+    /// Ranks per node (block placement) when the job spans several nodes;
+    /// `None`: one node, or the nodes unknown (the one-level model,
+    /// [`super::topology`]).
     pub ranks_per_node: Option<usize>,
     /// Measured fill ratio `ρ = F/(p·k)` of the sparse allreduce's result
     /// (from earlier steps); `None`: independent selections
@@ -30,7 +28,42 @@ pub struct StepQuery {
     /// `Auto` prices the cheaper of the flat and the node-aware one, as the
     /// engine's `auto` runs it; `Node` the node-aware one; any other the
     /// flat one (`mpi` priced as that).
-    pub allgather: crate::strategy::Pick<crate::dense::AllgathervAlgo>,
+    pub allgather: Pick<AllgathervAlgo>,
+}
+
+impl Placement {
+    /// `p` ranks on one node, independent selections, `auto`'s allgatherv.
+    pub fn ranks(p: usize) -> Placement {
+        Placement {
+            p,
+            ranks_per_node: None,
+            fill: None,
+            allgather: Pick::Auto,
+        }
+    }
+}
+
+impl Default for Placement {
+    /// One rank ([`Placement::ranks`]).
+    fn default() -> Self {
+        Placement::ranks(1)
+    }
+}
+
+/// The step's parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepQuery {
+    /// Where the step runs.
+    pub at: Placement,
+    /// Density of the sparse strategies the planner chooses.
+    pub density: f64,
+    /// The profile's selection fit `sparse-allgather` uses (`trimmed`, ...).
+    pub select_method: String,
+    /// GradiVeQ compression ratio.
+    pub gradiveq_ratio: f64,
+    /// Strategies free layers are chosen among (empty:
+    /// [`super::default_candidates`](crate::cost::default_candidates)).
+    pub allowed: Vec<StrategyId>,
     /// Free layers with fewer elements stay dense (in the dense group,
     /// whatever sparse or low-rank strategy would price lower): RedSync's
     /// `compress_thd` and DGC's uncompressed small layers, a rule for

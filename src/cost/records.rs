@@ -304,12 +304,15 @@ impl ModelArgs {
     /// placement and fill.
     pub fn query(&self, n: usize, p: usize, density: f64) -> Query {
         Query {
+            at: crate::cost::Placement {
+                p,
+                ranks_per_node: self.rpn(),
+                fill: self.fill,
+                ..crate::cost::Placement::default()
+            },
             n,
-            p,
             density,
             gradiveq_ratio: self.gradiveq_ratio,
-            ranks_per_node: self.rpn(),
-            fill: self.fill,
         }
     }
 
@@ -435,14 +438,16 @@ pub fn step_query(
     density: f64,
 ) -> Result<cost::StepQuery> {
     Ok(cost::StepQuery {
-        p,
+        at: crate::cost::Placement {
+            p,
+            ranks_per_node: m.rpn(),
+            fill: m.fill,
+            allgather: crate::strategy::Pick::Auto,
+        },
         density,
         select_method: m.select_method.clone(),
         gradiveq_ratio: m.gradiveq_ratio,
         allowed: m.allowed(prof)?,
-        ranks_per_node: m.rpn(),
-        fill: m.fill,
-        allgather: crate::strategy::Pick::Auto,
         min_sparse_elems: m.compress_threshold,
     })
 }

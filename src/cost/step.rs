@@ -192,7 +192,7 @@ fn option(
     id: StrategyId,
     density: f64,
 ) -> Option_ {
-    let (p, nf) = (q.p as f64, n as f64);
+    let (p, nf) = (q.at.p as f64, n as f64);
     let toc = TOC_ENTRY_LEN as f64;
     let unpack = |m: f64| p * m * prof.gamma_unpack_at(4.0 * nf);
     let o = |group, bytes, local| Option_ {
@@ -223,7 +223,7 @@ fn option(
         StrategyId::GradiveqRing => o(
             GroupKind::Gradiveq,
             4.0 * nf / q.gradiveq_ratio,
-            gradiveq_ring(prof, n, q.p, q.gradiveq_ratio),
+            gradiveq_ring(prof, n, q.at.p, q.gradiveq_ratio),
         ),
         codec => {
             let fit = prof.codecs.get(codec.name()).copied().unwrap_or_default();
@@ -571,13 +571,13 @@ pub(super) fn check_select_method(m: &str) -> Result<()> {
 }
 
 pub(super) fn check(q: &StepQuery) -> Result<()> {
-    if q.p == 0 {
+    if q.at.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
-    if q.p > MAX_RANKS {
+    if q.at.p > MAX_RANKS {
         return Err(Error::InvalidArgument(format!(
             "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
-            q.p
+            q.at.p
         )));
     }
     if !(q.density > 0.0 && q.density <= 1.0) {
@@ -592,7 +592,7 @@ pub(super) fn check(q: &StepQuery) -> Result<()> {
             q.gradiveq_ratio
         )));
     }
-    if q.ranks_per_node == Some(0) {
+    if q.at.ranks_per_node == Some(0) {
         return Err(Error::InvalidArgument(
             "ranks per node must be at least 1".into(),
         ));
@@ -601,7 +601,7 @@ pub(super) fn check(q: &StepQuery) -> Result<()> {
     if !q.select_method.is_empty() {
         check_select_method(&q.select_method)?;
     }
-    if let Some(f) = q.fill {
+    if let Some(f) = q.at.fill {
         if !(f > 0.0 && f <= 1.0) {
             return Err(Error::InvalidArgument(format!(
                 "fill ratio {f} must lie in (0, 1] (distinct indices of the sum over p·k)"
@@ -1041,7 +1041,7 @@ pub(super) fn overflow(what: &str, seconds: f64) -> Error {
 /// costs, every group's, and the step's totals.
 fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Option_]) -> StepPlan {
     let net = Net::of(prof, q);
-    let p = q.p;
+    let p = q.at.p;
     let got = assigned_groups(assign);
     let open = Open {
         dense: Some(got.dense.unwrap_or(StrategyId::DenseRabenseifner)),

@@ -178,7 +178,7 @@ pub(crate) struct Net<'a> {
 impl<'a> Net<'a> {
     /// The placement of `q` (one node without `ranks_per_node`).
     pub fn of(prof: &'a Profile, q: &StepQuery) -> Self {
-        Self::new(prof, q.p, q.ranks_per_node, q.fill).with_gather(q.allgather)
+        Self::new(prof, q.at.p, q.at.ranks_per_node, q.at.fill).with_gather(q.at.allgather)
     }
 
     /// The same placement with the fused message's allgatherv `gather`.

@@ -270,13 +270,15 @@ impl Tuning {
             (Pick::Auto, None) => return Decision::unpriced(SparseExchange::Allgather),
         };
         let q = ExchangeQuery {
+            at: crate::cost::Placement {
+                p: self.p,
+                ranks_per_node: self.ranks_per_node,
+                fill,
+                allgather: self.masks.allgather,
+            },
             n: load.n,
             k: load.k,
             message_bytes: load.message_bytes,
-            p: self.p,
-            ranks_per_node: self.ranks_per_node,
-            fill,
-            allgather: self.masks.allgather,
             layers: load.layers.clone(),
         };
         match super::choose_sparse_exchange(prof, &q) {
@@ -448,13 +450,15 @@ mod tests {
         assert_eq!(*t.exchange(&load, None), first);
         // Another fill: priced for it, as the cost model prices it.
         let q = |fill| ExchangeQuery {
+            at: crate::cost::Placement {
+                p: 4,
+                ranks_per_node: None,
+                fill,
+                allgather: Pick::Auto,
+            },
             n: load.n,
             k: load.k,
             message_bytes: load.message_bytes,
-            p: 4,
-            ranks_per_node: None,
-            fill,
-            allgather: Pick::Auto,
             layers: load.layers.clone(),
         };
         let want = crate::cost::choose_sparse_exchange(&pr, &q(Some(0.25))).unwrap();

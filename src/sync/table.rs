@@ -105,12 +105,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let preds = predict(
             prof,
             &Query {
+                at: self.placement(),
                 n,
-                p: self.size,
                 density: d,
                 gradiveq_ratio: 8.0,
-                ranks_per_node: self.ranks_per_node(),
-                fill: self.tuner.fill(),
             },
             &method_name,
         )?;
@@ -519,13 +517,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// The step model's query for this engine's table.
     fn step_query(&self, select_method: String) -> crate::cost::StepQuery {
         crate::cost::StepQuery {
-            p: self.size,
+            at: self.placement(),
             density: self.cfg.auto_density,
             select_method,
             gradiveq_ratio: 8.0,
-            ranks_per_node: self.ranks_per_node(),
-            fill: self.tuner.fill(),
-            allgather: self.cfg.allgather,
             min_sparse_elems: self.cfg.compress_threshold,
             allowed: self.auto_candidates(),
         }
@@ -602,6 +597,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.cfg.auto_quant,
             self.ranks_per_node().is_some(),
         )
+    }
+
+    /// Where this engine's steps run, for the cost model: its ranks, the
+    /// ranks per node, the fill estimate and the configured allgatherv.
+    fn placement(&self) -> crate::cost::Placement {
+        crate::cost::Placement {
+            p: self.size,
+            ranks_per_node: self.ranks_per_node(),
+            fill: self.tuner.fill(),
+            allgather: self.cfg.allgather,
+        }
     }
 
     /// Ranks per node for the step model: the largest node's count when the

@@ -7,13 +7,15 @@ use crate::strategy::Pick;
 
 fn q(n: usize, k: f64, p: usize) -> ExchangeQuery {
     ExchangeQuery {
+        at: crate::cost::Placement {
+            p,
+            ranks_per_node: None,
+            fill: None,
+            allgather: Pick::Auto,
+        },
         n,
         k,
         message_bytes: 12.0 + 8.0 * k + 16.0,
-        p,
-        ranks_per_node: None,
-        fill: None,
-        allgather: Pick::Auto,
         layers: Vec::new(),
     }
 }
@@ -54,8 +56,11 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                 for fill in [None, Some(1.0 / p as f64), Some(0.7)] {
                     let k = crate::cost::sparse_k(n, d);
                     let qq = ExchangeQuery {
-                        ranks_per_node: l,
-                        fill,
+                        at: crate::cost::Placement {
+                            ranks_per_node: l,
+                            fill,
+                            ..q(n, k, p).at
+                        },
                         ..q(n, k, p)
                     };
                     let c = choose_sparse_exchange(&pr, &qq).expect("choice");
@@ -90,14 +95,16 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         kind: LayerKind::Fixed(StrategyId::SparseAllgather, d),
                     }];
                     let sq = StepQuery {
-                        p,
+                        at: crate::cost::Placement {
+                            p,
+                            ranks_per_node: l,
+                            fill,
+                            allgather: Pick::Auto,
+                        },
                         density: d,
                         select_method: "trimmed".into(),
                         gradiveq_ratio: 8.0,
                         allowed: Vec::new(),
-                        ranks_per_node: l,
-                        fill,
-                        allgather: Pick::Auto,
                         min_sparse_elems: 0,
                     };
                     let plan = predict_step(&pr, &sq, &layers, &[StrategyId::SparseAllgather])
@@ -250,7 +257,10 @@ fn the_allgathers_adds_are_priced_at_each_layers_size() {
 fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     let pr = two_level();
     let qq = ExchangeQuery {
-        ranks_per_node: Some(8),
+        at: crate::cost::Placement {
+            ranks_per_node: Some(8),
+            ..q(4_000_000, 40_000.0, 32).at
+        },
         ..q(4_000_000, 40_000.0, 32)
     };
     let c = choose_sparse_exchange(&pr, &qq).unwrap();
@@ -261,7 +271,10 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     assert_eq!(ag.algo, crate::dense::AllgathervAlgo::Node, "{ag:?}");
     assert!(ag.predictions[1].1 < ag.predictions[0].1 / 4.0, "{ag:?}");
     let overlapping = ExchangeQuery {
-        fill: Some(1.0 / 32.0),
+        at: crate::cost::Placement {
+            fill: Some(1.0 / 32.0),
+            ..qq.clone().at
+        },
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &overlapping).unwrap();
@@ -269,7 +282,10 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     // An engine configured with the flat allgatherv is priced with it:
     // its L = 8 ranks a node pull 8 times the bytes through the link.
     let flat = ExchangeQuery {
-        allgather: Pick::Fixed(crate::dense::AllgathervAlgo::RecursiveDoubling),
+        at: crate::cost::Placement {
+            allgather: Pick::Fixed(crate::dense::AllgathervAlgo::RecursiveDoubling),
+            ..qq.clone().at
+        },
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &flat).unwrap();
@@ -279,7 +295,10 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         "{c:?}"
     );
     let node = ExchangeQuery {
-        allgather: Pick::Fixed(crate::dense::AllgathervAlgo::Node),
+        at: crate::cost::Placement {
+            allgather: Pick::Fixed(crate::dense::AllgathervAlgo::Node),
+            ..qq.clone().at
+        },
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &node).unwrap();
@@ -289,7 +308,10 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     );
     // The same job on one node (nodes unknown): never hierarchical.
     let one = ExchangeQuery {
-        ranks_per_node: None,
+        at: crate::cost::Placement {
+            ranks_per_node: None,
+            ..qq.clone().at
+        },
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &one).unwrap();
@@ -298,7 +320,10 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     let c = choose_sparse_exchange(
         &pr,
         &ExchangeQuery {
-            ranks_per_node: Some(32),
+            at: crate::cost::Placement {
+                ranks_per_node: Some(32),
+                ..qq.at
+            },
             ..qq
         },
     )
@@ -318,7 +343,10 @@ fn the_measured_fill_flips_the_choice() {
         choose_sparse_exchange(
             &pr,
             &ExchangeQuery {
-                fill,
+                at: crate::cost::Placement {
+                    fill,
+                    ..base.clone().at
+                },
                 ..base.clone()
             },
         )
@@ -340,19 +368,31 @@ fn bad_inputs_are_errors() {
     let pr = prof();
     for bad in [
         ExchangeQuery {
-            p: 0,
+            at: crate::cost::Placement {
+                p: 0,
+                ..q(10, 1.0, 2).at
+            },
             ..q(10, 1.0, 2)
         },
         ExchangeQuery {
-            fill: Some(0.0),
+            at: crate::cost::Placement {
+                fill: Some(0.0),
+                ..q(10, 1.0, 2).at
+            },
             ..q(10, 1.0, 2)
         },
         ExchangeQuery {
-            fill: Some(1.5),
+            at: crate::cost::Placement {
+                fill: Some(1.5),
+                ..q(10, 1.0, 2).at
+            },
             ..q(10, 1.0, 2)
         },
         ExchangeQuery {
-            ranks_per_node: Some(0),
+            at: crate::cost::Placement {
+                ranks_per_node: Some(0),
+                ..q(10, 1.0, 2).at
+            },
             ..q(10, 1.0, 2)
         },
         ExchangeQuery {

@@ -50,13 +50,15 @@ pub(super) fn table(ns: &[usize]) -> Vec<StepLayer> {
 
 pub(super) fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
     StepQuery {
-        p,
+        at: crate::cost::Placement {
+            p,
+            ranks_per_node: None,
+            fill: None,
+            allgather: Pick::Auto,
+        },
         density: 0.001,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
-        ranks_per_node: None,
-        fill: None,
-        allgather: Pick::Auto,
         min_sparse_elems: 0,
         allowed: allowed.to_vec(),
     }

@@ -19,7 +19,10 @@ fn plan_step_breaks_near_ties_toward_the_simpler_exchange() {
         for i in 1..=200 {
             let fill = i as f64 / 200.0;
             let q = |allowed: &[StrategyId]| StepQuery {
-                fill: Some(fill),
+                at: crate::cost::Placement {
+                    fill: Some(fill),
+                    ..sq(p, allowed).at
+                },
                 density: 0.01,
                 ..sq(p, allowed)
             };
@@ -68,7 +71,10 @@ fn a_large_dense_group_does_not_widen_the_sparse_tie() {
         for i in 1..=100 {
             let fill = i as f64 / 100.0;
             let q = |allowed: &[StrategyId]| StepQuery {
-                fill: Some(fill),
+                at: crate::cost::Placement {
+                    fill: Some(fill),
+                    ..sq(p, allowed).at
+                },
                 density: 0.01,
                 ..sq(p, allowed)
             };

@@ -16,12 +16,15 @@ fn predictions_equal_the_documented_formulas() {
         for n in [1usize, 1000, 65_536, 4_000_001] {
             for d in [0.001, 0.01, 0.5] {
                 let q = Query {
+                    at: crate::cost::Placement {
+                        p,
+                        ranks_per_node: None,
+                        fill: None,
+                        ..crate::cost::Placement::default()
+                    },
                     n,
-                    p,
                     density: d,
                     gradiveq_ratio: 8.0,
-                    ranks_per_node: None,
-                    fill: None,
                 };
                 let preds = predict(&pr, &q, "trimmed").expect("predict");
                 let pf = p as f64;
@@ -69,12 +72,15 @@ fn one_rank_costs_only_local_work() {
     let preds = predict(
         &pr,
         &Query {
+            at: crate::cost::Placement {
+                p: 1,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 1 << 20,
-            p: 1,
             density: 0.001,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         },
         "trimmed",
     )
@@ -94,12 +100,15 @@ fn redsync_traffic_remark_at_p128() {
     let preds = predict(
         &pr,
         &Query {
+            at: crate::cost::Placement {
+                p: 128,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 25_000_000,
-            p: 128,
             density: 0.001,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         },
         "trimmed",
     )
@@ -113,12 +122,15 @@ fn redsync_traffic_remark_at_p128() {
 fn gradiveq_compression_is_hidden_up_to_the_transfer_time() {
     let mut pr = prof();
     let q = Query {
+        at: crate::cost::Placement {
+            p: 4,
+            ranks_per_node: None,
+            fill: None,
+            ..crate::cost::Placement::default()
+        },
         n: 1 << 22,
-        p: 4,
         density: 0.001,
         gradiveq_ratio: 8.0,
-        ranks_per_node: None,
-        fill: None,
     };
     let base = get(&predict(&pr, &q, "trimmed").expect("p"), "gradiveq-ring");
     // A tiny compression cost: only the first segment's quarter shows.
@@ -135,12 +147,15 @@ fn gradiveq_compression_is_hidden_up_to_the_transfer_time() {
 
 fn base8() -> Query {
     Query {
+        at: crate::cost::Placement {
+            p: 8,
+            ranks_per_node: None,
+            fill: None,
+            ..crate::cost::Placement::default()
+        },
         n: 1,
-        p: 8,
         density: 0.001,
         gradiveq_ratio: 8.0,
-        ranks_per_node: None,
-        fill: None,
     }
 }
 
@@ -161,12 +176,15 @@ fn crossover_matches_a_direct_scan() {
         let p = predict(
             &pr,
             &Query {
+                at: crate::cost::Placement {
+                    p: 8,
+                    ranks_per_node: None,
+                    fill: None,
+                    ..crate::cost::Placement::default()
+                },
                 n,
-                p: 8,
                 density: 0.001,
                 gradiveq_ratio: 8.0,
-                ranks_per_node: None,
-                fill: None,
             },
             "trimmed",
         )
@@ -199,12 +217,15 @@ fn crossover_matches_a_direct_scan() {
 fn an_unknown_selection_method_is_an_error() {
     let pr = prof();
     let q = Query {
+        at: crate::cost::Placement {
+            p: 4,
+            ranks_per_node: None,
+            fill: None,
+            ..crate::cost::Placement::default()
+        },
         n: 1 << 20,
-        p: 4,
         density: 0.001,
         gradiveq_ratio: 8.0,
-        ranks_per_node: None,
-        fill: None,
     };
     for m in ["exact", "trimmed", "threshold", "sampled"] {
         predict(&pr, &q, m).unwrap_or_else(|e| panic!("{m}: {e}"));
@@ -248,12 +269,15 @@ fn predictions_never_fall_as_the_layer_grows() {
             let mut n = 1024usize;
             while n <= 1 << 26 {
                 let q = Query {
+                    at: crate::cost::Placement {
+                        p,
+                        ranks_per_node: rpn,
+                        fill: None,
+                        ..crate::cost::Placement::default()
+                    },
                     n,
-                    p,
                     density: 0.001,
                     gradiveq_ratio: 8.0,
-                    ranks_per_node: rpn,
-                    fill: None,
                 };
                 let preds = predict(&pr, &q, "trimmed").expect("predict");
                 for (i, name) in names.iter().enumerate() {

@@ -22,12 +22,15 @@ fn linear_fit_recovers_a_line_and_profiles_validate() {
     assert!(predict(
         &p,
         &Query {
+            at: crate::cost::Placement {
+                p: 0,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 10,
-            p: 0,
             density: 0.1,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         },
         "trimmed"
     )
@@ -35,12 +38,15 @@ fn linear_fit_recovers_a_line_and_profiles_validate() {
     assert!(predict(
         &p,
         &Query {
+            at: crate::cost::Placement {
+                p: 2,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 10,
-            p: 2,
             density: 0.0,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         },
         "trimmed"
     )
@@ -101,12 +107,15 @@ fn curves_follow_each_algorithm_s_messages() {
     flat.beta_curve = curve(&[(1.0, flat.beta), (1e9, flat.beta)]);
     for p in [2usize, 3, 6, 8] {
         let q = Query {
+            at: crate::cost::Placement {
+                p,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 123_457,
-            p,
             density: 0.01,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         };
         let (a, b) = (
             predict(&prof(), &q, "trimmed").expect("predict"),

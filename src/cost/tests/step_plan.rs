@@ -123,12 +123,15 @@ fn small_vectors_join_the_dense_group_in_a_fused_step() {
     let alone = predict(
         &pr,
         &Query {
+            at: crate::cost::Placement {
+                p: 32,
+                ranks_per_node: None,
+                fill: None,
+                ..crate::cost::Placement::default()
+            },
             n: 64,
-            p: 32,
             density: 0.001,
             gradiveq_ratio: 8.0,
-            ranks_per_node: None,
-            fill: None,
         },
         "trimmed",
     )
@@ -167,12 +170,15 @@ fn a_second_group_opens_only_when_it_pays() {
             let preds = predict(
                 &pr,
                 &Query {
+                    at: crate::cost::Placement {
+                        p,
+                        ranks_per_node: None,
+                        fill: None,
+                        ..crate::cost::Placement::default()
+                    },
                     n,
-                    p,
                     density: q.density,
                     gradiveq_ratio: 8.0,
-                    ranks_per_node: None,
-                    fill: None,
                 },
                 "trimmed",
             )
@@ -207,7 +213,7 @@ fn fixed_layers_are_kept_and_open_their_group() {
     // Errors name the parameter.
     let mut bad = sq(0, &[]);
     assert!(plan_step(&pr, &bad, &layers).is_err());
-    bad.p = 2;
+    bad.at.p = 2;
     bad.density = 0.0;
     assert!(plan_step(&pr, &bad, &layers).is_err());
     // An empty table is an empty step.
