@@ -88,7 +88,7 @@ pub use step::{
     LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
-pub use tuning::{Decision, ExchangeLoad, Masks, Tuning};
+pub use tuning::{layers_in_parallel, Decision, ExchangeLoad, Masks, Tuning};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

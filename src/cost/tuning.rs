@@ -364,6 +364,25 @@ impl Tuning {
     }
 }
 
+/// Whether a step's local phase (or its unpacking) runs its `layers`
+/// layers of `elems` sparse elements in all on rayon's threads: across two
+/// or more layers only (one layer gains nothing, and idle rayon workers
+/// spinning next to MPI's polling cost more than they bring on a few
+/// cores), from `min_elems` elements (`sync::Config::parallel_min_elems`),
+/// and only where it pays: a profile whose calibration measured the
+/// layer-parallel phase slower than one layer after another
+/// (`Profile::local_parallelism < 1`: every core already busy with a rank)
+/// keeps it serial.
+pub fn layers_in_parallel(
+    prof: Option<&Profile>,
+    min_elems: usize,
+    layers: usize,
+    elems: usize,
+) -> bool {
+    let pays = prof.is_none_or(|p| p.local_parallelism >= 1.0);
+    pays && layers >= 2 && elems >= min_elems
+}
+
 /// A row as the table's log prints it: forced, or the pick among prices.
 fn row_line<T: Copy + std::fmt::Display>(mask: Pick<T>, d: &Decision<T>) -> String {
     match mask {

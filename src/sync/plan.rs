@@ -459,20 +459,13 @@ fn plan_parallel(plan: &mut StepScript, cfg: &Config) {
 /// [`plan_parallel`] for a plan whose layers outside its groups are
 /// `non_dense` (every layer of a whole step's).
 fn parallel_flags(plan: &mut StepScript, cfg: &Config, non_dense: usize) {
-    // Parallel only across two or more layers: one layer gains nothing,
-    // and idle rayon workers spinning next to MPI's polling cost more than
-    // they bring on a few cores.
-    // Only where it pays: a profile whose calibration measured the
-    // layer-parallel phase slower than one layer after another (every core
-    // already busy with a rank) keeps it serial.
-    let pays = cfg
-        .profile
-        .as_ref()
-        .is_none_or(|p| p.local_parallelism >= 1.0);
+    use crate::cost::layers_in_parallel;
+    let prof = cfg.profile.as_ref();
+    let min = cfg.parallel_min_elems;
     let sparse_elems = plan.sparse.elems + plan.reduced.elems;
     let sparse_layers = plan.sparse.ids.len() + plan.reduced.ids.len();
-    plan.parallel_local = pays && non_dense >= 2 && sparse_elems >= cfg.parallel_min_elems;
-    plan.parallel_unpack = pays && sparse_layers >= 2 && sparse_elems >= cfg.parallel_min_elems;
+    plan.parallel_local = layers_in_parallel(prof, min, non_dense, sparse_elems);
+    plan.parallel_unpack = layers_in_parallel(prof, min, sparse_layers, sparse_elems);
 }
 
 #[cfg(test)]
