@@ -110,6 +110,21 @@ impl OpenStep {
     }
 }
 
+/// Job buffers, bucket plans and a step's bookkeeping, kept across
+/// steps.
+#[derive(Default)]
+pub(super) struct Workspace {
+    // Boxed: a job moves to the progress thread and back by pointer.
+    #[allow(clippy::vec_box)]
+    pub(super) spare: Vec<Box<Job>>,
+    pub(super) spare_parts: Vec<Part>,
+    pub(super) spare_step: Option<Box<OpenStep>>,
+    /// One rank's parsed units while unpacking (`unpack.rs`).
+    pub(super) rank_entries: Vec<Entry>,
+    /// Float32 workspaces of half-precision gradients (`mixed.rs`).
+    pub(super) widened: Vec<Vec<f32>>,
+}
+
 /// A staged step: every layer's gradient and weights, copied as its
 /// bucket arrives; the first of this rank's failures.
 #[derive(Default)]
@@ -210,7 +225,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// ([`discard_pending`](Self::discard_pending)) before the next step's
     /// first bucket, which would otherwise be refused here alone.
     pub fn pending_finish(&self) -> bool {
-        matches!(&self.step_state, StepState::Open(st) if st.buckets > 0 && st.submitted == self.layers.len())
+        matches!(&self.step_state, StepState::Open(st) if st.buckets > 0 && st.submitted == self.reg.layers.len())
     }
 
     /// The buckets' shared half: local misuse, then the step opened (if
@@ -223,7 +238,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if !self.pending() {
             self.open_step()?;
         }
-        let n = self.layers.len();
+        let n = self.reg.layers.len();
         let mut members: Vec<u32> = Vec::with_capacity(layers.len());
         for id in layers {
             if id.0 >= n {
@@ -238,7 +253,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if let Some(w) = members.windows(2).find(|w| w[0] == w[1]) {
             return Err(Error::InvalidArgument(format!(
                 "bucket names layer {:?} twice",
-                self.layers[w[0] as usize].name
+                self.reg.layers[w[0] as usize].name
             )));
         }
         if let StepState::Open(st) = &self.step_state {
@@ -251,7 +266,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             if let Some(&i) = members.iter().find(|&&i| st.owner[i as usize] != NONE) {
                 return Err(Error::InvalidArgument(format!(
                     "layer {:?} was already submitted in step {}",
-                    self.layers[i as usize].name, self.step
+                    self.reg.layers[i as usize].name, self.step
                 )));
             }
         }
@@ -280,7 +295,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         if let Some(staged) = &mut st.staged {
-            stage(staged, &self.layers, layers, input);
+            stage(staged, &self.reg.layers, layers, input);
             if last {
                 self.run_staged(&mut st);
             }
@@ -299,7 +314,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.check_table()?;
         let t = Instant::now();
         // 1. Plan: every per-step decision, alike on every rank (plan.rs).
-        super::plan::script_step_into(&mut self.plan, self.step, &self.cfg, self.size, &self.table);
+        super::plan::script_step_into(
+            &mut self.plan,
+            self.step,
+            &self.cfg,
+            self.size,
+            &self.reg.table,
+        );
         // 2. This step's collectives, looked up in the decision table
         // (exchange.rs; `crate::cost::Tuning`): the reduced pairs'
         // exchange, the dense algorithm, the fused message's allgatherv.
@@ -307,15 +328,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.resolve_allreduce();
         self.resolve_allgather();
         self.tuning.log_once();
-        for l in &mut self.layers {
+        for l in &mut self.reg.layers {
             l.begin_step();
         }
         if self.cfg.overlap {
             self.ensure_worker();
         }
-        let mut st = self.spare_step.take().unwrap_or_default();
+        let mut st = self.work.spare_step.take().unwrap_or_default();
         st.owner.clear();
-        st.owner.resize(self.layers.len(), NONE);
+        st.owner.resize(self.reg.layers.len(), NONE);
         st.submitted = 0;
         st.buckets = 0;
         st.seq = fnv(FNV_OFFSET, &self.step.to_le_bytes());
@@ -376,7 +397,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let names: Vec<&str> = members
             .iter()
             .take(3)
-            .map(|&i| self.layers[i as usize].name.as_str())
+            .map(|&i| self.reg.layers[i as usize].name.as_str())
             .collect();
         let more = if members.len() > 3 { ", ..." } else { "" };
         log::debug!(
@@ -415,7 +436,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             &mut part.plan,
             &self.plan,
             members,
-            &self.table,
+            &self.reg.table,
             &self.cfg,
             self.size,
         );
@@ -436,13 +457,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             log::debug!("gradsync: rank {} step {}: {e}", self.rank, self.step);
         }
         // 3. Pack: the fused sparse message and the status words (job.rs).
-        job.pack(&part.plan, &self.layers, &local);
+        job.pack(&part.plan, &self.reg.layers, &local);
         job.check = Some((st.seq, what));
         job.call = Some((CallKind::Step, self.step));
         job.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()
-            .map(|&i| self.layers[i as usize].stats.select_s)
+            .map(|&i| self.reg.layers[i as usize].stats.select_s)
             .sum();
         st.info.select_s += select_s;
         st.info.pack_s += (t.elapsed().as_secs_f64() - select_s).max(0.0);
@@ -476,7 +497,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         weights: Option<&[&[f32]]>,
         job: &mut Job,
     ) -> Result<()> {
-        let n = self.layers.len();
+        let n = self.reg.layers.len();
         let whole = ids.len() == n && ids.iter().enumerate().all(|(j, id)| id.0 == j);
         let r = if let Err(e) = counts(ids.len(), grads, weights, whole) {
             Err(e)
@@ -508,7 +529,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let Some(staged) = st.staged.take() else {
             return;
         };
-        let n = self.layers.len();
+        let n = self.reg.layers.len();
         let all: Vec<LayerId> = (0..n).map(LayerId).collect();
         let members: Vec<u32> = (0..n as u32).collect();
         for o in &mut st.owner {
@@ -531,15 +552,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let StepState::Open(mut st) = std::mem::take(&mut self.step_state) else {
             return Err(Error::InvalidArgument("wait without start".into()));
         };
-        if st.submitted < self.layers.len() || st.buckets == 0 {
-            let missing: Vec<LayerId> = (0..self.layers.len())
+        if st.submitted < self.reg.layers.len() || st.buckets == 0 {
+            let missing: Vec<LayerId> = (0..self.reg.layers.len())
                 .filter(|&i| st.owner[i] == NONE)
                 .map(LayerId)
                 .collect();
             let names: Vec<&str> = missing
                 .iter()
                 .take(3)
-                .map(|id| self.layers[id.0].name.as_str())
+                .map(|id| self.reg.layers[id.0].name.as_str())
                 .collect();
             let err = Error::InvalidArgument(format!(
                 "the step was finished before {} of its layers were submitted ({}{})",
@@ -599,7 +620,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.tuner.on_step_done(&self.last, self.size);
         self.last.fill_estimate = self.tuner.fill();
         self.recycle(&mut st);
-        self.spare_step = Some(st);
+        self.work.spare_step = Some(st);
         // The round happened (every rank sees the same gathered bytes, so
         // ranks fail alike): the counter advances with the state. Not
         // where the step's first agreement met peers in another call:
@@ -613,7 +634,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// A job's buffers for the next bucket (kept across steps).
     pub(super) fn spare_job(&mut self) -> Box<Job> {
-        self.spare.pop().unwrap_or_else(|| {
+        self.work.spare.pop().unwrap_or_else(|| {
             Box::new(Job {
                 nodes: self.nodes.clone().unwrap_or_default(),
                 ..Job::default()
@@ -623,7 +644,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// A bucket's plan and entries (kept across steps).
     fn spare_part(&mut self) -> Part {
-        self.spare_parts.pop().unwrap_or_else(|| Part {
+        self.work.spare_parts.pop().unwrap_or_else(|| Part {
             plan: StepScript::default(),
             job: None,
             entries: Vec::new(),
@@ -634,9 +655,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     fn recycle(&mut self, st: &mut OpenStep) {
         for mut p in st.parts.drain(..) {
             if let Some(j) = p.job.take() {
-                self.spare.push(j);
+                self.work.spare.push(j);
             }
-            self.spare_parts.push(p);
+            self.work.spare_parts.push(p);
         }
     }
 }

@@ -27,6 +27,38 @@ use super::{GradSync, LayerId, StepStats};
 use crate::comm::Transport;
 use crate::{Error, Result};
 
+/// The delay window's state (`delay > 1`): whether the next step starts a
+/// window, whether the open step kept its weights, whether this call
+/// writes them back, and why this rank diverged.
+pub(super) struct Window {
+    /// `delay > 1`: the next step starts a delay window (the first step,
+    /// or the one after a communicating step that succeeded on every
+    /// rank): its weights are kept (`delay.rs`).
+    pub(super) window_start: bool,
+    /// The open step kept weights for its window (`window_start` ends with
+    /// the step).
+    pub(super) window_kept: bool,
+    /// This call writes the window's weights back (`delay.rs`): set only
+    /// while a `*_with_weights_mut` call submits.
+    pub(super) resets_weights: bool,
+    /// Set when a delayed communicating step's result was discarded on
+    /// this rank (`delay.rs`): every step fails on every rank until a
+    /// restore.
+    pub(super) diverged: Option<String>,
+}
+
+impl Default for Window {
+    /// Before the first step: it starts a window.
+    fn default() -> Self {
+        Window {
+            window_start: true,
+            window_kept: false,
+            resets_weights: false,
+            diverged: None,
+        }
+    }
+}
+
 /// Why a delayed step without writable weights is refused.
 const NEEDS_WEIGHTS: &str = "delay > 1 needs the weights, writable, at every step \
      (Rust: sync_with_weights_mut / start_with_weights_mut / submit_bucket_with_weights_mut; \
@@ -82,7 +114,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         grads: &[&[f32]],
         weights: &mut [&mut [f32]],
     ) -> Result<()> {
-        let all: Vec<LayerId> = (0..self.layers.len()).map(LayerId).collect();
+        let all: Vec<LayerId> = (0..self.reg.layers.len()).map(LayerId).collect();
         self.in_window(&all, weights, |s, w| s.start_impl(Ok((grads, Some(w)))))
     }
 
@@ -114,33 +146,34 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     ) -> Result<()> {
         let t = self.cfg.delay;
         let fits = |s: &Self, id: LayerId, w: &[f32]| {
-            s.layers
+            s.reg
+                .layers
                 .get(id.0)
                 .is_some_and(|l| l.wc.len() == w.len() && l.n == w.len())
         };
         let paired = ids.len() == weights.len();
-        self.resets_weights = true;
+        self.window.resets_weights = true;
         let r = {
             let view: Vec<&[f32]> = weights.iter().map(|w| &**w).collect();
             submit(self, &view)
         };
-        self.resets_weights = false;
+        self.window.resets_weights = false;
         // A call refused on this rank alone (misuse) keeps nothing.
         r?;
         // The step reads the weights, never writes them: they are kept
         // after it as they were before it (and before the write-back).
-        if t > 1 && paired && self.window_start {
+        if t > 1 && paired && self.window.window_start {
             for (&id, w) in ids.iter().zip(weights.iter()) {
                 if fits(self, id, w) {
-                    self.layers[id.0].wc.copy_from_slice(w);
+                    self.reg.layers[id.0].wc.copy_from_slice(w);
                 }
             }
-            self.window_kept = true;
+            self.window.window_kept = true;
         }
         if t > 1 && paired && self.plan.communicates {
             for (&id, w) in ids.iter().zip(weights.iter_mut()) {
                 if fits(self, id, w) {
-                    w.copy_from_slice(&self.layers[id.0].wc);
+                    w.copy_from_slice(&self.reg.layers[id.0].wc);
                 }
             }
         }
@@ -154,11 +187,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// communicating step brings the ranks together again whatever each
     /// one's weights did in between.
     pub(super) fn end_window(&mut self, communicated: bool, success: bool) {
-        if std::mem::take(&mut self.window_kept) {
-            self.window_start = false;
+        if std::mem::take(&mut self.window.window_kept) {
+            self.window.window_start = false;
         }
         if communicated && success {
-            self.window_start = true;
+            self.window.window_start = true;
         }
     }
 
@@ -167,11 +200,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// weights.
     pub(super) fn delay_input<'a>(&self, input: Input<'a>) -> Input<'a> {
         match input {
-            Ok(_) if self.cfg.delay > 1 && !self.resets_weights => {
+            Ok(_) if self.cfg.delay > 1 && !self.window.resets_weights => {
                 Err(Error::InvalidArgument(NEEDS_WEIGHTS.into()))
             }
-            Ok(_) if self.diverged.is_some() => Err(Error::InvalidArgument(
-                self.diverged.clone().unwrap_or_default(),
+            Ok(_) if self.window.diverged.is_some() => Err(Error::InvalidArgument(
+                self.window.diverged.clone().unwrap_or_default(),
             )),
             i => i,
         }
@@ -183,7 +216,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// peers'. Every later step fails on every rank saying so, until a
     /// restore.
     pub(super) fn mark_diverged(&mut self, step: u64) {
-        self.diverged = Some(format!(
+        self.window.diverged = Some(format!(
             "the result of step {step} (a communicating step with delay > 1) was discarded on \
              rank {} (a refused output, or discard_pending) after its weights were written back: its weights now differ from its \
              peers'; restore every rank from a snapshot (load_snapshot)",

@@ -61,10 +61,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let per_layer = self.cfg.sparse_exchange.is_auto();
         for &id in &self.plan.reduced.ids {
             let i = id as usize;
-            let n = self.table[i].n;
+            let n = self.reg.table[i].n;
             let d = self.plan.layers[i].density.unwrap_or(self.cfg.auto_density);
             let k = crate::codec::rgc_k(d, n) as f64;
-            let unit = self.layers[i]
+            let unit = self.reg.layers[i]
                 .codec
                 .as_deref()
                 .and_then(|c| c.config().with_density(d.clamp(1e-12, 1.0)).wire_bytes(n))
@@ -185,8 +185,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let mut bytes = crate::sparse::FUSED_HEADER_LEN as f64;
         for &id in &self.plan.sparse.ids {
             let i = id as usize;
-            let n = self.table[i].n;
-            let unit = self.layers[i].codec.as_deref().map_or(0.0, |c| {
+            let n = self.reg.table[i].n;
+            let unit = self.reg.layers[i].codec.as_deref().map_or(0.0, |c| {
                 let config = match self.plan.layers[i].density {
                     Some(d) => c.config().with_density(d.clamp(1e-12, 1.0)),
                     None => c.config(),

@@ -57,11 +57,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         grads: &[&[f32]],
         weights: Option<&[&[f32]]>,
     ) -> Result<()> {
-        if grads.len() != self.layers.len() {
+        if grads.len() != self.reg.layers.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} gradients for {} registered layers",
                 grads.len(),
-                self.layers.len()
+                self.reg.layers.len()
             )));
         }
         if let Some(w) = weights {
@@ -73,7 +73,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 )));
             }
         }
-        for (i, l) in self.layers.iter().enumerate() {
+        for (i, l) in self.reg.layers.iter().enumerate() {
             if plan.layers[i].mode == Mode::Other {
                 continue;
             }
@@ -139,13 +139,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         };
         let r = if plan.parallel_local {
-            self.layers.par_iter_mut().enumerate().try_for_each(work)
+            self.reg
+                .layers
+                .par_iter_mut()
+                .enumerate()
+                .try_for_each(work)
         } else {
-            self.layers.iter_mut().enumerate().try_for_each(work)
+            self.reg.layers.iter_mut().enumerate().try_for_each(work)
         };
         if let Err(e) = r {
             // Nothing this rank encoded is sent: put it back in the residuals.
-            for l in &mut self.layers {
+            for l in &mut self.reg.layers {
                 l.rollback();
             }
             return Err(e);
@@ -165,7 +169,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         job: &mut Job,
     ) {
         let mut gi = 0;
-        for (i, l) in self.layers.iter_mut().enumerate() {
+        for (i, l) in self.reg.layers.iter_mut().enumerate() {
             let w = weights.map(|w| w[i]);
             let lp = &plan.layers[i];
             if lp.mode == Mode::Dense {
@@ -197,8 +201,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// back).
     fn hand_over_gvq(&mut self, job: &mut Job) -> Result<()> {
         if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
-            let layer = self.layers[e.layer].name.clone();
-            for l in &mut self.layers {
+            let layer = self.reg.layers[e.layer].name.clone();
+            for l in &mut self.reg.layers {
                 l.rollback();
             }
             return Err(Error::NonFinite {
@@ -207,7 +211,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             });
         }
         for e in &mut job.gvq {
-            e.state = self.layers[e.layer].gvq.take();
+            e.state = self.reg.layers[e.layer].gvq.take();
         }
         Ok(())
     }

@@ -91,7 +91,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// assert_eq!(got[1], ([0.5, 3.0], [1.0]));
     /// ```
     pub fn sync_mixed(&mut self, grads: &mut [Grad<'_>]) -> Result<&StepStats> {
-        let mut work = std::mem::take(&mut self.widened);
+        let mut work = std::mem::take(&mut self.work.widened);
         work.resize_with(grads.len(), Vec::new);
         let r = {
             let mut slices: Vec<&mut [f32]> = Vec::with_capacity(grads.len());
@@ -114,7 +114,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 Grad::Bf16(s) => s.convert_from_f32_slice(&w[..s.len()]),
             }
         }
-        self.widened = work;
+        self.work.widened = work;
         r.map(|()| self.last_stats())
     }
 }

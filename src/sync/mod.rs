@@ -174,14 +174,14 @@ pub use stats::{DeviceStats, LayerStats, StepStats};
 pub use table::LayerId;
 
 use crate::comm::{MpiComm, Transport};
-use crate::sparse::Entry;
 use crate::{Error, Result};
-use bucket::{OpenStep, Part, StepState};
+use bucket::{StepState, Workspace};
+use delay::Window;
 use job::Job;
 use layer::Layer;
-use plan::{Mode, StepScript, TableRow};
+use plan::{Mode, StepScript};
 use progress::{Progress, Runner};
-use table::{fnv, FNV_OFFSET};
+use table::{fnv, LayerTable, FNV_OFFSET};
 
 /// The per-step synchronization engine. See the [module docs](self).
 ///
@@ -206,57 +206,26 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     rank: usize,
     size: usize,
     cfg: Config,
-    layers: Vec<Layer>,
-    /// The planner's view of the layer table (one row per layer).
-    table: Vec<TableRow>,
+    /// The registered layers, their planner rows and the table's agreement
+    /// (`table.rs`).
+    reg: LayerTable,
     /// The current (or last) step's plan.
     plan: StepScript,
-    table_hash: u64,
-    /// `table_hash` as it would be with `allgather: "recdbl"`, the default
-    /// when older snapshots were written: a snapshot that matches it gets
-    /// an error saying which option to set.
-    legacy_hash: u64,
     /// This run's identity: rank 0's random number, agreed at creation (or
     /// the restored snapshots'). Snapshots carry it, so that a restore
     /// refuses snapshots of different runs (at the same step they passed
     /// every other check, and the replicas drifted apart).
     run: u64,
-    table_checked: bool,
-    /// The step model's plan of the `Auto` layers, once the table is complete.
-    auto_plan: Option<crate::cost::StepPlan>,
-    /// Set (alike on every rank) when the table check failed: the engine
-    /// communicates no more and every later step returns this error.
-    broken: Option<String>,
     step: u64,
     /// Between steps, or the open step's buckets (`bucket.rs`).
     step_state: StepState,
-    /// Job buffers, bucket plans and a step's bookkeeping, kept across
-    /// steps.
-    // Boxed: a job moves to the progress thread and back by pointer.
-    #[allow(clippy::vec_box)]
-    spare: Vec<Box<Job>>,
-    spare_parts: Vec<Part>,
-    spare_step: Option<Box<OpenStep>>,
-    rank_entries: Vec<Entry>,
+    /// Buffers kept across steps (`bucket.rs`).
+    work: Workspace,
     last: StepStats,
     warned_no_thread: bool,
     warned_staged: bool,
-    /// This call writes the window's weights back (`delay.rs`): set only
-    /// while a `*_with_weights_mut` call submits.
-    resets_weights: bool,
-    /// Each registered layer's index by name (names are unique).
-    names: std::collections::HashMap<String, usize>,
-    /// `delay > 1`: the next step starts a delay window (the first step,
-    /// or the one after a communicating step that succeeded on every
-    /// rank): its weights are kept (`delay.rs`).
-    window_start: bool,
-    /// The open step kept weights for its window (`window_start` ends with
-    /// the step).
-    window_kept: bool,
-    /// Set when a delayed communicating step's result was discarded on
-    /// this rank (`delay.rs`): every step fails on every rank until a
-    /// restore.
-    diverged: Option<String>,
+    /// The delay window's state (`delay.rs`).
+    window: Window,
     /// Every rank's node, when the configuration needs them (the
     /// node-aware collectives, a two-level profile for `Auto`,
     /// `sparse_exchange = "auto"`).
@@ -269,8 +238,6 @@ pub struct GradSync<C: Transport + Send + 'static = MpiComm> {
     /// ([`crate::cost::Tuning`]): built at creation from the agreed
     /// profile, the node map and the forced options.
     tuning: crate::cost::Tuning,
-    /// Float32 workspaces of half-precision gradients (`mixed.rs`).
-    widened: Vec<Vec<f32>>,
 }
 
 /// What the step's buckets tell `wait` about the step.
@@ -364,33 +331,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             size: comm.size(),
             progress: Progress::Inline(comm, Runner::default()),
             cfg,
-            layers: Vec::new(),
-            table: Vec::new(),
+            reg: LayerTable::new(table_hash, legacy_hash),
             plan: StepScript::default(),
-            table_hash,
-            legacy_hash,
             run: 0,
-            table_checked: false,
-            auto_plan: None,
-            broken: None,
             step: 0,
             step_state: StepState::Idle,
-            spare: Vec::new(),
-            spare_parts: Vec::new(),
-            spare_step: None,
-            rank_entries: Vec::new(),
+            work: Workspace::default(),
             last: StepStats::default(),
             warned_no_thread: false,
             warned_staged: false,
-            resets_weights: false,
-            names: std::collections::HashMap::new(),
-            window_start: true,
-            window_kept: false,
-            diverged: None,
+            window: Window::default(),
             nodes: None,
             tuner: tuner::Tuner::default(),
             tuning,
-            widened: Vec::new(),
         }
     }
 
@@ -463,11 +416,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
     /// Number of registered layers.
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.reg.layers.len()
     }
     /// Name, shape and resolved strategy of a layer.
     pub fn layer(&self, id: LayerId) -> Option<(&str, &[usize], &Strategy)> {
-        self.layers
+        self.reg
+            .layers
             .get(id.0)
             .map(|l| (l.name.as_str(), l.shape.as_slice(), &l.strategy))
     }
@@ -497,7 +451,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// assert!(out[0].contains("0.01"));
     /// ```
     pub fn layer_strategy(&self, id: LayerId) -> Option<String> {
-        self.layers
+        self.reg
+            .layers
             .get(id.0)
             .and_then(|l| serde_json::to_string(&l.strategy).ok())
     }
@@ -579,7 +534,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if !self.pending() {
             return Ok(false);
         }
-        let mut scratch: Vec<Vec<f32>> = self.layers.iter().map(|l| vec![0.0; l.n]).collect();
+        let mut scratch: Vec<Vec<f32>> = self.reg.layers.iter().map(|l| vec![0.0; l.n]).collect();
         let mut out: Vec<&mut [f32]> = scratch.iter_mut().map(|v| &mut v[..]).collect();
         let (step, delayed) = (self.step, self.plan.delayed && self.plan.communicates);
         let r = self.wait(&mut out).map(|_| true);
@@ -628,7 +583,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 "start called twice without wait".into(),
             ));
         }
-        let all: Vec<LayerId> = (0..self.layers.len()).map(LayerId).collect();
+        let all: Vec<LayerId> = (0..self.reg.layers.len()).map(LayerId).collect();
         self.submit_impl(&all, input)
     }
 
@@ -636,9 +591,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// end of the local phase); on failure what this rank encoded goes
     /// back into its residuals, as for any local failure.
     fn reduced_pairs(&mut self, plan: &StepScript, job: &mut Job) -> Result<()> {
-        let r = job.collect_pairs(plan, &self.layers, self.size);
+        let r = job.collect_pairs(plan, &self.reg.layers, self.size);
         if r.is_err() {
-            for l in &mut self.layers {
+            for l in &mut self.reg.layers {
                 l.rollback();
             }
         } else {
@@ -646,7 +601,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // (index, f32 value), whatever its unit's encoding (rgc-quant's
             // unit is its indices and one mean: 4 bytes a pair).
             for (&id, &k) in plan.reduced.ids.iter().zip(&job.sp_layer_pairs) {
-                self.layers[id as usize].stats.bytes_sent = 8 * k;
+                self.reg.layers[id as usize].stats.bytes_sent = 8 * k;
             }
         }
         r
@@ -677,7 +632,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// the layer was sparse).
     pub fn last_unit(&self, id: LayerId) -> &[u8] {
         let sparse = |i: usize| self.plan.layers.get(i).map(|p| p.mode) == Some(Mode::Sparse);
-        self.layers
+        self.reg
+            .layers
             .get(id.0)
             .filter(|l| sparse(id.0) && !l.non_finite)
             .map_or(&[][..], |l| &l.unit[..])
@@ -687,6 +643,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// `out`: what this rank contributed to the sum.
     pub fn decode_unit(&self, id: LayerId, unit: &[u8], out: &mut [f32]) -> Result<()> {
         let l = self
+            .reg
             .layers
             .get(id.0)
             .ok_or_else(|| Error::InvalidArgument(format!("no layer {}", id.0)))?;
@@ -699,7 +656,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// The residual (what has not been sent yet) of a sparse layer.
     pub fn residual(&self, id: LayerId) -> Option<&[f32]> {
-        self.layers
+        self.reg
+            .layers
             .get(id.0)
             .filter(|l| l.codec.is_some())
             .map(|l| &l.v[..])

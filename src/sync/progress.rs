@@ -237,7 +237,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             (_, None) => self.collect_job(),
         };
         let r = job.result.take().unwrap_or(Ok(()));
-        self.spare.push(job);
+        self.work.spare.push(job);
         r
     }
 

@@ -137,9 +137,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             version: SNAPSHOT_VERSION,
             rank: self.rank as u64,
             size: self.size as u64,
-            table_hash: self.table_hash,
+            table_hash: self.reg.table_hash,
             step: self.step,
             layers: self
+                .reg
                 .layers
                 .iter()
                 .map(|l: &Layer| LayerSnap {
@@ -155,7 +156,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 })
                 .collect(),
             run: self.run,
-            window_start: self.window_start,
+            window_start: self.window.window_start,
         };
         // Never write what cannot be loaded: a residual that overflowed (a
         // gradient near f32::MAX) would make the file unusable.
@@ -163,7 +164,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ls.check_finite()?;
         }
         let mut snap = snap;
-        for (ls, l) in snap.layers.iter_mut().zip(&self.layers) {
+        for (ls, l) in snap.layers.iter_mut().zip(&self.reg.layers) {
             if let Some(g) = &l.gvq {
                 ls.gradiveq = Some(
                     options(u64::MAX)
@@ -267,12 +268,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 snap.rank, snap.size, self.rank, self.size
             )));
         }
-        if snap.table_hash != self.table_hash || snap.layers.len() != self.layers.len() {
+        if snap.table_hash != self.reg.table_hash || snap.layers.len() != self.reg.layers.len() {
             // The one option whose default changed under existing
             // snapshots: they hash "allgather": "recdbl". Said only where
             // that is the difference.
-            let legacy = snap.table_hash == self.legacy_hash
-                && snap.layers.len() == self.layers.len()
+            let legacy = snap.table_hash == self.reg.legacy_hash
+                && snap.layers.len() == self.reg.layers.len()
                 && !self
                     .cfg
                     .allgather
@@ -298,7 +299,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 )));
             }
         }
-        for (s, l) in snap.layers.iter().zip(&self.layers) {
+        for (s, l) in snap.layers.iter().zip(&self.reg.layers) {
             let ok = s.name == l.name
                 && s.n == l.n as u64
                 && s.residual.len() == l.v.len()
@@ -318,8 +319,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// The layers' codec and GradiVeQ states rebuilt from `snap`: the only
     /// part of a restore that can still fail after the checks.
     fn restored_states(&self, snap: &Snapshot) -> Result<(Codecs, Gvqs)> {
-        let mut codecs = Vec::with_capacity(self.layers.len());
-        for (s, l) in snap.layers.iter().zip(&self.layers) {
+        let mut codecs = Vec::with_capacity(self.reg.layers.len());
+        for (s, l) in snap.layers.iter().zip(&self.reg.layers) {
             codecs.push(match &l.codec {
                 Some(c) => {
                     let mut c2 = c.config().build()?;
@@ -334,8 +335,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 None => None,
             });
         }
-        let mut gvqs = Vec::with_capacity(self.layers.len());
-        for (s, l) in snap.layers.iter().zip(&self.layers) {
+        let mut gvqs = Vec::with_capacity(self.reg.layers.len());
+        for (s, l) in snap.layers.iter().zip(&self.reg.layers) {
             gvqs.push(match (&s.gradiveq, &l.strategy) {
                 (Some(bytes), super::Strategy::Gradiveq(cfg)) => {
                     let g: crate::gradiveq::schedule::GradiveqLayer = options(bytes.len() as u64)
@@ -368,7 +369,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         for (((s, l), c), g) in snap
             .layers
             .into_iter()
-            .zip(&mut self.layers)
+            .zip(&mut self.reg.layers)
             .zip(codecs)
             .zip(gvqs)
         {
@@ -385,9 +386,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         self.step = snap.step;
-        self.window_start = snap.window_start;
-        self.window_kept = false;
-        self.diverged = None;
+        self.window.window_start = snap.window_start;
+        self.window.window_kept = false;
+        self.window.diverged = None;
         // A new branch of the restored run: the loaded identity mixed with
         // this job's (alike on every rank). Two jobs restored from the same
         // files then write different identities, so a mix of their later

@@ -171,8 +171,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 self.plan.allgather.name()
             });
         }
-        layer_stats.resize_with(self.layers.len(), LayerStats::default);
-        for (d, l) in layer_stats.iter_mut().zip(&self.layers) {
+        layer_stats.resize_with(self.reg.layers.len(), LayerStats::default);
+        for (d, l) in layer_stats.iter_mut().zip(&self.reg.layers) {
             d.clone_from(&l.stats);
         }
         self.last = StepStats {
@@ -195,7 +195,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             allreduce,
             allgather,
             gradiveq_s: sum(|j| j.gvq_s),
-            unpack_s: self.layers.iter().map(|l| l.stats.unpack_s).sum(),
+            unpack_s: self.reg.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
             device: None,
         };

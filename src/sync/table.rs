@@ -24,6 +24,46 @@ pub struct LayerId(pub usize);
 use crate::comm::agree::{agree_call, CallKind};
 pub(super) use crate::comm::agree::{fnv, FNV_OFFSET};
 
+/// The layer table: the registered layers and their state, the planner's
+/// rows, the names, and the table's agreement across ranks (its hashes,
+/// whether it was checked complete, the `Auto` layers' plan, or why it
+/// broke).
+pub(super) struct LayerTable {
+    pub(super) layers: Vec<Layer>,
+    /// The planner's view of the layer table (one row per layer).
+    pub(super) table: Vec<TableRow>,
+    /// Each registered layer's index by name (names are unique).
+    pub(super) names: std::collections::HashMap<String, usize>,
+    pub(super) table_hash: u64,
+    /// `table_hash` as it would be with `allgather: "recdbl"`, the default
+    /// when older snapshots were written: a snapshot that matches it gets
+    /// an error saying which option to set.
+    pub(super) legacy_hash: u64,
+    pub(super) table_checked: bool,
+    /// The step model's plan of the `Auto` layers, once the table is complete.
+    pub(super) auto_plan: Option<crate::cost::StepPlan>,
+    /// Set (alike on every rank) when the table check failed: the engine
+    /// communicates no more and every later step returns this error.
+    pub(super) broken: Option<String>,
+}
+
+impl LayerTable {
+    /// An empty table whose hashes start from the options' (`table_hash`)
+    /// and the legacy options' (`legacy_hash`).
+    pub(super) fn new(table_hash: u64, legacy_hash: u64) -> Self {
+        LayerTable {
+            layers: Vec::new(),
+            table: Vec::new(),
+            names: std::collections::HashMap::new(),
+            table_hash,
+            legacy_hash,
+            table_checked: false,
+            auto_plan: None,
+            broken: None,
+        }
+    }
+}
+
 impl<C: Transport + Send + 'static> GradSync<C> {
     /// The entry agreement of a table call (`call`: which one, for ranks
     /// in different calls, [`agree_call`]): compare `h` across ranks (one
@@ -222,14 +262,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         shape: &[usize],
         strategy: Result<Strategy>,
     ) -> Result<LayerId> {
-        if self.table_checked
+        if self.reg.table_checked
             || self.pending()
             || self.step > 0
             || matches!(self.progress, super::progress::Progress::Threaded(_))
         {
             return self.refuse_late_registration(name);
         }
-        let id = self.layers.len();
+        let id = self.reg.layers.len();
         // Everything rank-local first; a failure still enters the
         // registration collective so no peer waits in it.
         let (mom, delay) = (self.cfg.momentum != 0.0, self.cfg.delay > 1);
@@ -257,7 +297,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             };
             Error::InvalidArgument(format!("layer {name:?} (#{id}): {why}"))
         });
-        if let Some(why) = &self.broken {
+        if let Some(why) = &self.reg.broken {
             return Err(Error::TableMismatch(why.clone()));
         }
         let call = || CallKind::Table.describe(0);
@@ -267,12 +307,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if let Err(Error::TableMismatch(why)) = &r {
             // The ranks' tables are out of step (this collective may even
             // have met a peer's final table check): no rank may go on.
-            self.broken = Some(why.clone());
+            self.reg.broken = Some(why.clone());
         }
         r?;
         let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev, wc)) = local?;
-        self.table_hash = h;
-        self.legacy_hash = layer_hash(self.legacy_hash, id, name, shape, &strategy)?;
+        self.reg.table_hash = h;
+        self.reg.legacy_hash = layer_hash(self.reg.legacy_hash, id, name, shape, &strategy)?;
         let layer = Layer {
             name: name.to_string(),
             shape: shape.to_vec(),
@@ -297,9 +337,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 ..LayerStats::default()
             },
         };
-        self.table.push(TableRow::new(n, &layer.strategy));
-        self.names.insert(layer.name.clone(), id);
-        self.layers.push(layer);
+        self.reg.table.push(TableRow::new(n, &layer.strategy));
+        self.reg.names.insert(layer.name.clone(), id);
+        self.reg.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
         Ok(LayerId(id))
     }
@@ -337,7 +377,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         // By the name index: a scan of the table here made registering
         // n layers cost O(n²).
-        if let Some(&j) = self.names.get(name) {
+        if let Some(&j) = self.reg.names.get(name) {
             return Err(Error::InvalidArgument(format!(
                 "layer #{j} has the same name (names must be unique: errors, stats and \
                  snapshots name layers by them)"
@@ -370,7 +410,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             _ => None,
         };
         let codec = build_codec(&strategy, n)?;
-        let h = layer_hash(self.table_hash, id, name, shape, &strategy)?;
+        let h = layer_hash(self.reg.table_hash, id, name, shape, &strategy)?;
         let label = strategy.label();
         Ok((n, strategy, codec, h, label, gvq, auto))
     }
@@ -409,17 +449,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// Check once, before the first step, that every rank registered the
     /// same number of layers.
     pub(super) fn check_table(&mut self) -> Result<()> {
-        if self.table_checked {
+        if self.reg.table_checked {
             return Ok(());
         }
         let h = fnv(
-            fnv(self.table_hash, b"complete"),
-            &(self.layers.len() as u64).to_le_bytes(),
+            fnv(self.reg.table_hash, b"complete"),
+            &(self.reg.layers.len() as u64).to_le_bytes(),
         );
-        if let Some(why) = &self.broken {
+        if let Some(why) = &self.reg.broken {
             return Err(Error::TableMismatch(why.clone()));
         }
-        let n = self.layers.len();
+        let n = self.reg.layers.len();
         // The `Auto` layers' plan is rank-local (the same on every rank:
         // same table, same agreed profile); a rank where it fails still
         // enters the check, which then fails on every rank.
@@ -435,12 +475,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         match r.and(planned) {
             Ok(planned) => {
                 self.apply_auto(planned);
-                self.table_checked = true;
+                self.reg.table_checked = true;
                 Ok(())
             }
             Err(e) => {
                 // Every rank got an error here: none may run a step.
-                self.broken = Some(match &e {
+                self.reg.broken = Some(match &e {
                     Error::TableMismatch(why) => why.clone(),
                     e => e.to_string(),
                 });
@@ -457,7 +497,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// layer is `Auto`.
     fn plan_auto(&self) -> Result<Option<AutoPlan>> {
         use crate::cost::{self, LayerKind, StepLayer};
-        if !self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
+        if !self.reg.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Ok(None);
         }
         let prof = self.cfg.profile.as_ref().ok_or_else(|| {
@@ -471,6 +511,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // chooses every step by the dense group's size).
         let dense = self.tuning.dense_id(self.fixed_dense_bytes());
         let table: Vec<StepLayer> = self
+            .reg
             .layers
             .iter()
             .map(|l| StepLayer {
@@ -488,7 +529,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let q = self.step_query(method_name);
         let plan = cost::plan_step(prof, &q, &table)?;
         let mut layers = Vec::new();
-        for (i, (l, lp)) in self.layers.iter().zip(&plan.layers).enumerate() {
+        for (i, (l, lp)) in self.reg.layers.iter().zip(&plan.layers).enumerate() {
             if l.strategy != Strategy::Auto {
                 continue;
             }
@@ -506,6 +547,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// warm-up), which the decision table's allreduce is looked up for.
     fn fixed_dense_bytes(&self) -> f64 {
         let elems: usize = self
+            .reg
             .layers
             .iter()
             .filter(|l| l.strategy == Strategy::Dense)
@@ -545,7 +587,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let prof = self.cfg.profile.as_ref().ok_or_else(|| {
             Error::InvalidArgument("plan_buckets needs Config::profile (gradsync calibrate)".into())
         })?;
-        if self.layers.iter().any(|l| l.strategy == Strategy::Auto) {
+        if self.reg.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Err(Error::InvalidArgument(
                 "the auto layers have no strategy yet: complete_table() first".into(),
             ));
@@ -553,6 +595,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let d = self.cfg.auto_density;
         let dense = self.tuning.dense_id(self.fixed_dense_bytes());
         let table: Vec<StepLayer> = self
+            .reg
             .layers
             .iter()
             .map(|l| {
@@ -622,7 +665,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return;
         };
         for (i, s, codec) in layers {
-            let l = &mut self.layers[i];
+            let l = &mut self.reg.layers[i];
             if codec.is_none() {
                 // Not sparse after all: no residual.
                 l.v = Vec::new();
@@ -634,7 +677,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 s.label(),
                 plan.layers[i].marginal_s * 1e6
             );
-            self.table[i] = TableRow::new(l.n, &s);
+            self.reg.table[i] = TableRow::new(l.n, &s);
             l.strategy = s;
             l.codec = codec;
         }
@@ -650,7 +693,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             plan.seconds * 1e3,
             plan.groups.len()
         );
-        self.auto_plan = Some(plan);
+        self.reg.auto_plan = Some(plan);
     }
 
     /// The step model's plan of the table ([`crate::cost::plan_step`]) when
@@ -658,7 +701,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// marginal seconds, the groups and the predicted step. Available once
     /// the table is complete (after the first step, or a snapshot restore).
     pub fn auto_plan(&self) -> Option<&crate::cost::StepPlan> {
-        self.auto_plan.as_ref()
+        self.reg.auto_plan.as_ref()
     }
 }
 

@@ -47,7 +47,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         if comm.is_err() {
             // The step failed on every rank and nothing is applied: what
             // this rank encoded goes back into its residuals (nothing lost).
-            for l in &mut self.layers {
+            for l in &mut self.reg.layers {
                 l.rollback();
             }
         }
@@ -65,7 +65,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // With a delay the window's directions go back, as for a void
             // step (the window stays open).
             if self.plan.delayed && self.plan.communicates {
-                for l in &mut self.layers {
+                for l in &mut self.reg.layers {
                     l.rollback();
                 }
             }
@@ -76,14 +76,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let probe_ids = super::exchange::fill_probe_ids(plan, &self.tuner.load);
         let unpacker = Unpacker::new(self, st, probe_ids);
         let unpacked: Result<Vec<Unpacked>> = if plan.parallel_unpack {
-            self.layers
+            self.reg
+                .layers
                 .par_iter_mut()
                 .zip(out.par_iter_mut())
                 .enumerate()
                 .map(|(i, (l, o))| unpacker.layer(i, l, o))
                 .collect()
         } else {
-            self.layers
+            self.reg
+                .layers
                 .iter_mut()
                 .zip(out.iter_mut())
                 .enumerate()
@@ -100,14 +102,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             Err(_) => true,
         };
         if plan.delayed && plan.communicates && failed {
-            for (l, o) in self.layers.iter_mut().zip(out.iter_mut()) {
+            for (l, o) in self.reg.layers.iter_mut().zip(out.iter_mut()) {
                 l.rollback();
                 o.fill(f32::NAN);
             }
         }
         let (delayed, communicated) = (plan.delayed, plan.communicates);
         let unpacked = unpacked?;
-        for (l, lp) in self.layers.iter_mut().zip(&plan.layers) {
+        for (l, lp) in self.reg.layers.iter_mut().zip(&plan.layers) {
             l.fill_stats(lp.mode);
         }
         record_probe_nnz(&mut st.parts, probe_ids, &unpacked);
@@ -125,7 +127,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             };
             for e in &mut job.gvq {
                 if let Some(s) = e.state.take() {
-                    self.layers[e.layer].gvq = Some(s);
+                    self.reg.layers[e.layer].gvq = Some(s);
                 }
             }
         }
@@ -133,14 +135,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
 
     /// One output buffer per layer, each of the layer's length.
     fn check_outputs(&self, out: &[&mut [f32]]) -> Result<()> {
-        if out.len() != self.layers.len() {
+        if out.len() != self.reg.layers.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} output buffers for {} layers",
                 out.len(),
-                self.layers.len()
+                self.reg.layers.len()
             )));
         }
         if let Some((i, l)) = self
+            .reg
             .layers
             .iter()
             .enumerate()
@@ -161,7 +164,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     fn parse_messages(&mut self, parts: &mut [Part]) -> Result<()> {
         let p = self.size;
         let names = |id: u32| {
-            self.layers
+            self.reg
+                .layers
                 .get(id as usize)
                 .map_or_else(|| format!("#{id}"), |l| l.name.clone())
         };
@@ -194,9 +198,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     self.step,
                     &part.plan.sparse.ids,
                     &names,
-                    &mut self.rank_entries,
+                    &mut self.work.rank_entries,
                 )?;
-                for (j, e) in self.rank_entries.iter().enumerate() {
+                for (j, e) in self.work.rank_entries.iter().enumerate() {
                     part.entries[j * p + r] = *e;
                 }
             }
@@ -274,7 +278,7 @@ impl<'a> Unpacker<'a> {
             probe_ids,
             void: false,
         };
-        u.void = u.void_local_step(&sync.plan, &sync.layers);
+        u.void = u.void_local_step(&sync.plan, &sync.reg.layers);
         u
     }
 

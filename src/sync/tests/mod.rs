@@ -103,7 +103,7 @@ pub(super) fn run_exchange_table(
             let units = ids
                 .iter()
                 .map(|&id| {
-                    let l = &s.layers[id.0];
+                    let l = &s.reg.layers[id.0];
                     let mut idx = Vec::new();
                     let unit = s.last_unit(id);
                     if let Some(c) = l.codec.as_deref().filter(|_| !unit.is_empty()) {

@@ -257,7 +257,7 @@ fn dense_warmup_then_sparse_and_momentum_masking() {
         let unit = s.last_unit(id).to_vec();
         let mut sent = vec![0.0; 1000];
         s.decode_unit(id, &unit, &mut sent).expect("decode");
-        let l = &s.layers[0];
+        let l = &s.reg.layers[0];
         // Momentum factor masking: U is zero wherever this rank sent.
         let masked = sent.iter().zip(&l.u).all(|(&x, &u)| x == 0.0 || u == 0.0);
         let exact = sent.iter().zip(&l.v).all(|(&x, &v)| x == 0.0 || v == 0.0);
@@ -308,7 +308,7 @@ fn the_engine_executes_the_plan() {
                     )
                     .expect("sync")
                     .clone();
-                let plan = plan::script_step(step, &c, p, &s.table);
+                let plan = plan::script_step(step, &c, p, &s.reg.table);
                 assert_eq!(s.plan, plan, "step {step}");
                 assert_eq!(st.communicated, plan.communicates, "step {step}");
                 for (l, lp) in st.layers.iter().zip(&plan.layers) {
@@ -323,7 +323,7 @@ fn the_engine_executes_the_plan() {
                 }
                 if plan.layers[1].mode == Mode::Sparse {
                     let d = plan.layers[1].density.expect("rgc has a density");
-                    assert_eq!(s.layers[1].cur_density, Some(d), "step {step}");
+                    assert_eq!(s.reg.layers[1].cur_density, Some(d), "step {step}");
                     // Trimmed top-k sends about that fraction.
                     let sent = st.layers[1].density;
                     assert!(sent > 0.0 && sent <= 1.5 * d, "step {step}: {sent} vs {d}");
