@@ -34,10 +34,10 @@ pub(super) struct Window {
     /// `delay > 1`: the next step starts a delay window (the first step,
     /// or the one after a communicating step that succeeded on every
     /// rank): its weights are kept (`delay.rs`).
-    pub(super) window_start: bool,
-    /// The open step kept weights for its window (`window_start` ends with
+    pub(super) start: bool,
+    /// The open step kept weights for its window (`start` ends with
     /// the step).
-    pub(super) window_kept: bool,
+    pub(super) kept: bool,
     /// This call writes the window's weights back (`delay.rs`): set only
     /// while a `*_with_weights_mut` call submits.
     pub(super) resets_weights: bool,
@@ -51,8 +51,8 @@ impl Default for Window {
     /// Before the first step: it starts a window.
     fn default() -> Self {
         Window {
-            window_start: true,
-            window_kept: false,
+            start: true,
+            kept: false,
             resets_weights: false,
             diverged: None,
         }
@@ -162,13 +162,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         r?;
         // The step reads the weights, never writes them: they are kept
         // after it as they were before it (and before the write-back).
-        if t > 1 && paired && self.window.window_start {
+        if t > 1 && paired && self.window.start {
             for (&id, w) in ids.iter().zip(weights.iter()) {
                 if fits(self, id, w) {
                     self.reg.layers[id.0].wc.copy_from_slice(w);
                 }
             }
-            self.window.window_kept = true;
+            self.window.kept = true;
         }
         if t > 1 && paired && self.plan.communicates {
             for (&id, w) in ids.iter().zip(weights.iter_mut()) {
@@ -187,11 +187,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// communicating step brings the ranks together again whatever each
     /// one's weights did in between.
     pub(super) fn end_window(&mut self, communicated: bool, success: bool) {
-        if std::mem::take(&mut self.window.window_kept) {
-            self.window.window_start = false;
+        if std::mem::take(&mut self.window.kept) {
+            self.window.start = false;
         }
         if communicated && success {
-            self.window.window_start = true;
+            self.window.start = true;
         }
     }
 

@@ -156,7 +156,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 })
                 .collect(),
             run: self.run,
-            window_start: self.window.window_start,
+            window_start: self.window.start,
         };
         // Never write what cannot be loaded: a residual that overflowed (a
         // gradient near f32::MAX) would make the file unusable.
@@ -386,8 +386,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
         }
         self.step = snap.step;
-        self.window.window_start = snap.window_start;
-        self.window.window_kept = false;
+        self.window.start = snap.window_start;
+        self.window.kept = false;
         self.window.diverged = None;
         // A new branch of the restored run: the loaded identity mixed with
         // this job's (alike on every rank). Two jobs restored from the same
