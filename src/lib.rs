@@ -16,6 +16,9 @@
 //! * [`sync`]: the engine a training loop calls every step ([`sync::GradSync`]).
 //! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
 //!   all-reduce (Algorithm 1), with the training schedule.
+//! * [`powersgd`]: PowerSGD's rank-r power step with error feedback (the
+//!   logic: factors to allreduce and the reconstruction; not yet an engine
+//!   strategy).
 //! * [`gpu`]: device buffers: whether MPI is CUDA-aware, the
 //!   host-staged allreduce of a device buffer, the GPU probe (feature
 //!   `cuda`).
@@ -55,6 +58,7 @@ mod error;
 pub use comm::agree as failure;
 pub mod gpu;
 pub mod gradiveq;
+pub mod powersgd;
 pub mod select;
 pub mod sparse;
 pub mod strategy;
