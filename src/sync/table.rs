@@ -120,14 +120,14 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// The cost model's choice for one layer of `n` elements synchronized
-    /// alone (the one-layer case of the step model; a table of `Auto`
-    /// layers is planned as a whole, [`auto_plan`](Self::auto_plan)): the
-    /// predicted-fastest of dense (the configured allreduce), RGC and
-    /// optionally quantized RGC at `auto_density` (dense only below
-    /// `compress_threshold`), with the predictions (name, seconds) it
-    /// chose among.
+    /// alone: the step model's plan ([`crate::cost::plan_step`]) of a
+    /// one-layer table, the planner a table of `Auto` layers gets
+    /// ([`auto_plan`](Self::auto_plan)), among dense (the configured
+    /// allreduce), RGC and optionally quantized RGC at `auto_density`
+    /// (dense only below `compress_threshold`), with each candidate's
+    /// prediction alone (name, seconds).
     pub fn auto_choice(&self, n: usize) -> Result<(Strategy, Vec<(String, f64)>)> {
-        use crate::cost::{choose, predict, Query};
+        use crate::cost::{predict, Query};
         let prof = self.cfg.profile.as_ref().ok_or_else(|| {
             Error::InvalidArgument(
                 "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
@@ -152,19 +152,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             },
             &method_name,
         )?;
-        // The one decision table (crate::cost::choose) over what the
-        // engine runs for this configuration.
+        // The same question as a table of `Auto` layers asks, by the same
+        // planner: the step model over a one-layer table.
         let mut allowed = self.auto_candidates();
         if n < self.cfg.compress_threshold {
             // Small layers stay dense (StepQuery::min_sparse_elems).
             allowed.retain(|a| a.is_dense());
         }
-        let best = choose(&preds, &allowed)
-            .ok_or_else(|| Error::InvalidArgument("no strategy to choose from".into()))?;
-        let strategy = best
-            .id
+        let layer = crate::cost::StepLayer {
+            name: String::new(),
+            n,
+            kind: crate::cost::LayerKind::Auto,
+        };
+        let plan = crate::cost::plan_step(prof, &self.step_query(method_name), &[layer])?;
+        let id = plan.layers[0].choice;
+        let strategy = id
             .engine_strategy(d, method)
-            .ok_or_else(|| Error::InvalidArgument(format!("the engine cannot run {}", best.id)))?;
+            .ok_or_else(|| Error::InvalidArgument(format!("the engine cannot run {id}")))?;
         let considered = preds
             .iter()
             .filter(|p| allowed.contains(&p.id))
