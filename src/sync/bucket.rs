@@ -52,7 +52,7 @@
 //! range, already submitted) is refused on this rank without entering
 //! anything, and the step goes on.
 
-use super::job::Job;
+use super::job::{Job, RoundBuffers};
 use super::plan::{restrict_into, StepScript};
 use super::table::{fnv, FNV_OFFSET};
 use super::{GradSync, LayerId, SparseExchange, StartInfo, StepStats};
@@ -448,8 +448,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let local = match input {
             Ok((grads, weights)) => self.bucket_math(&part.plan, ids, grads, weights, &mut job),
             Err(e) => {
-                job.dense.clear();
-                job.dense.resize(part.plan.dense.elems, 0.0);
+                job.buf.dense.clear();
+                job.buf.dense.resize(part.plan.dense.elems, 0.0);
                 Err(e)
             }
         };
@@ -458,9 +458,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         // 3. Pack: the fused sparse message and the status words (job.rs).
         job.pack(&part.plan, &self.reg.layers, &local);
-        job.check = Some((st.seq, what));
-        job.call = Some((CallKind::Step, self.step));
-        job.first = st.parts.is_empty();
+        job.run.check = Some((st.seq, what));
+        job.run.call = Some((CallKind::Step, self.step));
+        job.run.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()
             .map(|&i| self.reg.layers[i as usize].stats.select_s)
@@ -468,13 +468,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         st.info.select_s += select_s;
         st.info.pack_s += (t.elapsed().as_secs_f64() - select_s).max(0.0);
         // 4. Communicate: on the progress thread, or here (progress.rs).
-        if job.do_gather || job.do_reduce || job.do_gvq || job.do_sparse {
+        if job.run.do_gather || job.run.do_reduce || job.run.do_gvq || job.run.do_sparse {
             let (threaded, back) = self.dispatch(job);
             st.info.overlapped |= threaded;
             part.job = back;
         } else {
             // No exchange (one rank): the error is this rank's alone.
-            job.result = Some(local.map_err(|e| Error::RankFailed {
+            job.out.result = Some(local.map_err(|e| Error::RankFailed {
                 rank: self.rank,
                 others: 0,
                 failed: vec![self.rank],
@@ -516,8 +516,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.local_phase(plan, &g, weights.map(|_| &w[..]), job)
         };
         if r.is_err() {
-            job.dense.clear();
-            job.dense.resize(plan.dense.elems, 0.0);
+            job.buf.dense.clear();
+            job.buf.dense.resize(plan.dense.elems, 0.0);
             return r;
         }
         self.reduced_pairs(plan, job)
@@ -589,7 +589,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let r = p
                 .job
                 .as_mut()
-                .and_then(|j| j.result.take())
+                .and_then(|j| j.out.result.take())
                 .unwrap_or(Ok(()));
             if result.is_ok() {
                 result = r;
@@ -601,18 +601,18 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // was non-finite sent no pairs (every rank sees both alike: failures
         // are collective, `sp_bad_rank` is gathered).
         let jobs = || st.parts.iter().filter_map(|p| p.job.as_deref());
-        let clean = r.is_ok() && jobs().all(|j| j.sp_bad_rank.iter().all(Option::is_none));
+        let clean = r.is_ok() && jobs().all(|j| j.buf.sp_bad_rank.iter().all(Option::is_none));
         let sample = if !clean {
             None
         } else if self.plan.sparse_reduce {
             Some(
                 jobs()
-                    .filter(|j| j.do_sparse)
-                    .map(|j| j.sparse_reduce_nnz)
+                    .filter(|j| j.run.do_sparse)
+                    .map(|j| j.out.sparse_reduce_nnz)
                     .sum(),
             )
         } else {
-            jobs().find_map(|j| j.probe_nnz)
+            jobs().find_map(|j| j.out.probe_nnz)
         };
         self.record_stats(&st, wait_s, sample);
         // The tuner learns from the step's record; the record reports the
@@ -636,7 +636,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     pub(super) fn spare_job(&mut self) -> Box<Job> {
         self.work.spare.pop().unwrap_or_else(|| {
             Box::new(Job {
-                nodes: self.nodes.clone().unwrap_or_default(),
+                buf: RoundBuffers {
+                    nodes: self.nodes.clone().unwrap_or_default(),
+                    ..RoundBuffers::default()
+                },
                 ..Job::default()
             })
         })

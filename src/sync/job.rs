@@ -61,10 +61,26 @@ use std::time::Instant;
 /// reduced layer's position.
 const DENSE_MARK: u32 = 1 << 31;
 
-/// Buffers and flags of one communication round; moved to the progress
-/// thread and back.
+/// One communication round's state, moved to the progress thread and
+/// back: its workspace ([`RoundBuffers`]), what it runs
+/// ([`RoundScript`]) and what it measured and returned ([`RoundOutcome`]).
 #[derive(Default)]
 pub(super) struct Job {
+    /// The round's buffers, sized once and kept across steps.
+    pub(super) buf: RoundBuffers,
+    /// What this round runs (set by `pack`, or between steps by the
+    /// status agreement).
+    pub(super) run: RoundScript,
+    /// What the round measured and returned, read back by the engine.
+    pub(super) out: RoundOutcome,
+}
+
+/// A round's workspace: the fused message and its gathered copy, the fused
+/// dense buffer, the reduced layers' pairs and result, the non-finite
+/// markers and the collectives' scratch; sized once and kept across
+/// steps.
+#[derive(Default)]
+pub(super) struct RoundBuffers {
     /// Every rank's node (the hierarchical sparse exchange), set when the
     /// engine is created.
     pub(super) nodes: Vec<usize>,
@@ -72,23 +88,9 @@ pub(super) struct Job {
     pub(super) gathered: Gathered,
     pub(super) dense: Vec<f32>,
     pub(super) ws: Workspace<f32>,
-    pub(super) do_gather: bool,
-    pub(super) do_reduce: bool,
-    pub(super) do_gvq: bool,
-    /// Elements of `dense` before its status words.
-    pub(super) dense_len: usize,
-    /// Status words after the dense data: 1 (this rank failed), or 2 in a
-    /// step (and: a reduced or dense layer was non-finite on this rank).
-    pub(super) status_len: usize,
-    /// Run the sparse allreduce of the reduced layers.
-    pub(super) do_sparse: bool,
-    /// How the reduced layers are exchanged.
-    pub(super) exchange: SparseExchange,
     /// This rank's pairs of the reduced layers: global index, value · 1/p.
     pub(super) sp_idx: Vec<u32>,
     pub(super) sp_val: Vec<f32>,
-    /// The reduced layers' concatenated index space (elements).
-    pub(super) sp_n: usize,
     /// The sparse allreduce's result (`sp_n` elements).
     pub(super) sp_out: Vec<f32>,
     /// Positions in the reduced group of this rank's non-finite layers.
@@ -103,14 +105,32 @@ pub(super) struct Job {
     /// Per layer id, the lowest rank whose dense layer was non-finite
     /// (gathered with the reduced layers' markers).
     pub(super) dn_bad_rank: Vec<Option<usize>>,
-    pub(super) sparse_reduce_s: f64,
     /// The node-aware sparse allreduce's buffers, kept across steps.
     pub(super) hier_ws: HierarchicalWorkspace,
-    /// Distinct indices of the sparse allreduce's result.
-    pub(super) sparse_reduce_nnz: usize,
-    /// With `auto` and the allgatherv: the nonzero elements of the
-    /// reduced group's unpacked result (`unpack.rs`), the fill's measure.
-    pub(super) probe_nnz: Option<usize>,
+    /// GradiVeQ layers of this step: state, input, output.
+    pub(super) gvq: Vec<GvqEntry>,
+}
+
+/// A round's script: which collectives run and by which algorithm, the
+/// sizes they run on, the step, this rank's failure and the agreements
+/// that come first (set by `pack`, or between steps by the status
+/// agreement).
+#[derive(Default)]
+pub(super) struct RoundScript {
+    pub(super) do_gather: bool,
+    pub(super) do_reduce: bool,
+    pub(super) do_gvq: bool,
+    /// Elements of `dense` before its status words.
+    pub(super) dense_len: usize,
+    /// Status words after the dense data: 1 (this rank failed), or 2 in a
+    /// step (and: a reduced or dense layer was non-finite on this rank).
+    pub(super) status_len: usize,
+    /// Run the sparse allreduce of the reduced layers.
+    pub(super) do_sparse: bool,
+    /// How the reduced layers are exchanged.
+    pub(super) exchange: SparseExchange,
+    /// The reduced layers' concatenated index space (elements).
+    pub(super) sp_n: usize,
     /// The step, for failure messages (`None` between steps).
     pub(super) step: Option<u64>,
     /// This rank's own failure in the local phase (error text).
@@ -121,12 +141,6 @@ pub(super) struct Job {
     pub(super) gather_algo: AllgathervAlgo,
     pub(super) reduce_gather_algo: AllgathervAlgo,
     pub(super) reduce_algo: AllreduceAlgo,
-    pub(super) allgather_s: f64,
-    pub(super) allreduce_s: f64,
-    /// GradiVeQ layers of this step: state, input, output.
-    pub(super) gvq: Vec<GvqEntry>,
-    pub(super) gvq_s: f64,
-    pub(super) result: Option<Result<()>>,
     /// Between steps: a value that must be the same on every rank, what to
     /// say if it is not, and this rank's own outcome
     /// ([`super::GradSync::agree_status`]).
@@ -144,6 +158,22 @@ pub(super) struct Job {
     /// The step's first bucket (the progress runner forgets an earlier
     /// step's failure there, `progress.rs`).
     pub(super) first: bool,
+}
+
+/// A round's outcome: the collectives' timings, the sparse allreduce's and
+/// the fill probe's measures, and the round's result.
+#[derive(Default)]
+pub(super) struct RoundOutcome {
+    pub(super) sparse_reduce_s: f64,
+    /// Distinct indices of the sparse allreduce's result.
+    pub(super) sparse_reduce_nnz: usize,
+    /// With `auto` and the allgatherv: the nonzero elements of the
+    /// reduced group's unpacked result (`unpack.rs`), the fill's measure.
+    pub(super) probe_nnz: Option<usize>,
+    pub(super) allgather_s: f64,
+    pub(super) allreduce_s: f64,
+    pub(super) gvq_s: f64,
+    pub(super) result: Option<Result<()>>,
 }
 
 #[derive(Default)]
@@ -169,12 +199,13 @@ impl Job {
         if let Err(e) = &r {
             if !e.is_collective() {
                 let at = self
+                    .run
                     .step
                     .map_or_else(String::new, |s| format!("step {s}: "));
                 comm.abort(1, &format!("{at}{e}"));
             }
         }
-        self.result = Some(r);
+        self.out.result = Some(r);
     }
 
     /// Run the collectives of the job, in this order on every rank: the
@@ -186,24 +217,24 @@ impl Job {
     /// GradiVeQ rings.
     pub(super) fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
         self.agree_bucket(comm)?;
-        if let Some((h, what, local)) = self.print.take() {
+        if let Some((h, what, local)) = self.run.print.take() {
             return self.agree_entry(comm, local, h, &what);
         }
         // Every rank's failure text (empty = ok), once any rank failed.
         let mut failed: Option<Vec<String>> = None;
-        if self.do_gather {
+        if self.run.do_gather {
             failed = self.gather_messages(comm)?;
         }
-        if self.do_reduce && failed.is_none() {
+        if self.run.do_reduce && failed.is_none() {
             failed = self.reduce_dense(comm)?;
         }
         if failed.is_none() && comm.size() == 1 {
-            failed = self.local_failed.clone().map(|t| vec![t]);
+            failed = self.run.local_failed.clone().map(|t| vec![t]);
         }
         if let Some(texts) = failed {
             return Err(self.rank_failed(&texts));
         }
-        if self.do_sparse {
+        if self.run.do_sparse {
             self.reduce_pairs(comm)?;
         }
         self.run_rings(comm)
@@ -212,7 +243,7 @@ impl Job {
     /// The bucket's fingerprint, agreed before any collective whose size
     /// depends on it (at more than one rank).
     fn agree_bucket<C: Transport>(&mut self, comm: &C) -> Result<()> {
-        if let Some((h, what)) = self.check.take() {
+        if let Some((h, what)) = self.run.check.take() {
             if comm.size() > 1 {
                 self.agree_entry(comm, Ok(()), h, &what)?;
             }
@@ -233,9 +264,10 @@ impl Job {
     ) -> Result<()> {
         // The text only on a mismatch: nothing is formatted per bucket.
         let (kind, step) = self
+            .run
             .call
             .take()
-            .unwrap_or((CallKind::Step, self.step.unwrap_or(0)));
+            .unwrap_or((CallKind::Step, self.run.step.unwrap_or(0)));
         let describe = || kind.describe(step);
         if agree_call(comm, kind, &describe, local, h)? {
             Ok(())
@@ -249,16 +281,21 @@ impl Job {
     /// marker.
     fn gather_messages<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
         let t = Instant::now();
-        let algo = self.gather_algo;
-        if algo == AllgathervAlgo::Node && !self.nodes.is_empty() {
+        let algo = self.run.gather_algo;
+        if algo == AllgathervAlgo::Node && !self.buf.nodes.is_empty() {
             // The engine's agreed node map, the one its model priced.
-            allgatherv_nodes_with(comm, &self.fused, Some(&self.nodes), &mut self.gathered)?;
+            allgatherv_nodes_with(
+                comm,
+                &self.buf.fused,
+                Some(&self.buf.nodes),
+                &mut self.buf.gathered,
+            )?;
         } else {
-            fused_allgather(comm, &self.fused, algo, &mut self.gathered)?;
+            fused_allgather(comm, &self.buf.fused, algo, &mut self.buf.gathered)?;
         }
-        self.allgather_s = t.elapsed().as_secs_f64();
+        self.out.allgather_s = t.elapsed().as_secs_f64();
         // The common path only looks at each message's magic.
-        let g = &self.gathered;
+        let g = &self.buf.gathered;
         if (0..g.len()).any(|r| failure_text(g.message(r)).is_some()) {
             return Ok(Some(
                 (0..g.len())
@@ -281,14 +318,14 @@ impl Job {
             validate: false,
             chunk_elems: 0,
         };
-        let algo = self.reduce_algo;
-        allreduce_with(comm, &mut self.dense, algo, &opts, &mut self.ws)?;
-        self.allreduce_s = t.elapsed().as_secs_f64();
+        let algo = self.run.reduce_algo;
+        allreduce_with(comm, &mut self.buf.dense, algo, &opts, &mut self.buf.ws)?;
+        self.out.allreduce_s = t.elapsed().as_secs_f64();
         // The status word: the fraction of ranks that failed.
-        let status = &self.dense[self.dense_len..];
-        let non_finite = self.status_len > 1 && status[1] != 0.0;
+        let status = &self.buf.dense[self.run.dense_len..];
+        let non_finite = self.run.status_len > 1 && status[1] != 0.0;
         if status[0] != 0.0 {
-            let mine = self.local_failed.clone().unwrap_or_default();
+            let mine = self.run.local_failed.clone().unwrap_or_default();
             let g =
                 crate::dense::allgatherv(comm, mine.as_bytes(), AllgathervAlgo::RecursiveDoubling)?;
             return Ok(Some(
@@ -305,11 +342,11 @@ impl Job {
     /// Every rank's failure `texts` (empty = ok) as the step's
     /// `RankFailed`, the same on every rank.
     fn rank_failed(&self, texts: &[String]) -> Error {
-        crate::comm::agree::rank_failed(texts, self.step).unwrap_or_else(|| Error::RankFailed {
+        crate::comm::agree::rank_failed(texts, self.run.step).unwrap_or_else(|| Error::RankFailed {
             rank: 0,
             others: 0,
             failed: vec![0],
-            step: self.step,
+            step: self.run.step,
             message: "(a rank flagged a failure without a message)".into(),
         })
     }
@@ -318,21 +355,21 @@ impl Job {
     fn reduce_pairs<C: Transport>(&mut self, comm: &C) -> Result<()> {
         let t = Instant::now();
         let opts = SparseAllreduceOptions {
-            gather: self.reduce_gather_algo,
+            gather: self.run.reduce_gather_algo,
             ..SparseAllreduceOptions::default()
         };
-        self.sp_out.resize(self.sp_n, 0.0);
-        self.sparse_reduce_nnz = reduce_sparse(
+        self.buf.sp_out.resize(self.run.sp_n, 0.0);
+        self.out.sparse_reduce_nnz = reduce_sparse(
             comm,
-            (self.exchange, &self.nodes),
-            self.sp_n,
-            &self.sp_idx,
-            &self.sp_val,
-            &mut self.sp_out,
+            (self.run.exchange, &self.buf.nodes),
+            self.run.sp_n,
+            &self.buf.sp_idx,
+            &self.buf.sp_val,
+            &mut self.buf.sp_out,
             &opts,
-            &mut self.hier_ws,
+            &mut self.buf.hier_ws,
         )?;
-        self.sparse_reduce_s = t.elapsed().as_secs_f64();
+        self.out.sparse_reduce_s = t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -340,8 +377,8 @@ impl Job {
     /// them), timed into `gvq_s`.
     fn run_rings<C: Transport>(&mut self, comm: &C) -> Result<()> {
         let t = Instant::now();
-        if self.do_gvq {
-            for e in &mut self.gvq {
+        if self.run.do_gvq {
+            for e in &mut self.buf.gvq {
                 let st = e.state.as_mut().ok_or_else(|| {
                     Error::Transport("GradiVeQ state missing from the job".into())
                 })?;
@@ -356,7 +393,7 @@ impl Job {
                     })?;
             }
         }
-        self.gvq_s = t.elapsed().as_secs_f64();
+        self.out.gvq_s = t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -366,10 +403,11 @@ impl Job {
     fn agree_non_finite<C: Transport>(&mut self, comm: &C) -> Result<()> {
         // Reduced layers by position; dense layers by id, high bit set.
         let mine: Vec<u8> = self
+            .buf
             .sp_nonfinite
             .iter()
             .copied()
-            .chain(self.dn_nonfinite.iter().map(|&i| i | DENSE_MARK))
+            .chain(self.buf.dn_nonfinite.iter().map(|&i| i | DENSE_MARK))
             .flat_map(|p| p.to_le_bytes())
             .collect();
         let g = crate::dense::allgatherv(comm, &mine, AllgathervAlgo::RecursiveDoubling)?;
@@ -378,7 +416,7 @@ impl Job {
             layer: "<non-finite markers>".into(),
             reason,
         };
-        let layers = self.sp_bad_rank.len();
+        let layers = self.buf.sp_bad_rank.len();
         for r in 0..g.len() {
             let m = g.message(r);
             if m.len() % 4 != 0 {
@@ -388,12 +426,13 @@ impl Job {
                 let word = u32::from_le_bytes(c.try_into().expect("4 bytes"));
                 let pos = (word & !DENSE_MARK) as usize;
                 let slot = if word & DENSE_MARK != 0 {
-                    let n = self.dn_bad_rank.len();
-                    self.dn_bad_rank
+                    let n = self.buf.dn_bad_rank.len();
+                    self.buf
+                        .dn_bad_rank
                         .get_mut(pos)
                         .ok_or_else(|| bad(r, format!("dense layer {pos} of {n} layers")))?
                 } else {
-                    self.sp_bad_rank.get_mut(pos).ok_or_else(|| {
+                    self.buf.sp_bad_rank.get_mut(pos).ok_or_else(|| {
                         bad(
                             r,
                             format!("layer position {pos} of {layers} reduced layers"),
@@ -416,12 +455,12 @@ impl Job {
         layers: &[Layer],
         ranks: usize,
     ) -> Result<()> {
-        self.sp_idx.clear();
-        self.sp_val.clear();
-        self.sp_nonfinite.clear();
-        self.sp_layer_pairs.clear();
-        self.sp_layer_pairs.resize(plan.reduced.ids.len(), 0);
-        self.sp_n = plan.reduced.elems;
+        self.buf.sp_idx.clear();
+        self.buf.sp_val.clear();
+        self.buf.sp_nonfinite.clear();
+        self.buf.sp_layer_pairs.clear();
+        self.buf.sp_layer_pairs.resize(plan.reduced.ids.len(), 0);
+        self.run.sp_n = plan.reduced.elems;
         if plan.reduced.ids.is_empty() {
             return Ok(());
         }
@@ -436,14 +475,14 @@ impl Job {
         for (pos, &id) in plan.reduced.ids.iter().enumerate() {
             let l = &layers[id as usize];
             if l.non_finite {
-                self.sp_nonfinite.push(pos as u32);
+                self.buf.sp_nonfinite.push(pos as u32);
                 continue;
             }
             let off = plan.layers[id as usize].reduce_off as u32;
             let codec = l.codec.as_deref().ok_or_else(|| {
                 Error::InvalidArgument(format!("layer {:?}: reduced without a codec", l.name))
             })?;
-            let (idx, val) = (&mut self.sp_idx, &mut self.sp_val);
+            let (idx, val) = (&mut self.buf.sp_idx, &mut self.buf.sp_val);
             let before = idx.len();
             let pairs = codec.for_each_sent(&l.unit, l.n, &mut |i, v| {
                 idx.push(off + i as u32);
@@ -457,7 +496,7 @@ impl Job {
                     codec.config().name()
                 )));
             }
-            self.sp_layer_pairs[pos] = self.sp_idx.len() - before;
+            self.buf.sp_layer_pairs[pos] = self.buf.sp_idx.len() - before;
         }
         Ok(())
     }
@@ -518,8 +557,8 @@ impl Job {
         // Dense layers: the status words after the fused buffer (0 = ok):
         // this rank failed; a reduced or dense layer was non-finite here
         // (module docs).
-        self.dn_nonfinite.clear();
-        self.dn_nonfinite.extend(
+        self.buf.dn_nonfinite.clear();
+        self.buf.dn_nonfinite.extend(
             plan.layers
                 .iter()
                 .zip(layers)
@@ -527,32 +566,33 @@ impl Job {
                 .filter(|(_, (lp, l))| matches!(lp.mode, Mode::Dense | Mode::Local) && l.non_finite)
                 .map(|(i, _)| i as u32),
         );
-        self.status_len = 2;
-        self.dense.resize(dense_len + self.status_len, 0.0);
-        self.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
-        let nf = local.is_ok() && !(self.sp_nonfinite.is_empty() && self.dn_nonfinite.is_empty());
-        self.dense[dense_len + 1] = if nf { 1.0 } else { 0.0 };
+        self.run.status_len = 2;
+        self.buf.dense.resize(dense_len + self.run.status_len, 0.0);
+        self.buf.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
+        let nf = local.is_ok()
+            && !(self.buf.sp_nonfinite.is_empty() && self.buf.dn_nonfinite.is_empty());
+        self.buf.dense[dense_len + 1] = if nf { 1.0 } else { 0.0 };
         if local.is_err() {
             // Nothing of a failed local phase is sent.
-            self.sp_idx.clear();
-            self.sp_val.clear();
-            self.sp_nonfinite.clear();
-            self.dn_nonfinite.clear();
+            self.buf.sp_idx.clear();
+            self.buf.sp_val.clear();
+            self.buf.sp_nonfinite.clear();
+            self.buf.dn_nonfinite.clear();
         }
-        self.sp_n = plan.reduced.elems;
-        self.sp_bad_rank.clear();
-        self.sp_bad_rank.resize(plan.reduced.ids.len(), None);
-        self.dn_bad_rank.clear();
-        self.dn_bad_rank.resize(plan.layers.len(), None);
-        self.do_sparse = plan.sparse_reduce;
-        self.exchange = plan.exchange;
-        self.sparse_reduce_s = 0.0;
-        self.sparse_reduce_nnz = 0;
-        self.probe_nnz = None;
-        self.dense_len = dense_len;
+        self.run.sp_n = plan.reduced.elems;
+        self.buf.sp_bad_rank.clear();
+        self.buf.sp_bad_rank.resize(plan.reduced.ids.len(), None);
+        self.buf.dn_bad_rank.clear();
+        self.buf.dn_bad_rank.resize(plan.layers.len(), None);
+        self.run.do_sparse = plan.sparse_reduce;
+        self.run.exchange = plan.exchange;
+        self.out.sparse_reduce_s = 0.0;
+        self.out.sparse_reduce_nnz = 0;
+        self.out.probe_nnz = None;
+        self.run.dense_len = dense_len;
         match local {
             Ok(()) => write_fused(
-                &mut self.fused,
+                &mut self.buf.fused,
                 step,
                 plan.sparse.ids.iter().map(|&i| {
                     let l = &layers[i as usize];
@@ -564,26 +604,26 @@ impl Job {
                     (i, kind, if l.non_finite { &[][..] } else { &l.unit[..] })
                 }),
             ),
-            Err(e) => write_failed(&mut self.fused, step, &e.to_string()),
+            Err(e) => write_failed(&mut self.buf.fused, step, &e.to_string()),
         }
-        self.step = Some(step);
-        self.local_failed = local.as_ref().err().map(|e| e.to_string());
-        self.do_gather = plan.gather;
-        self.do_gvq = plan.rings;
-        self.do_reduce = plan.reduce;
-        self.gvq_s = 0.0;
-        self.gather_algo = plan.allgather;
-        self.reduce_gather_algo = plan.reduce_allgather;
-        self.reduce_algo = plan.allreduce;
-        self.allgather_s = 0.0;
-        self.allreduce_s = 0.0;
-        self.result = None;
-        if !self.do_gather && !plan.sparse.ids.is_empty() {
+        self.run.step = Some(step);
+        self.run.local_failed = local.as_ref().err().map(|e| e.to_string());
+        self.run.do_gather = plan.gather;
+        self.run.do_gvq = plan.rings;
+        self.run.do_reduce = plan.reduce;
+        self.out.gvq_s = 0.0;
+        self.run.gather_algo = plan.allgather;
+        self.run.reduce_gather_algo = plan.reduce_allgather;
+        self.run.reduce_algo = plan.allreduce;
+        self.out.allgather_s = 0.0;
+        self.out.allreduce_s = 0.0;
+        self.out.result = None;
+        if !self.run.do_gather && !plan.sparse.ids.is_empty() {
             // One rank: the gathered data is our own message.
-            self.gathered.data.clear();
-            self.gathered.data.extend_from_slice(&self.fused);
-            self.gathered.displs.clear();
-            self.gathered.displs.extend([0, self.fused.len()]);
+            self.buf.gathered.data.clear();
+            self.buf.gathered.data.extend_from_slice(&self.buf.fused);
+            self.buf.gathered.displs.clear();
+            self.buf.gathered.displs.extend([0, self.buf.fused.len()]);
         }
     }
 }

@@ -31,8 +31,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // Every element is written below (the dense layers tile the fused
         // buffer), so the buffer is only resized, not cleared: zeroing a
         // whole model's table cost one more pass over memory per step.
-        job.dense.resize(plan.dense.elems, 0.0);
-        for e in &mut job.gvq {
+        job.buf.dense.resize(plan.dense.elems, 0.0);
+        for e in &mut job.buf.gvq {
             e.state = None;
         }
         self.check_inputs(plan, grads, weights)?;
@@ -158,7 +158,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// Dense layers: their contribution into the fused buffer; GradiVeQ
-    /// layers: their inputs into `job.gvq` (one entry each, in layer
+    /// layers: their inputs into `job.buf.gvq` (one entry each, in layer
     /// order).
     fn dense_inputs(
         &mut self,
@@ -173,15 +173,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let w = weights.map(|w| w[i]);
             let lp = &plan.layers[i];
             if lp.mode == Mode::Dense {
-                let dst = &mut job.dense[lp.dense_off..lp.dense_off + l.n];
+                let dst = &mut job.buf.dense[lp.dense_off..lp.dense_off + l.n];
                 // A non-finite contribution makes the sum non-finite on
                 // every rank; the status words name this rank (job.rs).
                 l.non_finite = !l.dense_contribution(grads[i], w, params, dst);
             } else if lp.mode == Mode::Gradiveq {
-                if job.gvq.len() == gi {
-                    job.gvq.push(GvqEntry::default());
+                if job.buf.gvq.len() == gi {
+                    job.buf.gvq.push(GvqEntry::default());
                 }
-                let e = &mut job.gvq[gi];
+                let e = &mut job.buf.gvq[gi];
                 e.layer = i;
                 e.name.clone_from(&l.name);
                 e.input.resize(l.n, 0.0);
@@ -192,7 +192,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 gi += 1;
             }
         }
-        job.gvq.truncate(gi);
+        job.buf.gvq.truncate(gi);
     }
 
     /// The GradiVeQ layers' states into the job for their rings, unless
@@ -200,7 +200,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// rank, so the step fails on every rank instead (every layer rolled
     /// back).
     fn hand_over_gvq(&mut self, job: &mut Job) -> Result<()> {
-        if let Some(e) = job.gvq.iter().find(|e| !e.finite) {
+        if let Some(e) = job.buf.gvq.iter().find(|e| !e.finite) {
             let layer = self.reg.layers[e.layer].name.clone();
             for l in &mut self.reg.layers {
                 l.rollback();
@@ -210,7 +210,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 layer,
             });
         }
-        for e in &mut job.gvq {
+        for e in &mut job.buf.gvq {
             e.state = self.reg.layers[e.layer].gvq.take();
         }
         Ok(())

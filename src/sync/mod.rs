@@ -600,7 +600,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // What the layer puts into the sparse allreduce: 8 bytes a pair
             // (index, f32 value), whatever its unit's encoding (rgc-quant's
             // unit is its indices and one mean: 4 bytes a pair).
-            for (&id, &k) in plan.reduced.ids.iter().zip(&job.sp_layer_pairs) {
+            for (&id, &k) in plan.reduced.ids.iter().zip(&job.buf.sp_layer_pairs) {
                 self.reg.layers[id as usize].stats.bytes_sent = 8 * k;
             }
         }

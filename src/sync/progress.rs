@@ -76,20 +76,20 @@ impl Runner {
     /// Run `job`'s collectives (or, in a step that already failed on every
     /// rank, none: the step's first error stands).
     pub(super) fn run<C: Transport>(&mut self, job: &mut Job, comm: &C) {
-        if job.first {
+        if job.run.first {
             // A new step (or the same step number again, after a restore).
             self.failed_step = None;
         }
-        if let Some(step) = job.step.filter(|&s| self.failed_step == Some(s)) {
-            job.check = None;
-            job.result = Some(Err(Error::InvalidArgument(format!(
+        if let Some(step) = job.run.step.filter(|&s| self.failed_step == Some(s)) {
+            job.run.check = None;
+            job.out.result = Some(Err(Error::InvalidArgument(format!(
                 "step {step}: an earlier bucket failed on every rank"
             ))));
             return;
         }
         job.run(comm);
-        if matches!(job.result, Some(Err(_))) {
-            self.failed_step = job.step;
+        if matches!(job.out.result, Some(Err(_))) {
+            self.failed_step = job.run.step;
         }
     }
 }
@@ -222,21 +222,21 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return Err(Error::InvalidArgument("not between start and wait".into()));
         }
         let mut job = self.spare_job();
-        job.print = Some((print.0, print.1, local));
-        job.call = Some((call, self.step));
-        job.check = None;
-        job.first = false;
-        job.do_gather = false;
-        job.do_reduce = false;
-        job.do_gvq = false;
-        job.do_sparse = false;
-        job.step = None;
-        job.result = None;
+        job.run.print = Some((print.0, print.1, local));
+        job.run.call = Some((call, self.step));
+        job.run.check = None;
+        job.run.first = false;
+        job.run.do_gather = false;
+        job.run.do_reduce = false;
+        job.run.do_gvq = false;
+        job.run.do_sparse = false;
+        job.run.step = None;
+        job.out.result = None;
         let mut job = match self.dispatch(job) {
             (_, Some(job)) => job,
             (_, None) => self.collect_job(),
         };
-        let r = job.result.take().unwrap_or(Ok(()));
+        let r = job.out.result.take().unwrap_or(Ok(()));
         self.work.spare.push(job);
         r
     }

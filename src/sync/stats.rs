@@ -146,7 +146,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .iter()
             .filter(|p| !p.plan.sparse.ids.is_empty())
             .filter_map(|p| p.job.as_deref())
-            .map(|j| j.fused.len())
+            .map(|j| j.buf.fused.len())
             .sum();
         // Reuse the previous step's per-layer records (no allocation once
         // the names have been copied).
@@ -182,19 +182,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             layers: layer_stats,
             buckets: st.parts.len(),
             fused_bytes,
-            dense_bytes: 4 * jobs().map(|j| j.dense_len).sum::<usize>(),
+            dense_bytes: 4 * jobs().map(|j| j.run.dense_len).sum::<usize>(),
             select_s: info.select_s,
             pack_s: info.pack_s,
-            allgather_s: sum(|j| j.allgather_s),
-            allreduce_s: sum(|j| j.allreduce_s),
-            sparse_reduce_s: sum(|j| j.sparse_reduce_s),
-            sparse_reduce_nnz: jobs().map(|j| j.sparse_reduce_nnz).sum(),
+            allgather_s: sum(|j| j.out.allgather_s),
+            allreduce_s: sum(|j| j.out.allreduce_s),
+            sparse_reduce_s: sum(|j| j.out.sparse_reduce_s),
+            sparse_reduce_nnz: jobs().map(|j| j.out.sparse_reduce_nnz).sum(),
             sparse_exchange: exchange,
             fill_estimate: self.tuner.fill(),
             fill_sample,
             allreduce,
             allgather,
-            gradiveq_s: sum(|j| j.gvq_s),
+            gradiveq_s: sum(|j| j.out.gvq_s),
             unpack_s: self.reg.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
             device: None,

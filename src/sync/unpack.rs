@@ -125,7 +125,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             let Some(job) = part.job.as_mut() else {
                 continue;
             };
-            for e in &mut job.gvq {
+            for e in &mut job.buf.gvq {
                 if let Some(s) = e.state.take() {
                     self.reg.layers[e.layer].gvq = Some(s);
                 }
@@ -185,15 +185,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     end: 0,
                 },
             );
-            if job.gathered.len() != p {
+            if job.buf.gathered.len() != p {
                 return Err(Error::Transport(format!(
                     "gathered {} messages from {p} ranks",
-                    job.gathered.len()
+                    job.buf.gathered.len()
                 )));
             }
             for r in 0..p {
                 parse_fused(
-                    job.gathered.message(r),
+                    job.buf.gathered.message(r),
                     r,
                     self.step,
                     &part.plan.sparse.ids,
@@ -223,7 +223,7 @@ fn record_probe_nnz(parts: &mut [Part], probe_ids: &[u32], unpacked: &[Unpacked]
     };
     for (k, part) in parts.iter_mut().enumerate() {
         if let Some(job) = part.job.as_mut() {
-            job.probe_nnz = if k == 0 { probe_nnz } else { None };
+            job.out.probe_nnz = if k == 0 { probe_nnz } else { None };
         }
     }
 }
@@ -289,7 +289,7 @@ impl<'a> Unpacker<'a> {
     fn void_local_step(&self, plan: &StepScript, layers: &[Layer]) -> bool {
         plan.layers.iter().enumerate().any(|(i, lp)| {
             lp.mode == Mode::Local
-                && (self.part_of(i).1.dn_bad_rank[i].is_some() || layers[i].non_finite)
+                && (self.part_of(i).1.buf.dn_bad_rank[i].is_some() || layers[i].non_finite)
         })
     }
 
@@ -321,8 +321,8 @@ impl<'a> Unpacker<'a> {
             Mode::Sparse if lp.reduced => {
                 let j =
                     position(&plan.reduced.ids, i).expect("reduced layer is in the reduced group");
-                let slice = &job.sp_out[lp.reduce_off..lp.reduce_off + l.n];
-                (self.reduced(l, o, slice, &job.sp_bad_rank[j]), None)
+                let slice = &job.buf.sp_out[lp.reduce_off..lp.reduce_off + l.n];
+                (self.reduced(l, o, slice, &job.buf.sp_bad_rank[j]), None)
             }
             Mode::Sparse => {
                 let j = position(&plan.sparse.ids, i).expect("sparse layer is in the fused table");
@@ -331,8 +331,8 @@ impl<'a> Unpacker<'a> {
             Mode::Gradiveq => (self.gradiveq(i, l, o, job), None),
             Mode::Other => unreachable!("a layer's own bucket plans it"),
             Mode::Dense => {
-                let g = &job.dense[lp.dense_off..lp.dense_off + l.n];
-                (self.dense(l, o, g, &job.dn_bad_rank[i]), None)
+                let g = &job.buf.dense[lp.dense_off..lp.dense_off + l.n];
+                (self.dense(l, o, g, &job.buf.dn_bad_rank[i]), None)
             }
         };
         l.stats.unpack_s = t.elapsed().as_secs_f64();
@@ -344,7 +344,7 @@ impl<'a> Unpacker<'a> {
     fn local(&self, i: usize, l: &mut Layer, o: &mut [f32], job: &Job) -> Option<Error> {
         // The lowest rank whose gradient was non-finite (the status
         // words' markers; this rank alone when no allreduce ran).
-        let bad = job.dn_bad_rank[i].or(l.non_finite.then_some(self.rank));
+        let bad = job.buf.dn_bad_rank[i].or(l.non_finite.then_some(self.rank));
         if self.void {
             o.fill(f32::NAN);
         } else {
@@ -383,7 +383,7 @@ impl<'a> Unpacker<'a> {
     ) -> Result<Unpacked> {
         let codec = l.codec.as_deref().expect("sparse layer has a codec");
         let unpacked = unpack_layer_counting(
-            &job.gathered,
+            &job.buf.gathered,
             entries,
             codec,
             &l.name,
@@ -424,6 +424,7 @@ impl<'a> Unpacker<'a> {
     /// A GradiVeQ layer: its ring's sum averaged, then momentum.
     fn gradiveq(&self, i: usize, l: &mut Layer, o: &mut [f32], job: &Job) -> Option<Error> {
         let e = job
+            .buf
             .gvq
             .iter()
             .find(|e| e.layer == i)
