@@ -458,9 +458,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         // 3. Pack: the fused sparse message and the status words (job.rs).
         job.pack(&part.plan, &self.reg.layers, &local);
-        job.run.check = Some((st.seq, what));
-        job.run.call = Some((CallKind::Step, self.step));
-        job.run.first = st.parts.is_empty();
+        job.script.check = Some((st.seq, what));
+        job.script.call = Some((CallKind::Step, self.step));
+        job.script.first = st.parts.is_empty();
         let select_s: f64 = members
             .iter()
             .map(|&i| self.reg.layers[i as usize].stats.select_s)
@@ -468,7 +468,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         st.info.select_s += select_s;
         st.info.pack_s += (t.elapsed().as_secs_f64() - select_s).max(0.0);
         // 4. Communicate: on the progress thread, or here (progress.rs).
-        if job.run.do_gather || job.run.do_reduce || job.run.do_gvq || job.run.do_sparse {
+        if job.script.do_gather || job.script.do_reduce || job.script.do_gvq || job.script.do_sparse
+        {
             let (threaded, back) = self.dispatch(job);
             st.info.overlapped |= threaded;
             part.job = back;
@@ -607,7 +608,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         } else if self.plan.sparse_reduce {
             Some(
                 jobs()
-                    .filter(|j| j.run.do_sparse)
+                    .filter(|j| j.script.do_sparse)
                     .map(|j| j.out.sparse_reduce_nnz)
                     .sum(),
             )

@@ -70,7 +70,7 @@ pub(super) struct Job {
     pub(super) buf: RoundBuffers,
     /// What this round runs (set by `pack`, or between steps by the
     /// status agreement).
-    pub(super) run: RoundScript,
+    pub(super) script: RoundScript,
     /// What the round measured and returned, read back by the engine.
     pub(super) out: RoundOutcome,
 }
@@ -199,7 +199,7 @@ impl Job {
         if let Err(e) = &r {
             if !e.is_collective() {
                 let at = self
-                    .run
+                    .script
                     .step
                     .map_or_else(String::new, |s| format!("step {s}: "));
                 comm.abort(1, &format!("{at}{e}"));
@@ -217,24 +217,24 @@ impl Job {
     /// GradiVeQ rings.
     pub(super) fn communicate<C: Transport>(&mut self, comm: &C) -> Result<()> {
         self.agree_bucket(comm)?;
-        if let Some((h, what, local)) = self.run.print.take() {
+        if let Some((h, what, local)) = self.script.print.take() {
             return self.agree_entry(comm, local, h, &what);
         }
         // Every rank's failure text (empty = ok), once any rank failed.
         let mut failed: Option<Vec<String>> = None;
-        if self.run.do_gather {
+        if self.script.do_gather {
             failed = self.gather_messages(comm)?;
         }
-        if self.run.do_reduce && failed.is_none() {
+        if self.script.do_reduce && failed.is_none() {
             failed = self.reduce_dense(comm)?;
         }
         if failed.is_none() && comm.size() == 1 {
-            failed = self.run.local_failed.clone().map(|t| vec![t]);
+            failed = self.script.local_failed.clone().map(|t| vec![t]);
         }
         if let Some(texts) = failed {
             return Err(self.rank_failed(&texts));
         }
-        if self.run.do_sparse {
+        if self.script.do_sparse {
             self.reduce_pairs(comm)?;
         }
         self.run_rings(comm)
@@ -243,7 +243,7 @@ impl Job {
     /// The bucket's fingerprint, agreed before any collective whose size
     /// depends on it (at more than one rank).
     fn agree_bucket<C: Transport>(&mut self, comm: &C) -> Result<()> {
-        if let Some((h, what)) = self.run.check.take() {
+        if let Some((h, what)) = self.script.check.take() {
             if comm.size() > 1 {
                 self.agree_entry(comm, Ok(()), h, &what)?;
             }
@@ -264,10 +264,10 @@ impl Job {
     ) -> Result<()> {
         // The text only on a mismatch: nothing is formatted per bucket.
         let (kind, step) = self
-            .run
+            .script
             .call
             .take()
-            .unwrap_or((CallKind::Step, self.run.step.unwrap_or(0)));
+            .unwrap_or((CallKind::Step, self.script.step.unwrap_or(0)));
         let describe = || kind.describe(step);
         if agree_call(comm, kind, &describe, local, h)? {
             Ok(())
@@ -281,7 +281,7 @@ impl Job {
     /// marker.
     fn gather_messages<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
         let t = Instant::now();
-        let algo = self.run.gather_algo;
+        let algo = self.script.gather_algo;
         if algo == AllgathervAlgo::Node && !self.buf.nodes.is_empty() {
             // The engine's agreed node map, the one its model priced.
             allgatherv_nodes_with(
@@ -318,14 +318,14 @@ impl Job {
             validate: false,
             chunk_elems: 0,
         };
-        let algo = self.run.reduce_algo;
+        let algo = self.script.reduce_algo;
         allreduce_with(comm, &mut self.buf.dense, algo, &opts, &mut self.buf.ws)?;
         self.out.allreduce_s = t.elapsed().as_secs_f64();
         // The status word: the fraction of ranks that failed.
-        let status = &self.buf.dense[self.run.dense_len..];
-        let non_finite = self.run.status_len > 1 && status[1] != 0.0;
+        let status = &self.buf.dense[self.script.dense_len..];
+        let non_finite = self.script.status_len > 1 && status[1] != 0.0;
         if status[0] != 0.0 {
-            let mine = self.run.local_failed.clone().unwrap_or_default();
+            let mine = self.script.local_failed.clone().unwrap_or_default();
             let g =
                 crate::dense::allgatherv(comm, mine.as_bytes(), AllgathervAlgo::RecursiveDoubling)?;
             return Ok(Some(
@@ -342,12 +342,14 @@ impl Job {
     /// Every rank's failure `texts` (empty = ok) as the step's
     /// `RankFailed`, the same on every rank.
     fn rank_failed(&self, texts: &[String]) -> Error {
-        crate::comm::agree::rank_failed(texts, self.run.step).unwrap_or_else(|| Error::RankFailed {
-            rank: 0,
-            others: 0,
-            failed: vec![0],
-            step: self.run.step,
-            message: "(a rank flagged a failure without a message)".into(),
+        crate::comm::agree::rank_failed(texts, self.script.step).unwrap_or_else(|| {
+            Error::RankFailed {
+                rank: 0,
+                others: 0,
+                failed: vec![0],
+                step: self.script.step,
+                message: "(a rank flagged a failure without a message)".into(),
+            }
         })
     }
 
@@ -355,14 +357,14 @@ impl Job {
     fn reduce_pairs<C: Transport>(&mut self, comm: &C) -> Result<()> {
         let t = Instant::now();
         let opts = SparseAllreduceOptions {
-            gather: self.run.reduce_gather_algo,
+            gather: self.script.reduce_gather_algo,
             ..SparseAllreduceOptions::default()
         };
-        self.buf.sp_out.resize(self.run.sp_n, 0.0);
+        self.buf.sp_out.resize(self.script.sp_n, 0.0);
         self.out.sparse_reduce_nnz = reduce_sparse(
             comm,
-            (self.run.exchange, &self.buf.nodes),
-            self.run.sp_n,
+            (self.script.exchange, &self.buf.nodes),
+            self.script.sp_n,
             &self.buf.sp_idx,
             &self.buf.sp_val,
             &mut self.buf.sp_out,
@@ -377,7 +379,7 @@ impl Job {
     /// them), timed into `gvq_s`.
     fn run_rings<C: Transport>(&mut self, comm: &C) -> Result<()> {
         let t = Instant::now();
-        if self.run.do_gvq {
+        if self.script.do_gvq {
             for e in &mut self.buf.gvq {
                 let st = e.state.as_mut().ok_or_else(|| {
                     Error::Transport("GradiVeQ state missing from the job".into())
@@ -460,7 +462,7 @@ impl Job {
         self.buf.sp_nonfinite.clear();
         self.buf.sp_layer_pairs.clear();
         self.buf.sp_layer_pairs.resize(plan.reduced.ids.len(), 0);
-        self.run.sp_n = plan.reduced.elems;
+        self.script.sp_n = plan.reduced.elems;
         if plan.reduced.ids.is_empty() {
             return Ok(());
         }
@@ -566,8 +568,10 @@ impl Job {
                 .filter(|(_, (lp, l))| matches!(lp.mode, Mode::Dense | Mode::Local) && l.non_finite)
                 .map(|(i, _)| i as u32),
         );
-        self.run.status_len = 2;
-        self.buf.dense.resize(dense_len + self.run.status_len, 0.0);
+        self.script.status_len = 2;
+        self.buf
+            .dense
+            .resize(dense_len + self.script.status_len, 0.0);
         self.buf.dense[dense_len] = if local.is_err() { 1.0 } else { 0.0 };
         let nf = local.is_ok()
             && !(self.buf.sp_nonfinite.is_empty() && self.buf.dn_nonfinite.is_empty());
@@ -579,17 +583,17 @@ impl Job {
             self.buf.sp_nonfinite.clear();
             self.buf.dn_nonfinite.clear();
         }
-        self.run.sp_n = plan.reduced.elems;
+        self.script.sp_n = plan.reduced.elems;
         self.buf.sp_bad_rank.clear();
         self.buf.sp_bad_rank.resize(plan.reduced.ids.len(), None);
         self.buf.dn_bad_rank.clear();
         self.buf.dn_bad_rank.resize(plan.layers.len(), None);
-        self.run.do_sparse = plan.sparse_reduce;
-        self.run.exchange = plan.exchange;
+        self.script.do_sparse = plan.sparse_reduce;
+        self.script.exchange = plan.exchange;
         self.out.sparse_reduce_s = 0.0;
         self.out.sparse_reduce_nnz = 0;
         self.out.probe_nnz = None;
-        self.run.dense_len = dense_len;
+        self.script.dense_len = dense_len;
         match local {
             Ok(()) => write_fused(
                 &mut self.buf.fused,
@@ -606,19 +610,19 @@ impl Job {
             ),
             Err(e) => write_failed(&mut self.buf.fused, step, &e.to_string()),
         }
-        self.run.step = Some(step);
-        self.run.local_failed = local.as_ref().err().map(|e| e.to_string());
-        self.run.do_gather = plan.gather;
-        self.run.do_gvq = plan.rings;
-        self.run.do_reduce = plan.reduce;
+        self.script.step = Some(step);
+        self.script.local_failed = local.as_ref().err().map(|e| e.to_string());
+        self.script.do_gather = plan.gather;
+        self.script.do_gvq = plan.rings;
+        self.script.do_reduce = plan.reduce;
         self.out.gvq_s = 0.0;
-        self.run.gather_algo = plan.allgather;
-        self.run.reduce_gather_algo = plan.reduce_allgather;
-        self.run.reduce_algo = plan.allreduce;
+        self.script.gather_algo = plan.allgather;
+        self.script.reduce_gather_algo = plan.reduce_allgather;
+        self.script.reduce_algo = plan.allreduce;
         self.out.allgather_s = 0.0;
         self.out.allreduce_s = 0.0;
         self.out.result = None;
-        if !self.run.do_gather && !plan.sparse.ids.is_empty() {
+        if !self.script.do_gather && !plan.sparse.ids.is_empty() {
             // One rank: the gathered data is our own message.
             self.buf.gathered.data.clear();
             self.buf.gathered.data.extend_from_slice(&self.buf.fused);

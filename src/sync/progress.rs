@@ -76,12 +76,12 @@ impl Runner {
     /// Run `job`'s collectives (or, in a step that already failed on every
     /// rank, none: the step's first error stands).
     pub(super) fn run<C: Transport>(&mut self, job: &mut Job, comm: &C) {
-        if job.run.first {
+        if job.script.first {
             // A new step (or the same step number again, after a restore).
             self.failed_step = None;
         }
-        if let Some(step) = job.run.step.filter(|&s| self.failed_step == Some(s)) {
-            job.run.check = None;
+        if let Some(step) = job.script.step.filter(|&s| self.failed_step == Some(s)) {
+            job.script.check = None;
             job.out.result = Some(Err(Error::InvalidArgument(format!(
                 "step {step}: an earlier bucket failed on every rank"
             ))));
@@ -89,7 +89,7 @@ impl Runner {
         }
         job.run(comm);
         if matches!(job.out.result, Some(Err(_))) {
-            self.failed_step = job.run.step;
+            self.failed_step = job.script.step;
         }
     }
 }
@@ -222,15 +222,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             return Err(Error::InvalidArgument("not between start and wait".into()));
         }
         let mut job = self.spare_job();
-        job.run.print = Some((print.0, print.1, local));
-        job.run.call = Some((call, self.step));
-        job.run.check = None;
-        job.run.first = false;
-        job.run.do_gather = false;
-        job.run.do_reduce = false;
-        job.run.do_gvq = false;
-        job.run.do_sparse = false;
-        job.run.step = None;
+        job.script.print = Some((print.0, print.1, local));
+        job.script.call = Some((call, self.step));
+        job.script.check = None;
+        job.script.first = false;
+        job.script.do_gather = false;
+        job.script.do_reduce = false;
+        job.script.do_gvq = false;
+        job.script.do_sparse = false;
+        job.script.step = None;
         job.out.result = None;
         let mut job = match self.dispatch(job) {
             (_, Some(job)) => job,

@@ -182,7 +182,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             layers: layer_stats,
             buckets: st.parts.len(),
             fused_bytes,
-            dense_bytes: 4 * jobs().map(|j| j.run.dense_len).sum::<usize>(),
+            dense_bytes: 4 * jobs().map(|j| j.script.dense_len).sum::<usize>(),
             select_s: info.select_s,
             pack_s: info.pack_s,
             allgather_s: sum(|j| j.out.allgather_s),
