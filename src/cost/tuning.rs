@@ -21,8 +21,8 @@
 //! engine logs the table once at `debug`, after its first step's lookups
 //! ([`Tuning::log_once`]). A model error (the same on every rank: every input is) falls
 //! back to the simplest candidate with a warning naming it. A forced
-//! choice that cannot run in this job is refused by [`Tuning::new`],
-//! naming why.
+//! choice that cannot run in this job (a node-aware collective without a
+//! node map) is refused by [`Tuning::new`], naming why.
 
 use super::{ExchangeQuery, Profile, StrategyId};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
@@ -128,6 +128,13 @@ impl Tuning {
         if !has_nodes && masks.allgather.is(AllgathervAlgo::Node) {
             return Err(Error::Unsupported(
                 "allgather \"node\" needs the ranks' nodes (an MPI communicator); \
+                 this transport has none"
+                    .into(),
+            ));
+        }
+        if !has_nodes && masks.allreduce.is(AllreduceAlgo::Hierarchical) {
+            return Err(Error::Unsupported(
+                "allreduce \"hierarchical\" needs the ranks' nodes (an MPI communicator); \
                  this transport has none"
                     .into(),
             ));
