@@ -166,21 +166,20 @@ impl Tuning {
     /// The dense group's allreduce for `bytes` per rank.
     pub fn dense_allreduce(&mut self, bytes: f64) -> &Decision<AllreduceAlgo> {
         let key = bytes.to_bits();
-        if self.dense.as_ref().is_none_or(|r| r.input != key) {
-            let decision = self.price_dense(bytes);
-            self.dense = Some(Row {
-                input: key,
-                decision,
-            });
+        if stale(&self.dense, &key) {
+            self.dense = Some(Row::new(key, self.price_dense(bytes)));
         }
-        &self.dense.as_ref().expect("priced above").decision
+        priced(&self.dense)
     }
 
     fn price_dense(&self, bytes: f64) -> Decision<AllreduceAlgo> {
-        let prof = match (self.masks.allreduce, &self.prof) {
-            (Pick::Fixed(a), _) => return Decision::unpriced(a),
-            (Pick::Auto, Some(prof)) => prof,
-            (Pick::Auto, None) => return Decision::unpriced(AllreduceAlgo::Rabenseifner),
+        let prof = match to_price(
+            self.masks.allreduce,
+            &self.prof,
+            AllreduceAlgo::Rabenseifner,
+        ) {
+            Ok(prof) => prof,
+            Err(d) => return d,
         };
         match super::choose_dense_allreduce(prof, bytes, self.p, self.ranks_per_node) {
             Ok(c) => Decision {
@@ -214,21 +213,20 @@ impl Tuning {
     /// The fused message's allgatherv for `bytes` per rank.
     pub fn allgatherv(&mut self, bytes: f64) -> &Decision<AllgathervAlgo> {
         let key = bytes.to_bits();
-        if self.gather.as_ref().is_none_or(|r| r.input != key) {
-            let decision = self.price_gather(bytes);
-            self.gather = Some(Row {
-                input: key,
-                decision,
-            });
+        if stale(&self.gather, &key) {
+            self.gather = Some(Row::new(key, self.price_gather(bytes)));
         }
-        &self.gather.as_ref().expect("priced above").decision
+        priced(&self.gather)
     }
 
     fn price_gather(&self, bytes: f64) -> Decision<AllgathervAlgo> {
-        let prof = match (self.masks.allgather, &self.prof) {
-            (Pick::Fixed(a), _) => return Decision::unpriced(a),
-            (Pick::Auto, Some(prof)) => prof,
-            (Pick::Auto, None) => return Decision::unpriced(AllgathervAlgo::RecursiveDoubling),
+        let prof = match to_price(
+            self.masks.allgather,
+            &self.prof,
+            AllgathervAlgo::RecursiveDoubling,
+        ) {
+            Ok(prof) => prof,
+            Err(d) => return d,
         };
         match super::choose_allgatherv(prof, bytes, self.p, self.ranks_per_node) {
             Ok(c) => Decision {
@@ -256,25 +254,20 @@ impl Tuning {
         load: &ExchangeLoad,
         fill: Option<f64>,
     ) -> &Decision<SparseExchange> {
-        let fresh = self
-            .exchange
-            .as_ref()
-            .is_none_or(|r| r.input.0 != *load || r.input.1 != fill.map(f64::to_bits));
-        if fresh {
+        let fill_bits = fill.map(f64::to_bits);
+        let same =
+            |r: &Row<(ExchangeLoad, Option<u64>), _>| r.input.0 == *load && r.input.1 == fill_bits;
+        if !self.exchange.as_ref().is_some_and(same) {
             let decision = self.price_exchange(load, fill);
-            self.exchange = Some(Row {
-                input: (load.clone(), fill.map(f64::to_bits)),
-                decision,
-            });
+            self.exchange = Some(Row::new((load.clone(), fill_bits), decision));
         }
-        &self.exchange.as_ref().expect("priced above").decision
+        priced(&self.exchange)
     }
 
     fn price_exchange(&self, load: &ExchangeLoad, fill: Option<f64>) -> Decision<SparseExchange> {
-        let prof = match (self.masks.exchange, &self.prof) {
-            (Pick::Fixed(x), _) => return Decision::unpriced(x),
-            (Pick::Auto, Some(prof)) => prof,
-            (Pick::Auto, None) => return Decision::unpriced(SparseExchange::Allgather),
+        let prof = match to_price(self.masks.exchange, &self.prof, SparseExchange::Allgather) {
+            Ok(prof) => prof,
+            Err(d) => return d,
         };
         let q = ExchangeQuery {
             at: crate::cost::Placement {
@@ -396,6 +389,36 @@ fn row_line<T: Copy + std::fmt::Display>(mask: Pick<T>, d: &Decision<T>) -> Stri
         Pick::Fixed(t) => format!("{t} (forced)"),
         Pick::Auto if d.prices.is_empty() => format!("{} (auto, unpriced)", d.pick),
         Pick::Auto => format!("{} (auto: {})", d.pick, d.describe()),
+    }
+}
+
+impl<K, T> Row<K, T> {
+    fn new(input: K, decision: Decision<T>) -> Self {
+        Row { input, decision }
+    }
+}
+
+/// Whether `row` is missing or was priced for another input than `key`.
+fn stale<K: PartialEq, T>(row: &Option<Row<K, T>>, key: &K) -> bool {
+    row.as_ref().is_none_or(|r| r.input != *key)
+}
+
+/// The decision of a row just priced.
+fn priced<K, T>(row: &Option<Row<K, T>>) -> &Decision<T> {
+    &row.as_ref().expect("priced by the caller").decision
+}
+
+/// The profile a row is priced with, or the decision without pricing: the
+/// forced choice, or under `auto` without a profile the `simplest`.
+fn to_price<T: Copy>(
+    mask: Pick<T>,
+    prof: &Option<Profile>,
+    simplest: T,
+) -> std::result::Result<&Profile, Decision<T>> {
+    match (mask, prof) {
+        (Pick::Fixed(t), _) => Err(Decision::unpriced(t)),
+        (Pick::Auto, Some(prof)) => Ok(prof),
+        (Pick::Auto, None) => Err(Decision::unpriced(simplest)),
     }
 }
 
