@@ -64,7 +64,7 @@ use crate::{Error, Result};
 use clap::{Parser, Subcommand};
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-/// A synthetic gradient-like tensor (the library's [`crate::cost::synthetic`]).
+/// A synthetic gradient-like tensor (the library's [`crate::calibrate::synthetic`]).
 pub use crate::calibrate::synthetic;
 pub use crate::calibrate::{CheckRecord, CheckSummary};
 pub use bench::BenchArgs;

@@ -70,7 +70,7 @@ pub struct ExchangeChoice {
 /// per layer, on the engine's threads when there are several layers, as
 /// [`plan_step`](super::plan_step) charges them). The pair layers are priced alone: the fused
 /// allgatherv's α is charged to them even where other codecs' units keep
-/// it running. The choice is the first candidate within [`NEAR_TIE`] of
+/// it running. The choice is the first candidate within [`NEAR_TIE`](super::NEAR_TIE) of
 /// the cheapest, as [`plan_step`](super::plan_step) chooses its sparse
 /// group's collective (within 2 % of that group's cost). The two price the
 /// group alike but not identically (here the pair layers alone, with the
@@ -174,7 +174,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
 /// hierarchical allreduce, priced as [`plan_step`](super::plan_step) prices the dense group.
 /// Every input must be the same on every rank (the engine passes the
 /// step's dense elements, the communicator's size and its node map), so
-/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`]; one rank,
+/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`](super::NEAR_TIE); one rank,
 /// no bytes) go to Rabenseifner; the predictions are in that order.
 pub fn choose_dense_allreduce(
     prof: &Profile,
@@ -225,7 +225,7 @@ pub struct AllgathervChoice {
 /// [`plan_step`](super::plan_step) prices the fused allgatherv. Every
 /// input must be the same on every rank (the engine passes the step's
 /// fused message size, the communicator's size and its node map), so
-/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`]) go to the
+/// every rank runs the same algorithm. Near-ties ([`NEAR_TIE`](super::NEAR_TIE)) go to the
 /// flat one.
 ///
 /// ```

@@ -72,7 +72,7 @@ mod query;
 pub mod records;
 mod step;
 pub mod topology;
-mod tuning;
+pub mod tuning;
 pub use argmin::NEAR_TIE;
 pub use bucket::{
     choose_bucket_cap, cut_buckets, price_buckets, BucketPlan, BucketTiming, CAPS_MB,

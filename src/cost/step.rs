@@ -363,7 +363,7 @@ pub(super) fn sparse_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
 /// output and scatter-adding the `p` units, which the engine does in its
 /// layers' local phase), [`StrategyId::SparseAllreduce`] or
 /// [`StrategyId::SparseHierarchical`] (their own clearing and summing
-/// included). `fill`: the measured fill ratio, as [`StepQuery::fill`].
+/// included). `fill`: the measured fill ratio, as [`Placement::fill`](super::Placement::fill).
 /// The fused allgatherv is priced as `allgather = "auto"` runs it (the
 /// cheaper of the flat and the node-aware one,
 /// [`choose_allgatherv`](super::choose_allgatherv));

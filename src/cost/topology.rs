@@ -35,7 +35,7 @@
 //!   `L − 1` messages into the node's leader, the leaders' allgather of
 //!   the `L·m`-byte node blocks over the `H` nodes (one rank per node
 //!   crosses), a binomial broadcast of the `p·m`-byte result inside the
-//!   node ([`allgather_node`]);
+//!   node (`allgather_node`);
 //! * `sparse-allreduce` ([`crate::sparse::sparse_allreduce`]): its
 //!   agreement and sample allgather (`2⌈lg p⌉·α`), `p − 1` rounds of
 //!   pairwise exchange (two messages each: the count, then `k/p` pairs of
@@ -64,7 +64,7 @@
 //! independent (the most a sparse allreduce can carry, and what random
 //! data gives); gradients selected by magnitude overlap more. A measured
 //! fill ratio `ρ = F(p)/(p·k)` (the engine reports `F(p)` each step) gives
-//! `F(j) = clamp(ρ·j·k, k, n)` instead ([`StepQuery::fill`]).
+//! `F(j) = clamp(ρ·j·k, k, n)` instead ([`Placement::fill`](super::Placement::fill)).
 //!
 //! **Burst credit.** A link shaped by a token bucket ([`Burst`]: a cloud
 //! VM's, the emulated cluster's) moves the first bytes after an idle spell
@@ -168,7 +168,7 @@ pub(crate) struct Net<'a> {
     pub l: usize,
     /// Measured fill ratio of the sparse allreduces, if any.
     pub fill: Option<f64>,
-    /// The fused message's allgatherv ([`StepQuery::allgather`]).
+    /// The fused message's allgatherv ([`Placement::allgather`](super::Placement::allgather)).
     pub gather: crate::strategy::Pick<crate::dense::AllgathervAlgo>,
     /// Bytes of the link's [`Burst`] credit the current collective has not
     /// spent yet (each collective's entry point refills it).

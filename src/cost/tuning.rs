@@ -14,7 +14,7 @@
 //! Each decision is priced by the cost model's group prices
 //! ([`super::choose_dense_allreduce`], [`super::choose_allgatherv`],
 //! [`super::choose_sparse_exchange`]; their one argmin and near-tie rule is
-//! [`super::argmin`]) once for each input it sees: a row stays priced
+//! `cost::argmin`) once for each input it sees: a row stays priced
 //! while the step's input is the one it was priced for (the dense group's
 //! bytes, the fused message's bytes, the reduced group's load and the fill
 //! estimate), so a table whose groups do not change is priced once. The
@@ -97,7 +97,7 @@ struct Row<K, T> {
     decision: Decision<T>,
 }
 
-/// The engine's decision table (module docs).
+/// The engine's decision table ([module docs](self)).
 #[derive(Clone, Debug)]
 pub struct Tuning {
     prof: Option<Profile>,
@@ -201,13 +201,18 @@ impl Tuning {
 
     /// The cost model's id of the dense group's algorithm for `bytes` per
     /// rank (how the step model prices the layers fixed dense; priced
-    /// afresh, the row left as it is).
-    pub fn dense_id(&self, bytes: f64) -> StrategyId {
-        match self.price_dense(bytes).pick {
+    /// afresh, the row left as it is). A model error is an error here: a
+    /// plan is not made from a fallback.
+    pub fn dense_id(&self, bytes: f64) -> Result<StrategyId> {
+        let d = self.price_dense(bytes);
+        if let Some(why) = d.fallback {
+            return Err(Error::InvalidArgument(why));
+        }
+        Ok(match d.pick {
             AllreduceAlgo::Ring => StrategyId::DenseRing,
             AllreduceAlgo::Hierarchical => StrategyId::DenseHierarchical,
             AllreduceAlgo::Rabenseifner | AllreduceAlgo::Mpi => StrategyId::DenseRabenseifner,
-        }
+        })
     }
 
     /// The fused message's allgatherv for `bytes` per rank.
@@ -236,6 +241,19 @@ impl Tuning {
             },
             Err(e) => fallen_back(AllgathervAlgo::RecursiveDoubling, "allgather", e),
         }
+    }
+
+    /// The fused message's allgatherv when it needs no pricing (forced, or
+    /// `auto` without a profile), so that the caller need not size the
+    /// message; `None` when [`allgatherv`](Self::allgatherv) prices it.
+    pub fn allgatherv_unpriced(&self) -> Option<AllgathervAlgo> {
+        to_price(
+            self.masks.allgather,
+            &self.prof,
+            AllgathervAlgo::RecursiveDoubling,
+        )
+        .err()
+        .map(|d| d.pick)
     }
 
     /// The allgatherv inside the sparse allreduces: the forced one, else
@@ -476,7 +494,7 @@ mod tests {
             let want = crate::cost::choose_dense_allreduce(&pr, bytes, 8, Some(2)).unwrap();
             let d = a.dense_allreduce(bytes).clone();
             assert_eq!(d.prices.len(), want.predictions.len());
-            assert_eq!(a.dense_id(bytes), want.id);
+            assert_eq!(a.dense_id(bytes).unwrap(), want.id);
             let g = crate::cost::choose_allgatherv(&pr, bytes, 8, Some(2)).unwrap();
             assert_eq!(a.allgatherv(bytes).pick, g.algo);
         }

@@ -38,7 +38,7 @@ pub enum AllgathervAlgo {
     RecursiveDoubling,
     /// The MPI library's own `MPI_Allgatherv` (only on [`MpiComm`](crate::comm::MpiComm)).
     Mpi,
-    /// Node-aware ([`node`]): gather to each node's leader, the leaders'
+    /// Node-aware (`node`): gather to each node's leader, the leaders'
     /// allgatherv, a broadcast inside each node, by the transport's node
     /// map ([`Transport::node_ids`]). The flat `recdbl` where the map is
     /// unknown (in process), one node, or one rank per node.

@@ -24,8 +24,10 @@
 //! ([`PowerSgd::new`], orthogonalized) and, with warm start, is the last
 //! step's `Q` (orthogonalized again before use), as in the paper's §3.
 //!
-//! Products run on faer's matrix multiply (f32, sequential, the same bits
-//! on every rank); the orthogonalization is modified Gram–Schmidt applied
+//! Products run on faer's matrix multiply (f32, sequential): the same
+//! bits on every rank of one CPU type (faer picks its SIMD kernel by CPU,
+//! so ranks on different CPU types may differ in the last bits of `M̂`,
+//! which the engine must settle before it runs this); the orthogonalization is modified Gram–Schmidt applied
 //! twice with f64 accumulation ("twice is enough"), and a column whose norm
 //! falls to `RANK_TOL` of its norm before projection (a rank-deficient or
 //! all-zero `P`) is set to zero instead of being divided by its rounding

@@ -159,13 +159,15 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.plan.allgather = self.plan.reduce_allgather;
             return;
         }
+        // Forced, or `auto` without a profile: nothing to size or price.
+        if let Some(algo) = self.tuning.allgatherv_unpriced() {
+            self.plan.allgather = algo;
+            return;
+        }
         let bytes = self.fused_bytes();
         let d = self.tuning.allgatherv(bytes);
         let algo = d.pick;
-        if self.cfg.allgather.is_auto()
-            && !d.prices.is_empty()
-            && self.tuner.chose(Choice::Allgather(algo))
-        {
+        if self.tuner.chose(Choice::Allgather(algo)) && d.fallback.is_none() {
             log::info!(
                 "gradsync: step {}: allgather auto chose {} for {bytes} bytes a rank: {}",
                 self.step,

@@ -71,7 +71,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// layer `i`'s gradient (registration order), replaced by the layer's
     /// update direction in its own dtype. Float32 layers are used in place;
     /// float16 and bfloat16 ones go through a float32 workspace the engine
-    /// keeps between steps (the [module docs](self) give the error bound).
+    /// keeps between steps (the module docs of `mixed.rs` give the error bound).
     /// Collective, like [`sync`](Self::sync).
     ///
     /// ```

@@ -21,9 +21,10 @@
 //!   ([`crate::sparse::sparse_allreduce`]) after the step's status
 //!   agreement, with bitwise the same result (`job.rs` says how failures
 //!   and NaN/Inf reach every rank on that path); `Hierarchical` runs the
-//!   node-aware one, and [`SparseExchange::Auto`] lets the cost model
-//!   choose among the three every step
-//!   ([`crate::cost::choose_sparse_exchange`], priced with a fill ratio
+//!   node-aware one, and `auto` ([`Pick::Auto`]) lets the cost model
+//!   choose among the three every step (the decision table,
+//!   [`crate::cost::Tuning`], pricing by
+//!   [`crate::cost::choose_sparse_exchange`] with a fill ratio
 //!   estimated from the previous steps' results; `exchange.rs`).
 //! * `Dense` layers are fused into one buffer and averaged with Rabenseifner's
 //!   allreduce (Horovod-style tensor fusion); momentum (plain or Nesterov) is

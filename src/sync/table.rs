@@ -513,7 +513,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let (method, method_name) = self.auto_method()?;
         // The decision table's algorithm for the layers fixed dense (`auto`
         // chooses every step by the dense group's size).
-        let dense = self.tuning.dense_id(self.fixed_dense_bytes());
+        let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
         let table: Vec<StepLayer> = self
             .reg
             .layers
@@ -597,7 +597,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             ));
         }
         let d = self.cfg.auto_density;
-        let dense = self.tuning.dense_id(self.fixed_dense_bytes());
+        let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
         let table: Vec<StepLayer> = self
             .reg
             .layers
