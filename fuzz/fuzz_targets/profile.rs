@@ -5,7 +5,7 @@
 //! saves loads again.
 #![no_main]
 
-use gradsync::cost::{choose, crossover, predict, Profile, Query, StrategyId};
+use gradsync::cost::{choose, crossover, predict, Placement, Profile, Query, StrategyId};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -31,11 +31,13 @@ fuzz_target!(|data: &[u8]| {
         for method in ["trimmed", "threshold", "quant", "exact"] {
             let q = Query {
                 n,
-                p,
+                at: Placement {
+                    p,
+                    ranks_per_node: l,
+                    ..Placement::default()
+                },
                 density: 0.01,
                 gradiveq_ratio: 8.0,
-                ranks_per_node: l,
-                fill: None,
             };
             if let Ok(preds) = predict(&prof, &q, method) {
                 let _ = choose(&preds, &[]);
@@ -45,11 +47,13 @@ fuzz_target!(|data: &[u8]| {
     }
     let base = Query {
         n: 1,
-        p: 8,
+        at: Placement {
+            p: 8,
+            ranks_per_node: Some(2),
+            ..Placement::default()
+        },
         density: 0.001,
         gradiveq_ratio: 8.0,
-        ranks_per_node: Some(2),
-        fill: None,
     };
     let _ = crossover(
         &prof,
