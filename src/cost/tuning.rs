@@ -18,9 +18,10 @@
 //! while the step's input is the one it was priced for (the dense group's
 //! bytes, the fused message's bytes, the reduced group's load and the fill
 //! estimate), so a table whose groups do not change is priced once. The
-//! engine logs the table once at `debug`, after its first step's lookups
-//! ([`Tuning::log_once`]). A model error (the same on every rank: every input is) falls
-//! back to the simplest candidate with a warning naming it. A forced
+//! engine logs the table once at `debug`, after the lookups of its first
+//! step that communicates without a dense warm-up ([`Tuning::log_once`]).
+//! A model error (the same on every rank: every input is) falls back to
+//! the simplest candidate with a warning naming it. A forced
 //! choice that cannot run in this job (a node-aware collective without a
 //! node map) is refused by [`Tuning::new`], naming why.
 
@@ -373,7 +374,8 @@ impl Tuning {
     }
 
     /// Log the table ([`describe`](Self::describe)) at `debug`, the first
-    /// time only: the engine calls it after its first step's lookups.
+    /// time only: the engine calls it after the lookups of its first step
+    /// that communicates without a dense warm-up.
     pub fn log_once(&mut self) {
         if !self.logged {
             self.logged = true;

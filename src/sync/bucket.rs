@@ -327,7 +327,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.resolve_exchange();
         self.resolve_allreduce();
         self.resolve_allgather();
-        self.tuning.log_once();
+        // Once, at the first step whose collectives were all looked up (a
+        // dense warm-up or a delayed step asks fewer).
+        if self.plan.communicates && !self.plan.dense_warmup {
+            self.tuning.log_once();
+        }
         for l in &mut self.reg.layers {
             l.begin_step();
         }
