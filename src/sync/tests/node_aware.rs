@@ -224,3 +224,39 @@ fn auto_allgather_goes_node_aware_across_slow_nodes() {
         }
     }
 }
+
+/// A forced node-aware collective on a transport without a node map (in
+/// process) is refused at creation, on every rank alike, naming the
+/// option: the hierarchical allreduce as the node-aware allgatherv and
+/// exchange are.
+#[test]
+fn forced_node_aware_collectives_without_nodes_fail_every_rank_at_creation() {
+    let cases = [
+        (
+            Config {
+                allreduce: crate::dense::AllreduceAlgo::Hierarchical.into(),
+                ..cfg()
+            },
+            "allreduce \"hierarchical\"",
+        ),
+        (
+            Config {
+                allgather: crate::dense::AllgathervAlgo::Node.into(),
+                ..cfg()
+            },
+            "allgather \"node\"",
+        ),
+    ];
+    for (c, want) in cases {
+        for p in [1, 3] {
+            let errs = creation_errors(p, c.clone());
+            assert_eq!(errs.len(), p);
+            for e in &errs {
+                assert!(
+                    e.contains(want) && e.contains("needs the ranks' nodes"),
+                    "p={p}: {e}"
+                );
+            }
+        }
+    }
+}
