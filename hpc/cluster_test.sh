@@ -283,13 +283,20 @@ if not b:
 # messages after the idle spell: 55 KB on one 2-vCPU CI machine, up to
 # 250 KB on others. A tenth of the bucket is the floor (below that the
 # credit is noise the fit should not have kept).
-assert 25e3 < b["bytes"] < 1.1e6, f"burst credit {b['bytes']} B (the bucket holds 250 KB)"
+# A credit outside these bounds is measured again (exit 4) and fails the
+# test only when the second run keeps one too: one run's noise can look
+# like a credit (another machine's CI once failed here, once).
+if not 25e3 < b["bytes"] < 1.1e6:
+    print(f"{line}, burst credit {b['bytes']} B (the bucket holds 250 KB)")
+    sys.exit(4)
 # How much faster depends on the CPUs that move the burst (the shaper
 # itself passes it at memory speed): 0.13-0.28 of the sustained rate on
 # 2-vCPU VMs, 0.50 and 0.82 on CI machines. Faster it must be: a credit
 # at the sustained rate saves nothing and the fit would not keep it.
 top = e["beta_curve"][-1]["per_byte"]
-assert b["beta"] < top, f"burst credit at {b['beta']} s/B, slower than the sustained {top} s/B"
+if not b["beta"] < top:
+    print(f"{line}, burst credit at {b['beta']} s/B, slower than the sustained {top} s/B")
+    sys.exit(4)
 # A credit the fit kept on the error it removes but whose rate is within
 # a fifth of the sustained one is this machine's noise as much as the
 # shaper's bucket: measured again, then reported, like no credit.
@@ -305,7 +312,13 @@ for try in 1 2; do
   [ "$run_rc" = 0 ] || fail "calibrate on 2 x 2 exited $run_rc" "$WORK/calibrate 2x2.log"
   levels_rc=0
   levels=$(levels_check "$WORK/prof2x2.json") || levels_rc=$?
-  [ "$levels_rc" = 0 ] || [ "$levels_rc" = 3 ] || fail "calibrate on 2 x 2: the profile's levels are wrong" "$WORK/prof2x2.json"
+  case "$levels_rc" in
+    0 | 3) ;;
+    4) [ "$try" = 1 ] || fail "calibrate on 2 x 2: an implausible burst credit on the second run too: $levels" "$WORK/prof2x2.json"
+       say "calibrate on 2 x 2: an implausible burst credit ($levels); measuring again"
+       continue ;;
+    *) fail "calibrate on 2 x 2: the profile's levels are wrong" "$WORK/prof2x2.json" ;;
+  esac
   [ "$levels_rc" = 3 ] || break
   # What the fit saw, from rank 0's debug log: the post-idle exchanges
   # and the error with and without a credit.

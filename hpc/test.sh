@@ -8,6 +8,10 @@
 # sets seconds per target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One stream: a record that keeps only standard output (CI's) still shows
+# why a step failed, and which command did.
+exec 2>&1
+trap 'echo "test.sh: FAILED (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
 # PyTorch too: the torch tests (DDP hook, DistributedOptimizer, half
 # precision) run here, none skipped (GRADSYNC_REQUIRE_TORCH=1 below).
 GRADSYNC_WITH_TORCH=1 hpc/setup.sh
