@@ -31,6 +31,15 @@
 //!   latency-free profile and one more layer at density 0.5, under which
 //!   the sparse allreduce pays off at 8 ranks (the step's `sparse_exchange` says which ran: the allgatherv
 //!   must report no sparse-allreduce indices, the others the union).
+//! * `powersgd`: a table of PowerSGD layers (`powersgd:rank=2,start=2`:
+//!   two matrices it compresses, a bias and a small matrix it leaves
+//!   dense), overlapped, six steps: every result bitwise the same on every
+//!   rank (compared by `MPI_Allgather` of each rank's bits), the dense
+//!   ones `MPI_Allreduce`'s average, the compressed ones PowerSGD's phases
+//!   run by hand with `MPI_Allreduce` summing the factors (within float32
+//!   rounding of the sums' order); a snapshot taken after step 3 and
+//!   restored into a fresh engine continues bitwise; a NaN on the last
+//!   rank fails every rank alike. Prints `OK powersgd ranks=<p>`.
 //! * `mismatch`: the last rank registers a different shape; every rank must
 //!   get the table-mismatch error. Prints `MISMATCH <error>`.
 //! * `run`: steps `from..to` with momentum, Nesterov, weight decay, a density
@@ -186,6 +195,141 @@ fn codecs<C: Communicator>(world: &C) {
         if rank == 0 {
             println!("OK {name} ranks={p}");
         }
+    }
+}
+
+/// PowerSGD's phases over `world` by hand: `MPI_Allreduce` sums the
+/// factors.
+fn powersgd_reference<C: Communicator>(
+    world: &C,
+    st: &mut gradsync::powersgd::PowerSgd,
+    g: &[f32],
+) -> Vec<f32> {
+    let (np, nq) = st.factor_lens();
+    let (mut p, mut psum) = (vec![0f32; np], vec![0f32; np]);
+    st.begin(g, &mut p).unwrap_or_else(|e| fail(format!("{e}")));
+    world.all_reduce_into(&p[..], &mut psum[..], SystemOperation::sum());
+    let (mut q, mut qsum) = (vec![0f32; nq], vec![0f32; nq]);
+    st.after_p(&psum, &mut q)
+        .unwrap_or_else(|e| fail(format!("{e}")));
+    world.all_reduce_into(&q[..], &mut qsum[..], SystemOperation::sum());
+    let mut out = vec![0f32; g.len()];
+    st.after_q(&qsum, world.size() as usize, &mut out)
+        .unwrap_or_else(|e| fail(format!("{e}")));
+    out
+}
+
+fn powersgd<C: Communicator>(world: &C) {
+    let (rank, p) = (world.rank() as usize, world.size() as usize);
+    let spec = "powersgd:rank=2,start=2,seed=5";
+    let cfg = match Strategy::parse(spec).unwrap_or_else(|e| fail(format!("{e}"))) {
+        Strategy::Powersgd(c) => c,
+        s => fail(format!("{spec} parsed as {s:?}")),
+    };
+    let table: [(&str, &[usize]); 4] = [
+        ("conv", &[16, 3, 3, 3]),
+        ("bias", &[16]),
+        ("fc", &[40, 30]),
+        ("tiny", &[2, 2]),
+    ];
+    let engine = || {
+        let mut s = GradSync::new(world, base_cfg()).unwrap_or_else(|e| fail(format!("{e}")));
+        for (name, shape) in table {
+            s.register_spec(name, shape, spec)
+                .unwrap_or_else(|e| fail(format!("{name}: {e}")));
+        }
+        s
+    };
+    let grads = |step: u64| -> Vec<Vec<f32>> {
+        table
+            .iter()
+            .enumerate()
+            .map(|(l, (_, sh))| grad(rank, step, l, sh.iter().product()))
+            .collect()
+    };
+    let sync = |s: &mut GradSync<gradsync::comm::MpiComm>, step: u64| -> Vec<Vec<f32>> {
+        let mut g = grads(step);
+        let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+        s.sync(&mut v)
+            .unwrap_or_else(|e| fail(format!("powersgd step {step}: {e}")));
+        g
+    };
+    let mut states: Vec<Option<gradsync::powersgd::PowerSgd>> = table
+        .iter()
+        .enumerate()
+        .map(|(l, (_, sh))| {
+            cfg.layer_state(sh, l)
+                .unwrap_or_else(|e| fail(format!("{e}")))
+        })
+        .collect();
+    let mut s = engine();
+    let mut snap = Vec::new();
+    let mut after = Vec::new();
+    for step in 0..6u64 {
+        let input = grads(step);
+        let got = sync(&mut s, step);
+        for (l, (name, _)) in table.iter().enumerate() {
+            let want = match states[l].as_mut().filter(|_| step >= cfg.start) {
+                Some(st) => powersgd_reference(world, st, &input[l]),
+                None => {
+                    let mut sum = vec![0f32; input[l].len()];
+                    world.all_reduce_into(&input[l][..], &mut sum[..], SystemOperation::sum());
+                    sum.iter().map(|x| x / p as f32).collect()
+                }
+            };
+            let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            if let Some(j) = (0..want.len()).find(|&j| (got[l][j] - want[j]).abs() > 1e-5 * scale) {
+                fail(format!(
+                    "powersgd step {step} layer {name} [{j}]: engine {} vs by hand with MPI_Allreduce {}",
+                    got[l][j], want[j]
+                ));
+            }
+            // The same bits on every rank.
+            let bits: Vec<u32> = got[l].iter().map(|x| x.to_bits()).collect();
+            let mut all = vec![0u32; bits.len() * p];
+            world.all_gather_into(&bits[..], &mut all[..]);
+            if let Some(r) = (0..p).find(|&r| all[r * bits.len()..(r + 1) * bits.len()] != bits[..])
+            {
+                fail(format!(
+                    "powersgd step {step} layer {name}: rank {r} has other bits than rank {rank}"
+                ));
+            }
+        }
+        if step == 3 {
+            snap = s
+                .snapshot_bytes()
+                .unwrap_or_else(|e| fail(format!("snapshot: {e}")));
+        } else if step > 3 {
+            after.push(got);
+        }
+    }
+    let mut r = engine();
+    r.restore_bytes(&snap)
+        .unwrap_or_else(|e| fail(format!("restore: {e}")));
+    for (i, step) in (4..6u64).enumerate() {
+        if sync(&mut r, step) != after[i] {
+            fail(format!(
+                "powersgd: the restored engine differs at step {step}"
+            ));
+        }
+    }
+    // A NaN on the last rank: every rank fails alike, naming it.
+    let mut g = grads(6);
+    if rank == p - 1 {
+        g[2][7] = f32::NAN;
+    }
+    let mut v: Vec<&mut [f32]> = g.iter_mut().map(|x| &mut x[..]).collect();
+    match r.sync(&mut v) {
+        Ok(_) => fail("powersgd: a NaN step succeeded".into()),
+        Err(e) => {
+            let e = e.to_string();
+            if !(e.contains("fc") && e.contains(&format!("rank {}", p - 1))) {
+                fail(format!("powersgd: the NaN step's error names neither: {e}"));
+            }
+        }
+    }
+    if rank == 0 {
+        println!("OK powersgd ranks={p}");
     }
 }
 
@@ -510,6 +654,7 @@ fn main() {
             },
         ),
         Some("mismatch") => mismatch(&world),
+        Some("powersgd") => powersgd(&world),
         Some("run") => run(
             &world,
             num("--from"),
@@ -518,7 +663,7 @@ fn main() {
             opt("--load"),
         ),
         _ => fail(
-            "usage: engine_check codecs | exchange | mismatch | run --from A --to B [--save DIR] [--load DIR]"
+            "usage: engine_check codecs | exchange | powersgd | mismatch | run --from A --to B [--save DIR] [--load DIR]"
                 .into(),
         ),
     }

@@ -17,8 +17,8 @@
 //! * [`gradiveq`]: GradiVeQ's PCA compressor and its compressed-domain ring
 //!   all-reduce (Algorithm 1), with the training schedule.
 //! * [`powersgd`]: PowerSGD's rank-r power step with error feedback (the
-//!   logic: factors to allreduce and the reconstruction; not yet an engine
-//!   strategy).
+//!   logic: factors to allreduce and the reconstruction), the engine's
+//!   `powersgd` strategy.
 //! * [`gpu`]: device buffers: whether MPI is CUDA-aware, the
 //!   host-staged allreduce of a device buffer, the GPU probe (feature
 //!   `cuda`).

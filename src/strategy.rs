@@ -34,6 +34,13 @@ pub enum Strategy {
     /// [`flatten_conv`](crate::gradiveq::flatten_conv); works on any layer
     /// of at least `K` elements. Not combinable with `delay > 1`.
     Gradiveq(crate::gradiveq::schedule::ScheduleConfig),
+    /// PowerSGD ([`crate::powersgd`]): a rank-`r` approximation with error
+    /// feedback, its factors `P` and `Q` in two fused allreduces of every
+    /// PowerSGD layer of the step. A layer of fewer than two dimensions,
+    /// or whose factors are not `min_rate` times smaller, is allreduced
+    /// dense; so is every layer before step `start`. Not combinable with
+    /// `delay > 1`.
+    Powersgd(crate::powersgd::PowerSgdConfig),
     /// The step model's choice ([`crate::cost::plan_step`]) from
     /// `Config::profile`: `Dense`, RGC (`sparse-allgather`) or, with
     /// `Config::auto_quant`, quantized RGC, whichever adds least to the
@@ -64,6 +71,7 @@ impl Strategy {
             Strategy::Sparse { codec, .. } => codec.name(),
             Strategy::Auto => "auto".into(),
             Strategy::Gradiveq(_) => "gradiveq".into(),
+            Strategy::Powersgd(_) => "powersgd".into(),
         }
     }
 }
@@ -97,6 +105,7 @@ impl Strategy {
             "dense" => Ok(Strategy::Dense),
             "auto" => Ok(Strategy::Auto),
             "gradiveq" => parse_gradiveq(spec, params).map(Strategy::Gradiveq),
+            "powersgd" => parse_powersgd(spec, params).map(Strategy::Powersgd),
             _ => spec
                 .parse::<CodecConfig>()
                 .map(|codec| Strategy::Sparse {
@@ -105,7 +114,7 @@ impl Strategy {
                 })
                 .map_err(|e| {
                     Error::InvalidArgument(format!(
-                        "strategy {spec:?} is not auto, dense, gradiveq or a codec: {e}"
+                        "strategy {spec:?} is not auto, dense, gradiveq, powersgd or a codec: {e}"
                     ))
                 }),
         }
@@ -146,6 +155,55 @@ fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule:
         };
     }
     serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))
+}
+
+/// `powersgd`'s `key=value` parameters over the defaults: `rank`,
+/// `start`, `warm_start` (`true`/`false`), `min_rate`, `seed`.
+fn parse_powersgd(spec: &str, params: &str) -> Result<crate::powersgd::PowerSgdConfig> {
+    let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
+    let Value::Object(mut m) = serde_json::to_value(crate::powersgd::PowerSgdConfig::default())?
+    else {
+        return Err(bad("PowerSgdConfig is not an object".into()));
+    };
+    let mut seen: Vec<&str> = Vec::new();
+    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
+        let (k, v) = (k.trim(), v.trim());
+        if !m.contains_key(k) {
+            return Err(bad(format!(
+                "unknown parameter {k:?} (rank, start, warm_start, min_rate, seed)"
+            )));
+        }
+        if seen.contains(&k) {
+            return Err(bad(format!("parameter {k:?} given twice")));
+        }
+        seen.push(k);
+        let want_bool = k == "warm_start";
+        let val: Value = serde_json::from_str(v)
+            .ok()
+            .filter(|x: &Value| {
+                if want_bool {
+                    x.is_boolean()
+                } else {
+                    x.is_number()
+                }
+            })
+            .ok_or_else(|| {
+                let what = if want_bool {
+                    "true or false"
+                } else {
+                    "a number"
+                };
+                bad(format!("{k}={v:?} is not {what}"))
+            })?;
+        m.insert(k.into(), val);
+    }
+    let c: crate::powersgd::PowerSgdConfig =
+        serde_json::from_value(Value::Object(m)).map_err(|e| bad(e.to_string()))?;
+    c.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(c)
 }
 
 /// How the sparse layers whose codec sends index/value pairs (RGC and

@@ -203,6 +203,22 @@ fn engine_check() -> PathBuf {
     ex
 }
 
+/// PowerSGD layers under mpirun: the same bits on every rank, its phases
+/// by hand with `MPI_Allreduce` summing the factors, a snapshot restored
+/// bitwise, a NaN on one rank failing every rank (examples/engine_check.rs).
+#[test]
+fn engine_powersgd_equals_its_phases_over_mpi_allreduce() {
+    let ex = engine_check();
+    for np in [1, 2, 3, 4] {
+        let (ok, out, err) = mpirun(np, &ex, &["powersgd"], Duration::from_secs(300));
+        assert!(ok, "np={np}: {err}\n{out}");
+        assert!(
+            out.lines().any(|l| l == format!("OK powersgd ranks={np}")),
+            "np={np}:\n{out}"
+        );
+    }
+}
+
 #[test]
 fn engine_sparse_sync_equals_mpi_allreduce_of_decoded_units() {
     let ex = engine_check();

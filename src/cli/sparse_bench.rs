@@ -467,6 +467,7 @@ fn strategy_params(s: &Strategy) -> String {
             }
             c.params()
         }
+        Strategy::Powersgd(c) => c.params(),
         Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => String::new(),
     }
 }

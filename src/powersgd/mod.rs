@@ -2,8 +2,9 @@
 //! error feedback, §3 and §4): a rank-`r` approximation of each layer's
 //! gradient from one step of subspace (power) iteration, linear in the
 //! gradient, so its factors ride an allreduce and its traffic does not grow
-//! with the ranks. The logic only, with no I/O: the engine (or a test)
-//! runs the two allreduces between the phases.
+//! with the ranks. The logic only, with no I/O: the engine (`sync/job.rs`:
+//! every PowerSGD layer's factors fused into one allreduce per phase) or
+//! a test runs the two allreduces between the phases.
 //!
 //! One layer's step, as PyTorch's `powerSGD_hook` runs it (the reference
 //! users compare against; its order and scalings are kept):
@@ -36,6 +37,96 @@
 use crate::{Error, Result};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
+use serde::{Deserialize, Serialize};
+
+/// A layer's PowerSGD parameters (`powersgd:rank=R,start=S,...`), as
+/// PyTorch's `PowerSGDState` names them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PowerSgdConfig {
+    /// The approximation's rank `r` (`matrix_approximation_rank`; PyTorch
+    /// recommends 1 to 4, the paper used 2 for ResNet and 4 for its LSTM).
+    pub rank: usize,
+    /// Steps (0-based) before this one are dense allreduces with no error
+    /// kept (`start_powerSGD_iter`; PyTorch's docs example uses 10, its
+    /// default is 1000: compression from the start hurts accuracy).
+    pub start: u64,
+    /// Keep `Q` across steps (the paper's §3 warm start); otherwise a fresh
+    /// seeded draw every step.
+    pub warm_start: bool,
+    /// A layer is compressed only if its factors are at least this many
+    /// times smaller than it (`min_compression_rate`); smaller layers,
+    /// and layers of fewer than two dimensions, are allreduced dense.
+    pub min_rate: f64,
+    /// The seed of `Q`'s draws (the same on every rank; each layer mixes
+    /// in its index).
+    pub seed: u64,
+}
+
+impl Default for PowerSgdConfig {
+    fn default() -> Self {
+        PowerSgdConfig {
+            rank: 1,
+            start: 10,
+            warm_start: true,
+            min_rate: 2.0,
+            seed: 0,
+        }
+    }
+}
+
+impl PowerSgdConfig {
+    /// The parameters as `powersgd:` takes them.
+    pub fn params(&self) -> String {
+        format!(
+            "rank={},start={},warm_start={},min_rate={},seed={}",
+            self.rank, self.start, self.warm_start, self.min_rate, self.seed
+        )
+    }
+
+    /// Whether the parameters can run: rank at least 1, a finite
+    /// `min_rate` of at least 1.
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(Error::InvalidArgument(
+                "powersgd: rank must be at least 1".into(),
+            ));
+        }
+        if !(self.min_rate.is_finite() && self.min_rate >= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "powersgd: min_rate {} must be a number of at least 1",
+                self.min_rate
+            )));
+        }
+        Ok(())
+    }
+
+    /// The state of a layer of shape `shape` (its `id`-th in the table),
+    /// or `None` where the layer is allreduced dense: fewer than two
+    /// dimensions, or factors not `min_rate` times smaller.
+    pub fn layer_state(&self, shape: &[usize], id: usize) -> Result<Option<PowerSgd>> {
+        self.validate()?;
+        let Some((rows, cols)) = matrix_view(shape) else {
+            return Ok(None);
+        };
+        if !worth_compressing(rows, cols, self.rank, self.min_rate) {
+            return Ok(None);
+        }
+        let seed = self.seed ^ (id as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        PowerSgd::new(rows, cols, self.rank, self.warm_start, seed).map(Some)
+    }
+}
+
+/// What a snapshot keeps of a layer's PowerSGD state: everything that
+/// shapes later steps (`Q`, the error, the draw counter, whether a step
+/// ran since `Q` was drawn); the workspaces are rebuilt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PowerSgdSnapshot {
+    q: Vec<f32>,
+    error: Vec<f32>,
+    draws: u64,
+    stepped: bool,
+}
 
 /// A column whose norm after projection is at most this fraction of its
 /// norm before is treated as dependent on the earlier ones and zeroed.
@@ -155,6 +246,45 @@ impl PowerSgd {
     /// The error kept from the last step.
     pub fn error(&self) -> &[f32] {
         &self.error
+    }
+
+    /// The state a snapshot keeps ([`PowerSgdSnapshot`]).
+    pub fn snapshot(&self) -> PowerSgdSnapshot {
+        PowerSgdSnapshot {
+            q: self.q.clone(),
+            error: self.error.clone(),
+            draws: self.draws,
+            stepped: self.stepped,
+        }
+    }
+
+    /// Take a snapshot's state, after checking it fits this layer (the
+    /// factor and error lengths, finite values); on an error nothing
+    /// changes.
+    pub fn restore(&mut self, s: &PowerSgdSnapshot) -> Result<()> {
+        if s.q.len() != self.q.len() || s.error.len() != self.error.len() {
+            return Err(Error::InvalidArgument(format!(
+                "PowerSGD state of Q {} and error {} elements for a {} x {} layer at rank {} \
+                 (want {} and {})",
+                s.q.len(),
+                s.error.len(),
+                self.rows,
+                self.cols,
+                self.rank,
+                self.q.len(),
+                self.error.len()
+            )));
+        }
+        if let Some(i) = s.q.iter().chain(&s.error).position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "PowerSGD state: element {i} of Q and error is not finite"
+            )));
+        }
+        self.q.copy_from_slice(&s.q);
+        self.error.copy_from_slice(&s.error);
+        self.draws = s.draws;
+        self.stepped = s.stepped;
+        Ok(())
     }
 
     /// A fresh standard-normal `Q` from `(seed, draw)`, orthogonalized.

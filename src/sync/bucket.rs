@@ -374,6 +374,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // (its status is agreed before the rings).
             return Some("GradiVeQ's rings advance their state as they run".into());
         }
+        if self.plan.lowrank {
+            // Likewise PowerSGD's error and Q, after its allreduces.
+            return Some("PowerSGD's layers advance their state as they run".into());
+        }
         if self.plan.sparse_reduce && self.plan.exchange == SparseExchange::Hierarchical {
             // Sums an index node by node, where its region lands: not
             // shown to be independent of the cut.
@@ -472,7 +476,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         st.info.select_s += select_s;
         st.info.pack_s += (t.elapsed().as_secs_f64() - select_s).max(0.0);
         // 4. Communicate: on the progress thread, or here (progress.rs).
-        if job.script.do_gather || job.script.do_reduce || job.script.do_gvq || job.script.do_sparse
+        if job.script.do_gather
+            || job.script.do_reduce
+            || job.script.do_gvq
+            || job.script.do_psg
+            || job.script.do_sparse
         {
             let (threaded, back) = self.dispatch(job);
             st.info.overlapped |= threaded;

@@ -47,7 +47,13 @@ fn run(
         let rank = crate::comm::Transport::rank(&c);
         let mut s = GradSync::with_transport(c, cfg.clone()).expect("engine");
         for (name, n, spec) in table {
-            s.register_spec(name, &[*n], spec).expect("register");
+            // PowerSGD sees matrices: 32 columns.
+            let shape = if spec.starts_with("powersgd") {
+                vec![n / 32, 32]
+            } else {
+                vec![*n]
+            };
+            s.register_spec(name, &shape, spec).expect("register");
         }
         // With a delay the engine writes the weights back: kept apart per
         // step, as a caller's would be.
@@ -105,7 +111,9 @@ fn run(
             if let Some(b) = cut(step) {
                 let staged = cfg.clip_norm.is_some()
                     || !cfg.allreduce.is(AllreduceAlgo::Rabenseifner)
-                    || table.iter().any(|t| t.2.starts_with("gradiveq"));
+                    || table.iter().any(|t| t.2.starts_with("gradiveq"))
+                    // Every step of the PowerSGD table has a compressed layer.
+                    || table.iter().any(|t| t.2.starts_with("powersgd:rank=1,start=0"));
                 assert_eq!(st.buckets, if staged { 1 } else { b.len() }, "step {step}");
             }
             seen.push(
@@ -242,6 +250,23 @@ fn gradiveq_tables_are_staged_and_equal_the_whole_step() {
         let whole = run(p, &cfg, &table, 4, &|_| None);
         let cut = run(p, &cfg, &table, 4, &cuts(p as u64, table.len()));
         assert_eq!(whole, cut, "p = {p}");
+    }
+}
+
+#[test]
+fn powersgd_tables_are_staged_and_equal_the_whole_step() {
+    let mut table = TABLE.to_vec();
+    table.insert(2, ("psg", 4096, "powersgd:rank=2,start=1"));
+    table.push(("psg2", 2048, "powersgd:rank=1,start=0"));
+    let cfg = Config {
+        momentum: 0.9,
+        ..Config::default()
+    };
+    for p in [1, 2, 3] {
+        let whole = run(p, &cfg, &table, 4, &|_| None);
+        let cut = run(p, &cfg, &table, 4, &cuts(p as u64, table.len()));
+        assert_eq!(whole, cut, "p = {p}");
+        assert!(whole.iter().all(|r| r == &whole[0]), "p = {p}");
     }
 }
 

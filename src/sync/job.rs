@@ -3,8 +3,9 @@
 //! collectives it runs: the fused sparse messages' allgatherv
 //! ([`crate::sparse`], RedSync §4), the fused dense buffer's allreduce
 //! (Rabenseifner, with a status word after the data), the sparse
-//! allreduce of the `reduced` layers (`Config::sparse_exchange`) and
-//! GradiVeQ's compressed-domain rings. A failure flagged by any rank
+//! allreduce of the `reduced` layers (`Config::sparse_exchange`),
+//! GradiVeQ's compressed-domain rings and PowerSGD's two fused factor
+//! allreduces. A failure flagged by any rank
 //! reaches every rank as the same [`crate::Error::RankFailed`]; any other
 //! error ends the job ([`crate::comm::agree`]). Also the between-steps status
 //! agreement used by snapshot restores.
@@ -109,6 +110,11 @@ pub(super) struct RoundBuffers {
     pub(super) hier_ws: HierarchicalWorkspace,
     /// GradiVeQ layers of this step: state, input, output.
     pub(super) gvq: Vec<GvqEntry>,
+    /// PowerSGD layers of this step: state, input, output.
+    pub(super) psg: Vec<PsgEntry>,
+    /// Every PowerSGD layer's `P`, then `Q`, fused (each allreduced once).
+    pub(super) psg_p: Vec<f32>,
+    pub(super) psg_q: Vec<f32>,
 }
 
 /// A round's script: which collectives run and by which algorithm, the
@@ -120,6 +126,8 @@ pub(super) struct RoundScript {
     pub(super) do_gather: bool,
     pub(super) do_reduce: bool,
     pub(super) do_gvq: bool,
+    /// Run the PowerSGD layers' two fused factor allreduces.
+    pub(super) do_psg: bool,
     /// Elements of `dense` before its status words.
     pub(super) dense_len: usize,
     /// Status words after the dense data: 1 (this rank failed), or 2 in a
@@ -173,6 +181,9 @@ pub(super) struct RoundOutcome {
     pub(super) allgather_s: f64,
     pub(super) allreduce_s: f64,
     pub(super) gvq_s: f64,
+    /// The PowerSGD phase: products, orthogonalization and both
+    /// allreduces.
+    pub(super) psg_s: f64,
     pub(super) result: Option<Result<()>>,
 }
 
@@ -182,6 +193,21 @@ pub(super) struct GvqEntry {
     /// The layer's name, for errors inside its ring.
     pub(super) name: String,
     pub(super) state: Option<crate::gradiveq::schedule::GradiveqLayer>,
+    pub(super) input: Vec<f32>,
+    pub(super) output: Vec<f32>,
+    /// Whether this step's `input` is finite (checked as it was written).
+    pub(super) finite: bool,
+}
+
+/// One PowerSGD layer of a step: its state (moved in from the layer for
+/// the round), this rank's input (the dense contribution) and the
+/// averaged approximation.
+#[derive(Default)]
+pub(super) struct PsgEntry {
+    pub(super) layer: usize,
+    /// The layer's name, for errors.
+    pub(super) name: String,
+    pub(super) state: Option<crate::powersgd::PowerSgd>,
     pub(super) input: Vec<f32>,
     pub(super) output: Vec<f32>,
     /// Whether this step's `input` is finite (checked as it was written).
@@ -237,7 +263,8 @@ impl Job {
         if self.script.do_sparse {
             self.reduce_pairs(comm)?;
         }
-        self.run_rings(comm)
+        self.run_rings(comm)?;
+        self.run_powersgd(comm)
     }
 
     /// The bucket's fingerprint, agreed before any collective whose size
@@ -396,6 +423,62 @@ impl Job {
             }
         }
         self.out.gvq_s = t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The PowerSGD layers' step (when the plan runs them): every layer's
+    /// `P = M Q` into one buffer, one allreduce (sum); each `P`
+    /// orthogonalized and `Q = Mᵀ P` into another, one allreduce (sum);
+    /// each layer's `M̂ = P Qᵀ / p` into its output, the error kept
+    /// ([`crate::powersgd`]). The same bits on every rank: the sums are,
+    /// and the rest is the same arithmetic on them. Timed into `psg_s`.
+    fn run_powersgd<C: Transport>(&mut self, comm: &C) -> Result<()> {
+        let t = Instant::now();
+        if !self.script.do_psg {
+            self.out.psg_s = 0.0;
+            return Ok(());
+        }
+        let missing = || Error::Transport("PowerSGD state missing from the job".into());
+        let (mut np, mut nq) = (0, 0);
+        for e in &self.buf.psg {
+            let (p, q) = e.state.as_ref().ok_or_else(missing)?.factor_lens();
+            np += p;
+            nq += q;
+        }
+        self.buf.psg_p.resize(np, 0.0);
+        self.buf.psg_q.resize(nq, 0.0);
+        let opts = AllreduceOptions {
+            op: ReduceOp::Sum,
+            validate: false,
+            chunk_elems: 0,
+        };
+        let algo = self.script.reduce_algo;
+        let mut off = 0;
+        for e in &mut self.buf.psg {
+            let st = e.state.as_mut().ok_or_else(missing)?;
+            let n = st.factor_lens().0;
+            st.begin(&e.input, &mut self.buf.psg_p[off..off + n])?;
+            off += n;
+        }
+        allreduce_with(comm, &mut self.buf.psg_p, algo, &opts, &mut self.buf.ws)?;
+        let (mut op, mut oq) = (0, 0);
+        for e in &mut self.buf.psg {
+            let st = e.state.as_mut().ok_or_else(missing)?;
+            let (p, q) = st.factor_lens();
+            st.after_p(&self.buf.psg_p[op..op + p], &mut self.buf.psg_q[oq..oq + q])?;
+            op += p;
+            oq += q;
+        }
+        allreduce_with(comm, &mut self.buf.psg_q, algo, &opts, &mut self.buf.ws)?;
+        let mut oq = 0;
+        for e in &mut self.buf.psg {
+            let st = e.state.as_mut().ok_or_else(missing)?;
+            let q = st.factor_lens().1;
+            e.output.resize(e.input.len(), 0.0);
+            st.after_q(&self.buf.psg_q[oq..oq + q], comm.size(), &mut e.output)?;
+            oq += q;
+        }
+        self.out.psg_s = t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -614,8 +697,10 @@ impl Job {
         self.script.local_failed = local.as_ref().err().map(|e| e.to_string());
         self.script.do_gather = plan.gather;
         self.script.do_gvq = plan.rings;
+        self.script.do_psg = plan.lowrank;
         self.script.do_reduce = plan.reduce;
         self.out.gvq_s = 0.0;
+        self.out.psg_s = 0.0;
         self.script.gather_algo = plan.allgather;
         self.script.reduce_gather_algo = plan.reduce_allgather;
         self.script.reduce_algo = plan.allreduce;

@@ -41,6 +41,8 @@ pub(super) struct Layer {
     pub(super) unit: Vec<u8>,
     /// GradiVeQ state (moved into the communication job during a step).
     pub(super) gvq: Option<crate::gradiveq::schedule::GradiveqLayer>,
+    /// PowerSGD state (moved into the communication job during a step).
+    pub(super) psg: Option<crate::powersgd::PowerSgd>,
     /// Density the codec was last set to.
     pub(super) cur_density: Option<f64>,
     pub(super) non_finite: bool,

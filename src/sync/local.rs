@@ -5,7 +5,7 @@
 //! GradiVeQ inputs for the collectives. No policy and no communication
 //! here.
 
-use super::job::{GvqEntry, Job};
+use super::job::{GvqEntry, Job, PsgEntry};
 use super::layer::{Layer, StepParams};
 use super::plan::{Mode, StepScript};
 use super::GradSync;
@@ -33,6 +33,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // whole model's table cost one more pass over memory per step.
         job.buf.dense.resize(plan.dense.elems, 0.0);
         for e in &mut job.buf.gvq {
+            e.state = None;
+        }
+        for e in &mut job.buf.psg {
             e.state = None;
         }
         self.check_inputs(plan, grads, weights)?;
@@ -135,7 +138,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     l.local_step(grads[i], w, params);
                     Ok(())
                 }
-                Mode::Dense | Mode::Gradiveq | Mode::Other => Ok(()),
+                Mode::Dense | Mode::Gradiveq | Mode::Powersgd | Mode::Other => Ok(()),
             }
         };
         let r = if plan.parallel_local {
@@ -158,8 +161,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 
     /// Dense layers: their contribution into the fused buffer; GradiVeQ
-    /// layers: their inputs into `job.buf.gvq` (one entry each, in layer
-    /// order).
+    /// and PowerSGD layers: their inputs into `job.buf.gvq` and
+    /// `job.buf.psg` (one entry each, in layer order).
     fn dense_inputs(
         &mut self,
         plan: &StepScript,
@@ -168,7 +171,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         params: &StepParams,
         job: &mut Job,
     ) {
-        let mut gi = 0;
+        let (mut gi, mut pi) = (0, 0);
         for (i, l) in self.reg.layers.iter_mut().enumerate() {
             let w = weights.map(|w| w[i]);
             let lp = &plan.layers[i];
@@ -190,18 +193,33 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 l.stats.strategy = "gradiveq".into();
                 l.stats.codec = "gradiveq".into();
                 gi += 1;
+            } else if lp.mode == Mode::Powersgd {
+                if job.buf.psg.len() == pi {
+                    job.buf.psg.push(PsgEntry::default());
+                }
+                let e = &mut job.buf.psg[pi];
+                e.layer = i;
+                e.name.clone_from(&l.name);
+                e.input.resize(l.n, 0.0);
+                e.finite = l.dense_contribution(grads[i], w, params, &mut e.input);
+                l.stats.strategy = "powersgd".into();
+                l.stats.codec = "powersgd".into();
+                pi += 1;
             }
         }
         job.buf.gvq.truncate(gi);
+        job.buf.psg.truncate(pi);
     }
 
-    /// The GradiVeQ layers' states into the job for their rings, unless
-    /// some input is non-finite: NaN/Inf would poison its ring on every
-    /// rank, so the step fails on every rank instead (every layer rolled
-    /// back).
+    /// The GradiVeQ and PowerSGD layers' states into the job, unless
+    /// some input is non-finite: NaN/Inf would poison its ring (or the
+    /// factors' sums) on every rank, so the step fails on every rank
+    /// instead (every layer rolled back).
     fn hand_over_gvq(&mut self, job: &mut Job) -> Result<()> {
-        if let Some(e) = job.buf.gvq.iter().find(|e| !e.finite) {
-            let layer = self.reg.layers[e.layer].name.clone();
+        let gvq_bad = job.buf.gvq.iter().find(|e| !e.finite).map(|e| e.layer);
+        let psg_bad = job.buf.psg.iter().find(|e| !e.finite).map(|e| e.layer);
+        if let Some(bad) = gvq_bad.into_iter().chain(psg_bad).min() {
+            let layer = self.reg.layers[bad].name.clone();
             for l in &mut self.reg.layers {
                 l.rollback();
             }
@@ -212,6 +230,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         for e in &mut job.buf.gvq {
             e.state = self.reg.layers[e.layer].gvq.take();
+        }
+        for e in &mut job.buf.psg {
+            e.state = self.reg.layers[e.layer].psg.take();
         }
         Ok(())
     }

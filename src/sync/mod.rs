@@ -88,6 +88,9 @@
 //! * `Gradiveq` layers are aggregated by GradiVeQ's compressed-domain ring
 //!   ([`crate::gradiveq`]) on the progress thread, each with its own schedule,
 //!   and get momentum like dense layers.
+//! * `Powersgd` layers ([`crate::powersgd`]) from their `start` on: on the
+//!   progress thread, every such layer's `P` in one allreduce, then every
+//!   `Q` in another; the approximation gets momentum like a dense layer.
 //!
 //! The strategy of a layer is fixed once: at registration for an explicit
 //! one or the default ([`GradSync::resolve`]); for `Auto` layers when the

@@ -23,7 +23,8 @@
 //!   sparse allreduce instead (`Config::sparse_exchange` other than
 //!   `Allgather`, for codecs whose units are index/value pairs: RGC and
 //!   quantized RGC) with their offsets in its concatenated index space,
-//!   the GradiVeQ layers' rings, the local layers. With
+//!   the GradiVeQ layers' rings, the PowerSGD layers (dense before their
+//!   `start`; their factors in two fused allreduces), the local layers. With
 //!   `sparse_exchange = "auto"` those layers are planned as reduced and
 //!   the engine's per-step choice ([`set_exchange`], from the cost model
 //!   and inputs alike on every rank) keeps them there, with the sparse
@@ -31,7 +32,8 @@
 //!   message (then the plan is the `allgather` one);
 //! * which collectives run (allgatherv when some layer is in the fused
 //!   message and there is more than one rank; the allreduce for the dense
-//!   buffer, or as a status exchange before GradiVeQ's rings when nothing
+//!   buffer, or as a status exchange before GradiVeQ's rings or PowerSGD's
+//!   factors when nothing
 //!   else carries the step's status and always before the sparse
 //!   allreduce; the sparse allreduce when some layer is reduced) and
 //!   whether the local math and the unpacking run in parallel.
@@ -47,6 +49,8 @@ use crate::codec::CodecConfig;
 pub(super) enum Mode {
     /// GradiVeQ's compressed-domain ring.
     Gradiveq,
+    /// PowerSGD: its factors in the step's two fused allreduces.
+    Powersgd,
     /// Part of the fused dense allreduce.
     #[default]
     Dense,
@@ -75,6 +79,11 @@ pub(super) enum RowKind {
     },
     /// GradiVeQ.
     Gradiveq,
+    /// PowerSGD from step `start` on (dense before).
+    Powersgd {
+        /// The first compressed step.
+        start: u64,
+    },
 }
 
 /// One row of the layer table the planner reads.
@@ -97,6 +106,9 @@ impl TableRow {
                 pairs: config_pairs(codec),
             },
             Strategy::Gradiveq(_) => RowKind::Gradiveq,
+            // A layer PowerSGD does not compress (too small, a vector)
+            // is made dense by the caller, which knows its shape.
+            Strategy::Powersgd(c) => RowKind::Powersgd { start: c.start },
             Strategy::Dense | Strategy::Auto => RowKind::Dense,
         };
         TableRow { n, kind }
@@ -187,6 +199,8 @@ pub(super) struct StepScript {
     pub(super) reduced: Group,
     /// GradiVeQ layers (their rings).
     pub(super) gradiveq: Group,
+    /// PowerSGD layers (their factors' two fused allreduces).
+    pub(super) powersgd: Group,
     /// Local layers (a delayed step without communication).
     pub(super) local: Group,
     /// Run the allgatherv of the fused sparse messages.
@@ -195,6 +209,8 @@ pub(super) struct StepScript {
     pub(super) reduce: bool,
     /// Run the GradiVeQ layers' rings.
     pub(super) rings: bool,
+    /// Run the PowerSGD layers' factor allreduces.
+    pub(super) lowrank: bool,
     /// Run the sparse allreduce of the `reduced` layers (after the status
     /// agreement; at one rank it only copies this rank's pairs).
     pub(super) sparse_reduce: bool,
@@ -227,6 +243,7 @@ impl StepScript {
             &mut self.sparse,
             &mut self.reduced,
             &mut self.gradiveq,
+            &mut self.powersgd,
             &mut self.local,
         ] {
             g.clear();
@@ -285,6 +302,8 @@ pub(super) fn script_step_into(
                 RowKind::Dense => Mode::Dense,
                 RowKind::Sparse { .. } => Mode::Sparse,
                 RowKind::Gradiveq => Mode::Gradiveq,
+                RowKind::Powersgd { start } if step >= start => Mode::Powersgd,
+                RowKind::Powersgd { .. } => Mode::Dense,
             }
         };
         let mut lp = LayerStep {
@@ -299,7 +318,7 @@ pub(super) fn script_step_into(
             Mode::Sparse => {
                 let (own, pairs) = match l.kind {
                     RowKind::Sparse { density, pairs } => (density, pairs),
-                    RowKind::Dense | RowKind::Gradiveq => (None, false),
+                    _ => (None, false),
                 };
                 lp.density = stage_density.or(own);
                 if pairs && reduce_pairs {
@@ -311,6 +330,7 @@ pub(super) fn script_step_into(
                 }
             }
             Mode::Gradiveq => plan.gradiveq.push(i, l.n),
+            Mode::Powersgd => plan.powersgd.push(i, l.n),
             Mode::Local => plan.local.push(i, l.n),
             Mode::Other => unreachable!("the whole step's plan has every layer"),
         }
@@ -318,6 +338,7 @@ pub(super) fn script_step_into(
     }
     plan.gather = !plan.sparse.ids.is_empty() && ranks > 1;
     plan.rings = !plan.gradiveq.ids.is_empty();
+    plan.lowrank = !plan.powersgd.ids.is_empty();
     plan.sparse_reduce = !plan.reduced.ids.is_empty();
     // The forced collectives; under `auto` the engine looks this step's
     // up in its decision table (`crate::cost::Tuning`, exchange.rs) and
@@ -347,7 +368,7 @@ pub(super) fn script_step_into(
 /// as the status exchange (module docs).
 fn set_reduce(plan: &mut StepScript, ranks: usize) {
     plan.reduce = plan.dense.elems > 0
-        || (plan.rings && !plan.gather)
+        || ((plan.rings || plan.lowrank) && !plan.gather)
         || plan.sparse_reduce
         || (ranks > 1 && !plan.gather);
 }
@@ -432,6 +453,7 @@ pub(super) fn restrict_into(
             }
             Mode::Sparse => part.sparse.push(i, n),
             Mode::Gradiveq => part.gradiveq.push(i, n),
+            Mode::Powersgd => part.powersgd.push(i, n),
             Mode::Local => part.local.push(i, n),
             Mode::Other => {}
         }
@@ -439,6 +461,7 @@ pub(super) fn restrict_into(
     }
     part.gather = !part.sparse.ids.is_empty() && ranks > 1;
     part.rings = !part.gradiveq.ids.is_empty();
+    part.lowrank = !part.powersgd.ids.is_empty();
     part.sparse_reduce = !part.reduced.ids.is_empty();
     part.exchange = if part.sparse_reduce {
         whole.exchange

@@ -229,6 +229,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         job.script.do_gather = false;
         job.script.do_reduce = false;
         job.script.do_gvq = false;
+        job.script.do_psg = false;
         job.script.do_sparse = false;
         job.script.step = None;
         job.out.result = None;

@@ -73,12 +73,15 @@ struct Restored {
     snap: Snapshot,
     codecs: Codecs,
     gvqs: Gvqs,
+    psgs: Psgs,
 }
 
 /// Each layer's rebuilt codec (`None`: a layer without one).
 type Codecs = Vec<Option<Box<dyn crate::codec::Codec>>>;
 /// Each layer's restored GradiVeQ state (`None`: not a GradiVeQ layer).
 type Gvqs = Vec<Option<crate::gradiveq::schedule::GradiveqLayer>>;
+/// Each layer's restored PowerSGD state (`None`: not compressed by it).
+type Psgs = Vec<Option<crate::powersgd::PowerSgd>>;
 
 #[derive(Serialize, Deserialize)]
 struct LayerSnap {
@@ -91,7 +94,8 @@ struct LayerSnap {
     window_weights: Vec<f32>,
     codec_state: Vec<u8>,
     cur_density: Option<f64>,
-    /// GradiVeQ schedule and compressors (bincode), for GradiVeQ layers.
+    /// The low-rank state (bincode), by the layer's strategy: GradiVeQ's
+    /// schedule and compressors, or PowerSGD's `Q`, error and draws.
     gradiveq: Option<Vec<u8>>,
 }
 
@@ -172,6 +176,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         .map_err(|e| Error::Snapshot(format!("encoding GradiVeQ state: {e}")))?,
                 );
             }
+            if let Some(p) = &l.psg {
+                ls.gradiveq = Some(
+                    options(u64::MAX)
+                        .serialize(&p.snapshot())
+                        .map_err(|e| Error::Snapshot(format!("encoding PowerSGD state: {e}")))?,
+                );
+            }
         }
         let mut bytes = options(u64::MAX)
             .serialize(&snap)
@@ -248,7 +259,13 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let snap = decode_snapshot(bytes)?;
         self.check_snapshot(&snap)?;
         let (codecs, gvqs) = self.restored_states(&snap)?;
-        Ok(Restored { snap, codecs, gvqs })
+        let psgs = self.restored_powersgd(&snap)?;
+        Ok(Restored {
+            snap,
+            codecs,
+            gvqs,
+            psgs,
+        })
     }
 
     /// Whether `snap` was written by this rank of an engine with this
@@ -337,6 +354,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         }
         let mut gvqs = Vec::with_capacity(self.reg.layers.len());
         for (s, l) in snap.layers.iter().zip(&self.reg.layers) {
+            if matches!(l.strategy, super::Strategy::Powersgd(_)) {
+                // Its bytes are PowerSGD's (`restored_powersgd`).
+                gvqs.push(None);
+                continue;
+            }
             gvqs.push(match (&s.gradiveq, &l.strategy) {
                 (Some(bytes), super::Strategy::Gradiveq(cfg)) => {
                     let g: crate::gradiveq::schedule::GradiveqLayer = options(bytes.len() as u64)
@@ -360,21 +382,58 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         Ok((codecs, gvqs))
     }
 
+    /// The PowerSGD layers' states from `snap`: a layer PowerSGD
+    /// compresses must have one that fits it, any other none.
+    fn restored_powersgd(&self, snap: &Snapshot) -> Result<Psgs> {
+        let mut out = Vec::with_capacity(self.reg.layers.len());
+        for (s, l) in snap.layers.iter().zip(&self.reg.layers) {
+            let bad =
+                |why: String| Error::Snapshot(format!("layer {:?}: PowerSGD state: {why}", s.name));
+            out.push(match (&s.gradiveq, &l.psg) {
+                (Some(bytes), Some(cur)) => {
+                    let st: crate::powersgd::PowerSgdSnapshot = options(bytes.len() as u64)
+                        .deserialize(bytes)
+                        .map_err(|e| bad(e.to_string()))?;
+                    let mut p = cur.clone();
+                    p.restore(&st).map_err(|e| bad(e.to_string()))?;
+                    Some(p)
+                }
+                (None, Some(_)) => {
+                    return Err(bad("missing (the layer's strategy is powersgd)".into()))
+                }
+                (Some(_), None) if matches!(l.strategy, super::Strategy::Powersgd(_)) => {
+                    return Err(bad("present, for a layer PowerSGD leaves dense".into()))
+                }
+                _ => None,
+            });
+        }
+        Ok(out)
+    }
+
     /// Apply a validated restore (cannot fail).
     fn apply_snapshot(&mut self, r: Restored) {
-        let Restored { snap, codecs, gvqs } = r;
+        let Restored {
+            snap,
+            codecs,
+            gvqs,
+            psgs,
+        } = r;
         // The fill estimate is not in the snapshot: a restored run starts
         // from the independent-selection estimate, as a fresh engine does.
         self.tuner.reset();
-        for (((s, l), c), g) in snap
+        for ((((s, l), c), g), ps) in snap
             .layers
             .into_iter()
             .zip(&mut self.reg.layers)
             .zip(codecs)
             .zip(gvqs)
+            .zip(psgs)
         {
             if g.is_some() {
                 l.gvq = g;
+            }
+            if ps.is_some() {
+                l.psg = ps;
             }
             l.v = s.residual;
             l.u = s.momentum;

@@ -104,6 +104,9 @@ pub struct StepStats {
     pub allgather: String,
     /// GradiVeQ layers' compressed-domain rings (compression included), seconds.
     pub gradiveq_s: f64,
+    /// PowerSGD layers: their products, orthogonalization and the two
+    /// factor allreduces, seconds.
+    pub powersgd_s: f64,
     /// Unpacking, seconds.
     pub unpack_s: f64,
     /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
@@ -195,6 +198,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             allreduce,
             allgather,
             gradiveq_s: sum(|j| j.out.gvq_s),
+            powersgd_s: sum(|j| j.out.psg_s),
             unpack_s: self.reg.layers.iter().map(|l| l.stats.unpack_s).sum(),
             wait_s,
             device: None,

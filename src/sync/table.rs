@@ -10,7 +10,7 @@
 //! model of [`crate::comm::agree`]).
 
 use super::layer::{zeros, Layer};
-use super::plan::TableRow;
+use super::plan::{RowKind, TableRow};
 use super::{GradSync, LayerStats, Strategy};
 use crate::codec::{Codec, CodecConfig, RgcMethod};
 use crate::comm::Transport;
@@ -284,17 +284,17 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .and_then(|s| self.prepare_layer(id, name, shape, s))
             .and_then(|l| {
                 // An `Auto` layer may become sparse when the table is planned.
-                let sparse = l.2.is_some() || l.6;
-                let st = layer_buffers(l.0, sparse, mom, delay)?;
+                let sparse = l.codec.is_some() || l.auto;
+                let st = layer_buffers(l.n, sparse, mom, delay)?;
                 Ok((l, st))
             });
         // The resolved strategy with all its parameters (the mismatch
         // message shows rank 0's and the differing rank's side by side).
         let label = local.as_ref().map_or_else(
             |_| String::new(),
-            |l| serde_json::to_string(&l.0 .1).unwrap_or_else(|_| l.0 .4.clone()),
+            |l| serde_json::to_string(&l.0.strategy).unwrap_or_else(|_| l.0.label.clone()),
         );
-        let h = local.as_ref().map(|l| l.0 .3).map_err(|e| {
+        let h = local.as_ref().map(|l| l.0.hash).map_err(|e| {
             let why = match e {
                 Error::InvalidArgument(m) => m.clone(),
                 e => e.to_string(),
@@ -314,59 +314,31 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.reg.broken = Some(why.clone());
         }
         r?;
-        let ((n, strategy, codec, h, label, gvq, auto), (v, u, acc, prev, wc)) = local?;
-        self.reg.table_hash = h;
-        self.reg.legacy_hash = layer_hash(self.reg.legacy_hash, id, name, shape, &strategy)?;
-        let layer = Layer {
-            name: name.to_string(),
-            shape: shape.to_vec(),
-            n,
-            strategy,
-            codec,
-            v,
-            u,
-            acc,
-            prev,
-            wc,
-            dir: Vec::new(),
-            unit: Vec::new(),
-            gvq,
-            cur_density: None,
-            non_finite: false,
-            sent: false,
-            moved: super::layer::Moved::No,
-            stats: LayerStats {
-                name: name.to_string(),
-                auto,
-                ..LayerStats::default()
-            },
-        };
-        self.reg.table.push(TableRow::new(n, &layer.strategy));
+        let (prep, bufs) = local?;
+        self.reg.table_hash = prep.hash;
+        self.reg.legacy_hash = layer_hash(self.reg.legacy_hash, id, name, shape, &prep.strategy)?;
+        let (n, label) = (prep.n, prep.label.clone());
+        let layer = new_layer(name, shape, prep, bufs);
+        let mut row = TableRow::new(n, &layer.strategy);
+        if layer.psg.is_none() && matches!(row.kind, RowKind::Powersgd { .. }) {
+            // PowerSGD leaves this layer dense (a vector, or too small).
+            row.kind = RowKind::Dense;
+        }
+        self.reg.table.push(row);
         self.reg.names.insert(layer.name.clone(), id);
         self.reg.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
         Ok(LayerId(id))
     }
 
-    /// The rank-local part of [`register_with`](Self::register_with):
-    /// element count, resolved strategy, codec, table hash, label, GradiVeQ
-    /// state, whether `Auto` chose.
-    #[allow(clippy::type_complexity)]
+    /// The rank-local part of [`register_with`](Self::register_with).
     pub(super) fn prepare_layer(
         &self,
         id: usize,
         name: &str,
         shape: &[usize],
         strategy: Strategy,
-    ) -> Result<(
-        usize,
-        Strategy,
-        Option<Box<dyn Codec>>,
-        u64,
-        String,
-        Option<crate::gradiveq::schedule::GradiveqLayer>,
-        bool,
-    )> {
+    ) -> Result<Prepared> {
         // Errors, stats and snapshots name layers: a name must tell one
         // layer from the others.
         if name.is_empty() {
@@ -413,10 +385,30 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             }
             _ => None,
         };
+        let psg = match &strategy {
+            Strategy::Powersgd(c) => {
+                if self.cfg.delay > 1 {
+                    return Err(Error::InvalidArgument(
+                        "PowerSGD cannot be combined with delay > 1".to_string(),
+                    ));
+                }
+                c.layer_state(shape, id)?
+            }
+            _ => None,
+        };
         let codec = build_codec(&strategy, n)?;
-        let h = layer_hash(self.reg.table_hash, id, name, shape, &strategy)?;
+        let hash = layer_hash(self.reg.table_hash, id, name, shape, &strategy)?;
         let label = strategy.label();
-        Ok((n, strategy, codec, h, label, gvq, auto))
+        Ok(Prepared {
+            n,
+            strategy,
+            codec,
+            hash,
+            label,
+            gvq,
+            psg,
+            auto,
+        })
     }
 
     /// Declare the layer table complete now (collective): the check that
@@ -709,6 +701,56 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     }
 }
 
+/// A layer's rank-local registration ([`GradSync::prepare_layer`]).
+pub(super) struct Prepared {
+    /// Elements.
+    pub(super) n: usize,
+    /// The strategy as registered.
+    pub(super) strategy: Strategy,
+    /// The codec (sparse layers).
+    pub(super) codec: Option<Box<dyn Codec>>,
+    /// The table hash with this layer.
+    pub(super) hash: u64,
+    /// The strategy's label.
+    pub(super) label: String,
+    /// GradiVeQ's state (GradiVeQ layers).
+    pub(super) gvq: Option<crate::gradiveq::schedule::GradiveqLayer>,
+    /// PowerSGD's state (PowerSGD layers it compresses).
+    pub(super) psg: Option<crate::powersgd::PowerSgd>,
+    /// Registered `Auto`.
+    pub(super) auto: bool,
+}
+
+/// A registered layer from its rank-local registration and state buffers.
+fn new_layer(name: &str, shape: &[usize], prep: Prepared, bufs: LayerBuffers) -> Layer {
+    let (v, u, acc, prev, wc) = bufs;
+    Layer {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        n: prep.n,
+        strategy: prep.strategy,
+        codec: prep.codec,
+        v,
+        u,
+        acc,
+        prev,
+        wc,
+        dir: Vec::new(),
+        unit: Vec::new(),
+        gvq: prep.gvq,
+        psg: prep.psg,
+        cur_density: None,
+        non_finite: false,
+        sent: false,
+        moved: super::layer::Moved::No,
+        stats: LayerStats {
+            name: name.to_string(),
+            auto: prep.auto,
+            ..LayerStats::default()
+        },
+    }
+}
+
 /// The `Auto` layers' plan: the step model's output and, per `Auto` layer
 /// (index), its strategy and codec.
 pub(super) struct AutoPlan {
@@ -723,7 +765,7 @@ type AutoLayer = (usize, Strategy, Option<Box<dyn Codec>>);
 /// it stays bounded ([`Codec::feedback`]).
 fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> {
     Ok(match strategy {
-        Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) => None,
+        Strategy::Dense | Strategy::Auto | Strategy::Gradiveq(_) | Strategy::Powersgd(_) => None,
         Strategy::Sparse { codec, density } => {
             let mut c = codec.build()?;
             c.feedback(n)?;
@@ -746,7 +788,10 @@ fn fixed_id(
     use super::{Pick, SparseExchange};
     use crate::cost::StrategyId;
     match s {
-        Strategy::Dense | Strategy::Auto => (dense, 1.0),
+        // PowerSGD is not priced by the model yet: its layers stand as
+        // dense ones (what they are before `start`, and an upper bound
+        // of their traffic).
+        Strategy::Dense | Strategy::Auto | Strategy::Powersgd(_) => (dense, 1.0),
         Strategy::Gradiveq(_) => (StrategyId::GradiveqRing, 1.0),
         Strategy::Sparse { codec, density } => {
             let d = density

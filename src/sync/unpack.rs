@@ -119,7 +119,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         apply_policy(self.cfg.non_finite, unpacked)
     }
 
-    /// Every bucket's GradiVeQ states back into their layers.
+    /// Every bucket's GradiVeQ and PowerSGD states back into their layers.
     fn return_gvq_states(&mut self, st: &mut OpenStep) {
         for part in &mut st.parts {
             let Some(job) = part.job.as_mut() else {
@@ -128,6 +128,11 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             for e in &mut job.buf.gvq {
                 if let Some(s) = e.state.take() {
                     self.reg.layers[e.layer].gvq = Some(s);
+                }
+            }
+            for e in &mut job.buf.psg {
+                if let Some(s) = e.state.take() {
+                    self.reg.layers[e.layer].psg = Some(s);
                 }
             }
         }
@@ -329,6 +334,7 @@ impl<'a> Unpacker<'a> {
                 self.sparse(i, l, o, job, &entries[j * self.p..(j + 1) * self.p])?
             }
             Mode::Gradiveq => (self.gradiveq(i, l, o, job), None),
+            Mode::Powersgd => (self.powersgd(i, l, o, job), None),
             Mode::Other => unreachable!("a layer's own bucket plans it"),
             Mode::Dense => {
                 let g = &job.buf.dense[lp.dense_off..lp.dense_off + l.n];
@@ -439,6 +445,27 @@ impl<'a> Unpacker<'a> {
             })
         } else {
             l.dense_update(o, self.params);
+            None
+        }
+    }
+
+    /// A PowerSGD layer: its approximation of the average (already
+    /// divided by p), then momentum.
+    fn powersgd(&self, i: usize, l: &mut Layer, o: &mut [f32], job: &Job) -> Option<Error> {
+        let e = job
+            .buf
+            .psg
+            .iter()
+            .find(|e| e.layer == i)
+            .expect("every PowerSGD layer has a job entry");
+        if e.output.iter().any(|x| !x.is_finite()) {
+            o.copy_from_slice(&e.output);
+            Some(Error::NonFinite {
+                rank: None,
+                layer: l.name.clone(),
+            })
+        } else {
+            l.dense_update_from(&e.output, o, self.params);
             None
         }
     }

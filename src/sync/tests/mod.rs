@@ -8,6 +8,7 @@ mod failures;
 mod gradiveq;
 mod node_aware;
 mod non_finite;
+mod powersgd;
 mod results;
 mod snapshots;
 mod sparse_exchange;

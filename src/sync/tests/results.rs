@@ -317,6 +317,7 @@ fn the_engine_executes_the_plan() {
                         Mode::Sparse => "sparse",
                         Mode::Local => "local",
                         Mode::Gradiveq => "gradiveq",
+                        Mode::Powersgd => "powersgd",
                         Mode::Other => unreachable!("a whole step plans every layer"),
                     };
                     assert_eq!(l.strategy, want, "step {step} layer {}", l.name);
