@@ -311,13 +311,17 @@ for try in 1 2; do
     --out "$WORK/prof2x2.json" --quiet --reps 3 --min-seconds 1 --max-bytes 1M --densities 0.01
   [ "$run_rc" = 0 ] || fail "calibrate on 2 x 2 exited $run_rc" "$WORK/calibrate 2x2.log"
   levels_rc=0
-  levels=$(levels_check "$WORK/prof2x2.json") || levels_rc=$?
+  levels=$(levels_check "$WORK/prof2x2.json" 2>&1) || levels_rc=$?
   case "$levels_rc" in
     0 | 3) ;;
-    4) [ "$try" = 1 ] || fail "calibrate on 2 x 2: an implausible burst credit on the second run too: $levels" "$WORK/prof2x2.json"
-       say "calibrate on 2 x 2: an implausible burst credit ($levels); measuring again"
-       continue ;;
-    *) fail "calibrate on 2 x 2: the profile's levels are wrong" "$WORK/prof2x2.json" ;;
+    *)
+      # Wrong levels (an assertion, exit 1) or an implausible burst
+      # credit (exit 4): one run's noise on a shared machine is measured
+      # again; the second run must hold.
+      levels=$(printf '%s' "$levels" | tail -n 1)
+      [ "$try" = 1 ] || fail "calibrate on 2 x 2: the profile's levels are wrong on the second run too: $levels" "$WORK/prof2x2.json"
+      say "calibrate on 2 x 2: the profile's levels are off ($levels); measuring again"
+      continue ;;
   esac
   [ "$levels_rc" = 3 ] || break
   # What the fit saw, from rank 0's debug log: the post-idle exchanges
