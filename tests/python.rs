@@ -353,8 +353,9 @@ fn torch_ddp_hook_and_half_precision_under_mpirun() {
     }
 }
 
-/// The digits training run: the compressed runs reach the dense run's test
-/// accuracy within 1 point in the same number of steps (4 ranks), and the
+/// The digits training run: the compressed runs (auto, RGC, PowerSGD at
+/// rank 2) reach the dense run's test accuracy within 1 point in the same
+/// number of steps (4 ranks), and the
 /// `MPI_Allreduce` baseline (`mpi-dense`) trains like gradsync's dense.
 #[test]
 fn train_digits_compressed_matches_dense() {
@@ -363,7 +364,7 @@ fn train_digits_compressed_matches_dense() {
     }
     let script = repo().join("examples/python/train_digits.py");
     let mut acc = std::collections::HashMap::new();
-    for mode in ["mpi-dense", "dense", "auto", "rgc"] {
+    for mode in ["mpi-dense", "dense", "auto", "rgc", "powersgd"] {
         let (ok, out, err) = mpirun_py(4, &script, &["--mode", mode, "--json"], 600);
         assert!(ok, "{mode}\n{out}\n{err}");
         let line = out
@@ -382,7 +383,7 @@ fn train_digits_compressed_matches_dense() {
         "mpi-dense: test accuracy {} vs gradsync dense {dense}",
         acc["mpi-dense"]
     );
-    for mode in ["auto", "rgc"] {
+    for mode in ["auto", "rgc", "powersgd"] {
         assert!(
             acc[mode] >= dense - 0.01,
             "{mode}: test accuracy {} vs dense {dense}",

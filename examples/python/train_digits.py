@@ -37,7 +37,10 @@ Modes (``--mode``):
   layers of at least 32768 elements, here the H x H weight, are RGC at 0.1 %;
 * ``rgc``:   every weight registered ``"rgc:density=D"`` (``--density``,
   default 0.001: 65 of 65536, 16 of 16384 and 2 of 2560 elements per rank
-  and step), biases ``"dense"``.
+  and step), biases ``"dense"``;
+* ``powersgd``: every weight registered ``"powersgd:rank=R,start=0"``
+  (``--rank``, default 2: factors of 640, 1024 and 532 elements instead
+  of 16384, 65536 and 2560), biases ``"dense"``.
 
 Warm-up: ``--warmup 50`` (default) dense steps first (GradSync
 ``warmup_steps``, as RedSync does), passed identically in every mode (a no-op
@@ -191,7 +194,7 @@ def accuracy(ws, x, y) -> float:
     return float((logits.argmax(axis=1) == y).mean())
 
 
-MODES = ["mpi-dense", "gradsync-dense", "dense", "auto", "rgc"]
+MODES = ["mpi-dense", "gradsync-dense", "dense", "auto", "rgc", "powersgd"]
 
 
 class MpiDense:
@@ -259,6 +262,7 @@ def main(argv=None) -> int:
                     help="mpi-dense: MPI_Allreduce from mpi4py; gradsync-dense (or dense): gradsync's "
                          "fused Rabenseifner; auto: the cost model; rgc: RGC weights, dense biases")
     ap.add_argument("--density", type=float, default=0.001, help="RGC density for --mode rgc")
+    ap.add_argument("--rank", type=int, default=2, help="PowerSGD rank for --mode powersgd")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
@@ -310,6 +314,10 @@ def main(argv=None) -> int:
                 strategy = "dense"
             elif mode == "auto":
                 strategy = "auto"
+            elif mode == "powersgd":
+                # Compression from the first step after the warm-up.
+                strategy = (f"powersgd:rank={args.rank},start=0" if name.endswith("weight")
+                            else "dense")
             else:
                 strategy = f"rgc:density={args.density}" if name.endswith("weight") else "dense"
             sync.register(name, w.shape, strategy=strategy)
