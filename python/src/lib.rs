@@ -1242,6 +1242,7 @@ fn predict(
         fill,
         // One layer's prices: no threshold.
         compress_threshold: 0,
+        powersgd_rank: 1,
     };
     let rec = m
         .profile()

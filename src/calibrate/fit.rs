@@ -2,6 +2,7 @@
 //! the fits that turn the measured means into a [`Profile`].
 
 use super::check::{check_probes, compare, CHECK_SIZES};
+use super::lowrank::{fit_powersgd, powersgd_probe};
 use super::probes::{
     allgather_time, barrier_span, clear_probe, cold_add_probe, exchange_time, exchange_time_with,
     idle_exchange_time, layers_probe, local, net_cap, net_sizes, pairs, pingpong, pingpong_with,
@@ -87,6 +88,7 @@ pub(super) fn run(
     let codec_fits = fit_codecs(&sizes, &lat, &local_med);
     let (dense_local, dense_local_curve) = fit_dense_local(&sizes, &lat, &local_med);
     let local_parallelism = fit_parallelism(&lat, &local_med);
+    let powersgd = fit_powersgd(&lat, &local_med);
     // The credit last: the γ_reduce fit above subtracts the allreduces'
     // α-β part as they ran, back to back, on a link without credit.
     let mut inter_node = net.inter_node;
@@ -109,6 +111,7 @@ pub(super) fn run(
         dense_local,
         dense_local_curve,
         local_parallelism,
+        powersgd,
         gradiveq_compress: LinearFit::default(),
         gradiveq_decompress: LinearFit::default(),
         pingpong: net.pingpong,
@@ -354,7 +357,7 @@ fn link_probes<'a>(comm: &'a MpiComm, s: &Sizes, probes: &mut Vec<Probe<'a>>) ->
 }
 
 /// Where the local phase's probes are, and what they measured at.
-struct LocalAt {
+pub(super) struct LocalAt {
     /// γ_unpack's probes (from 0): the units' bytes, one per local size.
     unit_bytes: Vec<f64>,
     /// The clearing probes, one per `clear_ns`.
@@ -375,6 +378,10 @@ struct LocalAt {
     dense_tables: Vec<(usize, usize)>,
     /// The layer-parallel local phase, then the same one after another.
     par_at: usize,
+    /// PowerSGD's step of one layer, one per `psg_shapes` entry (rows,
+    /// columns, rank).
+    pub(super) psg_at: usize,
+    pub(super) psg_shapes: Vec<(usize, usize, usize)>,
     /// The barriers around every local probe.
     base_at: usize,
 }
@@ -416,6 +423,15 @@ fn local_probes_into<'a>(
     for parallel in [true, false] {
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
+    // 9. PowerSGD's local step of one layer (its products, the error
+    // kept, the copies in and out), on matrices of 256 rows at ranks 1, 2
+    // and 4 and a small one: `a + n·per_elem + n·r·per_elem_rank`.
+    let psg_at = local_probes.len();
+    let cols = (top / 256).clamp(16, 4096);
+    let psg_shapes = vec![(64, 64, 1), (256, cols, 1), (256, cols, 2), (256, cols, 4)];
+    for &(rows, cols, r) in &psg_shapes {
+        local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
+    }
     // 8. The barriers around every local probe, subtracted from each.
     let base_at = local_probes.len();
     local_probes.push(barrier_span(comm));
@@ -432,6 +448,8 @@ fn local_probes_into<'a>(
         dense_at,
         dense_tables,
         par_at,
+        psg_at,
+        psg_shapes,
         base_at,
     })
 }

@@ -52,6 +52,7 @@
 mod burst;
 mod check;
 mod fit;
+mod lowrank;
 mod probes;
 
 pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckOptions};

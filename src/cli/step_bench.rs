@@ -237,6 +237,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
             allgather: Pick::Auto,
         },
         density: inp.density,
+        powersgd_rank: 1,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
         min_sparse_elems: cfg.compress_threshold,
@@ -347,6 +348,7 @@ fn uniform(
                 gradiveq_ratio: 8.0,
                 min_sparse_elems: 0,
                 allowed: Vec::new(),
+                powersgd_rank: 1,
             };
             let table = model::step_layers(&inp.layers);
             Some(cost::predict_step(

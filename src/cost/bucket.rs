@@ -218,6 +218,7 @@ mod tests {
             gradiveq_ratio: 8.0,
             allowed: Vec::new(),
             min_sparse_elems: 0,
+            powersgd_rank: 1,
         }
     }
 
@@ -229,6 +230,7 @@ mod tests {
                 name: format!("l{i}"),
                 n,
                 kind: LayerKind::Fixed(StrategyId::DenseRabenseifner, 1.0),
+                matrix: None,
             })
             .collect()
     }

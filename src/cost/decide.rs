@@ -66,11 +66,15 @@ pub enum StrategyId {
     /// FastSGD in the fused allgather.
     #[serde(rename = "fastsgd")]
     Fastsgd,
+    /// PowerSGD: the layer's factors in the step's two fused factor
+    /// allreduces (the dense group's algorithm), its products local.
+    #[serde(rename = "powersgd")]
+    Powersgd,
 }
 
 impl StrategyId {
     /// Every strategy, in [`STRATEGIES`] order.
-    pub const ALL: [StrategyId; 14] = [
+    pub const ALL: [StrategyId; 15] = [
         StrategyId::DenseRabenseifner,
         StrategyId::DenseRing,
         StrategyId::SparseAllgather,
@@ -85,6 +89,7 @@ impl StrategyId {
         StrategyId::Sbc,
         StrategyId::ThreeLc,
         StrategyId::Fastsgd,
+        StrategyId::Powersgd,
     ];
 
     /// The name `predict --json` prints (`dense-rabenseifner`, ...).
@@ -111,7 +116,7 @@ impl StrategyId {
     pub fn sparse_group(self) -> Option<StrategyId> {
         use StrategyId::*;
         match self {
-            DenseRabenseifner | DenseRing | DenseHierarchical | GradiveqRing => None,
+            DenseRabenseifner | DenseRing | DenseHierarchical | GradiveqRing | Powersgd => None,
             SparseAllreduce | SparseHierarchical => Some(self),
             _ => Some(SparseAllgather),
         }
@@ -146,6 +151,12 @@ impl StrategyId {
             | StrategyId::SparseHierarchical => sparse(CodecConfig::Rgc { density, method }),
             StrategyId::SparseAllgatherQuant => sparse(CodecConfig::RgcQuant { density }),
             StrategyId::GradiveqRing => None,
+            // The rank is the caller's (the engine's `auto_powersgd`);
+            // compression from the first step after any warm-up.
+            StrategyId::Powersgd => Some(Strategy::Powersgd(crate::powersgd::PowerSgdConfig {
+                start: 0,
+                ..Default::default()
+            })),
             codec => sparse(codec.name().parse().ok()?),
         }
     }
@@ -239,6 +250,7 @@ pub fn default_candidates(prof: &super::Profile) -> Vec<StrategyId> {
         .into_iter()
         .filter(|id| id.engine_runs())
         .filter(|id| !id.is_codec() || prof.codecs.contains_key(id.name()))
+        .filter(|&id| id != StrategyId::Powersgd || !prof.powersgd.is_zero())
         .collect()
 }
 

@@ -100,6 +100,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
         gradiveq_ratio: 1.0,
         allowed: Vec::new(),
         min_sparse_elems: 0,
+        powersgd_rank: 1,
     };
     check(&sq)?;
     let net = Net::of(prof, &sq);

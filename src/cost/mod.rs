@@ -432,6 +432,10 @@ pub struct Profile {
     /// group's local seconds by it when the group has two layers or more.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub local_parallelism: f64,
+    /// PowerSGD's local cost of a layer ([`PowerSgdFit`]); zero (and left
+    /// out of the JSON) in profiles from before it.
+    #[serde(default, skip_serializing_if = "PowerSgdFit::is_zero")]
+    pub powersgd: PowerSgdFit,
     /// GradiVeQ compression of a whole layer.
     #[serde(default)]
     pub gradiveq_compress: LinearFit,
@@ -502,6 +506,7 @@ impl Profile {
             codecs: BTreeMap::new(),
             dense_local: LinearFit::default(),
             local_parallelism: 1.0,
+            powersgd: PowerSgdFit::default(),
             gradiveq_compress: LinearFit::default(),
             gradiveq_decompress: LinearFit::default(),
             pingpong: LinearFit::default(),
@@ -609,6 +614,13 @@ impl Profile {
             if !non_negative(f.a) || !non_negative(f.b) {
                 bad.push(format!("{k} = {f:?}"));
             }
+        }
+        let ps = self.powersgd;
+        if ![ps.a, ps.per_elem, ps.per_elem_rank]
+            .into_iter()
+            .all(non_negative)
+        {
+            bad.push(format!("powersgd = {ps:?}"));
         }
         // A codec's measured wire bytes per element: at most 16 (an
         // index/value pair and then some).
@@ -795,7 +807,7 @@ pub struct Prediction {
 }
 
 /// Strategy names in output order (codecs after the eight named strategies).
-pub const STRATEGIES: [&str; 14] = [
+pub const STRATEGIES: [&str; 15] = [
     "dense-rabenseifner",
     "dense-ring",
     "sparse-allgather",
@@ -810,6 +822,7 @@ pub const STRATEGIES: [&str; 14] = [
     "sbc",
     "3lc",
     "fastsgd",
+    "powersgd",
 ];
 
 /// `⌈lg p⌉` (0 for `p = 1`).
@@ -947,6 +960,34 @@ pub fn nominal_wire_bytes(prof: &Profile, codec: &str, n: usize) -> f64 {
     12.0 + b * n as f64
 }
 
+/// PowerSGD's local seconds for one layer of `n` elements per step at
+/// rank `r`: `a + per_elem·n + per_elem_rank·n·r` (its three products of
+/// `2·n·r` flops, and the passes over `n` that add the error, keep the
+/// new one and apply momentum). Measured by `calibrate` on matrices of a
+/// few sizes and ranks; zero when not measured (then the model does not
+/// offer `powersgd`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PowerSgdFit {
+    /// Fixed seconds per layer.
+    pub a: f64,
+    /// Seconds per element.
+    pub per_elem: f64,
+    /// Seconds per element and unit of rank.
+    pub per_elem_rank: f64,
+}
+
+impl PowerSgdFit {
+    /// Whether every coefficient is zero (not measured).
+    pub fn is_zero(&self) -> bool {
+        self.a == 0.0 && self.per_elem == 0.0 && self.per_elem_rank == 0.0
+    }
+
+    /// Seconds for `n` elements at rank `r`.
+    pub fn at(&self, n: f64, r: f64) -> f64 {
+        self.a + self.per_elem * n + self.per_elem_rank * n * r
+    }
+}
+
 /// Nominal bytes per element of the data-dependent codecs when no profile
 /// says otherwise: 3LC's 1.6 bits per value (its paper and gradsync's
 /// own measurement); FastSGD 1 byte per value.
@@ -971,11 +1012,15 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
         gradiveq_ratio: q.gradiveq_ratio,
         allowed: Vec::new(),
         min_sparse_elems: 0,
+        powersgd_rank: 1,
     };
     step::check(&sq)?;
+    // PowerSGD is priced on a matrix: a layer of `n` elements alone has
+    // no shape (`plan` and `bench --op step` price it from a layers file).
     let preds: Vec<Prediction> = StrategyId::ALL
         .into_iter()
-        .map(|id| step::alone(prof, &sq, q.n, id, q.density))
+        .filter(|&id| id != StrategyId::Powersgd)
+        .map(|id| step::alone(prof, &sq, (q.n, None), id, q.density))
         .collect();
     match preds.iter().find(|x| !step::sane(x.seconds)) {
         Some(x) => Err(step::overflow(&format!("strategy {}", x.name), x.seconds)),

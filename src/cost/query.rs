@@ -73,4 +73,7 @@ pub struct StepQuery {
     /// (measured in docs/benchmarks/pytorch.md). 0: every layer
     /// chosen by price alone.
     pub min_sparse_elems: usize,
+    /// The rank `powersgd` is priced at for free layers (fixed ones carry
+    /// their own).
+    pub powersgd_rank: usize,
 }

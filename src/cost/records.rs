@@ -84,6 +84,13 @@ pub struct ModelArgs {
     /// default). 0: every layer chosen by price alone.
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
     pub compress_threshold: usize,
+    /// The rank `powersgd` is priced at (a layers file's layers with a
+    /// `shape` of two or more dimensions; the engine's `auto_powersgd`).
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))
+    )]
+    pub powersgd_rank: usize,
 }
 
 impl Default for ModelArgs {
@@ -105,6 +112,7 @@ impl Default for ModelArgs {
             inter_bandwidth: None,
             fill: None,
             compress_threshold: 0,
+            powersgd_rank: 1,
         }
     }
 }
@@ -449,6 +457,7 @@ pub fn step_query(
         gradiveq_ratio: m.gradiveq_ratio,
         allowed: m.allowed(prof)?,
         min_sparse_elems: m.compress_threshold,
+        powersgd_rank: m.powersgd_rank,
     })
 }
 
@@ -460,6 +469,7 @@ pub fn step_layers(layers: &[LayerSpec]) -> Vec<cost::StepLayer> {
             name: l.name.clone(),
             n: l.elements,
             kind: cost::LayerKind::Auto,
+            matrix: None,
         })
         .collect()
 }

@@ -68,7 +68,8 @@ pub enum LayerKind {
     /// The planner chooses (the engine's `Strategy::Auto`, every layer of
     /// `gradsync plan`).
     Auto,
-    /// The caller chose this strategy, sparse ones at this density.
+    /// The caller chose this strategy, sparse ones at this density
+    /// (`powersgd`: at this rank).
     Fixed(StrategyId, f64),
 }
 
@@ -81,6 +82,12 @@ pub struct StepLayer {
     pub n: usize,
     /// Chosen by the planner or fixed.
     pub kind: LayerKind,
+    /// The matrix PowerSGD sees (rows, columns:
+    /// [`crate::powersgd::matrix_view`] of the layer's shape); `None`: no
+    /// shape known, or fewer than two dimensions (then `powersgd` is not
+    /// an option, and a layer fixed to it is priced dense, as the engine
+    /// runs it).
+    pub matrix: Option<(usize, usize)>,
 }
 
 /// The three kinds of group of a step.
@@ -93,6 +100,8 @@ pub enum GroupKind {
     Sparse,
     /// One GradiVeQ layer's own ring.
     Gradiveq,
+    /// The PowerSGD layers' two fused factor allreduces.
+    Lowrank,
 }
 
 /// One layer's planned strategy.
@@ -175,8 +184,10 @@ struct Option_ {
     id: StrategyId,
     group: GroupKind,
     /// Bytes it adds to its group's message (sparse allreduces: its `8k`
-    /// bytes of pairs).
+    /// bytes of pairs; PowerSGD: its `P`).
     bytes: f64,
+    /// PowerSGD: the bytes of its `Q` (the group's second allreduce).
+    bytes_q: f64,
     /// Elements (the sparse allreduces' index space).
     n: f64,
     local: f64,
@@ -188,7 +199,7 @@ struct Option_ {
 fn option(
     prof: &Profile,
     q: &StepQuery,
-    (n, table): (usize, f64),
+    (n, table, matrix): (usize, f64, Option<(usize, usize)>),
     id: StrategyId,
     density: f64,
 ) -> Option_ {
@@ -199,10 +210,27 @@ fn option(
         id,
         group,
         bytes,
+        bytes_q: 0.0,
         n: nf,
         local,
     };
     match id {
+        StrategyId::Powersgd => match powersgd_factors(matrix, density) {
+            Some((rows, cols, r)) => Option_ {
+                bytes_q: 4.0 * (cols * r) as f64,
+                ..o(
+                    GroupKind::Lowrank,
+                    4.0 * (rows * r) as f64,
+                    prof.powersgd.at(nf, r as f64),
+                )
+            },
+            // Not compressed (a vector, or too small): dense, as the
+            // engine runs it.
+            None => Option_ {
+                id: StrategyId::DenseRabenseifner,
+                ..o(GroupKind::Dense, 4.0 * nf, prof.dense_local_at(nf, table))
+            },
+        },
         StrategyId::DenseRabenseifner | StrategyId::DenseRing | StrategyId::DenseHierarchical => {
             o(GroupKind::Dense, 4.0 * nf, prof.dense_local_at(nf, table))
         }
@@ -241,17 +269,35 @@ fn option(
     }
 }
 
+/// PowerSGD's rows, columns and rank for a layer of matrix view `matrix`
+/// at rank `rank`, or `None` where it leaves the layer dense (no matrix,
+/// or factors not twice smaller: PyTorch's `min_compression_rate`).
+fn powersgd_factors(matrix: Option<(usize, usize)>, rank: f64) -> Option<(usize, usize, usize)> {
+    let (rows, cols) = matrix?;
+    let r = (rank.max(1.0) as usize).min(rows).min(cols);
+    crate::powersgd::worth_compressing(rows, cols, r, 2.0).then_some((rows, cols, r))
+}
+
+/// Seconds of the PowerSGD group's two allreduces (`P`, then `Q`) with the
+/// dense group's algorithm `algo`.
+fn lowrank_group(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
+    if s.lowrank_p <= 0.0 {
+        return 0.0;
+    }
+    dense_group(net, algo, s.lowrank_p) + dense_group(net, algo, s.lowrank_q)
+}
+
 /// One strategy for one layer synchronized alone (its group's α paid by
 /// it): what [`super::predict`] prints for every strategy.
 pub(super) fn alone(
     prof: &Profile,
     q: &StepQuery,
-    n: usize,
+    (n, matrix): (usize, Option<(usize, usize)>),
     id: StrategyId,
     density: f64,
 ) -> Prediction {
     let net = Net::of(prof, q);
-    let o = option(prof, q, (n, n as f64), id, density);
+    let o = option(prof, q, (n, n as f64, matrix), id, density);
     let mut s = Sizes::default();
     s.add(&o, 1.0);
     let (seconds, wire_bytes) = match o.group {
@@ -267,6 +313,13 @@ pub(super) fn alone(
             )
         }
         GroupKind::Gradiveq => (o.local, dense_wire(&net, StrategyId::DenseRing, o.bytes)),
+        GroupKind::Lowrank => {
+            let algo = StrategyId::DenseRabenseifner;
+            (
+                o.local + lowrank_group(&net, algo, s),
+                dense_wire(&net, algo, o.bytes) + dense_wire(&net, algo, o.bytes_q),
+            )
+        }
     };
     Prediction {
         id,
@@ -409,9 +462,9 @@ pub fn sparse_collective_by(
     }
     let net = Net::new(prof, p, ranks_per_node, fill).with_gather(gather.unwrap_or_default());
     let s = Sizes {
-        dense: 0.0,
         sparse: 8.0 * k as f64,
         sparse_n: n as f64,
+        ..Sizes::default()
     };
     let comm = sparse_group(&net, id, s);
     Ok(if id == StrategyId::SparseAllgather && p > 1 {
@@ -463,6 +516,16 @@ fn sparse_wire(net: &Net, algo: StrategyId, s: Sizes) -> f64 {
 struct Open {
     dense: Option<StrategyId>,
     sparse: Option<StrategyId>,
+    /// The PowerSGD group (its allreduces run the dense group's
+    /// algorithm, Rabenseifner when there is none).
+    lowrank: bool,
+}
+
+impl Open {
+    /// The algorithm of the dense group and of PowerSGD's allreduces.
+    fn dense_algo(&self) -> StrategyId {
+        self.dense.unwrap_or(StrategyId::DenseRabenseifner)
+    }
 }
 
 /// Group sizes of an assignment: dense bytes, sparse bytes (without the
@@ -472,6 +535,9 @@ pub(super) struct Sizes {
     pub(super) dense: f64,
     pub(super) sparse: f64,
     pub(super) sparse_n: f64,
+    /// The PowerSGD group's fused `P` and `Q` (bytes).
+    pub(super) lowrank_p: f64,
+    pub(super) lowrank_q: f64,
 }
 
 impl Sizes {
@@ -481,6 +547,10 @@ impl Sizes {
             GroupKind::Sparse => {
                 self.sparse += sign * o.bytes;
                 self.sparse_n += sign * o.n;
+            }
+            GroupKind::Lowrank => {
+                self.lowrank_p += sign * o.bytes;
+                self.lowrank_q += sign * o.bytes_q;
             }
             GroupKind::Gradiveq => {}
         }
@@ -499,6 +569,7 @@ fn marginal(net: &Net, open: Open, s: Sizes, o: &Option_) -> f64 {
 struct Before {
     dense: f64,
     sparse: f64,
+    lowrank: f64,
 }
 
 impl Before {
@@ -515,6 +586,12 @@ impl Before {
                 sparse_group(net, sp, s)
             } else {
                 sparse_alpha(net, sp)
+            },
+            // An open group's α is the step's, as the others' are.
+            lowrank: if s.lowrank_p > 0.0 {
+                lowrank_group(net, d, s)
+            } else {
+                2.0 * dense_alpha(net, d)
             },
         }
     }
@@ -536,6 +613,11 @@ fn marginal_from(net: &Net, open: Open, s: Sizes, before: Before, o: &Option_) -
             // one within the near-tie, so a larger message can price up to
             // 2 % below a smaller one there.
             (sparse_group(net, algo, after) - before).max(0.0)
+        }
+        GroupKind::Lowrank => {
+            let mut after = s;
+            after.add(o, 1.0);
+            (lowrank_group(net, open.dense_algo(), after) - before.lowrank).max(0.0)
         }
         GroupKind::Gradiveq => 0.0,
     };
@@ -627,6 +709,7 @@ fn fits(open: Open, o: &Option_) -> bool {
     match o.group {
         GroupKind::Dense => open.dense == Some(o.id),
         GroupKind::Sparse => open.sparse == o.id.sparse_group(),
+        GroupKind::Lowrank => open.lowrank,
         GroupKind::Gradiveq => true,
     }
 }
@@ -650,7 +733,7 @@ pub fn plan_step(prof: &Profile, q: &StepQuery, layers: &[StepLayer]) -> Result<
         .iter()
         .map(|l| match l.kind {
             LayerKind::Auto => None,
-            LayerKind::Fixed(id, d) => Some(option(prof, q, (l.n, table), id, d)),
+            LayerKind::Fixed(id, d) => Some(option(prof, q, (l.n, table, l.matrix), id, d)),
         })
         .collect();
     let configs = configurations(&cands, &fixed);
@@ -704,6 +787,19 @@ fn configurations(cands: &[StrategyId], fixed: &[Option<Option_>]) -> Vec<Open> 
     dense_algos.dedup();
     sparse_algos.sort_by_key(rank);
     sparse_algos.dedup();
+    // The PowerSGD group: forced open by a fixed PowerSGD layer, tried
+    // closed then open when it is a candidate.
+    let forced_lowrank = fixed
+        .iter()
+        .flatten()
+        .any(|o| o.group == GroupKind::Lowrank);
+    let lowrank_opts: &[bool] = if forced_lowrank {
+        &[true]
+    } else if cands.contains(&StrategyId::Powersgd) {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let mut configs = Vec::new();
     let dense_opts: Vec<Option<StrategyId>> = if forced_dense.is_some() {
         dense_algos.iter().map(|a| Some(*a)).collect()
@@ -723,12 +819,15 @@ fn configurations(cands: &[StrategyId], fixed: &[Option<Option_>]) -> Vec<Open> 
             .chain(sparse_algos.iter().map(|a| Some(*a)))
             .collect()
     };
-    for d in &dense_opts {
-        for s in &sparse_opts {
-            configs.push(Open {
-                dense: *d,
-                sparse: *s,
-            });
+    for &lowrank in lowrank_opts {
+        for d in &dense_opts {
+            for s in &sparse_opts {
+                configs.push(Open {
+                    dense: *d,
+                    sparse: *s,
+                    lowrank,
+                });
+            }
         }
     }
     configs
@@ -754,7 +853,18 @@ fn auto_options(
             all.extend(
                 cands
                     .iter()
-                    .map(|c| option(prof, q, (l.n, table), *c, q.density))
+                    .filter(|&&c| {
+                        c != StrategyId::Powersgd
+                            || powersgd_factors(l.matrix, q.powersgd_rank as f64).is_some()
+                    })
+                    .map(|&c| {
+                        let param = if c == StrategyId::Powersgd {
+                            q.powersgd_rank as f64
+                        } else {
+                            q.density
+                        };
+                        option(prof, q, (l.n, table, l.matrix), c, param)
+                    })
                     .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense),
             );
         }
@@ -905,7 +1015,7 @@ fn group_costs(net: &Net, open: Open, assign: &[Option_]) -> (f64, f64) {
         match o.group {
             GroupKind::Dense => dense += effective_local(net.prof, o, nsparse),
             GroupKind::Sparse => sparse += effective_local(net.prof, o, nsparse),
-            GroupKind::Gradiveq => {}
+            GroupKind::Gradiveq | GroupKind::Lowrank => {}
         }
     }
     let got = assigned_groups(assign);
@@ -944,8 +1054,11 @@ pub fn predict_step(
         .iter()
         .zip(choice)
         .map(|(l, c)| match l.kind {
-            LayerKind::Fixed(id, d) => option(prof, q, (l.n, table), id, d),
-            LayerKind::Auto => option(prof, q, (l.n, table), *c, q.density),
+            LayerKind::Fixed(id, d) => option(prof, q, (l.n, table, l.matrix), id, d),
+            LayerKind::Auto if *c == StrategyId::Powersgd => {
+                option(prof, q, (l.n, table, l.matrix), *c, q.powersgd_rank as f64)
+            }
+            LayerKind::Auto => option(prof, q, (l.n, table, l.matrix), *c, q.density),
         })
         .collect();
     let groups = assigned_groups(&assign);
@@ -984,20 +1097,28 @@ fn assigned_groups(assign: &[Option_]) -> Open {
             .find(|o| o.group == GroupKind::Dense)
             .map(|o| o.id),
         sparse: assign.iter().find_map(|o| o.id.sparse_group()),
+        lowrank: assign.iter().any(|o| o.group == GroupKind::Lowrank),
     }
 }
 
-/// The step's seconds: its two groups ([`group_costs`]) and the GradiVeQ
-/// layers.
+/// The step's seconds: its two groups ([`group_costs`]), the PowerSGD
+/// group and the GradiVeQ layers.
 fn total_seconds(net: &Net, open: Open, assign: &[Option_]) -> f64 {
     let (dense, sparse) = group_costs(net, open, assign);
-    // GradiVeQ layers: their own rings, charged in their local costs.
-    let gradiveq: f64 = assign
+    // GradiVeQ layers: their own rings, charged in their local costs;
+    // PowerSGD layers: their products, then the group's allreduces.
+    let own: f64 = assign
         .iter()
-        .filter(|o| o.group == GroupKind::Gradiveq)
+        .filter(|o| matches!(o.group, GroupKind::Gradiveq | GroupKind::Lowrank))
         .map(|o| effective_local(net.prof, o, 0))
         .sum();
-    dense + sparse + gradiveq
+    let mut s = Sizes::default();
+    for o in assign {
+        s.add(o, 1.0);
+    }
+    let algo = open.dense.or(assigned_groups(assign).dense);
+    let lowrank = lowrank_group(net, algo.unwrap_or(StrategyId::DenseRabenseifner), s);
+    dense + sparse + own + lowrank
 }
 
 /// The plan, or an error where the profile's constants overflow its
@@ -1046,6 +1167,7 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
     let open = Open {
         dense: Some(got.dense.unwrap_or(StrategyId::DenseRabenseifner)),
         sparse: Some(got.sparse.unwrap_or(StrategyId::SparseAllgather)),
+        lowrank: got.lowrank,
     };
     let (algo, salgo) = (open.dense.expect("set"), open.sparse.expect("set"));
     let mut sizes = Sizes::default();
@@ -1058,6 +1180,11 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         .count();
     let mut out_layers = Vec::with_capacity(layers.len());
     let (mut dense, mut sparse) = empty_groups(algo, salgo);
+    let mut lowrank = GroupPlan {
+        kind: GroupKind::Lowrank,
+        algorithm: StrategyId::Powersgd,
+        ..dense.clone()
+    };
     let mut gvq = Vec::new();
     for (l, o) in layers.iter().zip(assign) {
         let layer = layer_plan(prof, q, &net, open, sizes, nsparse, (l, o));
@@ -1066,6 +1193,10 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         let g = match o.group {
             GroupKind::Dense => &mut dense,
             GroupKind::Sparse => &mut sparse,
+            GroupKind::Lowrank => {
+                lowrank.message_bytes += o.bytes_q;
+                &mut lowrank
+            }
             GroupKind::Gradiveq => {
                 gvq.push(gradiveq_group(&net, l, o));
                 continue;
@@ -1076,7 +1207,15 @@ fn describe(prof: &Profile, q: &StepQuery, layers: &[StepLayer], assign: &[Optio
         g.message_bytes += o.bytes;
         g.local_s += local_s;
     }
-    let groups = step_groups(&net, dense, sparse, gvq, sizes);
+    if lowrank.layers > 0 {
+        lowrank.comm_s = lowrank_group(&net, algo, sizes);
+        lowrank.wire_bytes =
+            dense_wire(&net, algo, sizes.lowrank_p) + dense_wire(&net, algo, sizes.lowrank_q);
+    }
+    let mut groups = step_groups(&net, dense, sparse, gvq, sizes);
+    if lowrank.layers > 0 {
+        groups.push(lowrank);
+    }
     let seconds = groups.iter().map(|g| g.comm_s + g.local_s).sum();
     let wire_bytes = groups.iter().map(|g| g.wire_bytes).sum();
     StepPlan {
@@ -1144,7 +1283,8 @@ fn layer_plan(
         LayerKind::Fixed(_, d) => d,
         LayerKind::Auto => q.density,
     };
-    let alone_s = alone(prof, q, l.n, o.id, density).seconds;
+    // (A layer PowerSGD leaves dense is priced as the dense one it is.)
+    let alone_s = alone(prof, q, (l.n, l.matrix), o.id, density).seconds;
     LayerPlan {
         name: l.name.clone(),
         elements: l.n,

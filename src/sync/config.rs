@@ -108,6 +108,11 @@ pub struct Config {
     pub auto_density: f64,
     /// Let `Auto` choose quantized RGC too.
     pub auto_quant: bool,
+    /// Let `Auto` choose PowerSGD at this rank (0: never) for layers of
+    /// two or more dimensions, where the profile prices it
+    /// ([`crate::cost::PowerSgdFit`], `gradsync calibrate`).
+    #[serde(skip_serializing_if = "is_zero_rank")]
+    pub auto_powersgd: usize,
     /// How the sparse layers of index/value codecs (RGC, quantized RGC)
     /// are exchanged: in the fused allgatherv (default), by one sparse
     /// allreduce (flat or node-aware), or as the cost model chooses each
@@ -139,6 +144,7 @@ impl Default for Config {
             profile: None,
             auto_density: 0.001,
             auto_quant: false,
+            auto_powersgd: 0,
             sparse_exchange: Pick::Fixed(SparseExchange::Allgather),
         }
     }
@@ -176,6 +182,13 @@ fn is_default_poll(us: &u32) -> bool {
 /// what it was before the option existed.
 fn is_default_exchange(x: &Pick<SparseExchange>) -> bool {
     x.is(SparseExchange::Allgather)
+}
+
+/// Serde skips 0 (`auto` never chooses PowerSGD), so that the options'
+/// JSON, and with it the table hash that snapshots record, is what it was
+/// before the option existed.
+fn is_zero_rank(r: &usize) -> bool {
+    *r == 0
 }
 
 /// Largest `delay`: a million steps between synchronizations is longer

@@ -55,6 +55,18 @@ pub(super) struct Layer {
     pub(super) stats: LayerStats,
 }
 
+impl Layer {
+    /// The matrix the step model prices PowerSGD on: a PowerSGD layer's
+    /// own (none where it stays dense), any other layer's view of its
+    /// shape ([`crate::powersgd::matrix_view`]).
+    pub(super) fn matrix(&self) -> Option<(usize, usize)> {
+        match &self.strategy {
+            Strategy::Powersgd(_) => self.psg.as_ref().map(|p| p.shape()),
+            _ => crate::powersgd::matrix_view(&self.shape),
+        }
+    }
+}
+
 /// Where a communicating step of `delay > 1` moved the layer's `acc` (the
 /// local directions applied since the last communication), kept in `prev`.
 /// A step that fails must put it back: those directions were applied by

@@ -163,6 +163,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             name: String::new(),
             n,
             kind: crate::cost::LayerKind::Auto,
+            // One layer on its own: no shape here, so no PowerSGD.
+            matrix: None,
         };
         let plan = crate::cost::plan_step(prof, &self.step_query(method_name), &[layer])?;
         let id = plan.layers[0].choice;
@@ -520,6 +522,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         LayerKind::Fixed(id, density)
                     }
                 },
+                matrix: l.matrix(),
             })
             .collect();
         let q = self.step_query(method_name);
@@ -529,12 +532,19 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             if l.strategy != Strategy::Auto {
                 continue;
             }
-            let s = lp.choice.engine_strategy(d, method).ok_or_else(|| {
+            let mut s = lp.choice.engine_strategy(d, method).ok_or_else(|| {
                 Error::InvalidArgument(format!("the engine cannot run {}", lp.choice))
             })?;
+            let mut psg = None;
+            if let Strategy::Powersgd(c) = &mut s {
+                c.rank = self.cfg.auto_powersgd.max(1);
+                psg = c
+                    .layer_state(&l.shape, i)
+                    .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?;
+            }
             let codec = build_codec(&s, l.n)
                 .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?;
-            layers.push((i, s, codec));
+            layers.push((i, s, codec, psg));
         }
         Ok(Some(AutoPlan { plan, layers }))
     }
@@ -561,6 +571,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             gradiveq_ratio: 8.0,
             min_sparse_elems: self.cfg.compress_threshold,
             allowed: self.auto_candidates(),
+            powersgd_rank: self.cfg.auto_powersgd.max(1),
         }
     }
 
@@ -600,6 +611,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                     name: l.name.clone(),
                     n: l.n,
                     kind: LayerKind::Fixed(id, density),
+                    matrix: l.matrix(),
                 }
             })
             .collect();
@@ -630,12 +642,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// which `sparse_exchange = "auto"` and `allreduce = "auto"` then never
     /// run.
     fn auto_candidates(&self) -> Vec<crate::cost::StrategyId> {
-        crate::cost::engine_candidates(
+        let mut v = crate::cost::engine_candidates(
             self.cfg.allreduce,
             self.cfg.sparse_exchange,
             self.cfg.auto_quant,
             self.ranks_per_node().is_some(),
-        )
+        );
+        // PowerSGD where asked for and the profile prices it (`delay > 1`
+        // cannot run it).
+        let priced = self
+            .cfg
+            .profile
+            .as_ref()
+            .is_some_and(|p| !p.powersgd.is_zero());
+        if self.cfg.auto_powersgd > 0 && priced && self.cfg.delay <= 1 {
+            v.push(crate::cost::StrategyId::Powersgd);
+        }
+        v
     }
 
     /// Where this engine's steps run, for the cost model: its ranks, the
@@ -660,8 +683,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         let Some(AutoPlan { plan, layers }) = planned else {
             return;
         };
-        for (i, s, codec) in layers {
+        for (i, s, codec, psg) in layers {
             let l = &mut self.reg.layers[i];
+            l.psg = psg;
             if codec.is_none() {
                 // Not sparse after all: no residual.
                 l.v = Vec::new();
@@ -674,6 +698,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 plan.layers[i].marginal_s * 1e6
             );
             self.reg.table[i] = TableRow::new(l.n, &s);
+            if l.psg.is_none() && matches!(self.reg.table[i].kind, RowKind::Powersgd { .. }) {
+                self.reg.table[i].kind = RowKind::Dense;
+            }
             l.strategy = s;
             l.codec = codec;
         }
@@ -758,8 +785,13 @@ pub(super) struct AutoPlan {
     layers: Vec<AutoLayer>,
 }
 
-/// One planned `Auto` layer: index, strategy, codec.
-type AutoLayer = (usize, Strategy, Option<Box<dyn Codec>>);
+/// One planned `Auto` layer: index, strategy, codec, PowerSGD state.
+type AutoLayer = (
+    usize,
+    Strategy,
+    Option<Box<dyn Codec>>,
+    Option<crate::powersgd::PowerSgd>,
+);
 
 /// A layer's codec for `strategy` (sparse only), with error feedback where
 /// it stays bounded ([`Codec::feedback`]).
@@ -788,10 +820,10 @@ fn fixed_id(
     use super::{Pick, SparseExchange};
     use crate::cost::StrategyId;
     match s {
-        // PowerSGD is not priced by the model yet: its layers stand as
-        // dense ones (what they are before `start`, and an upper bound
-        // of their traffic).
-        Strategy::Dense | Strategy::Auto | Strategy::Powersgd(_) => (dense, 1.0),
+        Strategy::Dense | Strategy::Auto => (dense, 1.0),
+        // Its rank in the density's place; a layer PowerSGD leaves dense
+        // has no matrix (`Layer::matrix`) and is priced dense.
+        Strategy::Powersgd(c) => (StrategyId::Powersgd, c.rank as f64),
         Strategy::Gradiveq(_) => (StrategyId::GradiveqRing, 1.0),
         Strategy::Sparse { codec, density } => {
             let d = density

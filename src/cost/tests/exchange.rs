@@ -93,6 +93,7 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         name: "l".into(),
                         n,
                         kind: LayerKind::Fixed(StrategyId::SparseAllgather, d),
+                        matrix: None,
                     }];
                     let sq = StepQuery {
                         at: crate::cost::Placement {
@@ -106,6 +107,7 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         gradiveq_ratio: 8.0,
                         allowed: Vec::new(),
                         min_sparse_elems: 0,
+                        powersgd_rank: 1,
                     };
                     let plan = predict_step(&pr, &sq, &layers, &[StrategyId::SparseAllgather])
                         .expect("plan");

@@ -3,6 +3,7 @@
 
 mod exchange;
 mod near_ties;
+mod powersgd;
 mod predictions;
 mod profiles;
 mod step_plan;
@@ -44,6 +45,7 @@ pub(super) fn table(ns: &[usize]) -> Vec<StepLayer> {
             name: format!("l{i}"),
             n,
             kind: LayerKind::Auto,
+            matrix: None,
         })
         .collect()
 }
@@ -61,5 +63,6 @@ pub(super) fn sq(p: usize, allowed: &[StrategyId]) -> StepQuery {
         gradiveq_ratio: 8.0,
         min_sparse_elems: 0,
         allowed: allowed.to_vec(),
+        powersgd_rank: 1,
     }
 }

@@ -65,6 +65,7 @@ fn a_large_dense_group_does_not_widen_the_sparse_tie() {
         name: "big-dense".into(),
         n: 1 << 26,
         kind: LayerKind::Fixed(DenseRabenseifner, 1.0),
+        matrix: None,
     });
     let mut clear_wins = 0;
     for p in [16usize, 64, 256] {

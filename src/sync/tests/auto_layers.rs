@@ -81,6 +81,7 @@ fn model_args(strategies: String) -> crate::cost::records::ModelArgs {
         inter_bandwidth: None,
         fill: None,
         compress_threshold: 0,
+        powersgd_rank: 1,
     }
 }
 

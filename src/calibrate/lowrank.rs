@@ -1,0 +1,160 @@
+//! PowerSGD's local cost in a calibration: the probe of one layer's
+//! local step (its products, orthogonalization, the error kept and the
+//! copies in and out) and the fit `a + n·per_elem + n·r·per_elem_rank`
+//! the step model prices `powersgd` with ([`crate::cost::PowerSgdFit`]).
+
+use super::fit::LocalAt;
+use super::probes::{local, Probe};
+use crate::comm::MpiComm;
+use crate::cost;
+use crate::Result;
+
+/// One PowerSGD layer's local step of a `rows × cols` gradient at rank
+/// `r`, as the engine runs it on one rank (the allreduces are the
+/// network's): the gradient copied in, `P = M Q`, orthogonalization,
+/// `Q = Mᵀ P`, `M̂ = P Qᵀ` and the error, the result copied out.
+pub(super) fn powersgd_probe<'a>(
+    comm: &'a MpiComm,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    r: usize,
+) -> Result<Probe<'a>> {
+    let n = rows * cols;
+    let g: Vec<f32> = x.iter().copied().cycle().take(n).collect();
+    let mut st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
+    let (np, nq) = st.factor_lens();
+    let (mut input, mut out, mut res) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let (mut p, mut q) = (vec![0f32; np], vec![0f32; nq]);
+    Ok(local(comm, move || {
+        input.copy_from_slice(&g);
+        st.begin(&input, &mut p)?;
+        let ps = p.clone();
+        st.after_p(&ps, &mut q)?;
+        let qs = q.clone();
+        st.after_q(&qs, 1, &mut out)?;
+        res.copy_from_slice(&out);
+        Ok(())
+    }))
+}
+
+/// PowerSGD's local cost (9.): `a + n·per_elem + n·r·per_elem_rank` by
+/// least squares on relative errors over the probes' shapes; coefficients
+/// that come out negative (noise at small sizes) are refitted without
+/// that term.
+pub(super) fn fit_powersgd(lat: &LocalAt, local_med: &[f64]) -> cost::PowerSgdFit {
+    let pts: Vec<(f64, f64, f64)> = lat
+        .psg_shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(rows, cols, r))| {
+            let n = (rows * cols) as f64;
+            (n, n * r as f64, local_med[lat.psg_at + i])
+        })
+        .filter(|p| p.2 > 0.0 && p.2.is_finite())
+        .collect();
+    let fit = fit_three(&pts);
+    log::debug!("calibrate: PowerSGD local points {pts:?}: {fit:?}");
+    fit
+}
+
+/// The non-negative least-squares fit of `t ≈ a + b·n + c·m` on relative
+/// errors (each row divided by `t`), over the terms that stay
+/// non-negative: all three, else `b·n + c·m`, else `c·m` alone.
+pub(super) fn fit_three(pts: &[(f64, f64, f64)]) -> cost::PowerSgdFit {
+    type Row = fn(f64, f64) -> [f64; 3];
+    let forms: [Row; 3] = [|n, m| [1.0, n, m], |n, m| [0.0, n, m], |_, m| [0.0, 0.0, m]];
+    for form in forms {
+        // Normal equations of the weighted rows (zero columns dropped by
+        // a unit diagonal).
+        let mut ata = [[0.0f64; 3]; 3];
+        let mut atb = [0.0f64; 3];
+        for &(n, m, t) in pts {
+            let row = form(n, m).map(|v| v / t);
+            for i in 0..3 {
+                for j in 0..3 {
+                    ata[i][j] += row[i] * row[j];
+                }
+                atb[i] += row[i];
+            }
+        }
+        for (i, r) in ata.iter_mut().enumerate() {
+            if r[i] == 0.0 {
+                r[i] = 1.0;
+            }
+        }
+        if let Some(x) = solve3(ata, atb) {
+            if x.iter().all(|v| v.is_finite() && *v >= 0.0) {
+                return cost::PowerSgdFit {
+                    a: x[0],
+                    per_elem: x[1],
+                    per_elem_rank: x[2],
+                };
+            }
+        }
+    }
+    cost::PowerSgdFit::default()
+}
+
+/// `A x = b` for a 3 × 3 system (Gaussian elimination with partial
+/// pivoting); `None` when singular.
+fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
+    for c in 0..3 {
+        let piv = (c..3).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
+        if a[piv][c].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(c, piv);
+        b.swap(c, piv);
+        for r in c + 1..3 {
+            let f = a[r][c] / a[c][c];
+            for k in c..3 {
+                a[r][k] -= f * a[c][k];
+            }
+            b[r] -= f * b[c];
+        }
+    }
+    let mut x = [0.0; 3];
+    for c in (0..3).rev() {
+        let s: f64 = (c + 1..3).map(|k| a[c][k] * x[k]).sum();
+        x[c] = (b[c] - s) / a[c][c];
+    }
+    Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_known_coefficients_and_drops_negative_terms() {
+        let (a, b, c) = (2e-5, 3e-10, 7e-10);
+        let shapes = [
+            (64.0 * 64.0, 1.0),
+            (256.0 * 512.0, 1.0),
+            (256.0 * 512.0, 2.0),
+            (256.0 * 512.0, 4.0),
+        ];
+        let pts: Vec<(f64, f64, f64)> = shapes
+            .iter()
+            .map(|&(n, r)| (n, n * r, a + b * n + c * n * r))
+            .collect();
+        let f = fit_three(&pts);
+        for (got, want) in [(f.a, a), (f.per_elem, b), (f.per_elem_rank, c)] {
+            assert!(
+                (got - want).abs() <= 1e-6 * want.max(1e-12) + 1e-15,
+                "{f:?}"
+            );
+        }
+        // A negative intercept (noise) is dropped, the rest refitted.
+        let pts: Vec<(f64, f64, f64)> = shapes
+            .iter()
+            .map(|&(n, r)| (n, n * r, -1e-6 + b * n + c * n * r))
+            .collect();
+        let f = fit_three(&pts);
+        assert_eq!(f.a, 0.0);
+        assert!(f.per_elem >= 0.0 && f.per_elem_rank > 0.0, "{f:?}");
+        // Nothing measured: zero (the model then offers no powersgd).
+        assert!(fit_three(&[]).is_zero());
+    }
+}

@@ -1,0 +1,215 @@
+//! PowerSGD in the step model: its group's two allreduces and local
+//! products priced as written, the planner choosing it where it pays and
+//! never where it cannot run, and a table mixing it with dense and sparse
+//! groups.
+
+use super::*;
+use crate::cost::step::alone;
+
+fn psg_prof() -> Profile {
+    let mut p = prof();
+    p.powersgd = PowerSgdFit {
+        a: 1e-5,
+        per_elem: 2e-9,
+        per_elem_rank: 1e-9,
+    };
+    p
+}
+
+fn layer(name: &str, rows: usize, cols: usize, kind: LayerKind) -> StepLayer {
+    StepLayer {
+        name: name.into(),
+        n: rows * cols,
+        kind,
+        matrix: Some((rows, cols)),
+    }
+}
+
+/// The Rabenseifner allreduce of `bytes` at `p` ranks, written out.
+fn raben(pr: &Profile, p: usize, bytes: f64) -> f64 {
+    let (pf, lg) = (p as f64, (p as f64).log2().ceil());
+    let f = (pf - 1.0) / pf;
+    let mut t = 2.0 * lg * pr.alpha + 2.0 * f * bytes * pr.beta + f * bytes * pr.gamma_reduce;
+    if !p.is_power_of_two() {
+        t += pr.alpha + 2.0 * bytes * pr.beta + 0.5 * bytes * pr.gamma_reduce;
+    }
+    t
+}
+
+#[test]
+fn a_fixed_powersgd_layer_is_its_products_and_two_allreduces() {
+    let pr = psg_prof();
+    for p in [2usize, 3, 4, 8] {
+        for (rows, cols, r) in [(512usize, 4608usize, 1usize), (1024, 1024, 4), (64, 27, 2)] {
+            let l = layer(
+                "w",
+                rows,
+                cols,
+                LayerKind::Fixed(StrategyId::Powersgd, r as f64),
+            );
+            let plan = plan_step(&pr, &sq(p, &[]), &[l]).expect("plan");
+            let lp = &plan.layers[0];
+            assert_eq!(lp.choice, StrategyId::Powersgd, "p={p}");
+            assert_eq!(lp.group, GroupKind::Lowrank);
+            let n = (rows * cols) as f64;
+            let local = 1e-5 + 2e-9 * n + 1e-9 * n * r as f64;
+            let comm =
+                raben(&pr, p, 4.0 * (rows * r) as f64) + raben(&pr, p, 4.0 * (cols * r) as f64);
+            assert!(
+                rel(plan.seconds, local + comm) < 1e-9,
+                "p={p}: {} vs {}",
+                plan.seconds,
+                local + comm
+            );
+            let g = plan
+                .groups
+                .iter()
+                .find(|g| g.kind == GroupKind::Lowrank)
+                .expect("group");
+            assert!(rel(g.comm_s, comm) < 1e-9);
+            assert!(rel(lp.alone_s, local + comm) < 1e-9);
+            assert_eq!(g.message_bytes, 4.0 * ((rows + cols) * r) as f64);
+        }
+    }
+}
+
+#[test]
+fn a_layer_powersgd_would_not_shrink_is_priced_dense() {
+    let pr = psg_prof();
+    // A vector (no matrix) and a 4 x 4 matrix at rank 2 (factors 16 of 16).
+    let v = StepLayer {
+        name: "bias".into(),
+        n: 512,
+        kind: LayerKind::Fixed(StrategyId::Powersgd, 2.0),
+        matrix: None,
+    };
+    let small = layer("tiny", 4, 4, LayerKind::Fixed(StrategyId::Powersgd, 2.0));
+    let plan = plan_step(&pr, &sq(4, &[]), &[v, small]).expect("plan");
+    for l in &plan.layers {
+        assert_eq!(l.choice, StrategyId::DenseRabenseifner, "{l:?}");
+        assert_eq!(l.group, GroupKind::Dense);
+    }
+}
+
+#[test]
+fn the_planner_chooses_powersgd_where_it_pays_and_never_without_a_matrix() {
+    let mut pr = psg_prof();
+    // A slow link: 100 MB/s.
+    pr.beta = 1e-8;
+    // Against dense (RGC's selection at these fits is cheaper than
+    // these products: it wins when it is a candidate, checked below).
+    let cands = [StrategyId::DenseRabenseifner, StrategyId::Powersgd];
+    let big = layer("fc", 2048, 4096, LayerKind::Auto);
+    let mut vector = table(&[2048 * 4096]);
+    vector[0].name = "flat".into();
+    let bias = table(&[64]).remove(0);
+    let layers = vec![big, vector.remove(0), bias];
+    let mut q = sq(16, &cands);
+    q.powersgd_rank = 2;
+    let plan = plan_step(&pr, &q, &layers).expect("plan");
+    assert_eq!(plan.layers[0].choice, StrategyId::Powersgd, "{plan:?}");
+    assert_ne!(plan.layers[1].choice, StrategyId::Powersgd, "no matrix");
+    assert_eq!(plan.layers[2].group, GroupKind::Dense);
+    // The step is the sum of its groups, each paid once.
+    let sum: f64 = plan.groups.iter().map(|g| g.comm_s + g.local_s).sum();
+    assert!(rel(plan.seconds, sum) < 1e-12);
+    assert!(plan.groups.iter().any(|g| g.kind == GroupKind::Lowrank));
+    // predict_step of the same choices prices the same step.
+    let choice: Vec<StrategyId> = plan.layers.iter().map(|l| l.choice).collect();
+    let again = predict_step(&pr, &q, &layers, &choice).expect("predict");
+    assert!(rel(again.seconds, plan.seconds) < 1e-12);
+    // With RGC among the candidates, the cheaper of the two per layer.
+    let mut q3 = sq(
+        16,
+        &[
+            StrategyId::DenseRabenseifner,
+            StrategyId::SparseAllgather,
+            StrategyId::Powersgd,
+        ],
+    );
+    q3.powersgd_rank = 2;
+    let plan3 = plan_step(&pr, &q3, &layers[..1]).expect("plan");
+    let psg = alone(
+        &pr,
+        &q3,
+        (layers[0].n, layers[0].matrix),
+        StrategyId::Powersgd,
+        2.0,
+    )
+    .seconds;
+    let rgc = alone(
+        &pr,
+        &q3,
+        (layers[0].n, None),
+        StrategyId::SparseAllgather,
+        0.001,
+    )
+    .seconds;
+    let want = if psg < rgc {
+        StrategyId::Powersgd
+    } else {
+        StrategyId::SparseAllgather
+    };
+    assert_eq!(
+        plan3.layers[0].choice, want,
+        "powersgd {psg} s, rgc {rgc} s"
+    );
+    // A fast link: two allreduces' α and the products cost more than the
+    // dense bytes save on a small matrix; not chosen.
+    let mut fast = psg_prof();
+    fast.beta = 1e-12;
+    let small = layer("conv", 64, 576, LayerKind::Auto);
+    let plan = plan_step(&fast, &q, &[small]).expect("plan");
+    assert_ne!(plan.layers[0].choice, StrategyId::Powersgd, "{plan:?}");
+    // Without the profile's fit, not a default candidate.
+    assert!(!default_candidates(&prof()).contains(&StrategyId::Powersgd));
+    assert!(default_candidates(&pr).contains(&StrategyId::Powersgd));
+}
+
+#[test]
+fn a_table_mixing_powersgd_sparse_and_dense_prices_every_group_once() {
+    let pr = psg_prof();
+    let layers = vec![
+        layer(
+            "conv",
+            256,
+            2304,
+            LayerKind::Fixed(StrategyId::Powersgd, 1.0),
+        ),
+        layer(
+            "conv2",
+            512,
+            4608,
+            LayerKind::Fixed(StrategyId::Powersgd, 1.0),
+        ),
+        StepLayer {
+            name: "fc".into(),
+            n: 1 << 20,
+            kind: LayerKind::Fixed(StrategyId::SparseAllgather, 0.01),
+            matrix: None,
+        },
+        StepLayer {
+            name: "bias".into(),
+            n: 1000,
+            kind: LayerKind::Fixed(StrategyId::DenseRabenseifner, 1.0),
+            matrix: None,
+        },
+    ];
+    let p = 4;
+    let plan = plan_step(&pr, &sq(p, &[]), &layers).expect("plan");
+    let kinds: Vec<GroupKind> = plan.groups.iter().map(|g| g.kind).collect();
+    assert_eq!(
+        kinds,
+        [GroupKind::Dense, GroupKind::Sparse, GroupKind::Lowrank]
+    );
+    let lr = &plan.groups[2];
+    // One pair of allreduces for both layers: P = 4·(256 + 512), Q = 4·(2304 + 4608).
+    let comm = raben(&pr, p, 4.0 * 768.0) + raben(&pr, p, 4.0 * 6912.0);
+    assert!(rel(lr.comm_s, comm) < 1e-9, "{} vs {comm}", lr.comm_s);
+    assert_eq!(lr.layers, 2);
+    let local: f64 = [(256.0 * 2304.0), (512.0 * 4608.0)]
+        .iter()
+        .map(|n| 1e-5 + 3e-9 * n)
+        .sum();
+    assert!(rel(lr.local_s, local) < 1e-9);
+}
