@@ -1,11 +1,18 @@
 //! A layers file (`{"layers": [{"name": ..., "elements": ...}, ...]}` or a
 //! bare array): the table `plan`, `scale` and `bench --op step` price.
 //!
+//! An entry may also give its tensor's `"shape"` (`[out, in, kh, kw]` for a
+//! convolution, `[c]` for a bias): an array of non-negative integers whose
+//! product must be `"elements"` (`[]` is a scalar, 1 element). It is the
+//! matrix view PowerSGD prices: the first dimension by the product of the
+//! rest, as PyTorch's `view(shape[0], -1)`. Without it a layer has no
+//! matrix view (`None`).
+//!
 //! Read in one pass of serde_json's streaming parser into one small record
 //! per entry, then checked entry by entry, so every error names the file,
 //! the entry's index and name, and the field. A table of 10^6 layers is
-//! read in a fraction of a second and holds about its names' bytes (not a
-//! JSON tree of the whole file).
+//! read in a fraction of a second and holds about its names' and shapes'
+//! bytes (not a JSON tree of the whole file).
 
 use crate::{Error, Result};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -20,6 +27,11 @@ pub struct LayerSpec {
     pub name: String,
     /// f32 elements.
     pub elements: usize,
+    /// The tensor's shape, when the file gives it: its product is
+    /// `elements` (checked by [`read_layers`]). PowerSGD prices the matrix
+    /// `shape[0] × (product of the rest)`, as PyTorch's `view(shape[0], -1)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<usize>>,
 }
 
 /// Bytes of a layer of `n` f32 elements, or why it has no byte size
@@ -38,7 +50,8 @@ const SHAPE: &str =
 
 /// Read a layers file. Every error ([`Error::File`]) names the file and,
 /// for a bad entry, its index, its name when it has one, and the field. A
-/// key given twice (`"name"`, `"elements"`, `"layers"`) is an error.
+/// key given twice (`"name"`, `"elements"`, `"shape"`, `"layers"`) is an
+/// error. A `"shape"` must hold exactly `"elements"` elements.
 pub fn read_layers(path: &std::path::Path) -> Result<Vec<LayerSpec>> {
     let bad = |m: String| Error::file(path, m);
     // 64 MiB: a million layers and then some.
@@ -118,7 +131,8 @@ struct RawEntry {
     object: bool,
     name: Option<Value>,
     elements: Option<Value>,
-    /// The first key that is neither `"name"` nor `"elements"`.
+    shape: Option<Value>,
+    /// The first key that is not `"name"`, `"elements"` or `"shape"`.
     unknown: Option<String>,
 }
 
@@ -149,7 +163,8 @@ impl RawEntry {
         // "elemets") would otherwise be ignored without a word.
         if let Some(k) = self.unknown {
             return Err(format!(
-                "{at}: unknown field {k:?} (a layer has \"name\" and \"elements\")"
+                "{at}: unknown field {k:?} (a layer has \"name\", \"elements\" and an \
+                 optional \"shape\")"
             ));
         }
         if name.is_empty() || name.chars().any(char::is_control) {
@@ -175,8 +190,50 @@ impl RawEntry {
             None => return Err(format!("{at}: missing field \"elements\"")),
         };
         layer_bytes(elements).map_err(|m| format!("{at}: field \"elements\": {m}"))?;
-        Ok(LayerSpec { name, elements })
+        let shape = match self.shape {
+            None => None,
+            Some(v) => Some(check_shape(v, elements).map_err(|m| format!("{at}: {m}"))?),
+        };
+        Ok(LayerSpec {
+            name,
+            elements,
+            shape,
+        })
     }
+}
+
+/// The dimensions of a `"shape"` value, or why it is not the shape of a
+/// tensor of `elements` elements (the message names the field).
+fn check_shape(v: Value, elements: usize) -> std::result::Result<Vec<usize>, String> {
+    let Value::Array(xs) = &v else {
+        return Err(format!(
+            "field \"shape\" is {v}, not an array of non-negative integers"
+        ));
+    };
+    let mut dims = Vec::with_capacity(xs.len());
+    for (k, x) in xs.iter().enumerate() {
+        let d = x.as_u64().and_then(|d| usize::try_from(d).ok());
+        let Some(d) = d else {
+            return Err(format!(
+                "field \"shape\" {v}: dimension {k} is {x}, not a non-negative integer"
+            ));
+        };
+        dims.push(d);
+    }
+    let product = dims
+        .iter()
+        .try_fold(1usize, |p, &d| p.checked_mul(d))
+        .ok_or_else(|| {
+            format!(
+                "field \"shape\" {dims:?}: the product of its dimensions overflows a 64-bit size"
+            )
+        })?;
+    if product != elements {
+        return Err(format!(
+            "field \"shape\" {dims:?} holds {product} elements, \"elements\" is {elements}"
+        ));
+    }
+    Ok(dims)
 }
 
 /// Consume any JSON value; `f` says what the caller makes of it. The
@@ -305,9 +362,10 @@ impl<'de> Deserialize<'de> for RawEntry {
                     ..RawEntry::default()
                 };
                 while let Some(k) = map.next_key::<String>()? {
-                    let slot = match k.as_str() {
-                        "name" => &mut e.name,
-                        "elements" => &mut e.elements,
+                    let (field, slot) = match k.as_str() {
+                        "name" => ("name", &mut e.name),
+                        "elements" => ("elements", &mut e.elements),
+                        "shape" => ("shape", &mut e.shape),
                         _ => {
                             if e.unknown.is_none() {
                                 e.unknown = Some(k);
@@ -317,11 +375,7 @@ impl<'de> Deserialize<'de> for RawEntry {
                         }
                     };
                     if slot.is_some() {
-                        return Err(de::Error::duplicate_field(if k == "name" {
-                            "name"
-                        } else {
-                            "elements"
-                        }));
+                        return Err(de::Error::duplicate_field(field));
                     }
                     *slot = Some(map.next_value()?);
                 }
@@ -417,12 +471,109 @@ mod tests {
             ),
             (r#"{"layers": 5, "layers": []}"#, "duplicate field `layers`"),
             (
+                r#"[{"name": "a", "elements": 1, "shape": [1], "shape": [1]}]"#,
+                "duplicate field `shape`",
+            ),
+            (
                 r#"{"total_elements": 2, "layers": [{"name": "a", "elements": 1}]}"#,
                 "\"total_elements\" is 2, but the layers hold 1",
             ),
         ] {
             let e = read(text).unwrap_err().to_string();
             assert!(e.contains(want), "{text}: {e}");
+            assert!(e.contains("gradsync-layers-"), "the file is named: {e}");
+        }
+    }
+
+    #[test]
+    fn shape_is_read_and_checked_against_elements() {
+        let ok = read(
+            r#"{"layers": [
+                {"name": "conv.weight", "shape": [64, 3, 7, 7], "elements": 9408},
+                {"name": "bn.bias", "elements": 64, "shape": [64]},
+                {"name": "t", "elements": 1, "shape": []},
+                {"name": "e", "elements": 0, "shape": [0, 5]},
+                {"name": "fc.weight", "elements": 50}
+            ]}"#,
+        )
+        .unwrap();
+        let shapes: Vec<_> = ok.iter().map(|l| l.shape.clone()).collect();
+        assert_eq!(
+            shapes,
+            [
+                Some(vec![64, 3, 7, 7]),
+                Some(vec![64]),
+                Some(vec![]),
+                Some(vec![0, 5]),
+                None
+            ]
+        );
+        // Written back, an absent shape stays absent.
+        let back = serde_json::to_string(&ok[4..]).unwrap();
+        assert_eq!(back, r#"[{"name":"fc.weight","elements":50}]"#);
+        let back = serde_json::to_string(&ok[..1]).unwrap();
+        assert_eq!(
+            back,
+            r#"[{"name":"conv.weight","elements":9408,"shape":[64,3,7,7]}]"#
+        );
+
+        let big = format!("[{}, {}, 2]", u64::MAX / 2 + 1, 2);
+        for (text, want) in [
+            (
+                r#"[{"name": "ok", "elements": 1}, {"name": "fc.weight", "elements": 60, "shape": [10, 5]}]"#.to_string(),
+                r#"layer 1 ("fc.weight"): field "shape" [10, 5] holds 50 elements, "elements" is 60"#.to_string(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": 6}]"#.into(),
+                r#"layer 0 ("a"): field "shape" is 6, not an array of non-negative integers"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": "2x3"}]"#.into(),
+                r#"layer 0 ("a"): field "shape" is "2x3", not an array"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": {"0": 6}}]"#.into(),
+                r#"layer 0 ("a"): field "shape" is {"0":6}, not an array"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [-2, -3]}]"#.into(),
+                r#"layer 0 ("a"): field "shape" [-2,-3]: dimension 0 is -2, not a non-negative integer"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [2, 3.0]}]"#.into(),
+                r#"layer 0 ("a"): field "shape" [2,3.0]: dimension 1 is 3.0, not a non-negative integer"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [2, "3"]}]"#.into(),
+                r#"layer 0 ("a"): field "shape" [2,"3"]: dimension 1 is "3", not a non-negative integer"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [[2, 3]]}]"#.into(),
+                r#"layer 0 ("a"): field "shape" [[2,3]]: dimension 0 is [2,3], not a non-negative integer"#.into(),
+            ),
+            (
+                format!(r#"[{{"name": "a", "elements": 6, "shape": {big}}}]"#),
+                r#"layer 0 ("a"): field "shape" ["#.to_string() + &format!("{}, 2, 2]: the product of its dimensions overflows", u64::MAX / 2 + 1),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": []}]"#.into(),
+                r#"layer 0 ("a"): field "shape" [] holds 1 elements, "elements" is 6"#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [2, 3], "shape": [6]}]"#.into(),
+                "duplicate field `shape`".into(),
+            ),
+            (
+                r#"[{"name": "a", "shape": [2, 3]}]"#.into(),
+                r#"layer 0 ("a"): missing field "elements""#.into(),
+            ),
+            (
+                r#"[{"name": "a", "elements": 6, "shape": [2, 3], "dims": [6]}]"#.into(),
+                r#"layer 0 ("a"): unknown field "dims" (a layer has "name", "elements" and an optional "shape")"#.into(),
+            ),
+        ] {
+            let e = read(&text).unwrap_err().to_string();
+            assert!(e.contains(&want), "{text}: {e}");
             assert!(e.contains("gradsync-layers-"), "the file is named: {e}");
         }
     }
