@@ -98,6 +98,7 @@ pub(super) fn fit_three(pts: &[(f64, f64, f64)]) -> cost::PowerSgdFit {
 
 /// `A x = b` for a 3 × 3 system (Gaussian elimination with partial
 /// pivoting); `None` when singular.
+#[allow(clippy::needless_range_loop)] // rows and columns index one matrix
 fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
     for c in 0..3 {
         let piv = (c..3).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
