@@ -88,7 +88,8 @@ pub(super) fn run(
     let codec_fits = fit_codecs(&sizes, &lat, &local_med);
     let (dense_local, dense_local_curve) = fit_dense_local(&sizes, &lat, &local_med);
     let local_parallelism = fit_parallelism(&lat, &local_med);
-    let powersgd = fit_powersgd(&lat, &local_med);
+    let psg_times = &local_med[lat.psg_at..lat.psg_at + lat.psg_shapes.len()];
+    let powersgd = fit_powersgd(&lat.psg_shapes, psg_times);
     // The credit last: the γ_reduce fit above subtracts the allreduces'
     // α-β part as they ran, back to back, on a link without credit.
     let mut inter_node = net.inter_node;
@@ -357,7 +358,7 @@ fn link_probes<'a>(comm: &'a MpiComm, s: &Sizes, probes: &mut Vec<Probe<'a>>) ->
 }
 
 /// Where the local phase's probes are, and what they measured at.
-pub(super) struct LocalAt {
+struct LocalAt {
     /// γ_unpack's probes (from 0): the units' bytes, one per local size.
     unit_bytes: Vec<f64>,
     /// The clearing probes, one per `clear_ns`.
@@ -380,8 +381,8 @@ pub(super) struct LocalAt {
     par_at: usize,
     /// PowerSGD's step of one layer, one per `psg_shapes` entry (rows,
     /// columns, rank).
-    pub(super) psg_at: usize,
-    pub(super) psg_shapes: Vec<(usize, usize, usize)>,
+    psg_at: usize,
+    psg_shapes: Vec<(usize, usize, usize)>,
     /// The barriers around every local probe.
     base_at: usize,
 }

@@ -3,7 +3,6 @@
 //! copies in and out) and the fit `a + n·per_elem + n·r·per_elem_rank`
 //! the step model prices `powersgd` with ([`crate::cost::PowerSgdFit`]).
 
-use super::fit::LocalAt;
 use super::probes::{local, Probe};
 use crate::comm::MpiComm;
 use crate::cost;
@@ -38,18 +37,18 @@ pub(super) fn powersgd_probe<'a>(
     }))
 }
 
-/// PowerSGD's local cost (9.): `a + n·per_elem + n·r·per_elem_rank` by
+/// PowerSGD's local cost (9.) from the probes of `shapes` (rows, columns,
+/// rank) and their `times`: `a + n·per_elem + n·r·per_elem_rank` by
 /// least squares on relative errors over the probes' shapes; coefficients
 /// that come out negative (noise at small sizes) are refitted without
 /// that term.
-pub(super) fn fit_powersgd(lat: &LocalAt, local_med: &[f64]) -> cost::PowerSgdFit {
-    let pts: Vec<(f64, f64, f64)> = lat
-        .psg_shapes
+pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> cost::PowerSgdFit {
+    let pts: Vec<(f64, f64, f64)> = shapes
         .iter()
-        .enumerate()
-        .map(|(i, &(rows, cols, r))| {
+        .zip(times)
+        .map(|(&(rows, cols, r), &t)| {
             let n = (rows * cols) as f64;
-            (n, n * r as f64, local_med[lat.psg_at + i])
+            (n, n * r as f64, t)
         })
         .filter(|p| p.2 > 0.0 && p.2.is_finite())
         .collect();

@@ -99,6 +99,11 @@ pub struct BenchArgs {
     /// same interleaved rounds: one record per configuration.
     #[arg(long)]
     pub compare: bool,
+    /// `--op step`: the PowerSGD rank: of the `powersgd` configuration
+    /// `--compare` adds (every layer of two or more dimensions PowerSGD,
+    /// where the profile prices it), and of the planned one's choice.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub powersgd_rank: usize,
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,
@@ -185,6 +190,7 @@ const OP_FLAGS: &[(&str, &[&str])] = &[
             "sparse_exchange",
             "compare",
             "density",
+            "powersgd_rank",
         ],
     ),
 ];

@@ -131,6 +131,8 @@ struct Inputs {
     ranks_per_node: Option<usize>,
     /// `--sparse-exchange`.
     exchange: Pick<SparseExchange>,
+    /// `--powersgd-rank`.
+    powersgd_rank: usize,
 }
 
 fn inputs(a: &BenchArgs, rank: usize) -> Result<Inputs> {
@@ -191,6 +193,7 @@ fn inputs(a: &BenchArgs, rank: usize) -> Result<Inputs> {
         allowed,
         ranks_per_node: None,
         exchange,
+        powersgd_rank: a.powersgd_rank,
     })
 }
 
@@ -220,12 +223,18 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         return Ok((v, None, Vec::new()));
     };
     let allowed = if inp.allowed.is_empty() {
-        cost::engine_candidates(
+        let mut v = cost::engine_candidates(
             cfg.allreduce,
             cfg.sparse_exchange,
             cfg.auto_quant,
             inp.ranks_per_node.is_some(),
-        )
+        );
+        // Everything the engine runs: PowerSGD too where the profile
+        // prices it.
+        if !prof.powersgd.is_zero() {
+            v.push(StrategyId::Powersgd);
+        }
+        v
     } else {
         through_exchange(&inp.allowed, inp.exchange, inp.ranks_per_node)?
     };
@@ -237,7 +246,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
             allgather: Pick::Auto,
         },
         density: inp.density,
-        powersgd_rank: 1,
+        powersgd_rank: inp.powersgd_rank,
         select_method: "trimmed".into(),
         gradiveq_ratio: 8.0,
         min_sparse_elems: cfg.compress_threshold,
@@ -250,7 +259,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         .map(|l| {
             l.choice
                 .engine_strategy(inp.density, RgcMethod::Trimmed)
-                .map(|s| (s, l.choice))
+                .map(|s| (with_rank(s, inp.powersgd_rank), l.choice))
                 .ok_or_else(|| {
                     Error::InvalidArgument(format!("the engine cannot run {}", l.choice))
                 })
@@ -319,11 +328,21 @@ struct Measured {
     engine: GradSync,
     strategies: Vec<(Strategy, StrategyId)>,
     plan: Option<cost::StepPlan>,
-    parts: [Vec<f64>; 3],
+    /// Per step: the sparse group, the dense allreduce, the local phase,
+    /// the PowerSGD group.
+    parts: [Vec<f64>; 4],
     bytes: (usize, usize),
     /// Per step, the exchange the pairs took.
     exchanges: Vec<String>,
     fill: Option<f64>,
+}
+
+/// `s` with PowerSGD's rank set to `rank` (other strategies as they are).
+fn with_rank(s: Strategy, rank: usize) -> Strategy {
+    match s {
+        Strategy::Powersgd(c) => Strategy::Powersgd(crate::powersgd::PowerSgdConfig { rank, ..c }),
+        s => s,
+    }
 }
 
 /// Every layer with one strategy, and the step model's prediction of it.
@@ -348,7 +367,7 @@ fn uniform(
                 gradiveq_ratio: 8.0,
                 min_sparse_elems: 0,
                 allowed: Vec::new(),
-                powersgd_rank: 1,
+                powersgd_rank: inp.powersgd_rank,
             };
             let table = model::step_layers(&inp.layers);
             Some(cost::predict_step(
@@ -371,7 +390,8 @@ fn engine(
 ) -> Result<GradSync> {
     let mut s = GradSync::new(comm.communicator(), cfg.clone())?;
     for (l, (st, _)) in inp.layers.iter().zip(st) {
-        s.register_with(&l.name, &[l.elements], st.clone())?;
+        let flat = [l.elements];
+        s.register_with(&l.name, l.shape.as_deref().unwrap_or(&flat), st.clone())?;
     }
     Ok(s)
 }
@@ -386,7 +406,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             use std::hash::{Hash, Hasher};
             let mut h = std::collections::hash_map::DefaultHasher::new();
             for l in &inp.layers {
-                (&l.name, l.elements).hash(&mut h);
+                (&l.name, l.elements, &l.shape).hash(&mut h);
             }
             h.finish()
         };
@@ -409,6 +429,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         m.push(("--calibrate", a.calibrate.to_string()));
         m.push(("--compare", a.compare.to_string()));
         m.push(("--sparse-exchange", inp.exchange.to_string()));
+        m.push(("--powersgd-rank", inp.powersgd_rank.to_string()));
         m
     })?;
     // The job's placement for the two-level model (collective on every rank).
@@ -470,6 +491,15 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         };
         let (s, pl) = uniform(&inp, p, Strategy::rgc(inp.density), sparse_id)?;
         configs.push(("sparse", s, pl));
+        if inp.profile.as_ref().is_some_and(|p| !p.powersgd.is_zero()) {
+            let st = Strategy::Powersgd(crate::powersgd::PowerSgdConfig {
+                rank: inp.powersgd_rank,
+                start: 0,
+                ..Default::default()
+            });
+            let (s, pl) = uniform(&inp, p, st, StrategyId::Powersgd)?;
+            configs.push(("powersgd", s, pl));
+        }
     }
     let mut runs: Vec<Measured> = configs
         .into_iter()
@@ -526,6 +556,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         r.fill = st.fill_estimate;
         r.parts[1].push(st.allreduce_s);
         r.parts[2].push(st.select_s + st.pack_s + st.unpack_s);
+        r.parts[3].push(st.powersgd_s);
         r.bytes = (st.fused_bytes, st.dense_bytes);
         Ok(t)
     })?;
@@ -553,7 +584,7 @@ fn record(
     allowed: &[StrategyId],
     p: usize,
 ) -> Result<StepRecord> {
-    let mut med = [0f64; 3];
+    let mut med = [0f64; 4];
     for (m, v) in med.iter_mut().zip(r.parts.iter_mut()) {
         let mut tail = v.split_off(a.warmup.min(v.len()));
         *m = median(&mut tail);
@@ -566,10 +597,13 @@ fn record(
     let mut counts = std::collections::BTreeMap::new();
     let mut groups: Vec<StepGroupRecord> = Vec::new();
     for (i, (l, (_, id))) in inp.layers.iter().zip(&r.strategies).enumerate() {
-        let group = if id.is_dense() {
-            GroupKind::Dense
-        } else {
-            GroupKind::Sparse
+        // A PowerSGD layer the planner (and the engine) left dense is in
+        // the dense group.
+        let group = match plan.as_ref().map(|pl| pl.layers[i].group) {
+            Some(g) => g,
+            None if id.is_dense() => GroupKind::Dense,
+            None if *id == StrategyId::Powersgd => GroupKind::Lowrank,
+            None => GroupKind::Sparse,
         };
         *counts.entry(id.name().to_string()).or_insert(0usize) += 1;
         choices.push(StepLayerRecord {
@@ -587,6 +621,7 @@ fn record(
             None => groups.push(StepGroupRecord {
                 kind: group,
                 algorithm: match group {
+                    GroupKind::Lowrank => "powersgd",
                     GroupKind::Dense => match algo {
                         Pick::Fixed(AllreduceAlgo::Ring) => "dense-ring",
                         Pick::Fixed(AllreduceAlgo::Hierarchical) => "dense-hierarchical",
@@ -612,6 +647,14 @@ fn record(
     for g in &mut groups {
         let (measured, msg) = match g.kind {
             GroupKind::Dense => (med[1], bytes.1),
+            // Its products and both allreduces (StepStats::powersgd_s);
+            // the message is the plan's factors.
+            GroupKind::Lowrank => (
+                med[3],
+                plan.as_ref()
+                    .and_then(|pl| pl.groups.iter().find(|x| x.kind == GroupKind::Lowrank))
+                    .map_or(0, |x| x.message_bytes as usize),
+            ),
             _ => (med[0], bytes.0),
         };
         g.measured_s = measured;

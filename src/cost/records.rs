@@ -469,7 +469,7 @@ pub fn step_layers(layers: &[LayerSpec]) -> Vec<cost::StepLayer> {
             name: l.name.clone(),
             n: l.elements,
             kind: cost::LayerKind::Auto,
-            matrix: None,
+            matrix: l.shape.as_deref().and_then(crate::powersgd::matrix_view),
         })
         .collect()
 }
