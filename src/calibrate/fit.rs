@@ -425,11 +425,21 @@ fn local_probes_into<'a>(
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
     // 9. PowerSGD's local step of one layer (its products, the error
-    // kept, the copies in and out), on matrices of 256 rows at ranks 1, 2
-    // and 4 and a small one: `a + n·per_elem + n·r·per_elem_rank`.
+    // kept, the copies in and out) at ranks 1, 2 and 4: a small matrix,
+    // one of up to 1 Mi elements, and one of up to 8 Mi (32 MiB, past the
+    // last-level cache, as a whole model's large layers are: there the
+    // passes over memory, not the flops, set the cost).
+    // `a + n·per_elem + n·r·per_elem_rank`.
     let psg_at = local_probes.len();
-    let cols = (top / 256).clamp(16, 4096);
-    let psg_shapes = vec![(64, 64, 1), (256, cols, 1), (256, cols, 2), (256, cols, 4)];
+    let mid = (top / 256).clamp(16, 4096);
+    let big = (top / 1024).clamp(16, 8192);
+    let psg_shapes = vec![
+        (64, 64, 1),
+        (256, mid, 1),
+        (256, mid, 4),
+        (1024, big, 1),
+        (1024, big, 2),
+    ];
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }

@@ -216,12 +216,14 @@ fn option(
     };
     match id {
         StrategyId::Powersgd => match powersgd_factors(matrix, density) {
+            // Its products, and the dense path's copy in and momentum out
+            // (the engine runs both for a PowerSGD layer).
             Some((rows, cols, r)) => Option_ {
                 bytes_q: 4.0 * (cols * r) as f64,
                 ..o(
                     GroupKind::Lowrank,
                     4.0 * (rows * r) as f64,
-                    prof.powersgd.at(nf, r as f64),
+                    prof.powersgd.at(nf, r as f64) + prof.dense_local_at(nf, table),
                 )
             },
             // Not compressed (a vector, or too small): dense, as the
