@@ -425,21 +425,17 @@ fn local_probes_into<'a>(
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
     // 9. PowerSGD's local step of one layer (its products, the error
-    // kept, the copies in and out) at ranks 1, 2 and 4: a small matrix,
-    // one of up to 1 Mi elements, and one of up to 8 Mi (32 MiB, past the
-    // last-level cache, as a whole model's large layers are: there the
-    // passes over memory, not the flops, set the cost).
+    // kept, the copies in and out) at ranks 1, 2 and 4 on one matrix of
+    // up to 8 Mi elements (32 MiB): past the last-level cache, as a whole
+    // model's step is (its other layers evict a layer's data between
+    // uses), where a pass over memory costs as much as a rank's flops
+    // (measured on the development VM: 0.5 ns per element and 1.0 per
+    // element and rank out of cache; 0.36 and 0.40 in cache, which
+    // under-predicted whole ResNet-50 and LSTM steps by 10-30 %).
     // `a + n·per_elem + n·r·per_elem_rank`.
     let psg_at = local_probes.len();
-    let mid = (top / 256).clamp(16, 4096);
     let big = (top / 1024).clamp(16, 8192);
-    let psg_shapes = vec![
-        (64, 64, 1),
-        (256, mid, 1),
-        (256, mid, 4),
-        (1024, big, 1),
-        (1024, big, 2),
-    ];
+    let psg_shapes = vec![(1024, big, 1), (1024, big, 2), (1024, big, 4)];
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }
