@@ -387,3 +387,73 @@ fn bad_powersgd_parameters_are_refused() {
         assert!(e.contains("delay > 1"), "{e}");
     });
 }
+
+/// `auto` with `auto_powersgd`: on a slow link the plan gives the large
+/// matrices PowerSGD at that rank (the vector and the small layer stay
+/// dense), the engine then runs it (the same bits on every rank, PowerSGD
+/// state in the snapshot); without `auto_powersgd` no layer gets it.
+#[test]
+fn auto_chooses_powersgd_where_the_profile_prices_it() {
+    let mut prof = crate::cost::Profile::from_network(5e-6, 1e7, 0.0, 0.0).expect("profile");
+    prof.powersgd = crate::cost::PowerSgdFit {
+        a: 0.0,
+        per_elem: 5e-10,
+        per_elem_rank: 1e-9,
+    };
+    prof.dense_local = crate::cost::LinearFit { a: 0.0, b: 1e-9 };
+    // A selection dearer than PowerSGD's products (10 ms for `fc`).
+    prof.select
+        .insert("trimmed".into(), crate::cost::LinearFit { a: 0.0, b: 2e-8 });
+    let table: [(&str, &[usize]); 3] = [
+        ("fc", &[512, 1024]),
+        ("bias", &[512]),
+        ("conv", &[64, 3, 3, 3]),
+    ];
+    let run = |rank: usize| {
+        let prof = prof.clone();
+        LocalComm::run(3, move |c| {
+            let r = c.rank();
+            let mut s = GradSync::with_transport(
+                c,
+                Config {
+                    profile: Some(prof.clone()),
+                    auto_powersgd: rank,
+                    ..cfg()
+                },
+            )
+            .expect("engine");
+            for (name, shape) in table {
+                s.register(name, shape).expect("register");
+            }
+            let out = steps(&mut s, r, &table, 0, 3, &psg_grad);
+            let strategies: Vec<Strategy> = (0..table.len())
+                .map(|i| s.layer(LayerId(i)).expect("layer").2.clone())
+                .collect();
+            let snap = s.snapshot_bytes().expect("snapshot");
+            (out, strategies, snap.len())
+        })
+    };
+    let with = run(2);
+    for (out, strategies, _) in &with {
+        match &strategies[0] {
+            Strategy::Powersgd(c) => assert_eq!((c.rank, c.start), (2, 0)),
+            s => panic!("fc got {s:?}"),
+        }
+        assert_eq!(strategies[1], Strategy::Dense, "a vector stays dense");
+        assert_eq!(strategies[2], Strategy::Dense, "below compress_threshold");
+        assert_eq!(out[2][0].1, "powersgd");
+        for t in 0..3 {
+            assert_eq!(
+                out[t][0].0, with[0].0[t][0].0,
+                "the same bits on every rank"
+            );
+        }
+    }
+    let without = run(0);
+    assert!(without[0]
+        .1
+        .iter()
+        .all(|s| !matches!(s, Strategy::Powersgd(_))));
+    // The PowerSGD state is in the snapshot (Q and the error: more bytes).
+    assert!(with[0].2 > without[0].2);
+}
