@@ -2,8 +2,9 @@
 # The step model against the engine (issue #13's acceptance): for each layer
 # table, `gradsync bench --op step --calibrate --compare` calibrates in the
 # same job (cost::calibrate, shuffled rounds), plans the table, and measures
-# the planned step, dense-only and all-sparse, interleaved with MPI_Allreduce
-# of the fused table. One JSON line per (table, configuration) on stdout.
+# the planned step, dense-only, all-sparse and all-PowerSGD (rank 2),
+# interleaved with MPI_Allreduce of the fused table. One JSON line per
+# (table, configuration) on stdout.
 #
 #   NP=2 hpc/step_bench.sh                                   # shared memory
 #   hpc/netem.sh --rate 1gbit -- env NP=4 hpc/step_bench.sh  # emulated 1 Gbit/s
