@@ -121,19 +121,38 @@ impl Strategy {
     }
 }
 
+/// A strategy's defaults as a JSON object and its `key=value` pairs.
+type Params<'a> = (serde_json::Map<String, Value>, Vec<(&'a str, &'a str)>);
+
+/// A strategy's parameters (`T`'s defaults as a JSON object) and its
+/// `key=value` pairs (trimmed), or the error naming `spec` of a pair
+/// without `=`.
+fn defaults_and_pairs<'a, T: Default + Serialize>(
+    spec: &str,
+    params: &'a str,
+) -> Result<Params<'a>> {
+    let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
+    let Value::Object(m) = serde_json::to_value(T::default())? else {
+        return Err(bad("the defaults are not an object".into()));
+    };
+    let pairs = params
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.trim(), v.trim()))
+                .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))
+        })
+        .collect::<Result<_>>()?;
+    Ok((m, pairs))
+}
+
 fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule::ScheduleConfig> {
     let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
-    let Value::Object(mut m) =
-        serde_json::to_value(crate::gradiveq::schedule::ScheduleConfig::default())?
-    else {
-        return Err(bad("ScheduleConfig is not an object".into()));
-    };
+    let (mut m, pairs) =
+        defaults_and_pairs::<crate::gradiveq::schedule::ScheduleConfig>(spec, params)?;
     let mut seen: Vec<&str> = Vec::new();
-    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
-        let (k, v) = (k.trim(), v.trim());
+    for (k, v) in pairs {
         // `d` and `lambda` both set the kept dimension.
         let slot = if k == "lambda" { "d" } else { k };
         if seen.contains(&slot) {
@@ -161,16 +180,9 @@ fn parse_gradiveq(spec: &str, params: &str) -> Result<crate::gradiveq::schedule:
 /// `start`, `warm_start` (`true`/`false`), `min_rate`, `seed`.
 fn parse_powersgd(spec: &str, params: &str) -> Result<crate::powersgd::PowerSgdConfig> {
     let bad = |why: String| Error::InvalidArgument(format!("strategy {spec:?}: {why}"));
-    let Value::Object(mut m) = serde_json::to_value(crate::powersgd::PowerSgdConfig::default())?
-    else {
-        return Err(bad("PowerSgdConfig is not an object".into()));
-    };
+    let (mut m, pairs) = defaults_and_pairs::<crate::powersgd::PowerSgdConfig>(spec, params)?;
     let mut seen: Vec<&str> = Vec::new();
-    for kv in params.split(',').filter(|p| !p.trim().is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| bad(format!("parameter {kv:?} is not key=value")))?;
-        let (k, v) = (k.trim(), v.trim());
+    for (k, v) in pairs {
         if !m.contains_key(k) {
             return Err(bad(format!(
                 "unknown parameter {k:?} (rank, start, warm_start, min_rate, seed)"

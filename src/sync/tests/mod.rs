@@ -25,6 +25,34 @@ pub(super) fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
 }
 
+/// `trials` restores of `good` (this engine's snapshot) with 1–4 bits
+/// flipped, every fifth also truncated (seeded by `seed`): none panics, a
+/// refused one leaves the engine as it was, and one that still parses (a
+/// flipped float bit) is undone with `good`.
+pub(super) fn hostile_restores(s: &mut GradSync<LocalComm>, good: &[u8], seed: u64, trials: usize) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for trial in 0..trials {
+        let mut bad = good.to_vec();
+        for _ in 0..1 + trial % 4 {
+            let i = rng.gen_range(0..bad.len());
+            bad[i] ^= 1 << rng.gen_range(0..8);
+        }
+        if trial % 5 == 0 {
+            bad.truncate(rng.gen_range(0..bad.len()));
+        }
+        let before = s.snapshot_bytes().expect("snapshot");
+        if s.restore_bytes(&bad).is_err() {
+            assert_eq!(
+                s.snapshot_bytes().expect("snapshot"),
+                before,
+                "trial {trial}"
+            );
+        } else {
+            s.restore_bytes(good).expect("restore");
+        }
+    }
+}
+
 /// The error `GradSync::with_transport` gives every one of `p` ranks
 /// created with `cfg` (which must fail).
 pub(super) fn creation_errors(p: usize, cfg: Config) -> Vec<String> {

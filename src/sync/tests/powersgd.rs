@@ -242,27 +242,7 @@ fn mutated_powersgd_snapshots_never_panic() {
         let mut s = engine(c, &TABLE, "powersgd:rank=2,start=0");
         steps(&mut s, 0, &TABLE, 0, 3, &psg_grad);
         let good = s.snapshot_bytes().expect("snapshot");
-        let mut rng = SmallRng::seed_from_u64(11);
-        for trial in 0..300 {
-            let mut bad = good.clone();
-            for _ in 0..1 + trial % 4 {
-                let i = rng.gen_range(0..bad.len());
-                bad[i] ^= 1 << rng.gen_range(0..8);
-            }
-            if trial % 5 == 0 {
-                bad.truncate(rng.gen_range(0..bad.len()));
-            }
-            let before = s.snapshot_bytes().expect("snapshot");
-            if s.restore_bytes(&bad).is_err() {
-                assert_eq!(
-                    s.snapshot_bytes().expect("snapshot"),
-                    before,
-                    "trial {trial}"
-                );
-            } else {
-                s.restore_bytes(&good).expect("restore");
-            }
-        }
+        hostile_restores(&mut s, &good, 11, 300);
         steps(&mut s, 0, &TABLE, 3, 5, &psg_grad);
         good
     })
