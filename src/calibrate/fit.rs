@@ -425,8 +425,8 @@ fn local_probes_into<'a>(
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
     // 9. PowerSGD's local step of one layer (its products, the error
-    // kept, the copies in and out) at ranks 1, 2 and 4 on one matrix of
-    // up to 8 Mi elements (32 MiB): past the last-level cache, as a whole
+    // kept, the copies in and out) at ranks 1, 2 and 4 on a matrix of up
+    // to 8 Mi elements (32 MiB), and at rank 2 on half of it: past the last-level cache, as a whole
     // model's step is (its other layers evict a layer's data between
     // uses), where a pass over memory costs as much as a rank's flops
     // (measured on the development VM: 0.5 ns per element and 1.0 per
@@ -435,7 +435,14 @@ fn local_probes_into<'a>(
     // `a + n·per_elem + n·r·per_elem_rank`.
     let psg_at = local_probes.len();
     let big = (top / 1024).clamp(16, 8192);
-    let psg_shapes = vec![(1024, big, 1), (1024, big, 2), (1024, big, 4)];
+    // (Two sizes, so that the fixed cost and the cost per element are
+    // told apart.)
+    let psg_shapes = vec![
+        (1024, big, 1),
+        (1024, big, 2),
+        (1024, big, 4),
+        (512, big, 2),
+    ];
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }

@@ -215,7 +215,12 @@ fn option(
         local,
     };
     match id {
-        StrategyId::Powersgd => match powersgd_factors(matrix, density) {
+        // `matrix`: the layer's as the engine compresses it (a fixed
+        // layer's), or one PowerSGD would shrink (`auto_matrix`).
+        StrategyId::Powersgd => match matrix.map(|(rows, cols)| {
+            let r = (density.max(1.0) as usize).min(rows).min(cols);
+            (rows, cols, r)
+        }) {
             // Its products, and the dense path's copy in and momentum out
             // (the engine runs both for a PowerSGD layer).
             Some((rows, cols, r)) => Option_ {
@@ -278,6 +283,13 @@ fn powersgd_factors(matrix: Option<(usize, usize)>, rank: f64) -> Option<(usize,
     let (rows, cols) = matrix?;
     let r = (rank.max(1.0) as usize).min(rows).min(cols);
     crate::powersgd::worth_compressing(rows, cols, r, 2.0).then_some((rows, cols, r))
+}
+
+/// The matrix of a layer the planner may give PowerSGD at `rank`: its
+/// own where PowerSGD would shrink it (at PyTorch's default
+/// `min_compression_rate`, the engine's `auto` layers'), else `None`.
+fn auto_matrix(l: &StepLayer, rank: f64) -> Option<(usize, usize)> {
+    powersgd_factors(l.matrix, rank).map(|(rows, cols, _)| (rows, cols))
 }
 
 /// Seconds of the PowerSGD group's two allreduces (`P`, then `Q`) with the
@@ -865,7 +877,8 @@ fn auto_options(
                         } else {
                             q.density
                         };
-                        option(prof, q, (l.n, table, l.matrix), c, param)
+                        let matrix = auto_matrix(l, q.powersgd_rank as f64);
+                        option(prof, q, (l.n, table, matrix), c, param)
                     })
                     .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense),
             );
@@ -990,12 +1003,14 @@ fn near_tie_pick(
     let best = plans[pick].0;
     if best.dense.is_some() {
         let (dense, _) = group_costs(net, best, &expand(&plans[pick].2));
-        let same = |o: &Open| o.sparse == best.sparse && o.dense.is_some();
+        let same =
+            |o: &Open| o.sparse == best.sparse && o.lowrank == best.lowrank && o.dense.is_some();
         pick = within(&same, pick, dense);
     }
     let chosen = plans[pick].0;
     if chosen.sparse.is_some() {
-        let same = |o: &Open| o.dense == chosen.dense && o.sparse.is_some();
+        let same =
+            |o: &Open| o.dense == chosen.dense && o.lowrank == chosen.lowrank && o.sparse.is_some();
         let base = fastest(&same).unwrap_or(pick);
         let (_, sparse) = group_costs(net, plans[base].0, &expand(&plans[base].2));
         pick = within(&same, base, sparse);
@@ -1058,7 +1073,8 @@ pub fn predict_step(
         .map(|(l, c)| match l.kind {
             LayerKind::Fixed(id, d) => option(prof, q, (l.n, table, l.matrix), id, d),
             LayerKind::Auto if *c == StrategyId::Powersgd => {
-                option(prof, q, (l.n, table, l.matrix), *c, q.powersgd_rank as f64)
+                let rank = q.powersgd_rank as f64;
+                option(prof, q, (l.n, table, auto_matrix(l, rank)), *c, rank)
             }
             LayerKind::Auto => option(prof, q, (l.n, table, l.matrix), *c, q.density),
         })
@@ -1286,7 +1302,11 @@ fn layer_plan(
         LayerKind::Auto => q.density,
     };
     // (A layer PowerSGD leaves dense is priced as the dense one it is.)
-    let alone_s = alone(prof, q, (l.n, l.matrix), o.id, density).seconds;
+    let matrix = match l.kind {
+        LayerKind::Auto => auto_matrix(l, q.powersgd_rank as f64),
+        LayerKind::Fixed(..) => l.matrix,
+    };
+    let alone_s = alone(prof, q, (l.n, matrix), o.id, density).seconds;
     LayerPlan {
         name: l.name.clone(),
         elements: l.n,

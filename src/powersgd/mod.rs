@@ -297,6 +297,30 @@ impl PowerSgd {
         orthogonalize(&mut self.q, self.cols, self.rank);
     }
 
+    /// Warm start keeps `Q`; a column of it that came back zero (the last
+    /// step's `P` was rank-deficient: an all-zero layer, a gradient of
+    /// lower rank) would stay zero for good and the layer's approximation
+    /// lose that rank for the rest of the run. Such columns are drawn
+    /// afresh (seeded, so alike on every rank) and `Q` orthogonalized
+    /// again; a column dependent again stays zero until the next step.
+    fn refill_zero_columns(&mut self) {
+        let (r, cols) = (self.rank, self.cols);
+        let zero: Vec<usize> = (0..r)
+            .filter(|&j| (0..cols).all(|i| self.q[i * r + j] == 0.0))
+            .collect();
+        if zero.is_empty() {
+            return;
+        }
+        let mut rng = Normal::new(self.seed ^ self.draws.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        self.draws += 1;
+        for i in 0..cols {
+            for &j in &zero {
+                self.q[i * r + j] = rng.next() as f32;
+            }
+        }
+        orthogonalize(&mut self.q, cols, r);
+    }
+
     /// Step 1–2: `M = grad + E` and `P = M Q` into `p_out` (`rows × r`),
     /// the buffer the caller allreduces (sum).
     pub fn begin(&mut self, grad: &[f32], p_out: &mut [f32]) -> Result<()> {
@@ -315,6 +339,7 @@ impl PowerSgd {
             // The drawn (or given) Q, as it is.
         } else if self.warm_start {
             orthogonalize(&mut self.q, self.cols, self.rank);
+            self.refill_zero_columns();
         } else {
             self.draw_q();
         }
@@ -378,6 +403,16 @@ impl PowerSgd {
         let pt = MatRef::from_column_major_slice(&self.p, r, rows);
         let mhat = MatMut::from_column_major_slice_mut(out, cols, rows);
         matmul(mhat, Accum::Replace, qt.transpose(), pt, 1.0f32, Par::Seq);
+        if !out.iter().all(|x| x.is_finite()) {
+            // An overflow (of `G + E`, a product or the sums): the caller
+            // reports the non-finite result; the state starts over (no
+            // error kept, `Q` drawn again), alike on every rank, where a
+            // NaN kept in `E` would poison every later step.
+            self.error.fill(0.0);
+            self.draw_q();
+            self.stepped = false;
+            return Ok(());
+        }
         for ((e, m), o) in self.error.iter_mut().zip(&self.m).zip(out.iter()) {
             *e = m - o;
         }

@@ -194,8 +194,35 @@ fn rank_deficient_and_zero_layers_give_finite_results() {
         assert!(out[0].iter().all(|&x| x == 0.0), "{:?}", &out[0][..4]);
         assert!(s[0].error().iter().all(|&x| x == 0.0));
     }
+    // Warm start after the zero steps: Q's columns came back zero and are
+    // drawn again, so the layer is approximated again (it was all zero
+    // from then on: the rank lost for good).
     let out = step(&mut s, &[m.clone(), m.clone()]);
     assert!(out[0].iter().all(|x| x.is_finite()));
+    assert!(out[0].iter().any(|&x| x != 0.0), "the rank came back");
+    assert!(s[0].q().iter().any(|&x| x != 0.0));
+}
+
+#[test]
+fn a_non_finite_result_resets_the_state_instead_of_poisoning_it() {
+    let (rows, cols) = (12, 9);
+    let mut s = vec![PowerSgd::new(rows, cols, 2, true, 3).unwrap()];
+    // (The engine refuses a non-finite gradient before this; here it
+    // stands for any overflow of `G + E`, the products or the sums.)
+    let mut big = matrix(rows, cols, 1);
+    big[0] = f32::INFINITY;
+    step(&mut s, &[matrix(rows, cols, 2)]);
+    let out = step(&mut s, &[big]);
+    assert!(
+        out[0].iter().any(|x| !x.is_finite()),
+        "the overflow is reported"
+    );
+    assert!(s[0].error().iter().all(|&x| x == 0.0), "no NaN kept");
+    let out = step(&mut s, &[matrix(rows, cols, 4)]);
+    assert!(
+        out[0].iter().all(|x| x.is_finite()),
+        "the next step runs clean"
+    );
 }
 
 #[test]

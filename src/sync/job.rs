@@ -452,7 +452,14 @@ impl Job {
             validate: false,
             chunk_elems: 0,
         };
-        let algo = self.script.reduce_algo;
+        // Every rank must get the same bits (each orthogonalizes its sum):
+        // gradsync's algorithms give them (each element is summed on one
+        // rank and passed on); the MPI standard does not promise it of
+        // `MPI_Allreduce`, so the factors do not go through it.
+        let algo = match self.script.reduce_algo {
+            AllreduceAlgo::Mpi => AllreduceAlgo::Rabenseifner,
+            a => a,
+        };
         let mut off = 0;
         for e in &mut self.buf.psg {
             let st = e.state.as_mut().ok_or_else(missing)?;

@@ -517,8 +517,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 n: l.n,
                 kind: match &l.strategy {
                     Strategy::Auto => LayerKind::Auto,
-                    s => {
-                        let (id, density) = fixed_id(s, dense, self.cfg.sparse_exchange, d);
+                    _ => {
+                        let (id, density) = fixed_id(l, dense, self.cfg.sparse_exchange, d);
                         LayerKind::Fixed(id, density)
                     }
                 },
@@ -606,7 +606,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             .layers
             .iter()
             .map(|l| {
-                let (id, density) = fixed_id(&l.strategy, dense, self.cfg.sparse_exchange, d);
+                let (id, density) = fixed_id(l, dense, self.cfg.sparse_exchange, d);
                 StepLayer {
                     name: l.name.clone(),
                     n: l.n,
@@ -812,18 +812,19 @@ fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> 
 /// The cost model's id and density of a layer the caller fixed (`dense`:
 /// the engine's dense algorithm; `auto_density` for codecs without one).
 fn fixed_id(
-    s: &Strategy,
+    l: &Layer,
     dense: crate::cost::StrategyId,
     exchange: super::Pick<super::SparseExchange>,
     auto_density: f64,
 ) -> (crate::cost::StrategyId, f64) {
     use super::{Pick, SparseExchange};
     use crate::cost::StrategyId;
-    match s {
+    match &l.strategy {
         Strategy::Dense | Strategy::Auto => (dense, 1.0),
         // Its rank in the density's place; a layer PowerSGD leaves dense
-        // has no matrix (`Layer::matrix`) and is priced dense.
-        Strategy::Powersgd(c) => (StrategyId::Powersgd, c.rank as f64),
+        // is in the dense group, with the engine's algorithm.
+        Strategy::Powersgd(c) if l.psg.is_some() => (StrategyId::Powersgd, c.rank as f64),
+        Strategy::Powersgd(_) => (dense, 1.0),
         Strategy::Gradiveq(_) => (StrategyId::GradiveqRing, 1.0),
         Strategy::Sparse { codec, density } => {
             let d = density

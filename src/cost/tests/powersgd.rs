@@ -76,19 +76,27 @@ fn a_fixed_powersgd_layer_is_its_products_and_two_allreduces() {
 #[test]
 fn a_layer_powersgd_would_not_shrink_is_priced_dense() {
     let pr = psg_prof();
-    // A vector (no matrix) and a 4 x 4 matrix at rank 2 (factors 16 of 16).
+    // A fixed PowerSGD layer the engine leaves dense has no matrix (a
+    // vector, or factors not `min_rate` times smaller: `Layer::matrix`):
+    // priced in the dense group.
     let v = StepLayer {
         name: "bias".into(),
         n: 512,
         kind: LayerKind::Fixed(StrategyId::Powersgd, 2.0),
         matrix: None,
     };
-    let small = layer("tiny", 4, 4, LayerKind::Fixed(StrategyId::Powersgd, 2.0));
-    let plan = plan_step(&pr, &sq(4, &[]), &[v, small]).expect("plan");
-    for l in &plan.layers {
-        assert_eq!(l.choice, StrategyId::DenseRabenseifner, "{l:?}");
-        assert_eq!(l.group, GroupKind::Dense);
-    }
+    let plan = plan_step(&pr, &sq(4, &[]), &[v]).expect("plan");
+    assert_eq!(plan.layers[0].choice, StrategyId::DenseRabenseifner);
+    assert_eq!(plan.layers[0].group, GroupKind::Dense);
+    // A free 4 x 4 matrix at rank 2 (factors 16 of 16 elements): never
+    // PowerSGD, whatever the network.
+    let mut slow = psg_prof();
+    slow.beta = 1e-6;
+    let tiny = layer("tiny", 4, 4, LayerKind::Auto);
+    let mut q = sq(4, &[StrategyId::DenseRabenseifner, StrategyId::Powersgd]);
+    q.powersgd_rank = 2;
+    let plan = plan_step(&slow, &q, &[tiny]).expect("plan");
+    assert_eq!(plan.layers[0].choice, StrategyId::DenseRabenseifner);
 }
 
 #[test]

@@ -434,3 +434,39 @@ fn auto_chooses_powersgd_where_the_profile_prices_it() {
     // The PowerSGD state is in the snapshot (Q and the error: more bytes).
     assert!(with[0].2 > without[0].2);
 }
+
+/// A `powersgd` layer PowerSGD leaves dense (a vector) beside `auto`
+/// layers under a forced ring allreduce: the plan prices it in the ring's
+/// dense group (it used to force Rabenseifner there, and no `auto` layer's
+/// dense option fit), and the steps run.
+#[test]
+fn a_powersgd_vector_beside_auto_layers_under_the_ring() {
+    let mut prof = crate::cost::Profile::from_network(5e-6, 1e9, 0.0, 0.0).expect("profile");
+    prof.powersgd = crate::cost::PowerSgdFit {
+        a: 0.0,
+        per_elem: 5e-10,
+        per_elem_rank: 1e-9,
+    };
+    let table: [(&str, &[usize]); 2] = [("bias", &[512]), ("fc", &[512, 1024])];
+    let out = LocalComm::run(3, |c| {
+        let r = c.rank();
+        let mut s = GradSync::with_transport(
+            c,
+            Config {
+                profile: Some(prof.clone()),
+                allreduce: Pick::Fixed(crate::dense::AllreduceAlgo::Ring),
+                auto_powersgd: 1,
+                ..cfg()
+            },
+        )
+        .expect("engine");
+        s.register_spec("bias", &[512], "powersgd").expect("bias");
+        s.register("fc", &[512, 1024]).expect("fc");
+        let out = steps(&mut s, r, &table, 0, 2, &psg_grad);
+        let plan = s.auto_plan().expect("planned").clone();
+        (out, plan)
+    });
+    let plan = &out[0].1;
+    assert_eq!(plan.layers[0].choice, crate::cost::StrategyId::DenseRing);
+    assert_eq!(out[0].0[1][0].1, "dense", "the vector runs dense");
+}
