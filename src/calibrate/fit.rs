@@ -426,23 +426,21 @@ fn local_probes_into<'a>(
     }
     // 9. PowerSGD's local step of one layer (its products, the error
     // kept, the copies in and out) at ranks 1, 2 and 4 on a matrix of up
-    // to 8 Mi elements (32 MiB), and at rank 2 on half of it: past the last-level cache, as a whole
+    // to 8 Mi elements (32 MiB): past the last-level cache, as a whole
     // model's step is (its other layers evict a layer's data between
     // uses), where a pass over memory costs as much as a rank's flops
     // (measured on the development VM: 0.5 ns per element and 1.0 per
     // element and rank out of cache; 0.36 and 0.40 in cache, which
     // under-predicted whole ResNet-50 and LSTM steps by 10-30 %).
-    // `a + n·per_elem + n·r·per_elem_rank`.
+    // `n·per_elem + n·r·per_elem_rank`.
     let psg_at = local_probes.len();
     let big = (top / 1024).clamp(16, 8192);
-    // (Two sizes, so that the fixed cost and the cost per element are
-    // told apart.)
-    let psg_shapes = vec![
-        (1024, big, 1),
-        (1024, big, 2),
-        (1024, big, 4),
-        (512, big, 2),
-    ];
+    // One size: the fit has no fixed term (`a` = 0), which a second size
+    // would have to separate from the cost per element, and which,
+    // charged once per layer, a model's dozens of PowerSGD layers
+    // multiply: fitted from two large sizes it came out at 1.2 ms, noise,
+    // and over-predicted ResNet-50's step 2.2 times.
+    let psg_shapes = vec![(1024, big, 1), (1024, big, 2), (1024, big, 4)];
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }

@@ -52,18 +52,20 @@ pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> c
         })
         .filter(|p| p.2 > 0.0 && p.2.is_finite())
         .collect();
-    let fit = fit_three(&pts);
+    // No fixed term: the probes share one size (see `local_probes_into`).
+    let fit = fit_three(&pts, false);
     log::debug!("calibrate: PowerSGD local points {pts:?}: {fit:?}");
     fit
 }
 
 /// The non-negative least-squares fit of `t ≈ a + b·n + c·m` on relative
 /// errors (each row divided by `t`), over the terms that stay
-/// non-negative: all three, else `b·n + c·m`, else `c·m` alone.
-pub(super) fn fit_three(pts: &[(f64, f64, f64)]) -> cost::PowerSgdFit {
+/// non-negative: all three (only with `intercept`), else `b·n + c·m`, else
+/// `c·m` alone.
+pub(super) fn fit_three(pts: &[(f64, f64, f64)], intercept: bool) -> cost::PowerSgdFit {
     type Row = fn(f64, f64) -> [f64; 3];
     let forms: [Row; 3] = [|n, m| [1.0, n, m], |n, m| [0.0, n, m], |_, m| [0.0, 0.0, m]];
-    for form in forms {
+    for form in forms.into_iter().skip(usize::from(!intercept)) {
         // Normal equations of the weighted rows (zero columns dropped by
         // a unit diagonal).
         let mut ata = [[0.0f64; 3]; 3];
@@ -139,7 +141,7 @@ mod tests {
             .iter()
             .map(|&(n, r)| (n, n * r, a + b * n + c * n * r))
             .collect();
-        let f = fit_three(&pts);
+        let f = fit_three(&pts, true);
         for (got, want) in [(f.a, a), (f.per_elem, b), (f.per_elem_rank, c)] {
             assert!(
                 (got - want).abs() <= 1e-6 * want.max(1e-12) + 1e-15,
@@ -151,10 +153,24 @@ mod tests {
             .iter()
             .map(|&(n, r)| (n, n * r, -1e-6 + b * n + c * n * r))
             .collect();
-        let f = fit_three(&pts);
+        let f = fit_three(&pts, true);
         assert_eq!(f.a, 0.0);
         assert!(f.per_elem >= 0.0 && f.per_elem_rank > 0.0, "{f:?}");
         // Nothing measured: zero (the model then offers no powersgd).
-        assert!(fit_three(&[]).is_zero());
+        assert!(fit_three(&[], true).is_zero());
+        // Without the intercept, one size at three ranks: b and c exactly.
+        let one: Vec<(f64, f64, f64)> = [1.0, 2.0, 4.0]
+            .iter()
+            .map(|&r| {
+                let n = 8.0 * 1024.0 * 1024.0;
+                (n, n * r, b * n + c * n * r)
+            })
+            .collect();
+        let f = fit_three(&one, false);
+        assert_eq!(f.a, 0.0);
+        assert!(
+            (f.per_elem - b).abs() <= 1e-6 * b && (f.per_elem_rank - c).abs() <= 1e-6 * c,
+            "{f:?}"
+        );
     }
 }
