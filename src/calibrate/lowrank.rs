@@ -28,10 +28,8 @@ pub(super) fn powersgd_probe<'a>(
     Ok(local(comm, move || {
         input.copy_from_slice(&g);
         st.begin(&input, &mut p)?;
-        let ps = p.clone();
-        st.after_p(&ps, &mut q)?;
-        let qs = q.clone();
-        st.after_q(&qs, 1, &mut out)?;
+        st.after_p(&p, &mut q)?;
+        st.after_q(&q, 1, &mut out)?;
         res.copy_from_slice(&out);
         Ok(())
     }))

@@ -205,8 +205,6 @@ pub(super) struct GvqEntry {
 #[derive(Default)]
 pub(super) struct PsgEntry {
     pub(super) layer: usize,
-    /// The layer's name, for errors.
-    pub(super) name: String,
     pub(super) state: Option<crate::powersgd::PowerSgd>,
     pub(super) input: Vec<f32>,
     pub(super) output: Vec<f32>,

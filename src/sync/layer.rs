@@ -10,7 +10,7 @@
 //! (§5.5). [`GradSync::local_phase`](super::local) runs it over the table.
 //! No policy and no communication here.
 
-use super::plan::Mode;
+use super::plan::{Mode, RowKind, TableRow};
 use super::{LayerStats, Strategy};
 use crate::codec::Codec;
 use crate::{Error, Result};
@@ -56,6 +56,16 @@ pub(super) struct Layer {
 }
 
 impl Layer {
+    /// The planner's row of this layer: its strategy's, dense where
+    /// PowerSGD leaves it dense (a vector, or too small: no state).
+    pub(super) fn table_row(&self) -> TableRow {
+        let mut row = TableRow::new(self.n, &self.strategy);
+        if self.psg.is_none() && matches!(row.kind, RowKind::Powersgd { .. }) {
+            row.kind = RowKind::Dense;
+        }
+        row
+    }
+
     /// The matrix the step model prices PowerSGD on: a PowerSGD layer's
     /// own (none where it stays dense), any other layer's view of its
     /// shape ([`crate::powersgd::matrix_view`]).

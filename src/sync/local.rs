@@ -199,7 +199,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
                 let e = &mut job.buf.psg[pi];
                 e.layer = i;
-                e.name.clone_from(&l.name);
                 e.input.resize(l.n, 0.0);
                 e.finite = l.dense_contribution(grads[i], w, params, &mut e.input);
                 l.stats.strategy = "powersgd".into();

@@ -10,7 +10,7 @@
 //! model of [`crate::comm::agree`]).
 
 use super::layer::{zeros, Layer};
-use super::plan::{RowKind, TableRow};
+use super::plan::TableRow;
 use super::{GradSync, LayerStats, Strategy};
 use crate::codec::{Codec, CodecConfig, RgcMethod};
 use crate::comm::Transport;
@@ -321,12 +321,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         self.reg.legacy_hash = layer_hash(self.reg.legacy_hash, id, name, shape, &prep.strategy)?;
         let (n, label) = (prep.n, prep.label.clone());
         let layer = new_layer(name, shape, prep, bufs);
-        let mut row = TableRow::new(n, &layer.strategy);
-        if layer.psg.is_none() && matches!(row.kind, RowKind::Powersgd { .. }) {
-            // PowerSGD leaves this layer dense (a vector, or too small).
-            row.kind = RowKind::Dense;
-        }
-        self.reg.table.push(row);
+        self.reg.table.push(layer.table_row());
         self.reg.names.insert(layer.name.clone(), id);
         self.reg.layers.push(layer);
         log::debug!("gradsync: layer #{id} {name:?} {shape:?} ({n} elements): {label}");
@@ -697,12 +692,9 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 s.label(),
                 plan.layers[i].marginal_s * 1e6
             );
-            self.reg.table[i] = TableRow::new(l.n, &s);
-            if l.psg.is_none() && matches!(self.reg.table[i].kind, RowKind::Powersgd { .. }) {
-                self.reg.table[i].kind = RowKind::Dense;
-            }
             l.strategy = s;
             l.codec = codec;
+            self.reg.table[i] = l.table_row();
         }
         let mut counts = std::collections::BTreeMap::<&str, usize>::new();
         for l in &plan.layers {

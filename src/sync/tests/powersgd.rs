@@ -374,12 +374,7 @@ fn bad_powersgd_parameters_are_refused() {
 /// state in the snapshot); without `auto_powersgd` no layer gets it.
 #[test]
 fn auto_chooses_powersgd_where_the_profile_prices_it() {
-    let mut prof = crate::cost::Profile::from_network(5e-6, 1e7, 0.0, 0.0).expect("profile");
-    prof.powersgd = crate::cost::PowerSgdFit {
-        a: 0.0,
-        per_elem: 5e-10,
-        per_elem_rank: 1e-9,
-    };
+    let mut prof = psg_profile(1e7);
     prof.dense_local = crate::cost::LinearFit { a: 0.0, b: 1e-9 };
     // A selection dearer than PowerSGD's products (10 ms for `fc`).
     prof.select
@@ -441,12 +436,7 @@ fn auto_chooses_powersgd_where_the_profile_prices_it() {
 /// dense option fit), and the steps run.
 #[test]
 fn a_powersgd_vector_beside_auto_layers_under_the_ring() {
-    let mut prof = crate::cost::Profile::from_network(5e-6, 1e9, 0.0, 0.0).expect("profile");
-    prof.powersgd = crate::cost::PowerSgdFit {
-        a: 0.0,
-        per_elem: 5e-10,
-        per_elem_rank: 1e-9,
-    };
+    let prof = psg_profile(1e9);
     let table: [(&str, &[usize]); 2] = [("bias", &[512]), ("fc", &[512, 1024])];
     let out = LocalComm::run(3, |c| {
         let r = c.rank();
@@ -469,4 +459,15 @@ fn a_powersgd_vector_beside_auto_layers_under_the_ring() {
     let plan = &out[0].1;
     assert_eq!(plan.layers[0].choice, crate::cost::StrategyId::DenseRing);
     assert_eq!(out[0].0[1][0].1, "dense", "the vector runs dense");
+}
+
+/// A profile of `bandwidth` bytes/s (α 5 µs) that prices PowerSGD.
+fn psg_profile(bandwidth: f64) -> crate::cost::Profile {
+    let mut prof = crate::cost::Profile::from_network(5e-6, bandwidth, 0.0, 0.0).expect("profile");
+    prof.powersgd = crate::cost::PowerSgdFit {
+        a: 0.0,
+        per_elem: 5e-10,
+        per_elem_rank: 1e-9,
+    };
+    prof
 }
