@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The step model against the engine (issue #13's acceptance): for each layer
 # table, `gradsync bench --op step --calibrate --compare` calibrates in the
-# same job (cost::calibrate, shuffled rounds), plans the table, and measures
+# same job (calibrate, shuffled rounds), plans the table, and measures
 # the planned step, dense-only, all-sparse and all-PowerSGD (rank 2),
 # interleaved with MPI_Allreduce of the fused table. One JSON line per
 # (table, configuration) on stdout.
