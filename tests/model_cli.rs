@@ -1386,3 +1386,139 @@ fn a_long_ranks_list_is_not_echoed_whole() {
     );
     assert!(err.len() < 300, "{err}");
 }
+
+/// With a profile that prices PowerSGD's products, `predict` lists
+/// `powersgd` (on `--shape`'s matrix, else the most nearly square one),
+/// `crossover --sparse powersgd` finds where it overtakes dense, and
+/// `scale` sweeps it and its crossovers; without the fit none of them
+/// offers it, and `crossover` says why.
+#[test]
+fn predict_crossover_and_scale_list_powersgd_where_the_profile_prices_it() {
+    let base = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/scale/profile-2x2-1gbit.json"
+    );
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base).expect("profile")).expect("JSON");
+    v["powersgd"] = serde_json::json!({"a": 0.0, "per_elem": 7e-10, "per_elem_rank": 7e-10});
+    let with = temp_file("powersgd-cli", "psg.json", &v.to_string());
+    let with = with.to_str().expect("utf-8");
+    let pred = |prof: &str, extra: &[&str]| {
+        let mut a = vec!["predict", "--ranks", "64", "--profile", prof, "--json"];
+        a.extend(extra);
+        let (ok, out, err) = gradsync(&a);
+        assert!(ok, "{a:?}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).expect("JSON")
+    };
+    let names = |r: &serde_json::Value| -> Vec<String> {
+        r["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .map(|s| s["name"].as_str().expect("name").to_string())
+            .collect()
+    };
+    let secs = |r: &serde_json::Value, s: &str| {
+        r["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .find(|x| x["name"] == s)
+            .and_then(|x| x["seconds"].as_f64())
+            .unwrap_or_else(|| panic!("{s} listed"))
+    };
+    // The layer's own shape: a 3x3 convolution, 512 by 4608.
+    let r = pred(with, &["--shape", "512,512,3,3"]);
+    assert_eq!(r["elements"], 512 * 512 * 9);
+    assert_eq!(r["powersgd_matrix"], serde_json::json!([512, 4608]));
+    assert_eq!(names(&r).last().map(String::as_str), Some("powersgd"));
+    // Its factors are 0.3 % of the layer: cheaper than dense at 64 ranks.
+    assert!(secs(&r, "powersgd") < secs(&r, "dense-rabenseifner"));
+    // The same elements without a shape: the most nearly square view,
+    // which PowerSGD shrinks more.
+    let sq = pred(with, &["--elements", "2359296"]);
+    assert_eq!(sq["powersgd_matrix"], serde_json::json!([1536, 1536]));
+    assert!(secs(&sq, "powersgd") <= secs(&r, "powersgd"));
+    // A vector is priced dense, as the engine runs it.
+    let vec = pred(with, &["--shape", "4608"]);
+    assert_eq!(
+        secs(&vec, "powersgd"),
+        secs(&vec, "dense-rabenseifner"),
+        "a vector stays dense"
+    );
+    // --shape and --elements must agree; the error names the flag.
+    let (ok, _, err) = gradsync(&[
+        "predict",
+        "--ranks",
+        "64",
+        "--profile",
+        with,
+        "--elements",
+        "100",
+        "--shape",
+        "10,11",
+    ]);
+    assert!(
+        !ok && err.contains("--shape 10,11") && err.contains("110"),
+        "{err}"
+    );
+    // Without the fit: not listed, no matrix.
+    let plain = pred(base, &["--shape", "512,512,3,3"]);
+    assert!(!names(&plain).contains(&"powersgd".to_string()));
+    assert!(plain.get("powersgd_matrix").is_none());
+    // crossover: from some size on, PowerSGD beats dense at 64 ranks.
+    let cross = |prof: &str| {
+        gradsync(&[
+            "crossover",
+            "--ranks",
+            "64",
+            "--profile",
+            prof,
+            "--sparse",
+            "powersgd",
+            "--json",
+        ])
+    };
+    let (ok, out, err) = cross(with);
+    assert!(ok, "{err}");
+    let c: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let x = c["crossover_elements"].as_u64().expect("a crossover");
+    assert!(x > 1 && x < 1 << 20, "{x}");
+    let (ok, _, err) = cross(base);
+    assert!(!ok && err.contains("does not price PowerSGD"), "{err}");
+    // scale: a powersgd column and its crossovers, only with the fit.
+    let layers = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/layers/resnet50.json");
+    let sweep = |prof: &str| {
+        let (ok, out, err) = gradsync(&[
+            "scale",
+            "--layers",
+            layers,
+            "--ranks",
+            "2..256",
+            "--profile",
+            prof,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).expect("JSON")
+    };
+    let s = sweep(with);
+    let pts = s["points"].as_array().expect("points");
+    assert!(pts
+        .iter()
+        .all(|p| p["strategies"]["powersgd"].as_f64().is_some()));
+    let faster: Vec<String> = s["crossovers"]
+        .as_array()
+        .expect("crossovers")
+        .iter()
+        .map(|c| format!("{} > {}", c["faster"], c["than"]))
+        .collect();
+    assert!(
+        faster.contains(&"\"powersgd\" > \"sparse (best)\"".to_string())
+            && faster.contains(&"\"powersgd\" > \"dense (best)\"".to_string()),
+        "{faster:?}"
+    );
+    let s = sweep(base);
+    assert!(s["points"][0]["strategies"].get("powersgd").is_none());
+    assert_eq!(s["crossovers"].as_array().expect("crossovers").len(), 3);
+}

@@ -523,9 +523,14 @@ def predict(
     strategies are priced only when it is below ``ranks``),
     ``inter_alpha`` (seconds) and ``inter_bandwidth`` (bytes/s) for the
     link between nodes (default: the profile's ``inter_node``), ``fill``
-    (a measured fill ratio in (0, 1]). Errors name these keywords. Returns
-    ``{"elements", "bytes", "ranks", "density", "strategies": [{"name",
-    "seconds", "wire_bytes"}, ...], "choice"}``.
+    (a measured fill ratio in (0, 1]), ``shape`` (the layer's, a list
+    whose product is ``elements``) and ``powersgd_rank`` (1): with a
+    profile that prices PowerSGD, ``powersgd`` is priced on the shape's
+    matrix (first dimension by the rest), or without one on the most
+    nearly square view, given as ``powersgd_matrix``. Errors name these
+    keywords. Returns ``{"elements", "bytes", "ranks", "density",
+    "strategies": [{"name", "seconds", "wire_bytes"}, ...], "choice"}``
+    (and ``"powersgd_matrix": [rows, cols]`` where PowerSGD is priced).
 
     >>> import gradsync
     >>> r = gradsync.predict(10**6, 64, alpha=5e-6, bandwidth=1e10,

@@ -1193,7 +1193,7 @@ fn allreduce(
 #[pyo3(signature = (elements, ranks, density=0.001, profile=None, alpha=None, bandwidth=None,
     gamma_reduce=None, gamma_unpack=None, select_cost=None, select_fixed=None,
     select_method="trimmed", gradiveq_ratio=8.0, strategies=None, ranks_per_node=None,
-    inter_alpha=None, inter_bandwidth=None, fill=None))]
+    inter_alpha=None, inter_bandwidth=None, fill=None, shape=None, powersgd_rank=1))]
 #[allow(clippy::too_many_arguments)]
 fn predict(
     py: Python<'_>,
@@ -1214,7 +1214,12 @@ fn predict(
     inter_alpha: Option<f64>,
     inter_bandwidth: Option<f64>,
     fill: Option<f64>,
+    shape: Option<Vec<usize>>,
+    powersgd_rank: usize,
 ) -> PyResult<Py<PyAny>> {
+    if powersgd_rank == 0 {
+        return Err(PyValueError::new_err("powersgd_rank=0: must be at least 1"));
+    }
     if profile.is_some() && (alpha.is_some() || bandwidth.is_some()) {
         return Err(PyValueError::new_err(
             "give profile, or alpha and bandwidth, not both",
@@ -1242,13 +1247,20 @@ fn predict(
         fill,
         // One layer's prices: no threshold.
         compress_threshold: 0,
-        powersgd_rank: 1,
+        powersgd_rank,
     };
     let rec = m
         .profile()
         .and_then(|p| {
             m.check_point(ranks, density)?;
-            gradsync::cost::records::predict_record(&p, &m, elements, ranks, density)
+            gradsync::cost::records::predict_record(
+                &p,
+                &m,
+                elements,
+                ranks,
+                density,
+                shape.as_deref(),
+            )
         })
         .map_err(|e| PyValueError::new_err(python_flags(&e.to_string())))?;
     let v = serde_json::to_value(&rec).map_err(|e| Error::new_err(e.to_string()))?;
@@ -1259,7 +1271,7 @@ fn predict(
 /// (`--ranks-per-node` → `ranks_per_node=`): the same checks serve both.
 fn python_flags(msg: &str) -> String {
     // Longest first: `--ranks-per-node` before `--ranks`.
-    const FLAGS: [&str; 17] = [
+    const FLAGS: [&str; 18] = [
         "--inter-bandwidth",
         "--ranks-per-node",
         "--gradiveq-ratio",
@@ -1277,6 +1289,7 @@ fn python_flags(msg: &str) -> String {
         "--alpha",
         "--ranks",
         "--fill",
+        "--shape",
     ];
     // Whole flags only: not inside a longer word or flag.
     let part = |c: char| c.is_alphanumeric() || c == '-' || c == '_';

@@ -15,11 +15,21 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug, Clone)]
 pub struct PredictArgs {
     /// Layer size in f32 elements.
-    #[arg(long, conflicts_with = "bytes", required_unless_present = "bytes")]
+    #[arg(
+        long,
+        conflicts_with = "bytes",
+        required_unless_present_any = ["bytes", "shape"]
+    )]
     pub elements: Option<usize>,
     /// Layer size in bytes (K/M/G suffixes), 4 bytes per element.
     #[arg(long)]
     pub bytes: Option<String>,
+    /// The layer's shape, comma-separated (`2048,1024` or `64,3,7,7`):
+    /// `powersgd` is priced on its first dimension by the rest (with
+    /// `--elements` or `--bytes` too, they must agree). Without it,
+    /// PowerSGD is priced on the most nearly square view of the layer.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub shape: Option<Vec<usize>>,
     /// Number of ranks.
     #[arg(long)]
     pub ranks: usize,
@@ -64,9 +74,21 @@ fn elements(e: Option<usize>, b: &Option<String>) -> Result<usize> {
 
 pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
     let prof = a.model.profile()?;
-    let n = elements(a.elements, &a.bytes)?;
+    let n = match (&a.shape, a.elements, &a.bytes) {
+        (Some(s), None, None) => s
+            .iter()
+            .try_fold(1usize, |x, &d| x.checked_mul(d))
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "--shape {}: no elements, or more than 2^64",
+                    crate::cost::records::shape_str(s)
+                ))
+            })?,
+        _ => elements(a.elements, &a.bytes)?,
+    };
     a.model.check_point(a.ranks, a.density)?;
-    let r = predict_record(&prof, &a.model, n, a.ranks, a.density)?;
+    let r = predict_record(&prof, &a.model, n, a.ranks, a.density, a.shape.as_deref())?;
     if a.json {
         outln!("{}", serde_json::to_string(&r)?);
         return Ok(0);
@@ -84,6 +106,17 @@ pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
         "predicted_us",
         "wire_bytes/rank"
     );
+    if let Some([rows, cols]) = r.powersgd_matrix {
+        outln!(
+            "powersgd priced at rank {} on a {rows} x {cols} matrix{}",
+            a.model.powersgd_rank,
+            if a.shape.is_some() {
+                ""
+            } else {
+                " (the most nearly square: --shape gives the layer's own)"
+            }
+        );
+    }
     for s in &r.strategies {
         let mark = if s.name == r.choice {
             "  <- choice"
@@ -207,7 +240,8 @@ pub struct CrossoverArgs {
     /// Density of the sparse strategies.
     #[arg(long, default_value_t = 0.001, allow_hyphen_values = true)]
     pub density: f64,
-    /// The sparse strategy compared.
+    /// The compressed strategy compared (`powersgd` too, priced on each
+    /// size's most nearly square view at `--powersgd-rank`).
     #[arg(long, default_value = "sparse-allgather")]
     pub sparse: String,
     /// The dense strategy compared.
@@ -299,9 +333,9 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
         &prof,
         &base,
         &a.model.select_method,
-        &a.sparse,
-        &a.dense,
+        (&a.sparse, &a.dense),
         max_n,
+        a.model.powersgd_rank,
     )?;
     // No crossover: does sparse win anywhere below the top (a band)?
     let band = match x {
@@ -311,7 +345,7 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
             for n in std::iter::successors(Some(1usize), |&n| n.checked_mul(2))
                 .take_while(|&n| n <= max_n)
             {
-                let preds = cost::predict(&prof, &Query { n, ..base }, &a.model.select_method)?;
+                let preds = predict_sized(&prof, &a.model, &Query { n, ..base })?;
                 let t = |name: &str| preds.iter().find(|x| x.name == name).map(|x| x.seconds);
                 if let (Some(s), Some(d)) = (t(&a.sparse), t(&a.dense)) {
                     if s < d {
@@ -404,6 +438,18 @@ pub(super) fn check_svg_path(path: &std::path::Path) -> Result<()> {
     }
 }
 
+/// Every strategy's prediction for a layer of `q.n` elements, PowerSGD's
+/// on its most nearly square view where the profile prices it.
+fn predict_sized(prof: &Profile, m: &ModelArgs, q: &Query) -> Result<Vec<cost::Prediction>> {
+    cost::predict_matrix(
+        prof,
+        q,
+        &m.select_method,
+        cost::square_view(q.n),
+        m.powersgd_rank,
+    )
+}
+
 /// Predicted time vs layer size (log-log), one line per strategy.
 fn plot(
     prof: &Profile,
@@ -427,7 +473,7 @@ fn plot(
         .map(|s| (s.name().to_string(), Vec::new()))
         .collect();
     for &n in &sizes {
-        let preds = cost::predict(prof, &m.query(n, p, d), &m.select_method)?;
+        let preds = predict_sized(prof, m, &m.query(n, p, d))?;
         for (name, pts) in &mut series {
             if let Some(x) = preds.iter().find(|x| &x.name == name) {
                 pts.push(((4 * n) as f64, x.seconds.max(1e-9)));
@@ -473,6 +519,7 @@ fn plot(
         CYAN,
         RGBColor(230, 140, 0),
         RGBColor(120, 60, 160),
+        RGBColor(0, 128, 128),
     ];
     for ((name, pts), color) in series.into_iter().zip(colors) {
         chart

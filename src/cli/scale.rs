@@ -44,6 +44,17 @@ pub const SCALE_STRATEGIES: [StrategyId; 6] = [
     StrategyId::SparseHierarchical,
 ];
 
+/// [`SCALE_STRATEGIES`], and `powersgd` where the profile prices it (every
+/// layer with a `shape` of two or more dimensions that PowerSGD shrinks,
+/// at `--powersgd-rank`; the rest dense, as the engine runs them).
+pub fn scale_strategies(prof: &cost::Profile) -> Vec<StrategyId> {
+    let mut v = SCALE_STRATEGIES.to_vec();
+    if !prof.powersgd.is_zero() {
+        v.push(StrategyId::Powersgd);
+    }
+    v
+}
+
 /// One rank count.
 #[derive(Serialize, Debug, Clone)]
 pub struct ScalePoint {
@@ -88,7 +99,9 @@ pub struct ScaleRecord {
     /// Per rank count.
     pub points: Vec<ScalePoint>,
     /// `sparse-allreduce` over `sparse-allgather`; the best dense over the
-    /// best sparse; `sparse-hierarchical` over `sparse-allgather`.
+    /// best sparse; `sparse-hierarchical` over `sparse-allgather`; where
+    /// the profile prices PowerSGD, `powersgd` over the best sparse and
+    /// over the best dense.
     pub crossovers: Vec<Crossover>,
 }
 
@@ -149,7 +162,7 @@ fn point(
 ) -> Result<ScalePoint> {
     let q = step_query(prof, m, p, d)?;
     let mut strategies = BTreeMap::new();
-    for id in SCALE_STRATEGIES {
+    for id in scale_strategies(prof) {
         let t = cost::predict_step(prof, &q, table, &vec![id; table.len()])?;
         strategies.insert(id.name().to_string(), t.seconds);
     }
@@ -229,11 +242,16 @@ pub fn scale_record(
         .collect::<Result<Vec<_>>>()?;
     let mut at = |p: usize| point(prof, m, &table, p, d);
     let mut crossovers = Vec::new();
-    for (faster, than) in [
+    let mut pairs = vec![
         (&["sparse-allreduce"][..], &["sparse-allgather"][..]),
         (&["sparse-hierarchical"][..], &["sparse-allgather"][..]),
         (&DENSE[..], &SPARSE[..]),
-    ] {
+    ];
+    if !prof.powersgd.is_zero() {
+        pairs.push((&["powersgd"][..], &SPARSE[..]));
+        pairs.push((&["powersgd"][..], &DENSE[..]));
+    }
+    for (faster, than) in pairs {
         let name = |v: &[&str]| {
             if v.len() == 1 {
                 v[0].to_string()
@@ -272,21 +290,22 @@ pub(super) fn run(a: &ScaleArgs) -> Result<i32> {
         a.model.check_point(most, a.density)?;
     }
     let rec = scale_record(&prof, &a.model, &layers, &ranks, a.density)?;
+    let ids = scale_strategies(&prof);
     if let Some(path) = &a.plot {
-        plot(&rec, &a.layers, path)?;
+        plot(&rec, &ids, &a.layers, path)?;
     }
     if a.json {
         outln!("{}", serde_json::to_string(&rec)?);
         return Ok(0);
     }
     out!("{:>7} {:>6}", "ranks", "nodes");
-    for id in SCALE_STRATEGIES {
+    for id in &ids {
         out!(" {:>20}", id.name());
     }
     outln!(" {:>12}  (ms per step)", "planned");
     for pt in &rec.points {
         out!("{:>7} {:>6}", pt.ranks, pt.nodes);
-        for id in SCALE_STRATEGIES {
+        for id in &ids {
             out!(" {:>20.3}", pt.strategies[id.name()] * 1e3);
         }
         outln!(" {:>12.3}", pt.planned_s * 1e3);
@@ -301,7 +320,12 @@ pub(super) fn run(a: &ScaleArgs) -> Result<i32> {
 }
 
 /// Step time against ranks (log-log), one line per strategy and the plan.
-fn plot(rec: &ScaleRecord, layers: &std::path::Path, path: &std::path::Path) -> Result<()> {
+fn plot(
+    rec: &ScaleRecord,
+    ids: &[StrategyId],
+    layers: &std::path::Path,
+    path: &std::path::Path,
+) -> Result<()> {
     use plotters::prelude::*;
     let err = |e: &dyn std::fmt::Display| Error::file(path, format!("cannot write plot: {e}"));
     let (Some(first), Some(last)) = (rec.points.first(), rec.points.last()) else {
@@ -344,16 +368,18 @@ fn plot(rec: &ScaleRecord, layers: &std::path::Path, path: &std::path::Path) -> 
         .y_label_formatter(&|v| super::tick_label(*v))
         .draw()
         .map_err(|e| err(&e))?;
-    let colors = [
+    // One color per strategy, the plan always black.
+    let palette = [
         RED,
         BLUE,
         MAGENTA,
         GREEN,
         RGBColor(230, 140, 0),
         CYAN,
-        BLACK,
+        RGBColor(0, 128, 128),
     ];
-    let series = SCALE_STRATEGIES
+    let colors: Vec<RGBColor> = palette.into_iter().take(ids.len()).chain([BLACK]).collect();
+    let series = ids
         .iter()
         .map(|id| id.name().to_string())
         .chain(["planned".to_string()]);
@@ -375,7 +401,7 @@ fn plot(rec: &ScaleRecord, layers: &std::path::Path, path: &std::path::Path) -> 
         } else {
             color.stroke_width(2)
         };
-        let dashed = i == SCALE_STRATEGIES.len();
+        let dashed = i == ids.len();
         chart
             .draw_series(LineSeries::new(pts.clone(), style))
             .map_err(|e| err(&e))?

@@ -1028,6 +1028,72 @@ pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Pre
     }
 }
 
+/// The most nearly square matrix view of a layer of `n` elements whose
+/// shape is not known: `⌊√n⌋` rows of `⌈n / rows⌉` columns (at most a row
+/// more than `n` elements). What `predict`, `crossover` and their
+/// Python twin price PowerSGD on when no shape is given: the layer shape
+/// that PowerSGD compresses most, so a best case for it.
+pub fn square_view(n: usize) -> (usize, usize) {
+    // ⌊√n⌋ (`usize::isqrt` is past the MSRV): the float's root, then
+    // corrected by one either way.
+    let mut rows = (n as f64).sqrt() as usize;
+    while rows.checked_mul(rows).is_none_or(|sq| sq > n) {
+        rows -= 1;
+    }
+    while (rows + 1).checked_mul(rows + 1).is_some_and(|sq| sq <= n) {
+        rows += 1;
+    }
+    let rows = rows.max(1);
+    (rows, n.div_ceil(rows).max(1))
+}
+
+/// [`predict`] with PowerSGD too, priced at `rank` on the layer's
+/// `matrix` (rows × columns; [`square_view`] where the shape is not
+/// known) when the profile prices it (`calibrate` measures its products);
+/// a matrix PowerSGD would not shrink at PyTorch's `min_compression_rate`
+/// of 2 is priced as the engine runs it, dense. In [`STRATEGIES`] order.
+pub fn predict_matrix(
+    prof: &Profile,
+    q: &Query,
+    select_method: &str,
+    matrix: (usize, usize),
+    rank: usize,
+) -> Result<Vec<Prediction>> {
+    let mut preds = predict(prof, q, select_method)?;
+    if prof.powersgd.is_zero() {
+        return Ok(preds);
+    }
+    let (rows, cols) = matrix;
+    if rows == 0 || cols == 0 || rows.saturating_mul(cols) < q.n {
+        return Err(Error::InvalidArgument(format!(
+            "a matrix of {rows} x {cols} cannot hold the layer's {} elements",
+            q.n
+        )));
+    }
+    if rank == 0 {
+        return Err(Error::InvalidArgument(
+            "PowerSGD rank 0: must be at least 1".into(),
+        ));
+    }
+    let sq = StepQuery {
+        at: q.at,
+        density: q.density,
+        select_method: select_method.to_string(),
+        gradiveq_ratio: q.gradiveq_ratio,
+        allowed: Vec::new(),
+        min_sparse_elems: 0,
+        powersgd_rank: rank,
+    };
+    let m = step::powersgd_factors(Some(matrix), rank as f64).map(|(r, c, _)| (r, c));
+    let x = step::alone(prof, &sq, (q.n, m), StrategyId::Powersgd, rank as f64);
+    if !step::sane(x.seconds) {
+        return Err(step::overflow("strategy powersgd", x.seconds));
+    }
+    preds.push(x);
+    preds.sort_by_key(|x| x.id as usize);
+    Ok(preds)
+}
+
 /// GradiVeQ's ring on `N/r` bytes plus the compression and decompression
 /// not hidden behind its transfers (module docs), for `n` elements.
 pub fn gradiveq_ring(prof: &Profile, n: usize, p: usize, ratio: f64) -> f64 {
@@ -1047,17 +1113,26 @@ pub fn gradiveq_ring(prof: &Profile, n: usize, p: usize, ratio: f64) -> f64 {
 /// by bisection to 1%) from which `sparse` is predicted faster than `dense`
 /// for every larger size up to `max_n`; `None` if never. `base` gives the
 /// ranks, their placement, density, fill and GradiVeQ ratio (its `n` is
-/// ignored).
+/// ignored). `sparse` may be `powersgd`, priced at `powersgd_rank` on each
+/// size's [`square_view`].
 pub fn crossover(
     prof: &Profile,
     base: &Query,
     select_method: &str,
-    sparse: &str,
-    dense: &str,
+    (sparse, dense): (&str, &str),
     max_n: usize,
+    powersgd_rank: usize,
 ) -> Result<Option<usize>> {
+    if sparse == StrategyId::Powersgd.name() && prof.powersgd.is_zero() {
+        return Err(Error::InvalidArgument(
+            "powersgd: this profile does not price PowerSGD's products (gradsync \
+             calibrate measures them)"
+                .into(),
+        ));
+    }
     let diff = |n: usize| -> Result<f64> {
-        let preds = predict(prof, &Query { n, ..*base }, select_method)?;
+        let q = Query { n, ..*base };
+        let preds = predict_matrix(prof, &q, select_method, square_view(n), powersgd_rank)?;
         let get = |name: &str| {
             preds
                 .iter()

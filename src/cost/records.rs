@@ -358,15 +358,24 @@ pub struct PredictRecord {
     pub strategies: Vec<Prediction>,
     /// The fastest allowed strategy.
     pub choice: String,
+    /// The matrix `powersgd` is priced on (rows, columns): the layer's
+    /// shape given, its first dimension by the rest, or without one the
+    /// most nearly square view of its elements ([`cost::square_view`]);
+    /// absent when the profile does not price PowerSGD.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub powersgd_matrix: Option<[usize; 2]>,
 }
 
-/// Prediction record for one layer.
+/// Prediction record for one layer; `shape`, where known, is the
+/// layer's (its elements must be `n`): PowerSGD is priced on its matrix
+/// view, else on the most nearly square one.
 pub fn predict_record(
     prof: &Profile,
     m: &ModelArgs,
     n: usize,
     p: usize,
     d: f64,
+    shape: Option<&[usize]>,
 ) -> Result<PredictRecord> {
     if n == 0 {
         // Nothing to synchronize: every prediction would be a bare α.
@@ -376,7 +385,32 @@ pub fn predict_record(
         ));
     }
     layer_bytes(n).map_err(Error::InvalidArgument)?;
-    let preds = cost::predict(prof, &m.query(n, p, d), &m.select_method)?;
+    let matrix = match shape {
+        None => cost::square_view(n),
+        Some(s) => {
+            let elements = s.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
+            if elements != Some(n) {
+                return Err(Error::InvalidArgument(format!(
+                    "--shape {}: {} elements, not the layer's {n}",
+                    shape_str(s),
+                    elements.map_or_else(|| "more than 2^64".into(), |e| e.to_string())
+                )));
+            }
+            // A vector: one row, which PowerSGD leaves dense.
+            crate::powersgd::matrix_view(s).unwrap_or((1, n))
+        }
+    };
+    let preds = if prof.powersgd.is_zero() {
+        cost::predict(prof, &m.query(n, p, d), &m.select_method)?
+    } else {
+        cost::predict_matrix(
+            prof,
+            &m.query(n, p, d),
+            &m.select_method,
+            matrix,
+            m.powersgd_rank,
+        )?
+    };
     let choice = cost::choose(&preds, &m.allowed(prof)?)
         .map(|c| c.name.clone())
         .unwrap_or_default();
@@ -387,7 +421,16 @@ pub fn predict_record(
         density: d,
         strategies: preds,
         choice,
+        powersgd_matrix: (!prof.powersgd.is_zero()).then_some([matrix.0, matrix.1]),
     })
+}
+
+/// A shape as the command line takes it (`64,3,7,7`).
+pub fn shape_str(s: &[usize]) -> String {
+    s.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 pub use super::layers_file::{layer_bytes, read_layers, LayerSpec};

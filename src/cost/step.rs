@@ -279,7 +279,10 @@ fn option(
 /// PowerSGD's rows, columns and rank for a layer of matrix view `matrix`
 /// at rank `rank`, or `None` where it leaves the layer dense (no matrix,
 /// or factors not twice smaller: PyTorch's `min_compression_rate`).
-fn powersgd_factors(matrix: Option<(usize, usize)>, rank: f64) -> Option<(usize, usize, usize)> {
+pub(super) fn powersgd_factors(
+    matrix: Option<(usize, usize)>,
+    rank: f64,
+) -> Option<(usize, usize, usize)> {
     let (rows, cols) = matrix?;
     let r = (rank.max(1.0) as usize).min(rows).min(cols);
     crate::powersgd::worth_compressing(rows, cols, r, 2.0).then_some((rows, cols, r))

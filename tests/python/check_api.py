@@ -505,6 +505,21 @@ for kw, needle in [(dict(ranks_per_node=0), "ranks_per_node= 0"),
                    (dict(bandwidth=0.0), "bandwidth= 0: must be a positive number")]:
     e = expect_error(lambda: gradsync.predict(**{**net, **kw}), None, f"predict with {kw}")
     ok(isinstance(e, ValueError) and needle in str(e) and "--" not in str(e), f"predict {kw}: {e}")
+# PowerSGD from Python, where the profile prices its products: on the
+# layer's shape (first dimension by the rest), else the squarest view.
+import json
+_prof = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "scale", "profile-2x2-1gbit.json")))
+_prof["powersgd"] = {"a": 0.0, "per_elem": 7e-10, "per_elem_rank": 7e-10}
+with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as _f:
+    json.dump(_prof, _f)
+conv = gradsync.predict(512 * 512 * 9, 64, profile=_f.name, shape=[512, 512, 3, 3], powersgd_rank=2)
+ok(conv["powersgd_matrix"] == [512, 4608] and "powersgd" in secs(conv), f"predict shape=: {conv.get('powersgd_matrix')}")
+ok(secs(conv)["powersgd"] < secs(gradsync.predict(512 * 512 * 9, 64, profile=_f.name, shape=[512, 512, 3, 3], powersgd_rank=8))["powersgd"],
+   "a higher PowerSGD rank costs more")
+ok(gradsync.predict(2359296, 64, profile=_f.name)["powersgd_matrix"] == [1536, 1536], "the squarest view without a shape")
+e = expect_error(lambda: gradsync.predict(100, 64, profile=_f.name, shape=[10, 11]), None, "predict with a shape of other elements")
+ok(isinstance(e, ValueError) and "shape= 10,11" in str(e) and "--" not in str(e), f"predict shape= mismatch: {e}")
+os.unlink(_f.name)
 
 # Mismatched layer tables fail on every rank.
 t = gradsync.GradSync(comm)

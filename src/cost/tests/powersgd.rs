@@ -221,3 +221,103 @@ fn a_table_mixing_powersgd_sparse_and_dense_prices_every_group_once() {
         .sum();
     assert!(rel(lr.local_s, local) < 1e-9);
 }
+
+fn query(p: usize, n: usize) -> Query {
+    Query {
+        at: crate::cost::Placement {
+            p,
+            ..crate::cost::Placement::default()
+        },
+        n,
+        density: 0.001,
+        gradiveq_ratio: 8.0,
+    }
+}
+
+#[test]
+fn predict_lists_powersgd_on_the_layers_matrix_where_the_profile_prices_it() {
+    let (rows, cols) = (512usize, 4608usize);
+    let q = query(8, rows * cols);
+    // No PowerSGD fit in the profile: not listed.
+    let none = predict_matrix(&prof(), &q, "trimmed", (rows, cols), 2).expect("predict");
+    assert!(none.iter().all(|x| x.id != StrategyId::Powersgd));
+    assert_eq!(none, predict(&prof(), &q, "trimmed").expect("predict"));
+    // With one: every strategy, in STRATEGIES order, PowerSGD priced as
+    // the planner prices that layer fixed at the same rank alone.
+    let pr = psg_prof();
+    let v = predict_matrix(&pr, &q, "trimmed", (rows, cols), 2).expect("predict");
+    let ids: Vec<StrategyId> = v.iter().map(|x| x.id).collect();
+    assert_eq!(ids, StrategyId::ALL.to_vec());
+    let x = v
+        .iter()
+        .find(|x| x.id == StrategyId::Powersgd)
+        .expect("listed");
+    let l = layer("w", rows, cols, LayerKind::Fixed(StrategyId::Powersgd, 2.0));
+    let plan = plan_step(&pr, &sq(8, &[]), &[l]).expect("plan");
+    assert!(
+        rel(x.seconds, plan.seconds) < 1e-9,
+        "{} vs {}",
+        x.seconds,
+        plan.seconds
+    );
+    assert_eq!(x.wire_bytes, plan.wire_bytes);
+    // A higher rank costs more.
+    let r4 = predict_matrix(&pr, &q, "trimmed", (rows, cols), 4).expect("predict");
+    assert!(r4[StrategyId::Powersgd as usize].seconds > x.seconds);
+    // A vector (one row) is not compressed: priced dense, as it runs.
+    let vq = query(8, 4608);
+    let d = predict_matrix(&pr, &vq, "trimmed", (1, 4608), 2).expect("predict");
+    assert_eq!(
+        d[StrategyId::Powersgd as usize].seconds,
+        d[StrategyId::DenseRabenseifner as usize].seconds
+    );
+    // A matrix that cannot hold the layer, or rank 0: errors.
+    assert!(predict_matrix(&pr, &q, "trimmed", (2, 3), 2).is_err());
+    assert!(predict_matrix(&pr, &q, "trimmed", (0, rows * cols), 2).is_err());
+    assert!(predict_matrix(&pr, &q, "trimmed", (rows, cols), 0).is_err());
+}
+
+#[test]
+fn square_view_holds_the_layer_in_a_nearly_square_matrix() {
+    for n in [
+        1usize,
+        2,
+        3,
+        7,
+        16,
+        17,
+        1000,
+        9408,
+        1 << 20,
+        (1 << 20) + 1,
+        usize::MAX,
+    ] {
+        let (r, c) = square_view(n);
+        assert!(r >= 1 && c >= 1, "n={n}");
+        let cells = r as u128 * c as u128;
+        assert!(
+            cells >= n as u128 && cells - (n as u128) < r as u128,
+            "n={n}: {r} x {c}"
+        );
+        assert!(r <= c && c <= r + 3, "n={n}: {r} x {c}");
+    }
+    assert_eq!(square_view(1 << 20), (1024, 1024));
+}
+
+#[test]
+fn crossover_prices_powersgd_on_square_views_and_needs_its_fit() {
+    let base = query(8, 1);
+    let pair = ("powersgd", "dense-rabenseifner");
+    let e = crossover(&prof(), &base, "trimmed", pair, 1 << 26, 1).expect_err("no fit");
+    assert!(e.to_string().contains("does not price PowerSGD"), "{e}");
+    let pr = psg_prof();
+    let x = crossover(&pr, &base, "trimmed", pair, 1 << 26, 1)
+        .expect("crossover")
+        .expect("PowerSGD wins on large layers");
+    let d = |n: usize| {
+        let v = predict_matrix(&pr, &query(8, n), "trimmed", square_view(n), 1).expect("p");
+        v[StrategyId::Powersgd as usize].seconds - v[StrategyId::DenseRabenseifner as usize].seconds
+    };
+    assert!(d(x) < 0.0 && d(2 * x) < 0.0 && d(1 << 26) < 0.0, "x={x}");
+    assert!(x < 100 || d(x * 95 / 100) >= 0.0, "x={x}");
+}

@@ -169,9 +169,9 @@ fn crossover_matches_a_direct_scan() {
         &pr,
         &base8(),
         "trimmed",
-        "sparse-allgather",
-        "dense-rabenseifner",
+        ("sparse-allgather", "dense-rabenseifner"),
         1 << 26,
+        1,
     )
     .expect("crossover")
     .expect("sparse wins for large layers");
@@ -205,9 +205,9 @@ fn crossover_matches_a_direct_scan() {
             &slow,
             &base8(),
             "trimmed",
-            "sparse-allgather",
-            "dense-rabenseifner",
-            1 << 26
+            ("sparse-allgather", "dense-rabenseifner"),
+            1 << 26,
+            1
         )
         .expect("crossover"),
         None

@@ -124,7 +124,7 @@ fn auto_predict_and_plan_make_the_same_choice() {
         );
         let mut kinds = std::collections::BTreeSet::new();
         for (i, &n) in [64usize, 9408, 32768, 1 << 20, 1 << 24].iter().enumerate() {
-            let rec = crate::cost::records::predict_record(&prof, &m, n, 4, 0.001).unwrap();
+            let rec = crate::cost::records::predict_record(&prof, &m, n, 4, 0.001, None).unwrap();
             let id: crate::cost::StrategyId = rec.choice.parse().unwrap();
             let want = id
                 .engine_strategy(0.001, crate::codec::RgcMethod::Trimmed)
