@@ -2,7 +2,9 @@
 # The step model against the engine (issue #13's acceptance): for each layer
 # table, `gradsync bench --op step --calibrate --compare` calibrates in the
 # same job (calibrate, shuffled rounds), plans the table, and measures
-# the planned step, dense-only, all-sparse and all-PowerSGD (rank 2),
+# the planned step, dense-only, all-sparse, RGC above the engine's
+# compression threshold with the small layers dense (`sparse-threshold`,
+# the engine's default for the codec) and all-PowerSGD (rank 2),
 # interleaved with MPI_Allreduce of the fused table. One JSON line per
 # (table, configuration) on stdout.
 #

@@ -126,7 +126,7 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         .map(|l| serde_json::from_str(l).expect("JSON line"))
         .collect();
     let names: Vec<&str> = recs.iter().map(|r| r["config"].as_str().unwrap()).collect();
-    assert_eq!(names, ["planned", "dense", "sparse"]);
+    assert_eq!(names, ["planned", "dense", "sparse", "sparse-threshold"]);
     for (r, want) in recs[1..]
         .iter()
         .zip(["dense-rabenseifner", "sparse-allgather"])
@@ -136,9 +136,25 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         assert_eq!(r["groups"].as_array().expect("groups").len(), 1);
         assert!(r["predicted_s"].as_f64().expect("predicted") > 0.0);
     }
-    // The plan is predicted no slower than either uniform table.
+    // RGC as the engine runs it without a profile: the small layers
+    // (64, 64 and 10 elements) dense, the rest RGC.
+    let thr = &recs[3];
+    for c in thr["choices"].as_array().expect("choices") {
+        let small = c["elements"].as_u64().expect("elements") < 32768;
+        let want = if small {
+            "dense-rabenseifner"
+        } else {
+            "sparse-allgather"
+        };
+        assert_eq!(c["choice"], want, "{thr}");
+    }
+    assert_eq!(thr["groups"].as_array().expect("groups").len(), 2, "{thr}");
+    // The plan is predicted no slower than any of the other tables.
     let pred = |i: usize| recs[i]["predicted_s"].as_f64().unwrap();
-    assert!(pred(0) <= pred(1) && pred(0) <= pred(2), "{out}");
+    assert!(
+        pred(0) <= pred(1) && pred(0) <= pred(2) && pred(0) <= pred(3),
+        "{out}"
+    );
     // The dense configuration's fused buffer is the whole table.
     assert_eq!(recs[1]["wire_bytes_per_rank"], 4 * 340_138);
     // Without a profile: the engine's defaults, no prediction.

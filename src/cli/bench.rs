@@ -96,7 +96,10 @@ pub struct BenchArgs {
     pub sparse_exchange: String,
     /// `--op step`: also measure the same table dense-only (every layer
     /// in the fused allreduce) and all-sparse (every layer RGC), in the
-    /// same interleaved rounds: one record per configuration.
+    /// same interleaved rounds: one record per configuration; and where
+    /// the table has layers on both sides of the engine's compression
+    /// threshold, `sparse-threshold` (RGC above it, dense below: the
+    /// engine's default for an RGC codec).
     #[arg(long)]
     pub compare: bool,
     /// `--op step`: the PowerSGD rank: of the `powersgd` configuration

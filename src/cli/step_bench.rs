@@ -352,7 +352,12 @@ fn uniform(
     st: Strategy,
     id: StrategyId,
 ) -> Result<(Choices, Option<cost::StepPlan>)> {
-    let v = vec![(st, id); inp.layers.len()];
+    fixed(inp, p, vec![(st, id); inp.layers.len()])
+}
+
+/// A table with every layer's strategy given, and its prediction.
+fn fixed(inp: &Inputs, p: usize, v: Choices) -> Result<(Choices, Option<cost::StepPlan>)> {
+    let ids: Vec<StrategyId> = v.iter().map(|(_, id)| *id).collect();
     let plan = match &inp.profile {
         Some(prof) => {
             let q = StepQuery {
@@ -370,12 +375,7 @@ fn uniform(
                 powersgd_rank: inp.powersgd_rank,
             };
             let table = model::step_layers(&inp.layers);
-            Some(cost::predict_step(
-                prof,
-                &q,
-                &table,
-                &vec![id; table.len()],
-            )?)
+            Some(cost::predict_step(prof, &q, &table, &ids)?)
         }
         None => None,
     };
@@ -491,6 +491,27 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         };
         let (s, pl) = uniform(&inp, p, Strategy::rgc(inp.density), sparse_id)?;
         configs.push(("sparse", s, pl));
+        // RGC as the engine runs it given the codec and no profile: the
+        // layers below `compress_threshold` dense (for convergence, as
+        // RedSync and DGC leave them), the rest RGC. The single strategy
+        // a user would run, beside which `planned` is judged; listed where
+        // the table has layers on both sides of the threshold.
+        let small = |l: &model::LayerSpec| l.elements < cfg.compress_threshold;
+        if inp.layers.iter().any(small) && !inp.layers.iter().all(small) {
+            let v = inp
+                .layers
+                .iter()
+                .map(|l| {
+                    if small(l) {
+                        (Strategy::Dense, dense_id)
+                    } else {
+                        (Strategy::rgc(inp.density), sparse_id)
+                    }
+                })
+                .collect();
+            let (s, pl) = fixed(&inp, p, v)?;
+            configs.push(("sparse-threshold", s, pl));
+        }
         if inp.profile.as_ref().is_some_and(|p| !p.powersgd.is_zero()) {
             let st = Strategy::Powersgd(crate::powersgd::PowerSgdConfig {
                 rank: inp.powersgd_rank,
