@@ -21,6 +21,8 @@
 #
 # Settings (environment): NP (4), NETWORK (auto | emulated | shm), RATE
 # (1gbit), OUT (compare-out), STEPS (300), EVAL_EVERY (10), STRATEGY (auto),
+# AUTO_POWERSGD (0: the PowerSGD rank `auto` may choose, the engine's
+# auto_powersgd),
 # BUCKET_CAP_MB (25), BATCH (images a rank per step, 32), CONFIGS (the six
 # above; also gradsync-hook-whole and gradsync-opt-whole, without overlap).
 set -euo pipefail
@@ -36,6 +38,7 @@ STEPS="${STEPS:-300}"
 EVAL_EVERY="${EVAL_EVERY:-10}"
 RATE="${RATE:-1gbit}"
 STRATEGY="${STRATEGY:-auto}"
+AUTO_POWERSGD="${AUTO_POWERSGD:-0}"
 BUCKET_CAP_MB="${BUCKET_CAP_MB:-25}"
 BATCH="${BATCH:-32}"
 CONFIGS="${CONFIGS:-ddp ddp-fp16 ddp-powersgd gradsync-hook gradsync-opt noop}"
@@ -74,8 +77,8 @@ for cfg in $CONFIGS; do
   echo "compare: $cfg"
   launch "$PY" examples/python/train_torch.py --config "$cfg" --steps "$STEPS" \
     --eval-every "$EVAL_EVERY" --strategy "$STRATEGY" --bucket-cap-mb "$BUCKET_CAP_MB" --batch "$BATCH" \
-    "${profile[@]}" --json 2> "$OUT/$cfg.err" | grep '^{' > "$OUT/$cfg.json" || {
+    --auto-powersgd "$AUTO_POWERSGD" "${profile[@]}" --json 2> "$OUT/$cfg.err" | grep '^{' > "$OUT/$cfg.json" || {
       echo "compare: $cfg failed:" >&2; tail -20 "$OUT/$cfg.err" >&2; exit 1; }
 done
 "$PY" hpc/compare_report.py --out "$OUT" --network "$label" --ranks "$NP" --configs "$CONFIGS" \
-  --command "NP=$NP NETWORK=$NETWORK RATE=$RATE STEPS=$STEPS STRATEGY=$STRATEGY BUCKET_CAP_MB=$BUCKET_CAP_MB BATCH=$BATCH CONFIGS=\"$CONFIGS\" hpc/compare_torch.sh"
+  --command "NP=$NP NETWORK=$NETWORK RATE=$RATE STEPS=$STEPS STRATEGY=$STRATEGY AUTO_POWERSGD=$AUTO_POWERSGD BUCKET_CAP_MB=$BUCKET_CAP_MB BATCH=$BATCH CONFIGS=\"$CONFIGS\" hpc/compare_torch.sh"

@@ -23,7 +23,9 @@ OUT=${OUT:-target/step-report}
 mkdir -p "$OUT"
 say() { echo "step_report.sh: $*"; }
 [ -x target/release/gradsync ] || cargo build --release
-say "$(nproc) CPUs ($(grep -m 1 'model name' /proc/cpuinfo | sed 's/.*: //')), $NP ranks, $ITERS iterations, $(date -u +%F)"
+# The machine, so that records from several machines (or boots of one)
+# can be told apart: CPUs, the kernel's boot id and boot time.
+say "$(nproc) CPUs ($(grep -m 1 'model name' /proc/cpuinfo | sed 's/.*: //')), host $(hostname), boot $(cut -c1-8 /proc/sys/kernel/random/boot_id) at $(uptime -s 2>/dev/null || echo '?'), $NP ranks, $ITERS iterations, $(date -u '+%F %H:%M') UTC"
 for net in $NETS; do
   log="$OUT/$net.jsonl"
   case "$net" in

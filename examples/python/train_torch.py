@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="gradsync calibrate's profile, for auto")
     ap.add_argument("--auto-density", type=float, default=None,
                     help="gradsync configurations: the density of the sparse strategies auto considers")
+    ap.add_argument("--auto-powersgd", type=int, default=0,
+                    help="gradsync configurations: the PowerSGD rank auto may choose (0: not offered)")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's and gradsync's bucket size")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--progress", action="store_true")
@@ -127,6 +129,8 @@ def main() -> None:
     extra = {"progress_poll_us": int(os.environ["GRADSYNC_PROGRESS_POLL_US"])} if "GRADSYNC_PROGRESS_POLL_US" in os.environ else {}
     if args.auto_density is not None:
         extra["auto_density"] = args.auto_density
+    if args.auto_powersgd:
+        extra["auto_powersgd"] = args.auto_powersgd
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

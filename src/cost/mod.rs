@@ -792,6 +792,22 @@ pub struct Query {
     pub gradiveq_ratio: f64,
 }
 
+impl Query {
+    /// The step model's query for this layer synchronized alone: no
+    /// threshold, every strategy allowed, PowerSGD at `powersgd_rank`.
+    fn alone(&self, select_method: &str, powersgd_rank: usize) -> StepQuery {
+        StepQuery {
+            at: self.at,
+            density: self.density,
+            select_method: select_method.to_string(),
+            gradiveq_ratio: self.gradiveq_ratio,
+            allowed: Vec::new(),
+            min_sparse_elems: 0,
+            powersgd_rank,
+        }
+    }
+}
+
 /// One strategy's prediction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
@@ -1005,15 +1021,7 @@ fn nominal_bytes_per_element(codec: &str) -> f64 {
 /// strategy uses the `quant` fit.
 pub fn predict(prof: &Profile, q: &Query, select_method: &str) -> Result<Vec<Prediction>> {
     step::check_select_method(select_method)?;
-    let sq = StepQuery {
-        at: q.at,
-        density: q.density,
-        select_method: select_method.to_string(),
-        gradiveq_ratio: q.gradiveq_ratio,
-        allowed: Vec::new(),
-        min_sparse_elems: 0,
-        powersgd_rank: 1,
-    };
+    let sq = q.alone(select_method, 1);
     step::check(&sq)?;
     // PowerSGD is priced on a matrix: a layer of `n` elements alone has
     // no shape (`plan` and `bench --op step` price it from a layers file).
@@ -1075,15 +1083,7 @@ pub fn predict_matrix(
             "PowerSGD rank 0: must be at least 1".into(),
         ));
     }
-    let sq = StepQuery {
-        at: q.at,
-        density: q.density,
-        select_method: select_method.to_string(),
-        gradiveq_ratio: q.gradiveq_ratio,
-        allowed: Vec::new(),
-        min_sparse_elems: 0,
-        powersgd_rank: rank,
-    };
+    let sq = q.alone(select_method, rank);
     let m = step::powersgd_factors(Some(matrix), rank as f64).map(|(r, c, _)| (r, c));
     let x = step::alone(prof, &sq, (q.n, m), StrategyId::Powersgd, rank as f64);
     if !step::sane(x.seconds) {

@@ -78,7 +78,7 @@ impl Config {
         let mut known: Vec<String> = cfg.keys().cloned().collect();
         // Serialized only when not the default (it keeps the options' JSON,
         // and the table hash, as they were before the option existed).
-        for k in ["sparse_exchange", "progress_poll_us"] {
+        for k in ["sparse_exchange", "progress_poll_us", "auto_powersgd"] {
             if !known.iter().any(|n| n == k) {
                 known.push(k.to_string());
             }
@@ -243,6 +243,32 @@ mod tests {
             Config::from_options_json("null").unwrap(),
             Config::default()
         );
+    }
+
+    /// Every `Config` field is an option, those serialized only when not
+    /// the default too (`auto_powersgd` was not, and Python and C could
+    /// not set it): a value of the wrong type is refused naming the key,
+    /// never as an unknown option.
+    #[test]
+    fn every_config_field_is_an_option() {
+        let src = include_str!("config.rs");
+        let body = &src[src.find("pub struct Config {").expect("Config")..];
+        let body = &body[..body.find("\n}").expect("end of Config")];
+        let fields: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("pub "))
+            .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim()))
+            .filter(|name| !name.contains(' '))
+            .collect();
+        assert!(fields.len() >= 17, "{fields:?}");
+        for f in &fields {
+            let e = Config::from_options_json(&format!(r#"{{"{f}": [1, 2]}}"#))
+                .expect_err(f)
+                .to_string();
+            assert!(!e.contains("unknown option") && e.contains(f), "{f}: {e}");
+        }
+        let c = Config::from_options_json(r#"{"auto_powersgd": 2}"#).unwrap();
+        assert_eq!(c.auto_powersgd, 2);
     }
 
     #[test]
