@@ -35,6 +35,7 @@ Modes (``--mode``):
 * ``auto``:  every layer registered ``"auto"``: with ``--profile`` (a
   ``gradsync calibrate`` file) the step model chooses per layer; without,
   layers of at least 32768 elements, here the H x H weight, are RGC at 0.1 %;
+  ``--auto-powersgd R`` lets the plan choose PowerSGD at rank R as well;
 * ``rgc``:   every weight registered ``"rgc:density=D"`` (``--density``,
   default 0.001: 65 of 65536, 16 of 16384 and 2 of 2560 elements per rank
   and step), biases ``"dense"``;
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON line (rank 0)")
     ap.add_argument("--profile", default=None,
                     help="cluster profile from `gradsync calibrate` (JSON); --mode auto plans with it")
+    ap.add_argument("--auto-powersgd", type=int, default=0,
+                    help="--mode auto: the PowerSGD rank the plan may choose (0: not offered)")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also measure the test accuracy every N steps (not counted in the times)")
     ap.add_argument("--curve", default=None,
@@ -307,8 +310,9 @@ def main(argv=None) -> int:
     if mode == "mpi-dense":
         sync = MpiDense(comm, params, args.momentum)
     else:
+        extra = {"auto_powersgd": args.auto_powersgd} if args.auto_powersgd else {}
         sync = gradsync.GradSync(comm, profile=args.profile, momentum=args.momentum,
-                                 warmup_steps=args.warmup)
+                                 warmup_steps=args.warmup, **extra)
         for name, w in params:
             if mode == "gradsync-dense":
                 strategy = "dense"

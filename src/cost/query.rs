@@ -64,14 +64,17 @@ pub struct StepQuery {
     /// Strategies free layers are chosen among (empty:
     /// [`super::default_candidates`](crate::cost::default_candidates)).
     pub allowed: Vec<StrategyId>,
-    /// Free layers with fewer elements stay dense (in the dense group,
-    /// whatever sparse or low-rank strategy would price lower): RedSync's
-    /// `compress_thd` and DGC's uncompressed small layers, a rule for
-    /// convergence, not for time. Top-k of a bias or a small convolution
-    /// sends one or a few elements a step and holds back the rest in the
-    /// residual, which slows training by far more than the α it saves
-    /// (measured in docs/benchmarks/pytorch.md). 0: every layer
-    /// chosen by price alone.
+    /// Free layers with fewer elements are not sparsified (they stay in
+    /// the dense group, whatever sparse or quantized strategy would price
+    /// lower): RedSync's `compress_thd` and DGC's uncompressed small
+    /// layers, a rule for convergence, not for time. Top-k of a bias or a
+    /// small convolution sends one or a few elements a step and holds back
+    /// the rest in the residual, which slows training by far more than the
+    /// α it saves (measured in docs/benchmarks/pytorch.md). PowerSGD is
+    /// exempt, as in its paper and PyTorch's hook, which compress every
+    /// matrix the factors shrink by `min_compression_rate`: a small matrix
+    /// keeps its best rank-`r` part every step, not a few elements. 0:
+    /// every layer chosen by price alone.
     pub min_sparse_elems: usize,
     /// The rank `powersgd` is priced at for free layers (fixed ones carry
     /// their own).

@@ -883,7 +883,12 @@ fn auto_options(
                         let matrix = auto_matrix(l, q.powersgd_rank as f64);
                         option(prof, q, (l.n, table, matrix), c, param)
                     })
-                    .filter(|o| l.n >= q.min_sparse_elems || o.group == GroupKind::Dense),
+                    // The threshold is sparsification's; PowerSGD
+                    // compresses every matrix it shrinks (StepQuery).
+                    .filter(|o| {
+                        l.n >= q.min_sparse_elems
+                            || matches!(o.group, GroupKind::Dense | GroupKind::Lowrank)
+                    }),
             );
         }
         start.push(all.len());

@@ -60,7 +60,9 @@ pub struct Config {
     /// `compress_threshold` elements.
     pub codec: CodecConfig,
     /// Layers with fewer elements are `Dense` under [`GradSync::register`](super::GradSync::register)
-    /// (RedSync's `compress_thd`).
+    /// (RedSync's `compress_thd`), and never sparsified or quantized by
+    /// `Auto`, which may still give them PowerSGD (`auto_powersgd`: it
+    /// compresses every matrix its factors shrink, as PyTorch's hook does).
     pub compress_threshold: usize,
     /// Momentum factor `m` (0 = plain SGD).
     pub momentum: f32,

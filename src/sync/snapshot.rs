@@ -370,11 +370,22 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                         .map_err(|e| Error::Snapshot(format!("layer {:?}: {e}", s.name)))?;
                     Some(g)
                 }
-                (None, super::Strategy::Gradiveq(_)) | (Some(_), _) => {
+                (None, super::Strategy::Gradiveq(_)) => {
                     return Err(Error::Snapshot(format!(
-                        "layer {:?}: GradiVeQ state does not match the layer's strategy",
+                        "layer {:?}: the snapshot holds no GradiVeQ state, and the layer's \
+                         strategy is gradiveq",
                         s.name
                     )))
+                }
+                (Some(_), other) => {
+                    // Saved under GradiVeQ or PowerSGD (or an `auto`
+                    // that chose one), restored under another strategy.
+                    return Err(Error::Snapshot(format!(
+                        "layer {:?}: the snapshot holds low-rank (GradiVeQ or PowerSGD) \
+                         state, but the layer's strategy is now {}",
+                        s.name,
+                        other.label()
+                    )));
                 }
                 (None, _) => None,
             });
