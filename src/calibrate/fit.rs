@@ -425,22 +425,22 @@ fn local_probes_into<'a>(
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
     // 9. PowerSGD's local step of one layer (its products, the error
-    // kept, the copies in and out) at ranks 1, 2 and 4 on a matrix of up
-    // to 8 Mi elements (32 MiB): past the last-level cache, as a whole
-    // model's step is (its other layers evict a layer's data between
-    // uses), where a pass over memory costs as much as a rank's flops
-    // (measured on the development VM: 0.5 ns per element and 1.0 per
-    // element and rank out of cache; 0.36 and 0.40 in cache, which
-    // under-predicted whole ResNet-50 and LSTM steps by 10-30 %).
-    // `n·per_elem + n·r·per_elem_rank`.
+    // kept, the copies in and out) at ranks 1, 2 and 4 on matrices of
+    // 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
+    // grows with the layer as the matrices leave the caches (on the
+    // development VM at rank 2: 1.5 ns at 256 Ki, 1.9 at 1 Mi, 2.8 at
+    // 8 Mi), which the step model follows as a curve
+    // (`cost::PowerSgdFit::curve`). One size alone mispriced whole
+    // models: in-cache probes under-predicted ResNet-50 and LSTM steps by
+    // 10-30 %, the 8 Mi probe over-predicted ResNet-50's (layers of at
+    // most 2.4 M elements) by 17-24 %.
     let psg_at = local_probes.len();
     let big = (top / 1024).clamp(16, 8192);
-    // One size: the fit has no fixed term (`a` = 0), which a second size
-    // would have to separate from the cost per element, and which,
-    // charged once per layer, a model's dozens of PowerSGD layers
-    // multiply: fitted from two large sizes it came out at 1.2 ms, noise,
-    // and over-predicted ResNet-50's step 2.2 times.
-    let psg_shapes = vec![(1024, big, 1), (1024, big, 2), (1024, big, 4)];
+    let psg_shapes: Vec<(usize, usize, usize)> = [(256, 1024), (1024, 1024), (1024, big)]
+        .into_iter()
+        .filter(|&(rows, cols)| rows * cols <= 1024 * big)
+        .flat_map(|(rows, cols)| [1, 2, 4].map(|r| (rows, cols, r)))
+        .collect();
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }

@@ -50,8 +50,25 @@ pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> c
         })
         .filter(|p| p.2 > 0.0 && p.2.is_finite())
         .collect();
-    // No fixed term: the probes share one size (see `local_probes_into`).
-    let fit = fit_three(&pts, false);
+    // No fixed term (charged once per layer, a model's dozens of PowerSGD
+    // layers multiply its noise); the curve of the measured points is
+    // what the step model prices with.
+    let mut fit = fit_three(&pts, false);
+    if !fit.is_zero() {
+        fit.curve = shapes
+            .iter()
+            .zip(times)
+            .filter(|(_, t)| **t > 0.0 && t.is_finite())
+            .map(|(&(rows, cols, r), &t)| {
+                let n = (rows * cols) as f64;
+                cost::PowerSgdPoint {
+                    elements: n,
+                    rank: r as f64,
+                    per_elem: t / n,
+                }
+            })
+            .collect();
+    }
     log::debug!("calibrate: PowerSGD local points {pts:?}: {fit:?}");
     fit
 }
@@ -88,6 +105,7 @@ pub(super) fn fit_three(pts: &[(f64, f64, f64)], intercept: bool) -> cost::Power
                     a: x[0],
                     per_elem: x[1],
                     per_elem_rank: x[2],
+                    curve: Vec::new(),
                 };
             }
         }
@@ -170,5 +188,22 @@ mod tests {
             (f.per_elem - b).abs() <= 1e-6 * b && (f.per_elem_rank - c).abs() <= 1e-6 * c,
             "{f:?}"
         );
+    }
+
+    /// The calibration keeps every measured point as the curve the step
+    /// model prices with, so that a probed size and rank is priced as
+    /// measured; an unmeasured probe (zero time) is left out, and no
+    /// measurement at all gives no fit.
+    #[test]
+    fn the_measured_points_become_the_curve() {
+        let shapes = [(256, 1024, 1), (256, 1024, 2), (1024, 8192, 2), (1024, 1024, 4)];
+        let times = [2e-4, 4e-4, 0.023, 0.0];
+        let f = fit_powersgd(&shapes, &times);
+        assert_eq!(f.curve.len(), 3, "{f:?}");
+        for (&(rows, cols, r), &t) in shapes.iter().zip(&times).take(3) {
+            let n = (rows * cols) as f64;
+            assert!(((f.at(n, r as f64) - t) / t).abs() < 1e-12, "{f:?}");
+        }
+        assert!(fit_powersgd(&shapes, &[0.0; 4]).is_zero());
     }
 }

@@ -615,12 +615,23 @@ impl Profile {
                 bad.push(format!("{k} = {f:?}"));
             }
         }
-        let ps = self.powersgd;
+        let ps = &self.powersgd;
         if ![ps.a, ps.per_elem, ps.per_elem_rank]
             .into_iter()
             .all(non_negative)
+            || !ps.curve.iter().all(|p| {
+                p.elements.is_finite()
+                    && p.elements >= 1.0
+                    && p.rank.is_finite()
+                    && p.rank >= 1.0
+                    && non_negative(p.per_elem)
+            })
+            || ps.curve.len() > 64
         {
-            bad.push(format!("powersgd = {ps:?}"));
+            bad.push(format!(
+                "powersgd = {ps:?} (coefficients and per-element costs finite and \
+                 non-negative, curve points at 1 element and rank 1 or more, at most 64)"
+            ));
         }
         // A codec's measured wire bytes per element: at most 16 (an
         // index/value pair and then some).
@@ -977,12 +988,13 @@ pub fn nominal_wire_bytes(prof: &Profile, codec: &str, n: usize) -> f64 {
 }
 
 /// PowerSGD's local seconds for one layer of `n` elements per step at
-/// rank `r`: `a + per_elem·n + per_elem_rank·n·r` (its three products of
-/// `2·n·r` flops, and the passes over `n` that add the error, keep the
-/// new one and apply momentum). Measured by `calibrate` on matrices of a
-/// few sizes and ranks; zero when not measured (then the model does not
+/// rank `r` (its three products of `2·n·r` flops, and the passes over `n`
+/// that add the error, keep the new one and apply momentum), measured by
+/// `calibrate` on matrices of a few sizes and ranks: the measured
+/// `curve` where the profile has one, else `a + per_elem·n +
+/// per_elem_rank·n·r`; zero when not measured (then the model does not
 /// offer `powersgd`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PowerSgdFit {
     /// Fixed seconds per layer.
     pub a: f64,
@@ -990,18 +1002,95 @@ pub struct PowerSgdFit {
     pub per_elem: f64,
     /// Seconds per element and unit of rank.
     pub per_elem_rank: f64,
+    /// Seconds per element measured at a few (elements, rank) points:
+    /// the cost per element grows with the layer as its matrices leave
+    /// the caches (0.7 to 2.8 ns per element at rank 2 from 36 Ki to
+    /// 8 Mi elements on the development VM), which one linear fit cannot
+    /// follow. Interpolated in log-size and in rank ([`Self::at`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<PowerSgdPoint>,
+}
+
+/// One measured point of [`PowerSgdFit::curve`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PowerSgdPoint {
+    /// Elements of the probed matrix.
+    pub elements: f64,
+    /// Its rank.
+    pub rank: f64,
+    /// Measured seconds per element.
+    pub per_elem: f64,
 }
 
 impl PowerSgdFit {
     /// Whether every coefficient is zero (not measured).
     pub fn is_zero(&self) -> bool {
-        self.a == 0.0 && self.per_elem == 0.0 && self.per_elem_rank == 0.0
+        self.a == 0.0 && self.per_elem == 0.0 && self.per_elem_rank == 0.0 && self.curve.is_empty()
     }
 
-    /// Seconds for `n` elements at rank `r`.
+    /// Seconds for `n` elements at rank `r`: from the curve where there is
+    /// one (per element, log-linear in size between the probed sizes and
+    /// flat past them, linear in rank between the probed ranks and along
+    /// the last two past them), else from the linear fit.
     pub fn at(&self, n: f64, r: f64) -> f64 {
-        self.a + self.per_elem * n + self.per_elem_rank * n * r
+        let mut ranks: Vec<f64> = self.curve.iter().map(|p| p.rank).collect();
+        ranks.sort_by(f64::total_cmp);
+        ranks.dedup();
+        if ranks.is_empty() {
+            return self.a + self.per_elem * n + self.per_elem_rank * n * r;
+        }
+        // Per element at size `n` for one probed rank.
+        let at_rank = |rank: f64| {
+            let mut pts: Vec<(f64, f64)> = self
+                .curve
+                .iter()
+                .filter(|p| p.rank == rank)
+                .map(|p| (p.elements, p.per_elem))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            log_interp(&pts, n)
+        };
+        let pe = match ranks.iter().position(|&x| x >= r) {
+            _ if ranks.len() == 1 => at_rank(ranks[0]),
+            Some(0) => at_rank(ranks[0]),
+            Some(i) if ranks[i] == r => at_rank(r),
+            Some(i) => lerp((ranks[i - 1], at_rank(ranks[i - 1])), (ranks[i], at_rank(ranks[i])), r),
+            None => {
+                let k = ranks.len();
+                lerp(
+                    (ranks[k - 2], at_rank(ranks[k - 2])),
+                    (ranks[k - 1], at_rank(ranks[k - 1])),
+                    r,
+                )
+            }
+        };
+        pe.max(0.0) * n
     }
+}
+
+/// The line through `a` and `b` at `x`.
+fn lerp(a: (f64, f64), b: (f64, f64), x: f64) -> f64 {
+    if b.0 == a.0 {
+        return b.1;
+    }
+    a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)
+}
+
+/// `pts` (sorted by x > 0) at `x`, linear in `ln x` between points, the
+/// end values past them.
+fn log_interp(pts: &[(f64, f64)], x: f64) -> f64 {
+    let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
+        return 0.0;
+    };
+    if x <= first.0 {
+        return first.1;
+    }
+    if x >= last.0 {
+        return last.1;
+    }
+    let i = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
+    let (a, b) = (pts[i - 1], pts[i]);
+    lerp((a.0.ln(), a.1), (b.0.ln(), b.1), x.ln())
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile

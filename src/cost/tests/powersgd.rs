@@ -12,6 +12,7 @@ fn psg_prof() -> Profile {
         a: 1e-5,
         per_elem: 2e-9,
         per_elem_rank: 1e-9,
+        curve: Vec::new(),
     };
     p
 }
@@ -320,4 +321,85 @@ fn crossover_prices_powersgd_on_square_views_and_needs_its_fit() {
     };
     assert!(d(x) < 0.0 && d(2 * x) < 0.0 && d(1 << 26) < 0.0, "x={x}");
     assert!(x < 100 || d(x * 95 / 100) >= 0.0, "x={x}");
+}
+
+fn pt(elements: f64, rank: f64, per_elem: f64) -> PowerSgdPoint {
+    PowerSgdPoint {
+        elements,
+        rank,
+        per_elem,
+    }
+}
+
+/// The measured curve prices a layer by its size and rank: the probed
+/// points exactly, log-linear in size between them and flat past them,
+/// linear in rank between probed ranks and along the last two past them;
+/// without a curve, the linear fit.
+#[test]
+fn powersgd_curve_interpolates_in_log_size_and_rank() {
+    let lin = PowerSgdFit {
+        a: 1e-5,
+        per_elem: 2e-9,
+        per_elem_rank: 1e-9,
+        curve: Vec::new(),
+    };
+    assert!(rel(lin.at(1e6, 2.0), 1e-5 + 2e-3 + 2e-3) < 1e-12);
+    let (k, m) = (262144.0, 8388608.0);
+    let f = PowerSgdFit {
+        curve: vec![
+            pt(k, 1.0, 0.7e-9),
+            pt(m, 1.0, 1.9e-9),
+            pt(k, 2.0, 1.5e-9),
+            pt(m, 2.0, 2.8e-9),
+            pt(k, 4.0, 1.8e-9),
+            pt(m, 4.0, 2.9e-9),
+        ],
+        ..lin.clone()
+    };
+    assert!(!f.is_zero());
+    // The probed points themselves.
+    assert!(rel(f.at(k, 2.0), 1.5e-9 * k) < 1e-12);
+    assert!(rel(f.at(m, 4.0), 2.9e-9 * m) < 1e-12);
+    // Halfway in log-size (√(k·m)): halfway in cost per element.
+    let mid = (k * m).sqrt();
+    assert!(rel(f.at(mid, 2.0), (1.5e-9 + 2.8e-9) / 2.0 * mid) < 1e-9);
+    // Flat per element past the ends.
+    assert!(rel(f.at(1000.0, 1.0), 0.7e-9 * 1000.0) < 1e-12);
+    assert!(rel(f.at(4.0 * m, 1.0), 1.9e-9 * 4.0 * m) < 1e-12);
+    // Rank 3 halfway between 2 and 4; rank 8 along the line through 2
+    // and 4; below the first probed rank, the first's.
+    assert!(rel(f.at(k, 3.0), 1.65e-9 * k) < 1e-9);
+    assert!(rel(f.at(k, 8.0), (1.8e-9 + 2.0 * 0.3e-9) * k) < 1e-9);
+    assert!(rel(f.at(k, 0.5), 0.7e-9 * k) < 1e-12);
+    // Costs grow with the size and the rank here.
+    assert!(f.at(2e6, 2.0) > f.at(1e6, 2.0) && f.at(1e6, 4.0) > f.at(1e6, 2.0));
+    // A curve of one point prices everything at its per-element cost.
+    let one = PowerSgdFit {
+        curve: vec![pt(k, 2.0, 1e-9)],
+        ..PowerSgdFit::default()
+    };
+    assert!(!one.is_zero());
+    assert!(rel(one.at(5.0 * k, 7.0), 5.0 * k * 1e-9) < 1e-12);
+    // The profile check refuses a hostile curve, naming powersgd.
+    for bad in [
+        pt(f64::NAN, 1.0, 1e-9),
+        pt(0.0, 1.0, 1e-9),
+        pt(k, 0.0, 1e-9),
+        pt(k, 1.0, -1e-9),
+        pt(k, f64::INFINITY, 1e-9),
+    ] {
+        let mut p = psg_prof();
+        p.powersgd.curve = vec![bad];
+        let e = p.validate().expect_err("refused").to_string();
+        assert!(e.contains("powersgd"), "{e}");
+    }
+    let mut p = psg_prof();
+    p.powersgd.curve = vec![pt(k, 1.0, 1e-9); 65];
+    assert!(p.validate().is_err(), "at most 64 points");
+    // A profile with a curve survives JSON; one without leaves it out.
+    let mut p = psg_prof();
+    p.powersgd = f.clone();
+    let back: Profile = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+    assert_eq!(back.powersgd, f);
+    assert!(!serde_json::to_string(&psg_prof()).unwrap().contains("curve"));
 }
