@@ -196,7 +196,12 @@ mod tests {
     /// measurement at all gives no fit.
     #[test]
     fn the_measured_points_become_the_curve() {
-        let shapes = [(256, 1024, 1), (256, 1024, 2), (1024, 8192, 2), (1024, 1024, 4)];
+        let shapes = [
+            (256, 1024, 1),
+            (256, 1024, 2),
+            (1024, 8192, 2),
+            (1024, 1024, 4),
+        ];
         let times = [2e-4, 4e-4, 0.023, 0.0];
         let f = fit_powersgd(&shapes, &times);
         assert_eq!(f.curve.len(), 3, "{f:?}");

@@ -1054,7 +1054,11 @@ impl PowerSgdFit {
             _ if ranks.len() == 1 => at_rank(ranks[0]),
             Some(0) => at_rank(ranks[0]),
             Some(i) if ranks[i] == r => at_rank(r),
-            Some(i) => lerp((ranks[i - 1], at_rank(ranks[i - 1])), (ranks[i], at_rank(ranks[i])), r),
+            Some(i) => lerp(
+                (ranks[i - 1], at_rank(ranks[i - 1])),
+                (ranks[i], at_rank(ranks[i])),
+                r,
+            ),
             None => {
                 let k = ranks.len();
                 lerp(

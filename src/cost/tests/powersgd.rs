@@ -401,5 +401,7 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
     p.powersgd = f.clone();
     let back: Profile = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
     assert_eq!(back.powersgd, f);
-    assert!(!serde_json::to_string(&psg_prof()).unwrap().contains("curve"));
+    assert!(!serde_json::to_string(&psg_prof())
+        .unwrap()
+        .contains("curve"));
 }
