@@ -59,10 +59,28 @@ fuzz_target!(|data: &[u8]| {
         &prof,
         &base,
         "trimmed",
-        "sparse-allgather",
-        "dense-rabenseifner",
+        ("sparse-allgather", "dense-rabenseifner"),
         1 << 20,
+        1,
     );
+    // PowerSGD from a hostile profile's curve: priced, never a panic.
+    let _ = crossover(
+        &prof,
+        &base,
+        "trimmed",
+        ("powersgd", "dense-rabenseifner"),
+        1 << 20,
+        2,
+    );
+    for (n, r) in [(1usize, 1usize), (4096, 2), (1 << 22, 4), (1 << 24, 9)] {
+        let _ = gradsync::cost::predict_matrix(
+            &prof,
+            &Query { n, ..base },
+            "trimmed",
+            gradsync::cost::square_view(n),
+            r,
+        );
+    }
     let out = gradsync_fuzz::scratch("profile-saved.json");
     prof.save(&out).expect("save");
     Profile::load(&out).expect("a saved profile loads");
