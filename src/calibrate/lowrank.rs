@@ -59,13 +59,10 @@ pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> c
             .iter()
             .zip(times)
             .filter(|(_, t)| **t > 0.0 && t.is_finite())
-            .map(|(&(rows, cols, r), &t)| {
-                let n = (rows * cols) as f64;
-                cost::PowerSgdPoint {
-                    elements: n,
-                    rank: r as f64,
-                    per_elem: t / n,
-                }
+            .map(|(&(rows, cols, r), &t)| cost::PowerSgdPoint {
+                elements: rows * cols,
+                rank: r,
+                per_elem: t / (rows * cols) as f64,
             })
             .collect();
     }

@@ -619,13 +619,10 @@ impl Profile {
         if ![ps.a, ps.per_elem, ps.per_elem_rank]
             .into_iter()
             .all(non_negative)
-            || !ps.curve.iter().all(|p| {
-                p.elements.is_finite()
-                    && p.elements >= 1.0
-                    && p.rank.is_finite()
-                    && p.rank >= 1.0
-                    && non_negative(p.per_elem)
-            })
+            || !ps
+                .curve
+                .iter()
+                .all(|p| p.elements >= 1 && p.rank >= 1 && non_negative(p.per_elem))
             || ps.curve.len() > 64
         {
             bad.push(format!(
@@ -1015,9 +1012,9 @@ pub struct PowerSgdFit {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PowerSgdPoint {
     /// Elements of the probed matrix.
-    pub elements: f64,
+    pub elements: usize,
     /// Its rank.
-    pub rank: f64,
+    pub rank: usize,
     /// Measured seconds per element.
     pub per_elem: f64,
 }
@@ -1033,39 +1030,30 @@ impl PowerSgdFit {
     /// flat past them, linear in rank between the probed ranks and along
     /// the last two past them), else from the linear fit.
     pub fn at(&self, n: f64, r: f64) -> f64 {
-        let mut ranks: Vec<f64> = self.curve.iter().map(|p| p.rank).collect();
-        ranks.sort_by(f64::total_cmp);
+        let mut ranks: Vec<usize> = self.curve.iter().map(|p| p.rank).collect();
+        ranks.sort_unstable();
         ranks.dedup();
         if ranks.is_empty() {
             return self.a + self.per_elem * n + self.per_elem_rank * n * r;
         }
         // Per element at size `n` for one probed rank.
-        let at_rank = |rank: f64| {
-            let mut pts: Vec<(f64, f64)> = self
+        let at_rank = |rank: usize| {
+            let mut pts: Vec<(usize, f64)> = self
                 .curve
                 .iter()
                 .filter(|p| p.rank == rank)
                 .map(|p| (p.elements, p.per_elem))
                 .collect();
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            log_interp(&pts, n)
+            pts.sort_unstable_by_key(|p| p.0);
+            (rank as f64, log_interp(&pts, n))
         };
-        let pe = match ranks.iter().position(|&x| x >= r) {
-            _ if ranks.len() == 1 => at_rank(ranks[0]),
-            Some(0) => at_rank(ranks[0]),
-            Some(i) if ranks[i] == r => at_rank(r),
-            Some(i) => lerp(
-                (ranks[i - 1], at_rank(ranks[i - 1])),
-                (ranks[i], at_rank(ranks[i])),
-                r,
-            ),
+        let pe = match ranks.iter().position(|&x| x as f64 >= r) {
+            _ if ranks.len() == 1 => at_rank(ranks[0]).1,
+            Some(0) => at_rank(ranks[0]).1,
+            Some(i) => lerp(at_rank(ranks[i - 1]), at_rank(ranks[i]), r),
             None => {
                 let k = ranks.len();
-                lerp(
-                    (ranks[k - 2], at_rank(ranks[k - 2])),
-                    (ranks[k - 1], at_rank(ranks[k - 1])),
-                    r,
-                )
+                lerp(at_rank(ranks[k - 2]), at_rank(ranks[k - 1]), r)
             }
         };
         pe.max(0.0) * n
@@ -1080,21 +1068,24 @@ fn lerp(a: (f64, f64), b: (f64, f64), x: f64) -> f64 {
     a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)
 }
 
-/// `pts` (sorted by x > 0) at `x`, linear in `ln x` between points, the
-/// end values past them.
-fn log_interp(pts: &[(f64, f64)], x: f64) -> f64 {
+/// `pts` (sorted by size, sizes at least 1) at size `x`, linear in
+/// `ln x` between points, the end values past them.
+fn log_interp(pts: &[(usize, f64)], x: f64) -> f64 {
     let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
         return 0.0;
     };
-    if x <= first.0 {
+    if x <= first.0 as f64 {
         return first.1;
     }
-    if x >= last.0 {
+    if x >= last.0 as f64 {
         return last.1;
     }
-    let i = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
+    let i = pts
+        .iter()
+        .position(|p| p.0 as f64 >= x)
+        .unwrap_or(pts.len() - 1);
     let (a, b) = (pts[i - 1], pts[i]);
-    lerp((a.0.ln(), a.1), (b.0.ln(), b.1), x.ln())
+    lerp(((a.0 as f64).ln(), a.1), ((b.0 as f64).ln(), b.1), x.ln())
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile

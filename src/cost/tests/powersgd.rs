@@ -323,7 +323,7 @@ fn crossover_prices_powersgd_on_square_views_and_needs_its_fit() {
     assert!(x < 100 || d(x * 95 / 100) >= 0.0, "x={x}");
 }
 
-fn pt(elements: f64, rank: f64, per_elem: f64) -> PowerSgdPoint {
+fn pt(elements: usize, rank: usize, per_elem: f64) -> PowerSgdPoint {
     PowerSgdPoint {
         elements,
         rank,
@@ -344,15 +344,17 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
         curve: Vec::new(),
     };
     assert!(rel(lin.at(1e6, 2.0), 1e-5 + 2e-3 + 2e-3) < 1e-12);
-    let (k, m) = (262144.0, 8388608.0);
+    let (ku, mu) = (262144usize, 8388608usize);
+    let (k, m) = (ku as f64, mu as f64);
     let f = PowerSgdFit {
+        // Out of order, as a hand-written profile may be.
         curve: vec![
-            pt(k, 1.0, 0.7e-9),
-            pt(m, 1.0, 1.9e-9),
-            pt(k, 2.0, 1.5e-9),
-            pt(m, 2.0, 2.8e-9),
-            pt(k, 4.0, 1.8e-9),
-            pt(m, 4.0, 2.9e-9),
+            pt(mu, 1, 1.9e-9),
+            pt(ku, 1, 0.7e-9),
+            pt(ku, 2, 1.5e-9),
+            pt(mu, 4, 2.9e-9),
+            pt(mu, 2, 2.8e-9),
+            pt(ku, 4, 1.8e-9),
         ],
         ..lin.clone()
     };
@@ -375,18 +377,18 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
     assert!(f.at(2e6, 2.0) > f.at(1e6, 2.0) && f.at(1e6, 4.0) > f.at(1e6, 2.0));
     // A curve of one point prices everything at its per-element cost.
     let one = PowerSgdFit {
-        curve: vec![pt(k, 2.0, 1e-9)],
+        curve: vec![pt(ku, 2, 1e-9)],
         ..PowerSgdFit::default()
     };
     assert!(!one.is_zero());
     assert!(rel(one.at(5.0 * k, 7.0), 5.0 * k * 1e-9) < 1e-12);
     // The profile check refuses a hostile curve, naming powersgd.
     for bad in [
-        pt(f64::NAN, 1.0, 1e-9),
-        pt(0.0, 1.0, 1e-9),
-        pt(k, 0.0, 1e-9),
-        pt(k, 1.0, -1e-9),
-        pt(k, f64::INFINITY, 1e-9),
+        pt(0, 1, 1e-9),
+        pt(ku, 0, 1e-9),
+        pt(ku, 1, -1e-9),
+        pt(ku, 1, f64::NAN),
+        pt(ku, 1, f64::INFINITY),
     ] {
         let mut p = psg_prof();
         p.powersgd.curve = vec![bad];
@@ -394,7 +396,7 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
         assert!(e.contains("powersgd"), "{e}");
     }
     let mut p = psg_prof();
-    p.powersgd.curve = vec![pt(k, 1.0, 1e-9); 65];
+    p.powersgd.curve = vec![pt(ku, 1, 1e-9); 65];
     assert!(p.validate().is_err(), "at most 64 points");
     // A profile with a curve survives JSON; one without leaves it out.
     let mut p = psg_prof();
