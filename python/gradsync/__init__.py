@@ -141,7 +141,8 @@ class GradSync:
         allgatherv, same results; ``"hierarchical"``: the node-aware
         sparse allreduce; ``"auto"``: the cost model's choice among them
         every step, needs ``profile``), ``overlap``, ``auto_density``,
-        ``auto_quant``. Unknown names raise ``ValueError``.
+        ``auto_quant``, ``auto_powersgd`` (the PowerSGD rank ``"auto"`` may
+        choose for matrices, 0: never). Unknown names raise ``ValueError``.
     """
 
     def __init__(

@@ -107,13 +107,18 @@ pub(super) fn run_predict(a: &PredictArgs) -> Result<i32> {
         "wire_bytes/rank"
     );
     if let Some([rows, cols]) = r.powersgd_matrix {
+        let rank = a.model.powersgd_rank.min(rows).min(cols);
+        let how = if crate::powersgd::worth_compressing(rows, cols, rank, 2.0) {
+            format!("at rank {rank}")
+        } else {
+            "as dense (its factors would not halve it)".into()
+        };
         outln!(
-            "powersgd priced at rank {} on a {rows} x {cols} matrix{}",
-            a.model.powersgd_rank,
+            "powersgd priced {how} on a {rows} x {cols} matrix{}",
             if a.shape.is_some() {
                 ""
             } else {
-                " (the most nearly square: --shape gives the layer's own)"
+                " (the most nearly square, listed, not chosen: --shape gives the layer's own)"
             }
         );
     }
@@ -345,6 +350,9 @@ pub(super) fn run_crossover(a: &CrossoverArgs) -> Result<i32> {
             for n in std::iter::successors(Some(1usize), |&n| n.checked_mul(2))
                 .take_while(|&n| n <= max_n)
             {
+                if a.sparse == "powersgd" && !cost::powersgd_compresses(n, a.model.powersgd_rank) {
+                    continue; // priced dense there: no win of PowerSGD's
+                }
                 let preds = predict_sized(&prof, &a.model, &Query { n, ..base })?;
                 let t = |name: &str| preds.iter().find(|x| x.name == name).map(|x| x.seconds);
                 if let (Some(s), Some(d)) = (t(&a.sparse), t(&a.dense)) {
@@ -521,7 +529,10 @@ fn plot(
         RGBColor(120, 60, 160),
         RGBColor(0, 128, 128),
     ];
-    for ((name, pts), color) in series.into_iter().zip(colors) {
+    // A strategy the profile does not price (no points) gets no legend
+    // entry.
+    let series = series.into_iter().filter(|(_, pts)| !pts.is_empty());
+    for ((name, pts), color) in series.zip(colors) {
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))
             .map_err(|e| err(&e))?

@@ -624,10 +624,16 @@ impl Profile {
                 .iter()
                 .all(|p| p.elements >= 1 && p.rank >= 1 && non_negative(p.per_elem))
             || ps.curve.len() > 64
+            || (!ps.curve.is_empty() && ps.curve.iter().all(|p| p.per_elem == 0.0))
         {
             bad.push(format!(
-                "powersgd = {ps:?} (coefficients and per-element costs finite and \
-                 non-negative, curve points at 1 element and rank 1 or more, at most 64)"
+                "powersgd = {{a: {}, per_elem: {}, per_elem_rank: {}, curve: {} points}} \
+                 (coefficients and per-element costs finite and non-negative, a curve of \
+                 at most 64 points at 1 element and rank 1 or more, not all of them zero)",
+                ps.a,
+                ps.per_elem,
+                ps.per_elem_rank,
+                ps.curve.len()
             ));
         }
         // A codec's measured wire bytes per element: at most 16 (an
@@ -1036,6 +1042,10 @@ impl PowerSgdFit {
         if ranks.is_empty() {
             return self.a + self.per_elem * n + self.per_elem_rank * n * r;
         }
+        if !(n.is_finite() && r.is_finite()) {
+            // Not a layer: NaN, which the step model's checks refuse.
+            return f64::NAN;
+        }
         // Per element at size `n` for one probed rank.
         let at_rank = |rank: usize| {
             let mut pts: Vec<(usize, f64)> = self
@@ -1052,8 +1062,12 @@ impl PowerSgdFit {
             Some(0) => at_rank(ranks[0]).1,
             Some(i) => lerp(at_rank(ranks[i - 1]), at_rank(ranks[i]), r),
             None => {
+                // Past the last probed rank along the last two, never
+                // falling: a noisy probe that made the higher rank
+                // cheaper must not price large ranks at nothing.
                 let k = ranks.len();
-                lerp(at_rank(ranks[k - 2]), at_rank(ranks[k - 1]), r)
+                let (a, b) = (at_rank(ranks[k - 2]), at_rank(ranks[k - 1]));
+                b.1 + ((b.1 - a.1) / (b.0 - a.0)).max(0.0) * (r - b.0)
             }
         };
         pe.max(0.0) * n
@@ -1074,6 +1088,9 @@ fn log_interp(pts: &[(usize, f64)], x: f64) -> f64 {
     let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
         return 0.0;
     };
+    if x.is_nan() {
+        return f64::NAN;
+    }
     if x <= first.0 as f64 {
         return first.1;
     }
@@ -1137,6 +1154,12 @@ pub fn square_view(n: usize) -> (usize, usize) {
     }
     let rows = rows.max(1);
     (rows, n.div_ceil(rows).max(1))
+}
+
+/// Whether PowerSGD at `rank` compresses a layer of `n` elements on its
+/// [`square_view`] (else it is priced, and runs, dense).
+pub fn powersgd_compresses(n: usize, rank: usize) -> bool {
+    step::powersgd_factors(Some(square_view(n)), rank as f64).is_some()
 }
 
 /// [`predict`] with PowerSGD too, priced at `rank` on the layer's
@@ -1214,7 +1237,12 @@ pub fn crossover(
                 .into(),
         ));
     }
+    let psg = sparse == StrategyId::Powersgd.name();
     let diff = |n: usize| -> Result<f64> {
+        if psg && !powersgd_compresses(n, powersgd_rank) {
+            // Priced dense there: not a win of PowerSGD's.
+            return Ok(1.0);
+        }
         let q = Query { n, ..*base };
         let preds = predict_matrix(prof, &q, select_method, square_view(n), powersgd_rank)?;
         let get = |name: &str| {

@@ -79,7 +79,8 @@ pub struct ModelArgs {
     /// the sum over p·k, in (0, 1] (default: independent selections).
     #[cfg_attr(feature = "cli", arg(long, allow_hyphen_values = true))]
     pub fill: Option<f64>,
-    /// Layers with fewer elements stay dense in a planned step, as the
+    /// Layers with fewer elements are never sparsified or quantized in a
+    /// planned step (dense, or PowerSGD where it is offered), as the
     /// engine keeps them under `auto` (its `compress_threshold`, 32768 by
     /// default). 0: every layer chosen by price alone.
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
@@ -411,7 +412,14 @@ pub fn predict_record(
             m.powersgd_rank,
         )?
     };
-    let choice = cost::choose(&preds, &m.allowed(prof)?)
+    let mut allowed = m.allowed(prof)?;
+    if shape.is_none() && m.strategies.trim().is_empty() {
+        // PowerSGD on an assumed (the squarest) view is listed, not
+        // chosen: the engine prices a layer known by its size alone
+        // without it. Named in --strategies, it may be chosen.
+        allowed.retain(|&id| id != cost::StrategyId::Powersgd);
+    }
+    let choice = cost::choose(&preds, &allowed)
         .map(|c| c.name.clone())
         .unwrap_or_default();
     Ok(PredictRecord {

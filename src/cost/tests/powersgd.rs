@@ -320,6 +320,23 @@ fn crossover_prices_powersgd_on_square_views_and_needs_its_fit() {
         v[StrategyId::Powersgd as usize].seconds - v[StrategyId::DenseRabenseifner as usize].seconds
     };
     assert!(d(x) < 0.0 && d(2 * x) < 0.0 && d(1 << 26) < 0.0, "x={x}");
+    assert!(
+        powersgd_compresses(x, 1),
+        "x={x}: a size PowerSGD compresses"
+    );
+    // Against the ring: sizes PowerSGD leaves dense (priced as
+    // Rabenseifner there) are never counted as its wins.
+    let ring = crossover(
+        &pr,
+        &base,
+        "trimmed",
+        ("powersgd", "dense-ring"),
+        1 << 26,
+        1,
+    )
+    .expect("crossover")
+    .expect("a crossover");
+    assert!(powersgd_compresses(ring, 1) && ring > 1, "{ring}");
     assert!(x < 100 || d(x * 95 / 100) >= 0.0, "x={x}");
 }
 
@@ -375,6 +392,14 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
     assert!(rel(f.at(k, 0.5), 0.7e-9 * k) < 1e-12);
     // Costs grow with the size and the rank here.
     assert!(f.at(2e6, 2.0) > f.at(1e6, 2.0) && f.at(1e6, 4.0) > f.at(1e6, 2.0));
+    // A noisy curve whose higher rank came out cheaper: past it, flat,
+    // never down to nothing; a NaN size or rank is NaN, not free.
+    let falling = PowerSgdFit {
+        curve: vec![pt(ku, 2, 2e-9), pt(ku, 4, 1e-9)],
+        ..PowerSgdFit::default()
+    };
+    assert!(rel(falling.at(k, 32.0), 1e-9 * k) < 1e-12);
+    assert!(falling.at(f64::NAN, 2.0).is_nan() && falling.at(k, f64::NAN).is_nan());
     // A curve of one point prices everything at its per-element cost.
     let one = PowerSgdFit {
         curve: vec![pt(ku, 2, 1e-9)],
@@ -398,6 +423,11 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
     let mut p = psg_prof();
     p.powersgd.curve = vec![pt(ku, 1, 1e-9); 65];
     assert!(p.validate().is_err(), "at most 64 points");
+    p.powersgd.curve = vec![pt(ku, 1, 0.0), pt(ku, 2, 0.0)];
+    assert!(
+        p.validate().is_err(),
+        "a curve of zeros would make PowerSGD free"
+    );
     // A profile with a curve survives JSON; one without leaves it out.
     let mut p = psg_prof();
     p.powersgd = f.clone();
