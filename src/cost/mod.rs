@@ -1007,7 +1007,7 @@ pub struct PowerSgdFit {
     pub per_elem_rank: f64,
     /// Seconds per element measured at a few (elements, rank) points:
     /// the cost per element grows with the layer as its matrices leave
-    /// the caches (1.5 to 2.8 ns per element at rank 2 from 256 Ki to
+    /// the caches (1.5 to 2.8 ns per element at rank 2 from 0.6 M to
     /// 8 Mi elements on the development VM), which one linear fit cannot
     /// follow. Interpolated in log-size and in rank ([`Self::at`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
