@@ -1036,41 +1036,58 @@ impl PowerSgdFit {
     /// flat past them, linear in rank between the probed ranks and along
     /// the last two past them), else from the linear fit.
     pub fn at(&self, n: f64, r: f64) -> f64 {
-        let mut ranks: Vec<usize> = self.curve.iter().map(|p| p.rank).collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        if ranks.is_empty() {
+        if self.curve.is_empty() {
             return self.a + self.per_elem * n + self.per_elem_rank * n * r;
         }
         if !(n.is_finite() && r.is_finite()) {
             // Not a layer: NaN, which the step model's checks refuse.
             return f64::NAN;
         }
-        // Per element at size `n` for one probed rank.
-        let at_rank = |rank: usize| {
-            let mut pts: Vec<(usize, f64)> = self
-                .curve
-                .iter()
-                .filter(|p| p.rank == rank)
-                .map(|p| (p.elements, p.per_elem))
-                .collect();
-            pts.sort_unstable_by_key(|p| p.0);
-            (rank as f64, log_interp(&pts, n))
-        };
-        let pe = match ranks.iter().position(|&x| x as f64 >= r) {
-            _ if ranks.len() == 1 => at_rank(ranks[0]).1,
-            Some(0) => at_rank(ranks[0]).1,
-            Some(i) => lerp(at_rank(ranks[i - 1]), at_rank(ranks[i]), r),
-            None => {
+        // The probed ranks around `r` (no allocation: the planner prices
+        // every layer of a table with this).
+        let ranks = || self.curve.iter().map(|p| p.rank);
+        let below = ranks().filter(|&k| k as f64 <= r).max();
+        let above = ranks().filter(|&k| k as f64 > r).min();
+        let pe = match (below, above) {
+            (Some(lo), Some(hi)) => lerp(self.at_rank(lo, n), self.at_rank(hi, n), r),
+            (None, Some(hi)) => self.at_rank(hi, n).1,
+            (Some(lo), None) => match ranks().filter(|&k| k < lo).max() {
                 // Past the last probed rank along the last two, never
                 // falling: a noisy probe that made the higher rank
                 // cheaper must not price large ranks at nothing.
-                let k = ranks.len();
-                let (a, b) = (at_rank(ranks[k - 2]), at_rank(ranks[k - 1]));
-                b.1 + ((b.1 - a.1) / (b.0 - a.0)).max(0.0) * (r - b.0)
-            }
+                Some(prev) => {
+                    let (a, b) = (self.at_rank(prev, n), self.at_rank(lo, n));
+                    b.1 + ((b.1 - a.1) / (b.0 - a.0)).max(0.0) * (r - b.0)
+                }
+                None => self.at_rank(lo, n).1,
+            },
+            (None, None) => 0.0,
         };
         pe.max(0.0) * n
+    }
+
+    /// (`rank`, seconds per element at `n` elements) from the curve's
+    /// points at `rank`: linear in `ln n` between the probed sizes
+    /// around `n`, the nearest one's past them.
+    fn at_rank(&self, rank: usize, n: f64) -> (f64, f64) {
+        let pts = || self.curve.iter().filter(move |p| p.rank == rank);
+        let lo = pts()
+            .filter(|p| p.elements as f64 <= n)
+            .max_by_key(|p| p.elements);
+        let hi = pts()
+            .filter(|p| p.elements as f64 >= n)
+            .min_by_key(|p| p.elements);
+        let pe = match (lo, hi) {
+            (Some(a), Some(b)) if a.elements != b.elements => lerp(
+                ((a.elements as f64).ln(), a.per_elem),
+                ((b.elements as f64).ln(), b.per_elem),
+                n.ln(),
+            ),
+            (Some(a), _) => a.per_elem,
+            (None, Some(b)) => b.per_elem,
+            (None, None) => 0.0,
+        };
+        (rank as f64, pe)
     }
 }
 
@@ -1080,29 +1097,6 @@ fn lerp(a: (f64, f64), b: (f64, f64), x: f64) -> f64 {
         return b.1;
     }
     a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)
-}
-
-/// `pts` (sorted by size, sizes at least 1) at size `x`, linear in
-/// `ln x` between points, the end values past them.
-fn log_interp(pts: &[(usize, f64)], x: f64) -> f64 {
-    let (Some(first), Some(last)) = (pts.first(), pts.last()) else {
-        return 0.0;
-    };
-    if x.is_nan() {
-        return f64::NAN;
-    }
-    if x <= first.0 as f64 {
-        return first.1;
-    }
-    if x >= last.0 as f64 {
-        return last.1;
-    }
-    let i = pts
-        .iter()
-        .position(|p| p.0 as f64 >= x)
-        .unwrap_or(pts.len() - 1);
-    let (a, b) = (pts[i - 1], pts[i]);
-    lerp(((a.0 as f64).ln(), a.1), ((b.0 as f64).ln(), b.1), x.ln())
 }
 
 /// Nominal bytes per element of the data-dependent codecs when no profile
@@ -1230,14 +1224,14 @@ pub fn crossover(
     max_n: usize,
     powersgd_rank: usize,
 ) -> Result<Option<usize>> {
-    if sparse == StrategyId::Powersgd.name() && prof.powersgd.is_zero() {
+    let psg = sparse == StrategyId::Powersgd.name();
+    if psg && prof.powersgd.is_zero() {
         return Err(Error::InvalidArgument(
             "powersgd: this profile does not price PowerSGD's products (gradsync \
              calibrate measures them)"
                 .into(),
         ));
     }
-    let psg = sparse == StrategyId::Powersgd.name();
     let diff = |n: usize| -> Result<f64> {
         if psg && !powersgd_compresses(n, powersgd_rank) {
             // Priced dense there: not a win of PowerSGD's.

@@ -401,17 +401,14 @@ pub fn predict_record(
             crate::powersgd::matrix_view(s).unwrap_or((1, n))
         }
     };
-    let preds = if prof.powersgd.is_zero() {
-        cost::predict(prof, &m.query(n, p, d), &m.select_method)?
-    } else {
-        cost::predict_matrix(
-            prof,
-            &m.query(n, p, d),
-            &m.select_method,
-            matrix,
-            m.powersgd_rank,
-        )?
-    };
+    // (Without a PowerSGD fit, `predict`'s list.)
+    let preds = cost::predict_matrix(
+        prof,
+        &m.query(n, p, d),
+        &m.select_method,
+        matrix,
+        m.powersgd_rank,
+    )?;
     let mut allowed = m.allowed(prof)?;
     if shape.is_none() && m.strategies.trim().is_empty() {
         // PowerSGD on an assumed (the squarest) view is listed, not
