@@ -47,7 +47,7 @@
 //!   step, optionally saving or loading per-rank snapshots.
 //!
 //! `codecs --node-aware` and `run ... --node-aware` run the same checks with
-//! the node-aware paths of issue #15 (`allreduce = hierarchical`,
+//! the node-aware paths (`allreduce = hierarchical`,
 //! `sparse_exchange = hierarchical`; MPI's node map), as `hpc/cluster_test.sh`
 //! does on its emulated hosts; `--auto` with the cost model's per-step
 //! choice of both (`allreduce = "auto"`, `sparse_exchange = "auto"`).

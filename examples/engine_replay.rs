@@ -1,6 +1,6 @@
 //! Replays a training run's gradients through the Rust engine, so that a
-//! binding's results can be compared with the engine's bit for bit (issue
-//! #12: the Python package must give exactly what the Rust engine gives).
+//! binding's results can be compared with the engine's bit for bit (the
+//! Python package must give exactly what the Rust engine gives).
 //!
 //! ```text
 //! mpirun -np 3 target/release/examples/engine_replay DIR

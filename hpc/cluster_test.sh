@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The emulated cluster's tests (issue #15), run by hpc/test.sh, under a minute:
+# The emulated cluster's tests, run by hpc/test.sh, under a minute:
 #
 #   1. hpc/cluster.sh names the flag on bad arguments (no root needed);
 #   2. 2 hosts x 2 ranks, 100mbit: hpc/cluster_check.py (hostnames, ppr
@@ -151,7 +151,7 @@ else
 fi
 
 # 6b. The node-aware allreduce against MPI_Allreduce with MPI's node map
-# of the emulated hosts (issue #15): 3 x 2, 4 x 1 and 2 x 2.
+# of the emulated hosts: 3 x 2, 4 x 1 and 2 x 2.
 HIER="$(dirname "$BIN")/examples/hierarchical_check"
 if [ -x "$HIER" ]; then
   for hr in "3 2 [0, 0, 2, 2, 4, 4]" "4 1 [0, 1, 2, 3]" "2 2 [0, 0, 2, 2]"; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Python binding overhead (issue #12): GradSync.sync called from Python vs
+# Python binding overhead: GradSync.sync called from Python vs
 # from Rust on the same one-layer table, 1K..64M elements, on NP ranks
 # (default 2, not oversubscribed on a 2-core machine). The two runs
 # alternate ROUNDS times (default 3) so both see the same machine; the table

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Slurm tests (issue #14), run by hpc/test.sh: a real one-node Slurm
+# The Slurm tests, run by hpc/test.sh: a real one-node Slurm
 # (hpc/slurm-local.sh, its own state folder) runs the job scripts as a
 # cluster user would, at small sizes, 4 tasks on this node (oversubscribed
 # where it has fewer cores):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The step model against the engine (issue #13's acceptance): for each layer
+# The step model against the engine, measured: for each layer
 # table, `gradsync bench --op step --calibrate --compare` calibrates in the
 # same job (calibrate, shuffled rounds), plans the table, and measures
 # the planned step, dense-only, all-sparse, RGC above the engine's

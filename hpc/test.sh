@@ -31,14 +31,14 @@ export GRADSYNC_REQUIRE_VALGRIND=1
 # C ABI crate's own (the header drift check).
 cargo test --release
 cargo test --release -p gradsync-capi
-# The library alone builds without the command line's crates (issue #13).
+# The library alone builds without the command line's crates.
 cargo build --release --no-default-features --lib
 if cargo tree --no-default-features -e normal -p gradsync | grep -E '^[^a-z]*(clap|plotters|env_logger|indicatif|ndarray-npy) '; then
   echo "test.sh: the library without the cli feature still depends on the crates above" >&2
   exit 1
 fi
 echo "test.sh: the library builds without the cli feature and its crates"
-# The cuda feature (issue #16) builds with no CUDA toolkit or driver (cudarc
+# The cuda feature (GPU buffers) builds with no CUDA toolkit or driver (cudarc
 # loads libcuda at run time) and the CPU tests pass with it: the library's
 # unit tests and tests/gpu.rs (the staged allreduce under mpirun; its GPU
 # tests print "skipped: <reason>" where no GPU is usable, shown here).
@@ -54,7 +54,7 @@ mpicc -I include examples/c/failure.c -L target/release -lgradsync \
   -Wl,-rpath,"$PWD/target/release" -o target/release/failure_cuda
 hpc/mpirun.sh -np 3 target/release/failure_cuda | grep -E "^(sync_device step 8 |c failure)"
 cargo build --release -p gradsync-capi
-hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh, issue #15); skipped with the reason where namespaces cannot be made
+hpc/cluster_test.sh # the emulated cluster (hpc/cluster.sh); skipped with the reason where namespaces cannot be made
 # The Slurm job scripts on a real one-node Slurm (hpc/slurm-local.sh installs
 # slurm-wlm and munge); skipped with the reason where Slurm cannot start here.
 hpc/slurm_test.sh

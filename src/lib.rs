@@ -27,8 +27,9 @@
 //! * [`calibrate`]: measures a cluster's profile from inside a job
 //!   ([`calibrate::calibrate`]) on top of [`cost`] and [`sync`], and checks a
 //!   profile's predictions against measurements.
-//! * [`failure`]: the failure model — an error on some ranks reaches every
-//!   rank in the same step, or the job is aborted; never a hang.
+//! * [`comm::agree`]: the failure model — an error on some ranks reaches
+//!   every rank in the same step, or the job is aborted; never a hang.
+//!   [`failure`] is its old name, kept as an alias.
 //! * [`cli`]: the `gradsync` command (benchmark, verification against MPI).
 //!
 //! ```
@@ -54,7 +55,7 @@ pub mod comm;
 pub mod cost;
 pub mod dense;
 mod error;
-/// The failure model ([`comm::agree`], under its older name).
+/// The failure model: the old name of [`comm::agree`], kept as an alias.
 pub use comm::agree as failure;
 pub mod gpu;
 pub mod gradiveq;

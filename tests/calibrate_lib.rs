@@ -1,5 +1,5 @@
 //! `calibrate::calibrate` called from Rust as a training job calls it
-//! (`examples/calibrate_in_job.rs` under `mpirun`, issue #13 part 4): every
+//! (`examples/calibrate_in_job.rs` under `mpirun`): every
 //! rank gets the same valid profile, and an option that is bad on one rank,
 //! or differs between ranks, is the same error on every rank within the
 //! time limit (no hang). Needs `cargo build --release --examples` first.

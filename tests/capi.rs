@@ -1,4 +1,4 @@
-//! The C ABI end to end (issue #12): build `libgradsync` (package
+//! The C ABI end to end: build `libgradsync` (package
 //! gradsync-capi), compile the C programs of examples/c with `mpicc`, and
 //! run them on 1–4 real MPI ranks. `train.c` checks its own results
 //! (bitwise against MPI_Allreduce) and prints "c example: OK"; `failure.c`

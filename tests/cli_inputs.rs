@@ -1,4 +1,4 @@
-//! The CLI's input phase under real `mpirun` (issue #11): flags and files
+//! The CLI's input phase under real `mpirun`: flags and files
 //! that are bad on some ranks, or differ between the ranks of an MPMD launch
 //! (`mpirun -np 1 gradsync ... : -np 1 gradsync ...`), end the job within
 //! seconds with a non-zero status and one message naming the rank, the flag

@@ -113,7 +113,7 @@ fn codecs_reads_f64_npy_with_steps() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue #11: one codec's failure aborted the whole comparison. Now it is
+/// One codec's failure must not abort the whole comparison: it is
 /// reported in its row (`error` in JSON, the `error` column in the table),
 /// the other codecs still run, and the exit status is non-zero.
 #[test]
@@ -150,9 +150,9 @@ fn codecs_reports_a_failing_codec_in_its_row() {
     assert!(lines[3].starts_with("int8"), "{out}");
 }
 
-/// Issue #11, class 4 through the CLI: fp16 aborted the comparison on a
-/// value above 65504 and flushed tiny layers to zero; int8 decoded tiny
-/// layers as ±max|x| everywhere.
+/// Huge and tiny tensors through the CLI: fp16 must not abort the comparison
+/// on a value above 65504 nor flush tiny layers to zero, and int8 must not
+/// decode tiny layers as ±max|x| everywhere.
 #[test]
 fn codecs_handle_huge_and_tiny_tensors() {
     let dir = scratch("range");
@@ -186,8 +186,8 @@ fn codecs_handle_huge_and_tiny_tensors() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue #11, class 6: a .npy whose header claims 10^12 elements aborted on
-/// allocation; every read error now names the file and exits with status 1.
+/// A .npy whose header claims 10^12 elements must not abort on allocation:
+/// every read error names the file and exits with status 1.
 #[test]
 fn codecs_rejects_lying_npy_headers_naming_the_file() {
     let dir = scratch("npy-lies");
@@ -334,9 +334,9 @@ fn codecs_reads_fortran_order_and_big_endian() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue #11, class 9: `codecs --synthetic 64M` peaked at 7.3x the tensor's
-/// bytes (an f64 running sum, error-feedback state that was never used, a
-/// second decode buffer, ...). Peak RSS of a child run, from wait4(2), must
+/// Memory use of `codecs --synthetic 64M`: it once peaked at 7.3x the
+/// tensor's bytes (an f64 running sum, error-feedback state that was never
+/// used, a second decode buffer, ...). Peak RSS of a child run, from wait4(2), must
 /// stay within 3.5x the f32 tensor.
 /// Every codec, `qsgd` included (its decoder used to hold every code as a
 /// u64, 2x the tensor).

@@ -1,4 +1,4 @@
-//! The failure model on real MPI ranks (issue #11): one rank fails inside a
+//! The failure model on real MPI ranks: one rank fails inside a
 //! step and every rank gets the same error in that step, in seconds, then
 //! goes on; ranks that disagree on the layer table all fail; a CLI error on
 //! one rank ends the whole job instead of hanging it.
@@ -119,9 +119,9 @@ fn a_rank_with_an_extra_layer_fails_every_rank() {
     );
 }
 
-/// Issue #11 class 5: one flipped bit in one rank's snapshot used to load
-/// silently (that rank's replica drifted while the job exited 0). Now every
-/// rank fails in the load, naming the rank and the file, in seconds.
+/// One flipped bit in one rank's snapshot fails every rank in the load,
+/// naming the rank and the file, in seconds (rather than loading silently,
+/// that rank's replica drifting while the job exits 0).
 #[test]
 fn a_corrupt_snapshot_on_one_rank_fails_every_rank() {
     let ex = example("engine_check");
@@ -167,9 +167,9 @@ fn a_corrupt_snapshot_on_one_rank_fails_every_rank() {
     );
 }
 
-/// Issue #11 class 1: NaN in rank 0's row of a GradiVeQ bench input used to
-/// hang the job in the QSGD-ring sample phase. Now the job ends within
-/// seconds with a non-zero status and the cause on stderr.
+/// NaN in rank 0's row of a GradiVeQ bench input ends the job within
+/// seconds with a non-zero status and the cause on stderr (rather than
+/// hanging it in the QSGD-ring sample phase).
 #[test]
 fn nan_in_gradiveq_bench_data_ends_the_job_in_seconds() {
     let dir = std::env::temp_dir().join(format!("gradsync-failure-gvq-{}", std::process::id()));

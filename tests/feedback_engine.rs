@@ -1,4 +1,4 @@
-//! Issue #11, acceptance (b) and (c): the engine with every codec for 5000
+//! Error feedback over long runs: the engine with every codec for 5000
 //! steps stays finite, bounded and in agreement across ranks (in process on
 //! `LocalComm`, and on real MPI ranks through `gradsync bench`); FastSGD on a
 //! dense layer of 1.5M elements keeps sending; a starving layer is flagged

@@ -1,5 +1,4 @@
-//! Issue #16 (gradients on the GPU), the parts that exist
-//! ([`gradsync::gpu`]):
+//! Gradients on the GPU ([`gradsync::gpu`]):
 //!
 //! * on real MPI ranks (`examples/staging_check`, no GPU needed): the
 //!   host-staged allreduce equals `MPI_Allreduce` bit for bit, mismatches

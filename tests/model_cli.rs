@@ -1,5 +1,5 @@
 //! `gradsync predict / plan / crossover` (no MPI): the JSON output equals the
-//! issue's formulas, written out here independently of `src/cost`.
+//! cost model's formulas, written out here independently of `src/cost`.
 
 use std::process::Command;
 
@@ -627,7 +627,7 @@ fn file_errors_name_the_file_entry_and_field() {
     assert!(!ok && err.contains("/nonexistent/dir/x.svg"), "{err}");
 }
 
-/// Issue #15: `gradsync scale` sweeps the rank count on nodes of L ranks,
+/// `gradsync scale` sweeps the rank count on nodes of L ranks,
 /// finds the crossovers and plots; bad flags are errors naming the flag.
 #[test]
 fn scale_sweeps_ranks_and_names_bad_flags() {

@@ -235,7 +235,7 @@ fn engine_sparse_sync_equals_mpi_allreduce_of_decoded_units() {
     }
 }
 
-/// Issue #15: the same checks with `allreduce = "auto"` and
+/// The same checks with `allreduce = "auto"` and
 /// `sparse_exchange = "auto"` (the cost model's per-step choices: the ring
 /// at 3 and 5 ranks, the sparse allreduce where it moves fewer bytes).
 #[test]
@@ -252,7 +252,7 @@ fn engine_with_auto_collectives_equals_mpi_allreduce_of_decoded_units() {
     }
 }
 
-/// Issue #15: `sparse_exchange = allreduce` under mpirun, against
+/// `sparse_exchange = allreduce` under mpirun, against
 /// `MPI_Allreduce` of the decoded units and the allgather engine (bitwise),
 /// with the sparse allreduce's distinct indices and a NaN on one rank.
 #[test]

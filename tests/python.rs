@@ -1,4 +1,4 @@
-//! The Python package under real `mpirun` (issue #12): `gradsync.allreduce`
+//! The Python package under real `mpirun`: `gradsync.allreduce`
 //! against `MPI.COMM_WORLD.Allreduce`, the engine through Python against the
 //! Rust engine bit for bit, failures on one rank raising on every rank, the
 //! README's program, the digits training run and the PyTorch wrapper.
@@ -251,7 +251,7 @@ fn readme_python_program_runs() {
     }
 }
 
-/// README's "From PyTorch" programs are examples/python/torch_ddp_hook.py
+/// docs/pytorch.md's complete programs are examples/python/torch_ddp_hook.py
 /// and torch_optimizer.py verbatim, and run under mpirun (every rank ends
 /// with the same weights; auto makes the large layer sparse).
 #[test]
@@ -259,13 +259,13 @@ fn readme_torch_programs_run() {
     if !python_ready("readme_torch_programs_run") {
         return;
     }
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repo().join("docs/pytorch.md")).unwrap();
     for name in ["torch_ddp_hook", "torch_optimizer"] {
         let prog = repo().join(format!("examples/python/{name}.py"));
         let text = std::fs::read_to_string(&prog).unwrap();
         assert!(
             readme.contains(text.trim()),
-            "README's \"From PyTorch\" must hold examples/python/{name}.py verbatim"
+            "docs/pytorch.md must hold examples/python/{name}.py verbatim"
         );
         let has_torch = Command::new(python())
             .args(["-c", "import torch"])

@@ -1,5 +1,5 @@
 //! `gradsync bench --op step` under real `mpirun`: the engine on a whole
-//! layer table against the step model and `MPI_Allreduce` (issue #13). Only
+//! layer table against the step model and `MPI_Allreduce`. Only
 //! the record's consistency is asserted here; timings are for benchmarks.
 
 mod common;
@@ -267,7 +267,7 @@ fn step_calibrates_in_the_same_job() {
     let _ = std::fs::remove_file(&out_prof);
 }
 
-/// Issue #15: `--sparse-exchange` gives the engine its exchange of the RGC
+/// `--sparse-exchange` gives the engine its exchange of the RGC
 /// layers' pairs; the record says which was asked for and which ran in
 /// each timed step; `auto` needs a profile; an unknown value names the
 /// flag on every rank.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make .gpu/ (ignored by git): what a GPU machine lent through the workplace's
-# `device` tool needs to run gradsync's GPU checks (issue #16). That machine
+# `device` tool needs to run gradsync's GPU checks. That machine
 # reaches no package registry and has no MPI library, so everything travels
 # from here, built here:
 #   .gpu/deb/      Debian 12's Open MPI 4.1 and the libraries it needs

@@ -1,5 +1,5 @@
-//! `gradsync._gradsync`: the Python extension behind the `gradsync` package
-//! (issue #12). A thin layer over the Rust engine ([`gradsync::sync`]) and
+//! `gradsync._gradsync`: the Python extension behind the `gradsync` package.
+//! A thin layer over the Rust engine ([`gradsync::sync`]) and
 //! the dense collectives ([`gradsync::dense`]):
 //!
 //! * the communicator comes from mpi4py (`comm.py2f()` → `MPI_Comm_f2c` →

@@ -40,8 +40,12 @@ pub enum AllgathervAlgo {
     Mpi,
     /// Node-aware (`node`): gather to each node's leader, the leaders'
     /// allgatherv, a broadcast inside each node, by the transport's node
-    /// map ([`Transport::node_ids`]). The flat `recdbl` where the map is
-    /// unknown (in process), one node, or one rank per node.
+    /// map ([`Transport::node_ids`]). Where the transport has no node map
+    /// (in process), an [`Error::Unsupported`] saying the node-aware
+    /// allgatherv needs the ranks' nodes, on every rank before any
+    /// collective; never the flat algorithm in its place. With one node, or
+    /// one rank per node, the hierarchy has one level and the algorithm is
+    /// the flat `recdbl` one (recursive doubling or Bruck) itself.
     Node,
 }
 

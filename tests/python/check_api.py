@@ -280,7 +280,7 @@ all_w = comm.allgather(w)
 ok(all(a.tobytes() == b.tobytes() for ws in all_w for a, b in zip(ws, all_w[0])), "delay: the ranks' weights agree bit for bit after the failures")
 sd.close()
 
-# sparse_exchange="allreduce" (issue #15): the RGC layer by one sparse
+# sparse_exchange="allreduce": the RGC layer by one sparse
 # allreduce gives bit for bit what the fused allgatherv gives (integer
 # gradients), and the stats report its distinct indices.
 s3 = gradsync.GradSync(comm, momentum=0.9, sparse_exchange="allreduce")

@@ -1,4 +1,4 @@
-"""GradSync.sync on PyTorch CUDA tensors (issue #16) under real mpirun.
+"""GradSync.sync on PyTorch CUDA tensors under real mpirun.
 
     mpirun -np 2 python3 -m mpi4py tests/python/check_cuda.py
 
