@@ -434,6 +434,25 @@ fn default_sbc_p() -> f64 {
 }
 
 impl CodecConfig {
+    /// The codec's own density parameter, if it has one (`rgc`,
+    /// `rgc-quant`: `density`; `sbc`: `p`).
+    pub fn own_density(&self) -> Option<f64> {
+        match self {
+            Self::Rgc { density, .. } | Self::RgcQuant { density } => Some(*density),
+            Self::Sbc { p } => Some(*p),
+            _ => None,
+        }
+    }
+
+    /// Whether the codec's units are index/value pairs, one value per
+    /// index (its [`for_each_sent`](Codec::for_each_sent) visits them): RGC
+    /// and quantized RGC. SBC also visits positions, but its Golomb-coded
+    /// unit is far smaller than the sparse allreduce's 8 bytes a pair, so
+    /// it stays in the fused allgatherv.
+    pub fn sends_pairs(&self) -> bool {
+        matches!(self, Self::Rgc { .. } | Self::RgcQuant { .. })
+    }
+
     /// Short name (`none`, `fp16`, `3lc`, ...).
     pub fn name(&self) -> String {
         serde_json::to_value(self)

@@ -154,7 +154,11 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
             sparse_group(&net, StrategyId::SparseAllreduce, pairs),
         ),
     ];
-    if q.at.ranks_per_node.is_some_and(|l| l < q.at.p) {
+    if q.n > u32::MAX as usize {
+        // The sparse allreduces address the pairs' concatenated index
+        // space with u32 indices: past it only the allgatherv runs.
+        predictions.truncate(1);
+    } else if q.at.ranks_per_node.is_some_and(|l| l < q.at.p) {
         predictions.push((
             StrategyId::SparseHierarchical,
             sparse_group(&net, StrategyId::SparseHierarchical, pairs),

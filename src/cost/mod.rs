@@ -15,6 +15,18 @@
 //! | `dense-ring` | `2(p−1)·α + 2·(p−1)/p·N·β + (p−1)/p·N·γ_reduce` | Thakur et al. §4.3 (ring reduce-scatter + allgather) |
 //! | `gradiveq-ring` | the ring formula on `N/r` bytes (ratio `r`) plus the compression not hidden behind communication (below) | GradiVeQ Alg. 1 |
 //! | one per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`) | `T_encode(n) + ⌈lg p⌉·α + (p−1)·(w + 32)·β + p·T_decode(n)`, `w` the codec's wire bytes | the codec's message exchanged by the same allgather, each rank decoding `p` messages |
+//! | `dense-hierarchical` | `2(L−1)·(α + (N/S)·β) + (L−1)·(N/S)·γ_reduce` plus the `dense-rabenseifner` formula over the `H` nodes on `N/S` bytes; one node (`L = p`, `H = 1`): the `dense-ring` formula; one rank per node: the `dense-rabenseifner` one | NCCL's and Horovod's hierarchical allreduce: ring reduce-scatter and allgather inside the node, Thakur et al. §4.4 on each shard between nodes; [`crate::dense::hierarchical_allreduce`] |
+//! | `sparse-allreduce` | `T_select(n) + 3⌈lg p⌉·α + (p−1)·(2α + (8 + 8k/p)·β) + (p−1)·R·β + (8k + p·R)·γ_unpack + 4n·γ_clear`: the agreement and sample allgather (`2⌈lg p⌉·α`), `p − 1` pairwise rounds of a count and `k/p` pairs, the allgather of each rank's reduced region of `R = min(8F(p)/p, 4n/p) + 8` bytes, summing what arrives and clearing the `n`-element output | Ok-Topk §3.1 (split and reduce, then allgatherv; Li & Hoefler 2022) with SparCML's dense switch; [`crate::sparse::sparse_allreduce`] |
+//! | `sparse-hierarchical` | `T_select(n) + ⌈lg p⌉·α + (L−1)·(α + 8k·β) + ⌈lg H⌉·α + (H−1)·U·β + ⌈lg L⌉·(α + H·U·β) + (8kL + H·U)·γ_unpack + 4n·γ_clear`: the agreement, the node's other ranks' `k` pairs into its leader, the leaders' recursive-doubling allgather of the node units of `U = min(8F(L), 4n) + 8` bytes, a binomial broadcast of the `H` units inside the node, summing and clearing | NCCL's and Horovod's hierarchical scheme on sparse units, with SparCML's dense switch; [`crate::sparse::hierarchical_sparse_allreduce`] |
+//! | `powersgd` (rank `r`, [`predict_matrix`]; only where the profile measured PowerSGD) | `T_powersgd(n, r) + T_dense_local(n) + R(4·rows·r) + R(4·cols·r)`: the layer as a `rows × cols` matrix (its shape's, else [`square_view`]), `r` at most `min(rows, cols)`, `R(b)` the `dense-rabenseifner` formula for `b` bytes (the allreduces of `P`, then `Q`), `T_powersgd` the calibrated products and passes ([`PowerSgdFit`]); a matrix whose factors are not twice smaller than it (PyTorch's `min_compression_rate`) is priced as `dense-rabenseifner` | PowerSGD (Vogels et al. 2019) Alg. 1: one power-iteration step, two allreduces |
+//!
+//! The node-aware strategies use the placement: `H` nodes, `L` ranks on
+//! the largest, `S` on the smallest (one node unless a rank count per node
+//! is given). `F(j)` is the fill-in, the distinct indices of `j` ranks'
+//! selections summed ([`topology`]). The formulas are the one-level
+//! model's (every step at `α` and `β`); with a profile that knows the
+//! network between nodes, [`topology`] prices each step at the level it
+//! crosses.
 //!
 //! Dense strategies add the engine's local cost of a dense layer,
 //! `T_dense_local(n)` (fusing, momentum, unfusing; zero unless calibrated).
@@ -68,6 +80,7 @@ mod bucket;
 pub(crate) mod decide;
 mod exchange;
 mod layers_file;
+pub mod policy;
 mod query;
 pub mod records;
 mod step;
@@ -82,6 +95,7 @@ pub use exchange::{
     choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, AllgathervChoice,
     ExchangeChoice, ExchangeQuery,
 };
+pub use policy::{LayerPolicy, GRADIVEQ_RATIO};
 pub use query::{Placement, StepQuery};
 pub use step::{
     plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,

@@ -101,10 +101,12 @@ struct Row<K, T> {
 /// The engine's decision table ([module docs](self)).
 #[derive(Clone, Debug)]
 pub struct Tuning {
-    prof: Option<Profile>,
-    p: usize,
-    ranks_per_node: Option<usize>,
-    masks: Masks,
+    pub(super) prof: Option<Profile>,
+    pub(super) p: usize,
+    pub(super) ranks_per_node: Option<usize>,
+    pub(super) masks: Masks,
+    /// The options' per-layer choices ([`super::policy`]).
+    pub(super) policy: super::LayerPolicy,
     dense: Option<Row<u64, AllreduceAlgo>>,
     gather: Option<Row<u64, AllgathervAlgo>>,
     exchange: Option<Row<(ExchangeLoad, Option<u64>), SparseExchange>>,
@@ -152,6 +154,7 @@ impl Tuning {
             p,
             ranks_per_node,
             masks,
+            policy: super::LayerPolicy::default(),
             dense: None,
             gather: None,
             exchange: None,
@@ -302,17 +305,12 @@ impl Tuning {
         };
         match super::choose_sparse_exchange(prof, &q) {
             Ok(c) => Decision {
-                // The sparse allreduces address the pairs' concatenated
-                // index space with u32 indices: past it only the
-                // allgatherv runs.
-                pick: if load.n > u32::MAX as usize {
-                    SparseExchange::Allgather
-                } else {
-                    match c.id {
-                        StrategyId::SparseAllreduce => SparseExchange::Allreduce,
-                        StrategyId::SparseHierarchical => SparseExchange::Hierarchical,
-                        _ => SparseExchange::Allgather,
-                    }
+                // Past u32 indices the cost model prices the allgatherv
+                // alone (`choose_sparse_exchange`).
+                pick: match c.id {
+                    StrategyId::SparseAllreduce => SparseExchange::Allreduce,
+                    StrategyId::SparseHierarchical => SparseExchange::Hierarchical,
+                    _ => SparseExchange::Allgather,
                 },
                 prices: c
                     .predictions
@@ -360,7 +358,9 @@ impl Tuning {
             )
         });
         format!(
-            "decision table ({place}, {}): {}; {}; {}; the sparse allreduces' allgatherv: {}",
+            "decision table ({place}, {}): {}; {}; {}; the sparse allreduces' allgatherv: {}; \
+             PowerSGD's factors: {}; auto layers among {} (dense below {} elements, \
+             but for PowerSGD)",
             if self.prof.is_some() {
                 "profiled"
             } else {
@@ -369,7 +369,20 @@ impl Tuning {
             row("allreduce", self.masks.allreduce.to_string(), dense),
             row("allgatherv", self.masks.allgather.to_string(), gather),
             row("exchange", self.masks.exchange.to_string(), exchange),
-            self.reduce_allgatherv()
+            self.reduce_allgatherv(),
+            match self.masks.allreduce {
+                Pick::Fixed(AllreduceAlgo::Mpi) => format!(
+                    "{} (MPI_Allreduce does not promise every rank the same bits)",
+                    self.factor_allreduce(AllreduceAlgo::Mpi)
+                ),
+                _ => "the dense allreduce's".to_string(),
+            },
+            self.candidates()
+                .iter()
+                .map(|id| id.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.policy.min_sparse_elems
         )
     }
 

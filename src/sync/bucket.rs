@@ -320,6 +320,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             &self.cfg,
             self.size,
             &self.reg.table,
+            &self.tuning,
         );
         // 2. This step's collectives, looked up in the decision table
         // (exchange.rs; `crate::cost::Tuning`): the reduced pairs'
@@ -445,7 +446,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             &self.plan,
             members,
             &self.reg.table,
-            &self.cfg,
+            &self.tuning,
             self.size,
         );
         let mut job = self.spare_job();

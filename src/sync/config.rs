@@ -163,6 +163,20 @@ impl Config {
             exchange: self.sparse_exchange,
         }
     }
+
+    /// What these options say about the per-layer choices
+    /// ([`crate::cost::LayerPolicy`]), which the decision table answers.
+    pub fn policy(&self) -> crate::cost::LayerPolicy {
+        crate::cost::LayerPolicy {
+            density: self.auto_density,
+            codec: self.codec.clone(),
+            min_sparse_elems: self.compress_threshold,
+            quant: self.auto_quant,
+            powersgd_rank: self.auto_powersgd,
+            delay: self.delay,
+            parallel_min_elems: self.parallel_min_elems,
+        }
+    }
 }
 
 /// [`Config::progress_poll_us`]'s default.

@@ -145,6 +145,7 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             );
         }
         self.plan.allreduce = algo;
+        self.plan.factor_allreduce = self.tuning.factor_allreduce(algo);
     }
 
     /// This step's allgatherv of the fused message, looked up in the

@@ -149,6 +149,8 @@ pub(super) struct RoundScript {
     pub(super) gather_algo: AllgathervAlgo,
     pub(super) reduce_gather_algo: AllgathervAlgo,
     pub(super) reduce_algo: AllreduceAlgo,
+    /// PowerSGD's factors' allreduce, as the decision table gave it.
+    pub(super) factor_algo: AllreduceAlgo,
     /// Between steps: a value that must be the same on every rank, what to
     /// say if it is not, and this rank's own outcome
     /// ([`super::GradSync::agree_status`]).
@@ -451,13 +453,8 @@ impl Job {
             chunk_elems: 0,
         };
         // Every rank must get the same bits (each orthogonalizes its sum):
-        // gradsync's algorithms give them (each element is summed on one
-        // rank and passed on); the MPI standard does not promise it of
-        // `MPI_Allreduce`, so the factors do not go through it.
-        let algo = match self.script.reduce_algo {
-            AllreduceAlgo::Mpi => AllreduceAlgo::Rabenseifner,
-            a => a,
-        };
+        // the decision table's algorithm gives them.
+        let algo = self.script.factor_algo;
         let mut off = 0;
         for e in &mut self.buf.psg {
             let st = e.state.as_mut().ok_or_else(missing)?;
@@ -709,6 +706,7 @@ impl Job {
         self.script.gather_algo = plan.allgather;
         self.script.reduce_gather_algo = plan.reduce_allgather;
         self.script.reduce_algo = plan.allreduce;
+        self.script.factor_algo = plan.factor_allreduce;
         self.out.allgather_s = 0.0;
         self.out.allreduce_s = 0.0;
         self.out.result = None;

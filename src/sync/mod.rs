@@ -329,7 +329,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         // Replaced once the node map is known (`fetch_nodes`); with nodes
         // assumed nothing is refused.
         let tuning = crate::cost::Tuning::new(None, 1, None, true, cfg.masks())
-            .expect("a table assuming a node map refuses nothing");
+            .expect("a table assuming a node map refuses nothing")
+            .with_policy(cfg.policy());
         GradSync {
             rank: comm.rank(),
             size: comm.size(),
@@ -398,7 +399,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             self.ranks_per_node(),
             self.nodes.is_some(),
             self.cfg.masks(),
-        )?;
+        )?
+        .with_policy(self.cfg.policy());
         Ok(())
     }
 

@@ -42,7 +42,7 @@
 //! the plan.
 
 use super::config::{Config, Pick, SparseExchange, Strategy, Warmup};
-use crate::codec::CodecConfig;
+use crate::cost::Tuning;
 
 /// What a layer does in one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -102,8 +102,8 @@ impl TableRow {
     pub(super) fn new(n: usize, strategy: &Strategy) -> Self {
         let kind = match strategy {
             Strategy::Sparse { codec, density } => RowKind::Sparse {
-                density: density.or_else(|| config_density(codec)),
-                pairs: config_pairs(codec),
+                density: density.or_else(|| codec.own_density()),
+                pairs: codec.sends_pairs(),
             },
             Strategy::Gradiveq(_) => RowKind::Gradiveq,
             // A layer PowerSGD does not compress (too small, a vector)
@@ -113,24 +113,6 @@ impl TableRow {
         };
         TableRow { n, kind }
     }
-}
-
-/// The density parameter of a codec configuration, if it has one.
-pub(super) fn config_density(c: &CodecConfig) -> Option<f64> {
-    match c {
-        CodecConfig::Rgc { density, .. } | CodecConfig::RgcQuant { density } => Some(*density),
-        CodecConfig::Sbc { p } => Some(*p),
-        _ => None,
-    }
-}
-
-/// Whether a codec's units are index/value pairs, one value per index
-/// (its [`for_each_sent`](crate::codec::Codec::for_each_sent) visits them):
-/// RGC and quantized RGC. SBC also visits positions, but its Golomb-coded
-/// unit is far smaller than the sparse allreduce's 8 bytes a pair, so it
-/// stays in the fused allgatherv.
-pub(super) fn config_pairs(c: &CodecConfig) -> bool {
-    matches!(c, CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. })
 }
 
 /// One layer's part of the plan.
@@ -222,6 +204,10 @@ pub(super) struct StepScript {
     /// decision table's for the dense group's size
     /// ([`crate::cost::Tuning::dense_allreduce`]).
     pub(super) allreduce: crate::dense::AllreduceAlgo,
+    /// The allreduce of PowerSGD's factors this step: the dense one's,
+    /// unless that cannot give every rank the same bits
+    /// ([`crate::cost::Tuning::factor_allreduce`]).
+    pub(super) factor_allreduce: crate::dense::AllreduceAlgo,
     /// The allgatherv of the fused message this step: the configured
     /// algorithm, or the decision table's for the message's nominal size
     /// ([`crate::cost::Tuning::allgatherv`]).
@@ -257,7 +243,10 @@ impl StepScript {
 #[cfg_attr(not(test), allow(dead_code))]
 pub(super) fn script_step(step: u64, cfg: &Config, ranks: usize, table: &[TableRow]) -> StepScript {
     let mut plan = StepScript::default();
-    script_step_into(&mut plan, step, cfg, ranks, table);
+    let tuning = crate::cost::Tuning::new(cfg.profile.as_ref(), ranks, None, true, cfg.masks())
+        .expect("a table assuming a node map refuses nothing")
+        .with_policy(cfg.policy());
+    script_step_into(&mut plan, step, cfg, ranks, table, &tuning);
     plan
 }
 
@@ -269,6 +258,7 @@ pub(super) fn script_step_into(
     cfg: &Config,
     ranks: usize,
     table: &[TableRow],
+    tuning: &Tuning,
 ) {
     // `delay` ≥ 1 is checked with the options; 0 is read as 1.
     let delay = cfg.delay.max(1);
@@ -340,16 +330,13 @@ pub(super) fn script_step_into(
     plan.rings = !plan.gradiveq.ids.is_empty();
     plan.lowrank = !plan.powersgd.ids.is_empty();
     plan.sparse_reduce = !plan.reduced.ids.is_empty();
-    // The forced collectives; under `auto` the engine looks this step's
-    // up in its decision table (`crate::cost::Tuning`, exchange.rs) and
-    // these are the table's simplest candidates until then.
+    // The forced exchange; under `auto` the engine looks this step's up
+    // in its decision table (`crate::cost::Tuning`, exchange.rs), as it
+    // looks up the dense allreduce and the allgathervs of every step.
     plan.exchange = match cfg.sparse_exchange {
         Pick::Fixed(x) if plan.sparse_reduce => x,
         _ => SparseExchange::Allgather,
     };
-    plan.allreduce = cfg.allreduce.fixed().unwrap_or_default();
-    plan.allgather = cfg.allgather.fixed().unwrap_or_default();
-    plan.reduce_allgather = plan.allgather;
     // A step with GradiVeQ layers and no fused message carries its status
     // in a one-word allreduce before the rings. A step with reduced layers
     // always runs the status allreduce: its second word says whether some
@@ -361,7 +348,7 @@ pub(super) fn script_step_into(
     // eight bytes, so that a failure or a NaN/Inf on one rank reaches every
     // rank in that step.
     set_reduce(plan, ranks);
-    plan_parallel(plan, cfg);
+    plan_parallel(plan, tuning);
 }
 
 /// Whether the step runs the dense allreduce: for the dense buffer, or
@@ -417,7 +404,7 @@ pub(super) fn restrict_into(
     whole: &StepScript,
     members: &[u32],
     table: &[TableRow],
-    cfg: &Config,
+    tuning: &Tuning,
     ranks: usize,
 ) {
     debug_assert!(members.windows(2).all(|w| w[0] < w[1]));
@@ -427,6 +414,7 @@ pub(super) fn restrict_into(
     part.stage_density = whole.stage_density;
     part.delayed = whole.delayed;
     part.allreduce = whole.allreduce;
+    part.factor_allreduce = whole.factor_allreduce;
     part.allgather = whole.allgather;
     part.reduce_allgather = whole.reduce_allgather;
     part.layers.clear();
@@ -470,25 +458,23 @@ pub(super) fn restrict_into(
     };
     set_reduce(part, ranks);
     let non_dense = members.len() - part.dense.ids.len();
-    parallel_flags(part, cfg, non_dense);
+    parallel_flags(part, tuning, non_dense);
 }
 
 /// Whether the local math and the unpacking run in parallel.
-fn plan_parallel(plan: &mut StepScript, cfg: &Config) {
+fn plan_parallel(plan: &mut StepScript, tuning: &Tuning) {
     let non_dense = plan.layers.len() - plan.dense.ids.len();
-    parallel_flags(plan, cfg, non_dense);
+    parallel_flags(plan, tuning, non_dense);
 }
 
 /// [`plan_parallel`] for a plan whose layers outside its groups are
-/// `non_dense` (every layer of a whole step's).
-fn parallel_flags(plan: &mut StepScript, cfg: &Config, non_dense: usize) {
-    use crate::cost::layers_in_parallel;
-    let prof = cfg.profile.as_ref();
-    let min = cfg.parallel_min_elems;
+/// `non_dense` (every layer of a whole step's): the decision table's
+/// answer ([`Tuning::parallel`]).
+fn parallel_flags(plan: &mut StepScript, tuning: &Tuning, non_dense: usize) {
     let sparse_elems = plan.sparse.elems + plan.reduced.elems;
     let sparse_layers = plan.sparse.ids.len() + plan.reduced.ids.len();
-    plan.parallel_local = layers_in_parallel(prof, min, non_dense, sparse_elems);
-    plan.parallel_unpack = layers_in_parallel(prof, min, sparse_layers, sparse_elems);
+    plan.parallel_local = tuning.parallel(non_dense, sparse_elems);
+    plan.parallel_unpack = tuning.parallel(sparse_layers, sparse_elems);
 }
 
 #[cfg(test)]

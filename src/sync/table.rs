@@ -12,7 +12,7 @@
 use super::layer::{zeros, Layer};
 use super::plan::TableRow;
 use super::{GradSync, LayerStats, Strategy};
-use crate::codec::{Codec, CodecConfig, RgcMethod};
+use crate::codec::Codec;
 use crate::comm::Transport;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -102,21 +102,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// The strategy a layer of `n` elements gets from [`register`](Self::register):
     /// with a profile, the cost model's choice ([`Strategy::Auto`]);
     /// otherwise `Dense` below `compress_threshold`, else the configured
-    /// codec.
+    /// codec (the decision table's answer,
+    /// [`crate::cost::Tuning::layer_strategy`]).
     pub fn resolve(&self, n: usize) -> Strategy {
-        if self.cfg.profile.is_some() {
-            if let Ok((s, _)) = self.auto_choice(n) {
-                return s;
-            }
-        }
-        if n < self.cfg.compress_threshold {
-            Strategy::Dense
-        } else {
-            Strategy::Sparse {
-                codec: self.cfg.codec.clone(),
-                density: None,
-            }
-        }
+        self.tuning.layer_strategy(n, self.tuner.fill())
     }
 
     /// The cost model's choice for one layer of `n` elements synchronized
@@ -125,58 +114,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// ([`auto_plan`](Self::auto_plan)), among dense (the configured
     /// allreduce), RGC and optionally quantized RGC at `auto_density`
     /// (dense only below `compress_threshold`), with each candidate's
-    /// prediction alone (name, seconds).
+    /// prediction alone (name, seconds); the decision table's answer
+    /// ([`crate::cost::Tuning::layer_alone`]).
     pub fn auto_choice(&self, n: usize) -> Result<(Strategy, Vec<(String, f64)>)> {
-        use crate::cost::{predict, Query};
-        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
-            Error::InvalidArgument(
-                "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
-            )
-        })?;
-        let d = self.cfg.auto_density;
-        let method = match &self.cfg.codec {
-            CodecConfig::Rgc { method, .. } => *method,
-            _ => RgcMethod::Trimmed,
-        };
-        let method_name = serde_json::to_value(method)?
-            .as_str()
-            .unwrap_or("trimmed")
-            .to_string();
-        let preds = predict(
-            prof,
-            &Query {
-                at: self.placement(),
-                n,
-                density: d,
-                gradiveq_ratio: 8.0,
-            },
-            &method_name,
-        )?;
-        // The same question as a table of `Auto` layers asks, by the same
-        // planner: the step model over a one-layer table.
-        let mut allowed = self.auto_candidates();
-        if n < self.cfg.compress_threshold {
-            // Small layers stay dense (StepQuery::min_sparse_elems).
-            allowed.retain(|a| a.is_dense());
-        }
-        let layer = crate::cost::StepLayer {
-            name: String::new(),
-            n,
-            kind: crate::cost::LayerKind::Auto,
-            // One layer on its own: no shape here, so no PowerSGD.
-            matrix: None,
-        };
-        let plan = crate::cost::plan_step(prof, &self.step_query(method_name), &[layer])?;
-        let id = plan.layers[0].choice;
-        let strategy = id
-            .engine_strategy(d, method)
-            .ok_or_else(|| Error::InvalidArgument(format!("the engine cannot run {id}")))?;
-        let considered = preds
-            .iter()
-            .filter(|p| allowed.contains(&p.id))
-            .map(|p| (p.name.clone(), p.seconds))
-            .collect();
-        Ok((strategy, considered))
+        self.tuning.layer_alone(n, self.tuner.fill())
     }
 
     /// Register a layer with the default strategy ([`resolve`](Self::resolve)).
@@ -489,17 +430,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// configuration ([`crate::cost::engine_candidates`]). `None` when no
     /// layer is `Auto`.
     fn plan_auto(&self) -> Result<Option<AutoPlan>> {
-        use crate::cost::{self, LayerKind, StepLayer};
+        use crate::cost::{LayerKind, StepLayer};
         if !self.reg.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Ok(None);
         }
-        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
-            Error::InvalidArgument(
-                "Strategy::Auto needs Config::profile (gradsync calibrate)".into(),
-            )
-        })?;
-        let d = self.cfg.auto_density;
-        let (method, method_name) = self.auto_method()?;
         // The decision table's algorithm for the layers fixed dense (`auto`
         // chooses every step by the dense group's size).
         let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
@@ -512,31 +446,27 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 n: l.n,
                 kind: match &l.strategy {
                     Strategy::Auto => LayerKind::Auto,
-                    _ => {
-                        let (id, density) = fixed_id(l, dense, self.cfg.sparse_exchange, d);
+                    s => {
+                        let (id, density) = self.tuning.fixed_layer(s, l.psg.is_some(), dense);
                         LayerKind::Fixed(id, density)
                     }
                 },
                 matrix: l.matrix(),
             })
             .collect();
-        let q = self.step_query(method_name);
-        let plan = cost::plan_step(prof, &q, &table)?;
+        let plan = self.tuning.plan_table(&table, self.tuner.fill())?;
         let mut layers = Vec::new();
         for (i, (l, lp)) in self.reg.layers.iter().zip(&plan.layers).enumerate() {
             if l.strategy != Strategy::Auto {
                 continue;
             }
-            let mut s = lp.choice.engine_strategy(d, method).ok_or_else(|| {
-                Error::InvalidArgument(format!("the engine cannot run {}", lp.choice))
-            })?;
-            let mut psg = None;
-            if let Strategy::Powersgd(c) = &mut s {
-                c.rank = self.cfg.auto_powersgd.max(1);
-                psg = c
+            let s = self.tuning.engine_strategy(lp.choice)?;
+            let psg = match &s {
+                Strategy::Powersgd(c) => c
                     .layer_state(&l.shape, i)
-                    .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?;
-            }
+                    .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?,
+                _ => None,
+            };
             let codec = build_codec(&s, l.n)
                 .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", l.name)))?;
             layers.push((i, s, codec, psg));
@@ -557,19 +487,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         4.0 * elems as f64
     }
 
-    /// The step model's query for this engine's table.
-    fn step_query(&self, select_method: String) -> crate::cost::StepQuery {
-        crate::cost::StepQuery {
-            at: self.placement(),
-            density: self.cfg.auto_density,
-            select_method,
-            gradiveq_ratio: 8.0,
-            min_sparse_elems: self.cfg.compress_threshold,
-            allowed: self.auto_candidates(),
-            powersgd_rank: self.cfg.auto_powersgd.max(1),
-        }
-    }
-
     /// The overlap model's plan of this engine's table as a step in
     /// buckets ([`submit_bucket`](Self::submit_bucket)) against a backward
     /// pass of `backward_s` seconds: cut at `cap_bytes`, or with `None`
@@ -586,22 +503,23 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         cap_bytes: Option<usize>,
     ) -> Result<crate::cost::BucketPlan> {
         use crate::cost::{LayerKind, StepLayer};
-        let prof = self.cfg.profile.as_ref().ok_or_else(|| {
-            Error::InvalidArgument("plan_buckets needs Config::profile (gradsync calibrate)".into())
-        })?;
+        if self.cfg.profile.is_none() {
+            return Err(Error::InvalidArgument(
+                "plan_buckets needs Config::profile (gradsync calibrate)".into(),
+            ));
+        }
         if self.reg.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Err(Error::InvalidArgument(
                 "the auto layers have no strategy yet: complete_table() first".into(),
             ));
         }
-        let d = self.cfg.auto_density;
         let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
         let table: Vec<StepLayer> = self
             .reg
             .layers
             .iter()
             .map(|l| {
-                let (id, density) = fixed_id(l, dense, self.cfg.sparse_exchange, d);
+                let (id, density) = self.tuning.fixed_layer(&l.strategy, l.psg.is_some(), dense);
                 StepLayer {
                     name: l.name.clone(),
                     n: l.n,
@@ -610,61 +528,8 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 }
             })
             .collect();
-        let q = self.step_query(self.auto_method()?.1);
-        match cap_bytes {
-            Some(cap) => crate::cost::price_buckets(prof, &q, &table, backward_s, Some(cap)),
-            None => crate::cost::choose_bucket_cap(prof, &q, &table, backward_s),
-        }
-    }
-
-    /// The RGC selection method `Auto` uses (the configured codec's, if it
-    /// is RGC) and its name in the profile.
-    fn auto_method(&self) -> Result<(RgcMethod, String)> {
-        let method = match &self.cfg.codec {
-            CodecConfig::Rgc { method, .. } => *method,
-            _ => RgcMethod::Trimmed,
-        };
-        let name = serde_json::to_value(method)?
-            .as_str()
-            .unwrap_or("trimmed")
-            .to_string();
-        Ok((method, name))
-    }
-
-    /// What `Auto` layers choose among ([`crate::cost::engine_candidates`]
-    /// for this configuration), without the node-aware sparse and dense
-    /// allreduces when the job has one node (or its nodes are unknown),
-    /// which `sparse_exchange = "auto"` and `allreduce = "auto"` then never
-    /// run.
-    fn auto_candidates(&self) -> Vec<crate::cost::StrategyId> {
-        let mut v = crate::cost::engine_candidates(
-            self.cfg.allreduce,
-            self.cfg.sparse_exchange,
-            self.cfg.auto_quant,
-            self.ranks_per_node().is_some(),
-        );
-        // PowerSGD where asked for and the profile prices it (`delay > 1`
-        // cannot run it).
-        let priced = self
-            .cfg
-            .profile
-            .as_ref()
-            .is_some_and(|p| !p.powersgd.is_zero());
-        if self.cfg.auto_powersgd > 0 && priced && self.cfg.delay <= 1 {
-            v.push(crate::cost::StrategyId::Powersgd);
-        }
-        v
-    }
-
-    /// Where this engine's steps run, for the cost model: its ranks, the
-    /// ranks per node, the fill estimate and the configured allgatherv.
-    fn placement(&self) -> crate::cost::Placement {
-        crate::cost::Placement {
-            p: self.size,
-            ranks_per_node: self.ranks_per_node(),
-            fill: self.tuner.fill(),
-            allgather: self.cfg.allgather,
-        }
+        self.tuning
+            .buckets(&table, backward_s, cap_bytes, self.tuner.fill())
     }
 
     /// Ranks per node for the step model: the largest node's count when the
@@ -799,54 +664,6 @@ fn build_codec(strategy: &Strategy, n: usize) -> Result<Option<Box<dyn Codec>>> 
             Some(c)
         }
     })
-}
-
-/// The cost model's id and density of a layer the caller fixed (`dense`:
-/// the engine's dense algorithm; `auto_density` for codecs without one).
-fn fixed_id(
-    l: &Layer,
-    dense: crate::cost::StrategyId,
-    exchange: super::Pick<super::SparseExchange>,
-    auto_density: f64,
-) -> (crate::cost::StrategyId, f64) {
-    use super::{Pick, SparseExchange};
-    use crate::cost::StrategyId;
-    match &l.strategy {
-        Strategy::Dense | Strategy::Auto => (dense, 1.0),
-        // Its rank in the density's place; a layer PowerSGD leaves dense
-        // is in the dense group, with the engine's algorithm.
-        Strategy::Powersgd(c) if l.psg.is_some() => (StrategyId::Powersgd, c.rank as f64),
-        Strategy::Powersgd(_) => (dense, 1.0),
-        Strategy::Gradiveq(_) => (StrategyId::GradiveqRing, 1.0),
-        Strategy::Sparse { codec, density } => {
-            let d = density
-                .or_else(|| super::plan::config_density(codec))
-                .unwrap_or(auto_density);
-            let id = match codec {
-                // RGC layers go by the configured sparse collective (the
-                // quantized ones too, priced as RGC there).
-                // With `auto` the exchange is chosen every step: priced
-                // as the fused allgatherv's.
-                CodecConfig::Rgc { .. } | CodecConfig::RgcQuant { .. }
-                    if matches!(
-                        exchange,
-                        Pick::Fixed(SparseExchange::Allreduce | SparseExchange::Hierarchical)
-                    ) =>
-                {
-                    match exchange {
-                        Pick::Fixed(SparseExchange::Hierarchical) => StrategyId::SparseHierarchical,
-                        _ => StrategyId::SparseAllreduce,
-                    }
-                }
-                CodecConfig::Rgc { .. } => StrategyId::SparseAllgather,
-                CodecConfig::RgcQuant { .. } => StrategyId::SparseAllgatherQuant,
-                // `none` sends 4n bytes: RGC at density ½ sends as many.
-                CodecConfig::None => return (StrategyId::SparseAllgather, 0.5),
-                c => c.name().parse().unwrap_or(StrategyId::SparseAllgather),
-            };
-            (id, d)
-        }
-    }
 }
 
 /// The layer table's hash `seed` with layer `id` (`name`, `shape`,

@@ -1,4 +1,5 @@
 use super::*;
+use crate::codec::CodecConfig;
 use crate::strategy::Pick;
 
 /// A profile that measured the parallel local phase slower keeps it
@@ -324,8 +325,11 @@ fn replanning_reuses_the_plan_and_matches_a_fresh_one() {
     };
     let t = table();
     let mut p = StepScript::default();
+    let tuning = crate::cost::Tuning::new(cfg.profile.as_ref(), 3, None, true, cfg.masks())
+        .unwrap()
+        .with_policy(cfg.policy());
     for step in 0..8 {
-        script_step_into(&mut p, step, &cfg, 3, &t);
+        script_step_into(&mut p, step, &cfg, 3, &t, &tuning);
         assert_eq!(p, script_step(step, &cfg, 3, &t), "step {step}");
     }
 }
