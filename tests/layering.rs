@@ -2,12 +2,16 @@
 //! modules of `src/` (`comm` below `dense`, `cost` below `sync`,
 //! `calibrate` above both, the CLI on top), nor between the sibling
 //! submodules of any module (`cost::topology`, `cost::step`,
-//! `cost::exchange`, ...). A child naming its parent's items is not an
-//! edge (the parent is the module's root, which re-exports its children).
+//! `cost::exchange`, ...). A child naming its parent's own items is not an
+//! edge; a child naming a sibling's item through the parent's re-export
+//! (`super::StrategyId`, from `cost::decide`) is an edge to that sibling.
+//! Unit-test modules are left out: a test may check one module against
+//! another.
 //!
 //! Read from the source: every `crate::` and `super::` path (in `use`
 //! lines and inline, `{...}` groups included; comments skipped), resolved
-//! to the longest module path that exists as a file.
+//! to the longest module path that exists as a file, then through the
+//! `pub use` re-exports of the item named after it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -157,6 +161,93 @@ fn references(src: &str, me: &ModPath) -> Vec<ModPath> {
     out
 }
 
+/// The items each module re-exports (`pub use a::b::Item;`,
+/// `pub(crate) use ...`, `pub use a::{X, Y as Z}`), by (module, the name it
+/// exports) -> the path it names, resolved from the module (relative paths
+/// from the module itself, `crate::` and `super::` as [`references`]).
+fn reexports(all: &[(PathBuf, ModPath)]) -> BTreeMap<(ModPath, String), ModPath> {
+    let mut out = BTreeMap::new();
+    for (file, me) in all {
+        let text = strip_comments(&std::fs::read_to_string(file).unwrap());
+        for line in text.split(';') {
+            let l = line.trim();
+            let Some(rest) = ["pub use ", "pub(crate) use ", "pub(super) use "]
+                .iter()
+                .find_map(|p| l.strip_prefix(p))
+            else {
+                continue;
+            };
+            let (base, at) = if let Some(r) = rest.strip_prefix("crate::") {
+                (Vec::new(), r)
+            } else if let Some(mut r) = rest.strip_prefix("super::") {
+                // A file's `super` is its module's parent (`references`).
+                let mut b = me.clone();
+                b.pop();
+                while let Some(rr) = r.strip_prefix("super::") {
+                    b.pop();
+                    r = rr;
+                }
+                (b, r)
+            } else {
+                (me.clone(), rest.strip_prefix("self::").unwrap_or(rest))
+            };
+            for p in paths_at(at) {
+                let mut full = base.clone();
+                full.extend(p);
+                // `X as Y`: the last segment reads `X as Y` up to the space.
+                let last = full.pop().unwrap_or_default();
+                let item_src = last.split_whitespace().next().unwrap_or("").to_string();
+                let name = at_alias(at, &item_src).unwrap_or(item_src.clone());
+                full.push(item_src);
+                out.insert((me.clone(), name), full);
+            }
+        }
+    }
+    out
+}
+
+/// The alias `Y` of `X as Y` in a `use` tail, if `item` is renamed there.
+fn at_alias(text: &str, item: &str) -> Option<String> {
+    let i = text.find(&format!("{item} as "))?;
+    let rest = &text[i + item.len() + 4..];
+    let name: String = rest
+        .trim_start()
+        .chars()
+        .take_while(|&c| is_ident(c))
+        .collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// The module a reference lands in: the longest existing module path it
+/// names, followed through the re-exports of the item after it (a
+/// sibling's item named through the parent's `pub use` is an edge to that
+/// sibling).
+fn resolve(
+    target: &ModPath,
+    modules: &BTreeSet<ModPath>,
+    re: &BTreeMap<(ModPath, String), ModPath>,
+) -> Option<ModPath> {
+    let mut target = target.clone();
+    for _ in 0..8 {
+        let t = (0..=target.len())
+            .rev()
+            .map(|k| target[..k].to_vec())
+            .find(|p| modules.contains(p))?;
+        let Some(item) = target.get(t.len()) else {
+            return Some(t);
+        };
+        match re.get(&(t.clone(), item.clone())) {
+            Some(next) if *next != target => {
+                let mut n = next.clone();
+                n.extend(target[t.len() + 1..].iter().cloned());
+                target = n;
+            }
+            _ => return Some(t),
+        }
+    }
+    None
+}
+
 #[test]
 fn no_import_cycles_between_modules() {
     let mut all = Vec::new();
@@ -166,17 +257,31 @@ fn no_import_cycles_between_modules() {
         modules.contains(&vec!["sync".to_string()]),
         "the walk found the crate's modules"
     );
+    let re = reexports(&all);
+    // The reader follows re-exports: `cost::StrategyId` is `cost::decide`'s,
+    // `crate::failure` the agreement's module in `comm`.
+    let sid = vec!["cost".to_string(), "StrategyId".to_string()];
+    assert_eq!(
+        resolve(&sid, &modules, &re),
+        Some(vec!["cost".to_string(), "decide".to_string()])
+    );
+    let failure = vec!["failure".to_string(), "agree".to_string()];
+    assert_eq!(
+        resolve(&failure, &modules, &re),
+        Some(vec!["comm".to_string(), "agree".to_string()])
+    );
     // (parent, from child, to child) -> an example file.
     let mut edges: BTreeMap<(ModPath, String, String), String> = BTreeMap::new();
     for (file, me) in &all {
+        // Unit-test modules (`tests.rs`, `tests/`, `*_tests.rs`) may reach
+        // across their parent's siblings: the layering is the library's.
+        if me.iter().any(|m| m == "tests" || m.ends_with("_tests")) {
+            continue;
+        }
         let text = strip_comments(&std::fs::read_to_string(file).unwrap());
         for target in references(&text, me) {
-            // The longest existing module path the reference names.
-            let Some(t) = (0..=target.len())
-                .rev()
-                .map(|k| target[..k].to_vec())
-                .find(|p| modules.contains(p))
-            else {
+            // The module the reference lands in, through re-exports.
+            let Some(t) = resolve(&target, &modules, &re) else {
                 continue;
             };
             let common = me.iter().zip(&t).take_while(|(a, b)| a == b).count();
@@ -344,17 +449,36 @@ fn prices_are_compared_only_in_cost_argmin() {
         "< limit",
     ];
     let mut found = Vec::new();
+    // The engine, the mechanisms it runs and the bindings over it (the
+    // command line's reports and the calibration's measurements compare
+    // timings, not prices, and are left out).
+    let mut scanned: Vec<(PathBuf, String)> = Vec::new();
     for (file, m) in &all {
         let rel = file.strip_prefix(src()).unwrap().display().to_string();
-        let in_scope = matches!(m.first().map(String::as_str), Some("cost" | "sync"));
+        let in_scope = matches!(
+            m.first().map(String::as_str),
+            Some("cost" | "sync" | "gpu" | "comm" | "dense" | "powersgd")
+        );
         let is_test = m.iter().any(|s| s == "tests" || s.ends_with("_tests"));
-        if !in_scope || is_test || rel == "cost/argmin.rs" {
-            continue;
+        if in_scope && !is_test && rel != "cost/argmin.rs" {
+            scanned.push((file.clone(), format!("src/{rel}")));
         }
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    for dir in ["python/src", "capi/src"] {
+        let mut bound = Vec::new();
+        rust_files(&root.join(dir), &mut bound);
+        assert!(!bound.is_empty(), "{dir} holds the bindings' sources");
+        for f in bound {
+            let rel = f.strip_prefix(&root).unwrap().display().to_string();
+            scanned.push((f, rel));
+        }
+    }
+    for (file, rel) in &scanned {
         let text = strip_comments(&std::fs::read_to_string(file).unwrap());
         for (i, line) in text.lines().enumerate() {
             if compares.iter().any(|c| line.contains(c)) {
-                found.push(format!("src/{rel}:{}: {}", i + 1, line.trim()));
+                found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
             }
         }
     }

@@ -80,7 +80,6 @@ mod bucket;
 pub(crate) mod decide;
 mod exchange;
 mod layers_file;
-pub mod policy;
 mod query;
 pub mod records;
 mod step;
@@ -89,20 +88,21 @@ pub mod tuning;
 pub use argmin::NEAR_TIE;
 pub use bucket::{
     choose_bucket_cap, cut_buckets, price_buckets, BucketPlan, BucketTiming, CAPS_MB,
+    FIRST_STEP_CAP_BYTES,
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use exchange::{
-    choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, AllgathervChoice,
-    ExchangeChoice, ExchangeQuery,
+    choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, Choice, ExchangeQuery,
 };
-pub use policy::{LayerPolicy, GRADIVEQ_RATIO};
 pub use query::{Placement, StepQuery};
 pub use step::{
     plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,
     LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
-pub use tuning::{layers_in_parallel, Decision, ExchangeLoad, Masks, Tuning};
+pub use tuning::{
+    layers_in_parallel, Decision, ExchangeLoad, LayerPolicy, Masks, Tuning, GRADIVEQ_RATIO,
+};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -850,24 +850,17 @@ pub struct Prediction {
     pub wire_bytes: f64,
 }
 
-/// Strategy names in output order (codecs after the eight named strategies).
-pub const STRATEGIES: [&str; 15] = [
-    "dense-rabenseifner",
-    "dense-ring",
-    "sparse-allgather",
-    "sparse-allgather-quant",
-    "gradiveq-ring",
-    "dense-hierarchical",
-    "sparse-allreduce",
-    "sparse-hierarchical",
-    "fp16",
-    "int8",
-    "qsgd",
-    "sbc",
-    "3lc",
-    "fastsgd",
-    "powersgd",
-];
+/// Strategy names in output order (codecs after the eight named
+/// strategies): [`StrategyId::ALL`]'s names, derived from them.
+pub const STRATEGIES: [&str; StrategyId::ALL.len()] = {
+    let mut names = [""; StrategyId::ALL.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = StrategyId::ALL[i].name();
+        i += 1;
+    }
+    names
+};
 
 /// `⌈lg p⌉` (0 for `p = 1`).
 pub fn ceil_lg(p: usize) -> f64 {

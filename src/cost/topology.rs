@@ -711,4 +711,4 @@ pub(crate) fn sparse_hierarchical(net: &Net, n: f64, k: f64, rho: Option<f64>) -
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -25,10 +25,13 @@
 //! choice that cannot run in this job (a node-aware collective without a
 //! node map) is refused by [`Tuning::new`], naming why.
 
+pub mod policy;
+
 use super::{ExchangeQuery, Profile, StrategyId};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
 use crate::strategy::{Pick, SparseExchange};
 use crate::{Error, Result};
+pub use policy::{LayerPolicy, GRADIVEQ_RATIO};
 
 /// The user's forced choices (`Pick::Fixed`) and the ones left to the
 /// table (`Pick::Auto`): `sync::Config::allreduce`, `allgather` and
@@ -101,12 +104,12 @@ struct Row<K, T> {
 /// The engine's decision table ([module docs](self)).
 #[derive(Clone, Debug)]
 pub struct Tuning {
-    pub(super) prof: Option<Profile>,
-    pub(super) p: usize,
-    pub(super) ranks_per_node: Option<usize>,
-    pub(super) masks: Masks,
-    /// The options' per-layer choices ([`super::policy`]).
-    pub(super) policy: super::LayerPolicy,
+    prof: Option<Profile>,
+    p: usize,
+    ranks_per_node: Option<usize>,
+    masks: Masks,
+    /// The options' per-layer choices ([`policy`]).
+    policy: LayerPolicy,
     dense: Option<Row<u64, AllreduceAlgo>>,
     gather: Option<Row<u64, AllgathervAlgo>>,
     exchange: Option<Row<(ExchangeLoad, Option<u64>), SparseExchange>>,
@@ -154,7 +157,7 @@ impl Tuning {
             p,
             ranks_per_node,
             masks,
-            policy: super::LayerPolicy::default(),
+            policy: LayerPolicy::default(),
             dense: None,
             gather: None,
             exchange: None,
@@ -187,7 +190,7 @@ impl Tuning {
         };
         match super::choose_dense_allreduce(prof, bytes, self.p, self.ranks_per_node) {
             Ok(c) => Decision {
-                pick: match c.id {
+                pick: match c.pick {
                     StrategyId::DenseRing => AllreduceAlgo::Ring,
                     StrategyId::DenseHierarchical => AllreduceAlgo::Hierarchical,
                     _ => AllreduceAlgo::Rabenseifner,
@@ -239,7 +242,7 @@ impl Tuning {
         };
         match super::choose_allgatherv(prof, bytes, self.p, self.ranks_per_node) {
             Ok(c) => Decision {
-                pick: c.algo,
+                pick: c.pick,
                 prices: c.predictions.iter().map(|(a, s)| (a.name(), *s)).collect(),
                 fallback: None,
             },
@@ -307,7 +310,7 @@ impl Tuning {
             Ok(c) => Decision {
                 // Past u32 indices the cost model prices the allgatherv
                 // alone (`choose_sparse_exchange`).
-                pick: match c.id {
+                pick: match c.pick {
                     StrategyId::SparseAllreduce => SparseExchange::Allreduce,
                     StrategyId::SparseHierarchical => SparseExchange::Hierarchical,
                     _ => SparseExchange::Allgather,
@@ -509,9 +512,9 @@ mod tests {
             let want = crate::cost::choose_dense_allreduce(&pr, bytes, 8, Some(2)).unwrap();
             let d = a.dense_allreduce(bytes).clone();
             assert_eq!(d.prices.len(), want.predictions.len());
-            assert_eq!(a.dense_id(bytes).unwrap(), want.id);
+            assert_eq!(a.dense_id(bytes).unwrap(), want.pick);
             let g = crate::cost::choose_allgatherv(&pr, bytes, 8, Some(2)).unwrap();
-            assert_eq!(a.allgatherv(bytes).pick, g.algo);
+            assert_eq!(a.allgatherv(bytes).pick, g.pick);
         }
         assert_eq!(a.reduce_allgatherv(), AllgathervAlgo::RecursiveDoubling);
     }

@@ -160,8 +160,8 @@ fn ring_pipelined<C: Transport, T: Real>(
         let reduce = s < p - 1;
         if !reduce {
             // Segment `seg` was sent at step s − (p − 1): finish those sends.
-            let limit = s - (p - 1);
-            while sends.front().is_some_and(|(t, _)| *t <= limit) {
+            let sent_at = s - (p - 1);
+            while sends.front().is_some_and(|(t, _)| *t <= sent_at) {
                 sends.pop_front().expect("front exists").1.wait()?;
             }
         }

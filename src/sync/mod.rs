@@ -122,20 +122,21 @@
 //!
 //! | decision | where |
 //! |---|---|
-//! | a layer's strategy: default by size | registration, `table.rs`: [`GradSync::resolve`] |
-//! | an `Auto` layer's strategy | `table.rs` when the table is complete: [`crate::cost::plan_step`] over [`crate::cost::engine_candidates`] (the one decision table of [`crate::cost`]) |
+//! | a layer's strategy at registration (the cost model's with a profile, else by size) | `table.rs`: [`GradSync::resolve`], looked up in the decision table ([`crate::cost::Tuning::layer_strategy`]) |
+//! | an `Auto` layer's strategy | `table.rs` when the table is complete: [`crate::cost::Tuning::plan_table`] (the step model over the table's candidates) |
 //! | options' validity; GradiVeQ not with `delay > 1` | `config.rs` (`Config::check`), `table.rs` (registration) |
 //! | whether a step communicates (SBC's delay, steps `T−1, 2T−1, ...`) | `plan.rs` |
 //! | when the delay window's weights are kept and written back; a delayed step without writable weights refused | `delay.rs` |
-//! | each layer's mode this step (dense warm-up, sparse, GradiVeQ, local) | `plan.rs` |
+//! | each layer's mode this step (dense warm-up, sparse, GradiVeQ, PowerSGD, local) | `plan.rs` |
 //! | the codec density this step (density warm-up schedule, else the layer's own) | `plan.rs` |
-//! | dense layers' offsets in the fused buffer; the sparse, GradiVeQ and local groups | `plan.rs` |
-//! | which collectives run; serial or parallel local math and unpacking | `plan.rs` |
+//! | dense layers' offsets in the fused buffer; the sparse, GradiVeQ, PowerSGD and local groups | `plan.rs` |
+//! | which collectives run | `plan.rs` |
+//! | serial or parallel local math and unpacking | `plan.rs`, looked up ([`crate::cost::Tuning::parallel`]) |
 //! | the math of a layer (momentum, residual, masking, error feedback, clipping) | `layer.rs` |
 //! | which sparse layers leave the fused message for the sparse allreduce (`Config::sparse_exchange`, index/value codecs), their offsets | `plan.rs` |
-//! | `sparse_exchange = "auto"`: this step's exchange of those layers (allgatherv, sparse allreduce, node-aware sparse allreduce with several nodes) | `exchange.rs`, by [`crate::cost::choose_sparse_exchange`] from nominal `k`, the layers' sizes, the agreed profile, the node map and the fill estimate |
-//! | `allreduce = "auto"`: this step's dense algorithm (Rabenseifner, ring, hierarchical with several nodes) | `exchange.rs`, by [`crate::cost::choose_dense_allreduce`] from the dense group's bytes, the agreed profile and the node map |
-//! | the fill estimate (moving average of the group's distinct results over `p·k`: `sparse_reduce_nnz` after reducing steps, the nonzero elements the unpacking counts after `auto`'s allgatherv steps) | `exchange.rs`, `unpack.rs` |
+//! | this step's exchange of those layers, dense algorithm, fused allgatherv and PowerSGD factors' allreduce | `exchange.rs`, looked up in the decision table ([`crate::cost::Tuning`]: `exchange`, `dense_allreduce`, `allgatherv`, `factor_allreduce`) from the groups' nominal sizes and the fill estimate |
+//! | the fill estimate (moving average of the group's distinct results over `p·k`: `sparse_reduce_nnz` after reducing steps, the nonzero elements the unpacking counts after `auto`'s allgatherv steps) | `tuner.rs`, measured in `unpack.rs` |
+//! | the bucket cap of the overlapped step | [`GradSync::plan_buckets`], looked up ([`crate::cost::Tuning::buckets`]) |
 //! | wire formats of the fused messages | [`crate::sparse`], packed in `job.rs` |
 //! | collective failure handling inside a step | `job.rs` (status word, failure markers), [`crate::comm::agree`] |
 //! | NaN/Inf results | `unpack.rs`, by [`NonFinitePolicy`] |
@@ -165,6 +166,7 @@ mod mixed;
 mod options;
 mod plan;
 mod progress;
+mod record;
 mod snapshot;
 mod stats;
 mod table;

@@ -20,7 +20,7 @@ fn q(n: usize, k: f64, p: usize) -> ExchangeQuery {
     }
 }
 
-fn pred(c: &ExchangeChoice, id: StrategyId) -> f64 {
+fn pred(c: &Choice<StrategyId>, id: StrategyId) -> f64 {
     c.predictions
         .iter()
         .find(|(x, _)| *x == id)
@@ -153,7 +153,7 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         .iter()
                         .position(|x| x.1 <= best + NEAR_TIE * best.abs())
                         .expect("the minimum itself");
-                    assert_eq!(c.id, c.predictions[first].0, "{at}");
+                    assert_eq!(c.pick, c.predictions[first].0, "{at}");
                 }
             }
         }
@@ -165,15 +165,15 @@ fn allgather_for_few_ranks_or_few_pairs_and_on_ties() {
     let pr = prof();
     // One rank: nothing to exchange, every prediction 0: the allgatherv.
     let c = choose_sparse_exchange(&pr, &q(1_000_000, 1000.0, 1)).unwrap();
-    assert_eq!(c.id, StrategyId::SparseAllgather);
+    assert_eq!(c.pick, StrategyId::SparseAllgather);
     assert!(c.predictions.iter().all(|x| x.1 == 0.0));
     // No pairs at all.
     let c = choose_sparse_exchange(&pr, &q(1000, 0.0, 8)).unwrap();
-    assert_eq!(c.id, StrategyId::SparseAllgather);
+    assert_eq!(c.pick, StrategyId::SparseAllgather);
     // Two ranks, a few pairs: the allreduce's extra latencies lose.
     for p in [2, 3, 4] {
         let c = choose_sparse_exchange(&pr, &q(1_000_000, 100.0, p)).unwrap();
-        assert_eq!(c.id, StrategyId::SparseAllgather, "p={p}: {c:?}");
+        assert_eq!(c.pick, StrategyId::SparseAllgather, "p={p}: {c:?}");
     }
 }
 
@@ -183,7 +183,7 @@ fn sparse_allreduce_for_many_ranks_and_dense_results() {
     // 5 % of a million elements from each of 64 ranks: the summed
     // result is nearly dense, the allgatherv carries p·k pairs.
     let c = choose_sparse_exchange(&pr, &q(1_000_000, 50_000.0, 64)).unwrap();
-    assert_eq!(c.id, StrategyId::SparseAllreduce, "{c:?}");
+    assert_eq!(c.pick, StrategyId::SparseAllreduce, "{c:?}");
     assert!(pred(&c, StrategyId::SparseAllreduce) < pred(&c, StrategyId::SparseAllgather) / 2.0);
 }
 
@@ -270,7 +270,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     let hier = pred(&c, StrategyId::SparseHierarchical);
     assert!(gather <= hier * (1.0 + NEAR_TIE), "{c:?}");
     let ag = crate::cost::choose_allgatherv(&pr, qq.message_bytes, 32, Some(8)).unwrap();
-    assert_eq!(ag.algo, crate::dense::AllgathervAlgo::Node, "{ag:?}");
+    assert_eq!(ag.pick, crate::dense::AllgathervAlgo::Node, "{ag:?}");
     assert!(ag.predictions[1].1 < ag.predictions[0].1 / 4.0, "{ag:?}");
     let overlapping = ExchangeQuery {
         at: crate::cost::Placement {
@@ -280,7 +280,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &overlapping).unwrap();
-    assert_eq!(c.id, StrategyId::SparseHierarchical, "{c:?}");
+    assert_eq!(c.pick, StrategyId::SparseHierarchical, "{c:?}");
     // An engine configured with the flat allgatherv is priced with it:
     // its L = 8 ranks a node pull 8 times the bytes through the link.
     let flat = ExchangeQuery {
@@ -291,7 +291,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &flat).unwrap();
-    assert_eq!(c.id, StrategyId::SparseHierarchical, "{c:?}");
+    assert_eq!(c.pick, StrategyId::SparseHierarchical, "{c:?}");
     assert!(
         pred(&c, StrategyId::SparseAllgather) > 4.0 * gather,
         "{c:?}"
@@ -317,7 +317,7 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
         ..qq.clone()
     };
     let c = choose_sparse_exchange(&pr, &one).unwrap();
-    assert_ne!(c.id, StrategyId::SparseHierarchical);
+    assert_ne!(c.pick, StrategyId::SparseHierarchical);
     // ranks_per_node ≥ p is one node too.
     let c = choose_sparse_exchange(
         &pr,
@@ -356,8 +356,8 @@ fn the_measured_fill_flips_the_choice() {
     };
     let disjoint = at(Some(1.0));
     let overlap = at(Some(1.0 / p as f64));
-    assert_eq!(disjoint.id, StrategyId::SparseAllgather, "{disjoint:?}");
-    assert_eq!(overlap.id, StrategyId::SparseAllreduce, "{overlap:?}");
+    assert_eq!(disjoint.pick, StrategyId::SparseAllgather, "{disjoint:?}");
+    assert_eq!(overlap.pick, StrategyId::SparseAllreduce, "{overlap:?}");
     // The allgatherv does not depend on the fill.
     assert_eq!(
         pred(&disjoint, StrategyId::SparseAllgather),
@@ -408,4 +408,89 @@ fn bad_inputs_are_errors() {
     ] {
         assert!(choose_sparse_exchange(&pr, &bad).is_err(), "{bad:?}");
     }
+}
+
+// The dense allreduce's and the allgatherv's choices, on the topology
+// tests' profiles.
+use crate::cost::topology::tests::{prof as net_prof, rel};
+
+#[test]
+fn the_dense_choice_is_the_cheapest_dense_group() {
+    use crate::cost::choose_dense_allreduce;
+    // One node: Rabenseifner and the ring, priced as plan_step prices them.
+    let flat = net_prof(None);
+    for (p, bytes) in [(1usize, 4e6), (4, 4e6), (3, 4e6), (5, 64.0), (8, 0.0)] {
+        let c = choose_dense_allreduce(&flat, bytes, p, None).expect("choice");
+        assert_eq!(c.predictions.len(), 2, "p={p}");
+        let (r, g) = if p == 1 || bytes == 0.0 {
+            (0.0, 0.0)
+        } else {
+            (
+                dense_rabenseifner(&flat, bytes, p),
+                dense_ring(&flat, bytes, p),
+            )
+        };
+        assert!(rel(c.predictions[0].1, r) < 1e-12 || (r == 0.0 && c.predictions[0].1 == 0.0));
+        assert!(rel(c.predictions[1].1, g) < 1e-12 || (g == 0.0 && c.predictions[1].1 == 0.0));
+        // Rabenseifner unless the ring is more than NEAR_TIE faster.
+        let want = if r > g + crate::cost::NEAR_TIE * g {
+            StrategyId::DenseRing
+        } else {
+            StrategyId::DenseRabenseifner
+        };
+        assert_eq!(c.pick, want, "p={p} bytes={bytes}");
+    }
+    // Several nodes behind a slow link: the hierarchical one is a
+    // candidate; the choice is the first within NEAR_TIE of the cheapest.
+    let two = net_prof(Some((3e-5, 1.25e8)));
+    let c = choose_dense_allreduce(&two, 64e6, 64, Some(8)).expect("choice");
+    assert_eq!(c.predictions.len(), 3);
+    let best = c
+        .predictions
+        .iter()
+        .map(|x| x.1)
+        .fold(f64::INFINITY, f64::min);
+    let first = c
+        .predictions
+        .iter()
+        .position(|x| x.1 <= best + crate::cost::NEAR_TIE * best)
+        .expect("the minimum itself");
+    assert_eq!(c.pick, c.predictions[first].0, "{c:?}");
+    // Bad inputs are errors.
+    assert!(choose_dense_allreduce(&two, -1.0, 4, None).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, 4, Some(0)).is_err());
+}
+
+#[test]
+fn the_allgatherv_choice_checks_its_inputs_and_lists_its_candidates() {
+    use crate::cost::choose_allgatherv;
+    use crate::dense::AllgathervAlgo;
+    let pr = net_prof(Some((3e-5, 1.25e8)));
+    for (bytes, p, l) in [
+        (f64::NAN, 4, None),
+        (-1.0, 4, None),
+        (10.0, 0, None),
+        (10.0, 4, Some(0)),
+    ] {
+        assert!(
+            choose_allgatherv(&pr, bytes, p, l).is_err(),
+            "{bytes} {p} {l:?}"
+        );
+    }
+    // One node, unknown nodes, a one-level profile: recdbl alone.
+    for (pr, l) in [(&pr, Some(8)), (&pr, None), (&net_prof(None), Some(2))] {
+        let c = choose_allgatherv(pr, 1e6, 8, l).unwrap();
+        assert_eq!(c.pick, AllgathervAlgo::RecursiveDoubling);
+        assert_eq!(c.predictions.len(), 1);
+    }
+    // Several nodes of several ranks: both, and the node-aware one wins
+    // on this slow link.
+    let c = choose_allgatherv(&pr, 1e6, 8, Some(2)).unwrap();
+    assert_eq!(c.predictions.len(), 2);
+    assert_eq!(c.pick, AllgathervAlgo::Node, "{c:?}");
+    // A link as fast as shared memory: the flat one (fewer phases).
+    let fast = net_prof(Some((1e-6, 5e9)));
+    let c = choose_allgatherv(&fast, 1e6, 8, Some(2)).unwrap();
+    assert_eq!(c.pick, AllgathervAlgo::RecursiveDoubling, "{c:?}");
 }

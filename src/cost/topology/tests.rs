@@ -1,7 +1,9 @@
 use super::*;
 use crate::cost::{dense_rabenseifner, dense_ring, Profile, StrategyId};
 
-fn prof(inter: Option<(f64, f64)>) -> Profile {
+/// A profile of shared memory inside a node, `inter` (α, bytes/s) between
+/// nodes.
+pub(crate) fn prof(inter: Option<(f64, f64)>) -> Profile {
     let mut p = Profile::from_network(1e-6, 5e9, 2e-10, 1e-9).expect("profile");
     p.inter_node = inter.map(|(alpha, bw)| NetLevel {
         alpha,
@@ -17,7 +19,8 @@ fn net(prof: &Profile, p: usize, l: usize) -> Net<'_> {
     Net::new(prof, p, Some(l), None)
 }
 
-fn rel(a: f64, b: f64) -> f64 {
+/// `|a − b| / |b|`.
+pub(crate) fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-300)
 }
 
@@ -329,54 +332,6 @@ fn the_crossing_cache_stays_bounded_and_right() {
     assert_eq!(*crossings(Sched::Bruck, 6, 2), vec![1, 2, 2]);
 }
 
-#[test]
-fn the_dense_choice_is_the_cheapest_dense_group() {
-    use crate::cost::choose_dense_allreduce;
-    // One node: Rabenseifner and the ring, priced as plan_step prices them.
-    let flat = prof(None);
-    for (p, bytes) in [(1usize, 4e6), (4, 4e6), (3, 4e6), (5, 64.0), (8, 0.0)] {
-        let c = choose_dense_allreduce(&flat, bytes, p, None).expect("choice");
-        assert_eq!(c.predictions.len(), 2, "p={p}");
-        let (r, g) = if p == 1 || bytes == 0.0 {
-            (0.0, 0.0)
-        } else {
-            (
-                dense_rabenseifner(&flat, bytes, p),
-                dense_ring(&flat, bytes, p),
-            )
-        };
-        assert!(rel(c.predictions[0].1, r) < 1e-12 || (r == 0.0 && c.predictions[0].1 == 0.0));
-        assert!(rel(c.predictions[1].1, g) < 1e-12 || (g == 0.0 && c.predictions[1].1 == 0.0));
-        // Rabenseifner unless the ring is more than NEAR_TIE faster.
-        let want = if r > g + crate::cost::NEAR_TIE * g {
-            StrategyId::DenseRing
-        } else {
-            StrategyId::DenseRabenseifner
-        };
-        assert_eq!(c.id, want, "p={p} bytes={bytes}");
-    }
-    // Several nodes behind a slow link: the hierarchical one is a
-    // candidate; the choice is the first within NEAR_TIE of the cheapest.
-    let two = prof(Some((3e-5, 1.25e8)));
-    let c = choose_dense_allreduce(&two, 64e6, 64, Some(8)).expect("choice");
-    assert_eq!(c.predictions.len(), 3);
-    let best = c
-        .predictions
-        .iter()
-        .map(|x| x.1)
-        .fold(f64::INFINITY, f64::min);
-    let first = c
-        .predictions
-        .iter()
-        .position(|x| x.1 <= best + crate::cost::NEAR_TIE * best)
-        .expect("the minimum itself");
-    assert_eq!(c.id, c.predictions[first].0, "{c:?}");
-    // Bad inputs are errors.
-    assert!(choose_dense_allreduce(&two, -1.0, 4, None).is_err());
-    assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
-    assert!(choose_dense_allreduce(&two, 1.0, 4, Some(0)).is_err());
-}
-
 /// The calibration's warning: a two-way exchange measured 2x slower per
 /// byte than one-way traffic at the largest size both curves have.
 #[test]
@@ -611,39 +566,6 @@ fn the_node_aware_allgather_is_its_phases() {
     }
     assert_eq!(allgather_node(&net(&pr, 1, 1), m), 0.0);
     assert_eq!(allgather_node(&net(&pr, 6, 2), 0.0), 0.0);
-}
-
-#[test]
-fn the_allgatherv_choice_checks_its_inputs_and_lists_its_candidates() {
-    use crate::cost::choose_allgatherv;
-    use crate::dense::AllgathervAlgo;
-    let pr = prof(Some((3e-5, 1.25e8)));
-    for (bytes, p, l) in [
-        (f64::NAN, 4, None),
-        (-1.0, 4, None),
-        (10.0, 0, None),
-        (10.0, 4, Some(0)),
-    ] {
-        assert!(
-            choose_allgatherv(&pr, bytes, p, l).is_err(),
-            "{bytes} {p} {l:?}"
-        );
-    }
-    // One node, unknown nodes, a one-level profile: recdbl alone.
-    for (pr, l) in [(&pr, Some(8)), (&pr, None), (&prof(None), Some(2))] {
-        let c = choose_allgatherv(pr, 1e6, 8, l).unwrap();
-        assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling);
-        assert_eq!(c.predictions.len(), 1);
-    }
-    // Several nodes of several ranks: both, and the node-aware one wins
-    // on this slow link.
-    let c = choose_allgatherv(&pr, 1e6, 8, Some(2)).unwrap();
-    assert_eq!(c.predictions.len(), 2);
-    assert_eq!(c.algo, AllgathervAlgo::Node, "{c:?}");
-    // A link as fast as shared memory: the flat one (fewer phases).
-    let fast = prof(Some((1e-6, 5e9)));
-    let c = choose_allgatherv(&fast, 1e6, 8, Some(2)).unwrap();
-    assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling, "{c:?}");
 }
 
 /// `sparse_collective_by` prices the fused allgatherv by the named

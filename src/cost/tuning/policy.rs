@@ -4,7 +4,7 @@
 //! phase runs on rayon's threads, and which allreduce carries PowerSGD's
 //! factors. The engine ([`crate::sync`]) asks these of its table and never
 //! applies a rule of its own; each answer comes from the pricing modules
-//! ([`super::plan_step`], [`super::choose_bucket_cap`],
+//! ([`crate::cost::plan_step`], [`crate::cost::choose_bucket_cap`],
 //! [`layers_in_parallel`]), whose argmin and near-tie rule is
 //! `cost::argmin`. [`LayerPolicy`] holds what the engine's options say
 //! about these choices (the candidates' density, the selection method,
@@ -20,11 +20,12 @@
 //! | rayon for the local phase and the unpacking | every step's script | [`Tuning::parallel`] |
 //! | PowerSGD's factors' allreduce | every step | [`Tuning::factor_allreduce`] |
 
-use super::{
-    engine_candidates, layers_in_parallel, predict, BucketPlan, Placement, Query, StepLayer,
-    StepPlan, StepQuery, StrategyId, Tuning,
-};
+use super::{layers_in_parallel, Tuning};
 use crate::codec::{CodecConfig, RgcMethod};
+use crate::cost::{
+    engine_candidates, predict, BucketPlan, Placement, Query, StepLayer, StepPlan, StepQuery,
+    StrategyId,
+};
 use crate::dense::AllreduceAlgo;
 use crate::strategy::{Pick, SparseExchange, Strategy};
 use crate::{Error, Result};
@@ -114,7 +115,7 @@ impl Tuning {
         }
     }
 
-    fn auto_profile(&self, what: &str) -> Result<&super::Profile> {
+    fn auto_profile(&self, what: &str) -> Result<&crate::cost::Profile> {
         self.prof.as_ref().ok_or_else(|| {
             Error::InvalidArgument(format!("{what} needs Config::profile (gradsync calibrate)"))
         })
@@ -167,12 +168,12 @@ impl Tuning {
     }
 
     /// The plan of every `Auto` layer of `layers` by the step model
-    /// ([`super::plan_step`]) at the fill estimate `fill`: the fixed
+    /// ([`crate::cost::plan_step`]) at the fill estimate `fill`: the fixed
     /// layers open their groups, each `Auto` one gets the candidate of
     /// least marginal cost to the step.
     pub fn plan_table(&self, layers: &[StepLayer], fill: Option<f64>) -> Result<StepPlan> {
         let prof = self.auto_profile("Strategy::Auto")?;
-        super::plan_step(prof, &self.step_query(fill)?, layers)
+        crate::cost::plan_step(prof, &self.step_query(fill)?, layers)
     }
 
     /// The strategy of one layer of `n` elements synchronized alone, and
@@ -205,7 +206,7 @@ impl Tuning {
         let layer = StepLayer {
             name: String::new(),
             n,
-            kind: super::LayerKind::Auto,
+            kind: crate::cost::LayerKind::Auto,
             // One layer on its own: no shape here, so no PowerSGD.
             matrix: None,
         };
@@ -294,7 +295,7 @@ impl Tuning {
 
     /// The step of the fixed `layers` in buckets against a backward pass
     /// of `backward_s` seconds: cut at `cap_bytes`, or with `None` at the
-    /// cap of least predicted step time ([`super::choose_bucket_cap`]).
+    /// cap of least predicted step time ([`crate::cost::choose_bucket_cap`]).
     pub fn buckets(
         &self,
         layers: &[StepLayer],
@@ -305,8 +306,8 @@ impl Tuning {
         let prof = self.auto_profile("plan_buckets")?;
         let q = self.step_query(fill)?;
         match cap_bytes {
-            Some(cap) => super::price_buckets(prof, &q, layers, backward_s, Some(cap)),
-            None => super::choose_bucket_cap(prof, &q, layers, backward_s),
+            Some(cap) => crate::cost::price_buckets(prof, &q, layers, backward_s, Some(cap)),
+            None => crate::cost::choose_bucket_cap(prof, &q, layers, backward_s),
         }
     }
 
