@@ -259,6 +259,13 @@ impl std::str::FromStr for SparseExchange {
 }
 
 impl SparseExchange {
+    /// Every exchange.
+    pub const ALL: [SparseExchange; 3] = [
+        SparseExchange::Allgather,
+        SparseExchange::Allreduce,
+        SparseExchange::Hierarchical,
+    ];
+
     /// Name as used on the command line and in JSON.
     pub fn name(self) -> &'static str {
         match self {

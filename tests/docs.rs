@@ -4,6 +4,8 @@
 //! the README and the docs resolves, and the README stays a front page.
 
 use gradsync::codec::CodecConfig;
+use gradsync::dense::{AllgathervAlgo, AllreduceAlgo};
+use gradsync::strategy::{Pick, SparseExchange, Strategy};
 use gradsync::sync::Config;
 use std::path::{Path, PathBuf};
 
@@ -15,37 +17,50 @@ fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// Every codec, as a strategy string.
-const CODEC_SPECS: [&str; 9] = [
-    "rgc",
-    "rgc-quant",
-    "sbc",
-    "3lc",
-    "fastsgd",
-    "qsgd",
-    "int8",
-    "fp16",
-    "none",
-];
+/// The `Config` fields, read from src/sync/config.rs (every `pub name:`
+/// of `pub struct Config`).
+fn config_fields() -> Vec<String> {
+    let src = read(&repo().join("src/sync/config.rs"));
+    let body = src
+        .split("pub struct Config {")
+        .nth(1)
+        .and_then(|b| b.split("\n}\n").next())
+        .expect("pub struct Config in src/sync/config.rs");
+    let fields: Vec<String> = body
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub "))
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim().to_string()))
+        .collect();
+    assert!(fields.len() >= 15, "read Config's fields: {fields:?}");
+    fields
+}
+
+/// Every codec name the codec parser knows, from its own error for an
+/// unknown one (serde lists the variants it expected).
+fn codec_names() -> Vec<String> {
+    let e = "no-such-codec"
+        .parse::<CodecConfig>()
+        .unwrap_err()
+        .to_string();
+    let list = e
+        .split("expected one of")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the codec parser lists its codecs: {e}"));
+    let names: Vec<String> = list
+        .split(',')
+        .map(|n| n.trim().trim_matches('`').to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
+    assert!(names.len() >= 9, "{names:?} from {e}");
+    names
+}
 
 #[test]
 fn every_option_and_codec_is_in_the_reference() {
     let doc = read(&repo().join("docs/reference/options.md"));
-    let serde_json::Value::Object(fields) = serde_json::to_value(Config::default()).unwrap() else {
-        panic!("Config is an object");
-    };
-    // `sparse_exchange` is left out of the JSON at its default; the
-    // bindings' own spellings too.
-    let mut keys: Vec<String> = fields.keys().cloned().collect();
-    keys.extend(
-        [
-            "sparse_exchange",
-            "progress_poll_us",
-            "warmup_steps",
-            "nonfinite",
-        ]
-        .map(String::from),
-    );
+    // Every field of Config, and the bindings' own spellings.
+    let mut keys = config_fields();
+    keys.extend(["progress_poll_us", "warmup_steps", "nonfinite"].map(String::from));
     for k in &keys {
         assert!(
             doc.contains(&format!("`{k}`")),
@@ -55,7 +70,7 @@ fn every_option_and_codec_is_in_the_reference() {
         if !matches!(k.as_str(), "warmup" | "codec" | "profile") {
             let v = match k.as_str() {
                 "warmup_steps" | "compress_threshold" | "parallel_min_elems" | "delay"
-                | "progress_poll_us" => "1",
+                | "progress_poll_us" | "auto_powersgd" => "1",
                 "nonfinite" | "non_finite" => "\"error\"",
                 "allgather" => "\"recdbl\"",
                 "allreduce" => "\"rabenseifner\"",
@@ -68,11 +83,68 @@ fn every_option_and_codec_is_in_the_reference() {
                 .unwrap_or_else(|e| panic!("option {k}: {e}"));
         }
     }
-    for spec in CODEC_SPECS {
-        let c: CodecConfig = spec.parse().unwrap_or_else(|e| panic!("{spec}: {e}"));
+    // Every codec the parser knows, and every layer strategy word.
+    let strategies = read(&repo().join("docs/reference/strategies.md"));
+    for name in codec_names() {
+        let c: CodecConfig = name.parse().unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(
-            doc.contains(&format!("| `{}` |", c.name())),
-            "codec {spec:?} is not in the reference"
+            doc.contains(&format!("| `{}` |", c.name()))
+                && strategies.contains(&format!("| `{}` |", c.name())),
+            "codec {name:?} is not in the reference"
+        );
+    }
+    for word in ["auto", "dense", "gradiveq", "powersgd"] {
+        Strategy::parse(word).unwrap_or_else(|e| panic!("{word}: {e}"));
+        assert!(
+            strategies.contains(&format!("| `{word}`")),
+            "strategy {word:?} is not in docs/reference/strategies.md"
+        );
+    }
+    // Every collective algorithm each option parses, and `auto`.
+    let row = |option: &str| {
+        strategies
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{option}` |")))
+            .unwrap_or_else(|| panic!("no row for {option} in strategies.md"))
+            .to_string()
+    };
+    let check = |option: &str, names: Vec<&str>| {
+        let r = row(option);
+        for n in names.into_iter().chain(["auto"]) {
+            assert!(
+                r.contains(&format!("`{n}`")),
+                "{option} {n:?} is not in: {r}"
+            );
+        }
+    };
+    check(
+        "allreduce",
+        AllreduceAlgo::ALL.iter().map(|a| a.name()).collect(),
+    );
+    check(
+        "allgather",
+        AllgathervAlgo::ALL.iter().map(|a| a.name()).collect(),
+    );
+    check(
+        "sparse_exchange",
+        SparseExchange::ALL.iter().map(|a| a.name()).collect(),
+    );
+    for a in AllreduceAlgo::ALL {
+        assert_eq!(
+            a.name().parse::<Pick<AllreduceAlgo>>().unwrap(),
+            Pick::Fixed(a)
+        );
+    }
+    for a in AllgathervAlgo::ALL {
+        assert_eq!(
+            a.name().parse::<Pick<AllgathervAlgo>>().unwrap(),
+            Pick::Fixed(a)
+        );
+    }
+    for a in SparseExchange::ALL {
+        assert_eq!(
+            a.name().parse::<Pick<SparseExchange>>().unwrap(),
+            Pick::Fixed(a)
         );
     }
 }
@@ -221,7 +293,8 @@ fn the_readme_is_a_front_page() {
 #[test]
 fn every_codec_is_in_the_strategies_reference() {
     let doc = read(&repo().join("docs/reference/strategies.md"));
-    for spec in CODEC_SPECS.iter().chain(&["auto", "dense", "gradiveq"]) {
+    let words = ["auto", "dense", "gradiveq", "powersgd"].map(String::from);
+    for spec in codec_names().iter().chain(&words) {
         assert!(
             doc.contains(&format!("`{spec}`")),
             "strategy {spec:?} is not in docs/reference/strategies.md"

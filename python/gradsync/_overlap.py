@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 import gradsync
+from gradsync import _gradsync
 
 
 def overlap_refusal(torch: Any, params: List[Tuple[str, Any]], options: Dict[str, Any]) -> Optional[str]:
@@ -50,28 +51,19 @@ def overlap_refusal(torch: Any, params: List[Tuple[str, Any]], options: Dict[str
     return None
 
 
-#: DDP's default bucket cap (25 MiB): the first step's, when none is given.
-DEFAULT_CAP = 25 * 2**20
+#: The first step's bucket cap when none is given (DDP's default, 25 MiB),
+#: the cost model's (``gradsync::cost::FIRST_STEP_CAP_BYTES``).
+DEFAULT_CAP = _gradsync.FIRST_STEP_CAP_BYTES
 #: A cap no table reaches: the whole table as one bucket.
 WHOLE = 2**62
 
 
 def cut_buckets(params: List[Tuple[str, Any]], cap_bytes: int) -> List[List[int]]:
     """Indices of ``params`` by bucket: reverse registration order, each
-    bucket up to ``cap_bytes`` of float32 gradients (a larger parameter alone)."""
-    buckets: List[List[int]] = []
-    cur: List[int] = []
-    size = 0
-    for i in reversed(range(len(params))):
-        nbytes = 4 * int(params[i][1].numel())
-        if cur and size + nbytes > cap_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += nbytes
-    if cur:
-        buckets.append(cur)
-    return buckets
+    bucket up to ``cap_bytes`` of float32 gradients (a larger parameter
+    alone), cut by the cost model (``gradsync::cost::cut_buckets``), as its
+    bucket plans are priced."""
+    return _gradsync.cut_buckets([int(p.numel()) for _, p in params], min(int(cap_bytes), 2**63 - 1))
 
 
 class BucketedSync:

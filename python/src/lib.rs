@@ -1318,6 +1318,14 @@ fn mpi_library_version() -> String {
     gradsync::comm::mpi_library_version()
 }
 
+/// The table's layers (their f32 `elements`) cut into buckets of up to
+/// `cap_bytes`, as the overlapped step submits them
+/// (`gradsync::cost::cut_buckets`): indices, reverse registration order.
+#[pyfunction]
+fn cut_buckets(elements: Vec<usize>, cap_bytes: usize) -> Vec<Vec<usize>> {
+    gradsync::cost::cut_buckets(&elements, cap_bytes)
+}
+
 /// The extension module.
 #[pymodule]
 fn _gradsync(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -1325,6 +1333,8 @@ fn _gradsync(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(predict, m)?)?;
     m.add_function(wrap_pyfunction!(mpi_library_version, m)?)?;
+    m.add_function(wrap_pyfunction!(cut_buckets, m)?)?;
+    m.add("FIRST_STEP_CAP_BYTES", gradsync::cost::FIRST_STEP_CAP_BYTES)?;
     m.add("Error", m.py().get_type::<Error>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

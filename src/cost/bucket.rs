@@ -32,6 +32,11 @@ use super::{Profile, StrategyId};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// The cap of a step in buckets before the model can price one: the
+/// first step's, when none is given (DDP's default, 25 MiB), after which
+/// the bindings ask [`choose_bucket_cap`] for the backward pass measured.
+pub const FIRST_STEP_CAP_BYTES: usize = 25 << 20;
+
 /// The caps [`choose_bucket_cap`] tries, in MiB (and the whole table).
 pub const CAPS_MB: [f64; 11] = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 32.0, 64.0, 128.0];
 

@@ -92,9 +92,27 @@ impl StrategyId {
         StrategyId::Powersgd,
     ];
 
-    /// The name `predict --json` prints (`dense-rabenseifner`, ...).
-    pub fn name(self) -> &'static str {
-        STRATEGIES[self as usize]
+    /// The name `predict --json` prints (`dense-rabenseifner`, ...), as
+    /// serde writes it.
+    pub const fn name(self) -> &'static str {
+        use StrategyId::*;
+        match self {
+            DenseRabenseifner => "dense-rabenseifner",
+            DenseRing => "dense-ring",
+            SparseAllgather => "sparse-allgather",
+            SparseAllgatherQuant => "sparse-allgather-quant",
+            GradiveqRing => "gradiveq-ring",
+            DenseHierarchical => "dense-hierarchical",
+            SparseAllreduce => "sparse-allreduce",
+            SparseHierarchical => "sparse-hierarchical",
+            Fp16 => "fp16",
+            Int8 => "int8",
+            Qsgd => "qsgd",
+            Sbc => "sbc",
+            ThreeLc => "3lc",
+            Fastsgd => "fastsgd",
+            Powersgd => "powersgd",
+        }
     }
 
     /// Whether the engine can run this strategy from a prediction alone

@@ -48,17 +48,20 @@ pub struct ExchangeQuery {
     pub layers: Vec<(usize, f64)>,
 }
 
-/// The choice of [`choose_sparse_exchange`] (or of
-/// [`choose_dense_allreduce`]).
+/// A priced choice of the cost model: what the argmin picked and every
+/// candidate's predicted seconds ([`choose_sparse_exchange`] and
+/// [`choose_dense_allreduce`] over [`StrategyId`]s, [`choose_allgatherv`]
+/// over [`AllgathervAlgo`]s).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ExchangeChoice {
-    /// `sparse-allgather` (the fused allgatherv), `sparse-allreduce` or
-    /// `sparse-hierarchical` (`dense-rabenseifner`, `dense-ring` or
-    /// `dense-hierarchical`).
-    pub id: StrategyId,
-    /// Predicted seconds of every candidate, in that order (the
-    /// hierarchical one only with several nodes).
-    pub predictions: Vec<(StrategyId, f64)>,
+pub struct Choice<T> {
+    /// The pick: the first candidate within the near tie of the cheapest
+    /// (`sparse-allgather`, `sparse-allreduce` or `sparse-hierarchical`;
+    /// `dense-rabenseifner`, `dense-ring` or `dense-hierarchical`; `recdbl`
+    /// or `node`).
+    pub pick: T,
+    /// Predicted seconds of every candidate, in the order tried (the
+    /// node-aware ones only with several nodes).
+    pub predictions: Vec<(T, f64)>,
 }
 
 /// The fastest exchange of a step's index/value pairs: the fused
@@ -77,7 +80,7 @@ pub struct ExchangeChoice {
 /// measured fill), so near a tie they may still name different exchanges.
 /// Near-ties (one rank) and a group without pairs (empty layers) go to the
 /// allgatherv.
-pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<ExchangeChoice> {
+pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Choice<StrategyId>> {
     if q.at.p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
@@ -170,7 +173,10 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Excha
     } else {
         predictions[0].0
     };
-    Ok(ExchangeChoice { id, predictions })
+    Ok(Choice {
+        pick: id,
+        predictions,
+    })
 }
 
 /// The fastest algorithm for the engine's fused dense allreduce of `bytes`
@@ -186,7 +192,7 @@ pub fn choose_dense_allreduce(
     bytes: f64,
     p: usize,
     ranks_per_node: Option<usize>,
-) -> Result<ExchangeChoice> {
+) -> Result<Choice<StrategyId>> {
     if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "a dense allreduce of {bytes} bytes on {p} ranks"
@@ -204,21 +210,10 @@ pub fn choose_dense_allreduce(
         .iter()
         .map(|&id| (id, dense_group(&net, id, bytes)))
         .collect();
-    Ok(ExchangeChoice {
-        id: cheapest(&predictions),
+    Ok(Choice {
+        pick: cheapest(&predictions),
         predictions,
     })
-}
-
-/// The choice of [`choose_allgatherv`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AllgathervChoice {
-    /// `recdbl` (recursive doubling, Bruck's for `p` not a power of two)
-    /// or `node` (the node-aware allgatherv).
-    pub algo: AllgathervAlgo,
-    /// Predicted seconds of every candidate, in that order (`node` only
-    /// when the job spans several nodes with several ranks on one).
-    pub predictions: Vec<(AllgathervAlgo, f64)>,
 }
 
 /// The fastest allgatherv for the engine's fused message of `bytes` per
@@ -252,7 +247,7 @@ pub fn choose_allgatherv(
     bytes: f64,
     p: usize,
     ranks_per_node: Option<usize>,
-) -> Result<AllgathervChoice> {
+) -> Result<Choice<AllgathervAlgo>> {
     if p == 0 || p > MAX_RANKS || !(bytes >= 0.0 && bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "an allgatherv of {bytes} bytes a rank on {p} ranks (1..={MAX_RANKS})"
@@ -263,8 +258,8 @@ pub fn choose_allgatherv(
     }
     let net = Net::new(prof, p, ranks_per_node, None);
     let predictions = allgatherv_candidates(&net, bytes);
-    Ok(AllgathervChoice {
-        algo: cheapest(&predictions),
+    Ok(Choice {
+        pick: cheapest(&predictions),
         predictions,
     })
 }

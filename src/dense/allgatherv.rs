@@ -50,6 +50,13 @@ pub enum AllgathervAlgo {
 }
 
 impl AllgathervAlgo {
+    /// Every algorithm.
+    pub const ALL: [AllgathervAlgo; 3] = [
+        AllgathervAlgo::RecursiveDoubling,
+        AllgathervAlgo::Mpi,
+        AllgathervAlgo::Node,
+    ];
+
     /// Name as used on the command line and in JSON.
     pub fn name(self) -> &'static str {
         match self {

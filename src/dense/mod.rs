@@ -130,6 +130,14 @@ impl std::str::FromStr for AllreduceAlgo {
 }
 
 impl AllreduceAlgo {
+    /// Every algorithm.
+    pub const ALL: [AllreduceAlgo; 4] = [
+        AllreduceAlgo::Rabenseifner,
+        AllreduceAlgo::Ring,
+        AllreduceAlgo::Mpi,
+        AllreduceAlgo::Hierarchical,
+    ];
+
     /// Name as used on the command line and in JSON.
     pub fn name(self) -> &'static str {
         match self {

@@ -191,7 +191,7 @@ fn auto_allreduce_follows_the_model_and_sums_alike() {
         let chosen = run_exchange_table(p, &auto, true, 3, &table);
         let want = match crate::cost::choose_dense_allreduce(&prof, 4.0 * 4010.0, p, None)
             .expect("choice")
-            .id
+            .pick
         {
             crate::cost::StrategyId::DenseRing => "ring",
             _ => "rabenseifner",
