@@ -20,6 +20,22 @@ fn q(n: usize, k: f64, p: usize) -> ExchangeQuery {
     }
 }
 
+/// The first of a choice's candidates within [`NEAR_TIE`] of the
+/// cheapest, computed here as the tests read the rule.
+fn first_near_tie<T: Copy>(c: &Choice<T>) -> T {
+    let best = c
+        .predictions
+        .iter()
+        .map(|x| x.1)
+        .fold(f64::INFINITY, f64::min);
+    let first = c
+        .predictions
+        .iter()
+        .position(|x| x.1 <= best + NEAR_TIE * best.abs())
+        .expect("the minimum itself");
+    c.predictions[first].0
+}
+
 fn pred(c: &Choice<StrategyId>, id: StrategyId) -> f64 {
     c.predictions
         .iter()
@@ -142,18 +158,8 @@ fn predictions_are_the_topology_costs_and_the_choice_their_minimum() {
                         plan.groups[0].comm_s,
                         "{at}"
                     );
-                    let best = c
-                        .predictions
-                        .iter()
-                        .map(|x| x.1)
-                        .fold(f64::INFINITY, f64::min);
                     // The first candidate within NEAR_TIE of the minimum.
-                    let first = c
-                        .predictions
-                        .iter()
-                        .position(|x| x.1 <= best + NEAR_TIE * best.abs())
-                        .expect("the minimum itself");
-                    assert_eq!(c.pick, c.predictions[first].0, "{at}");
+                    assert_eq!(c.pick, first_near_tie(&c), "{at}");
                 }
             }
         }
@@ -445,17 +451,7 @@ fn the_dense_choice_is_the_cheapest_dense_group() {
     let two = net_prof(Some((3e-5, 1.25e8)));
     let c = choose_dense_allreduce(&two, 64e6, 64, Some(8)).expect("choice");
     assert_eq!(c.predictions.len(), 3);
-    let best = c
-        .predictions
-        .iter()
-        .map(|x| x.1)
-        .fold(f64::INFINITY, f64::min);
-    let first = c
-        .predictions
-        .iter()
-        .position(|x| x.1 <= best + crate::cost::NEAR_TIE * best)
-        .expect("the minimum itself");
-    assert_eq!(c.pick, c.predictions[first].0, "{c:?}");
+    assert_eq!(c.pick, first_near_tie(&c), "{c:?}");
     // Bad inputs are errors.
     assert!(choose_dense_allreduce(&two, -1.0, 4, None).is_err());
     assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
