@@ -48,7 +48,7 @@ pub struct StepStats {
     pub communicated: bool,
     /// Whether communication ran on the progress thread.
     pub overlapped: bool,
-    /// The step's buckets ([`GradSync::submit_bucket`]; 1 for a whole
+    /// The step's buckets ([`GradSync::submit_bucket`](super::GradSync::submit_bucket); 1 for a whole
     /// step, 1 for a staged one).
     pub buckets: usize,
     /// Per layer.
@@ -108,13 +108,13 @@ pub struct StepStats {
     pub unpack_s: f64,
     /// Time `wait` blocked for communication (≈ 0 when fully overlapped).
     pub wait_s: f64,
-    /// A step on device buffers ([`GradSync::sync_device`]): how the
+    /// A step on device buffers ([`GradSync::sync_device`](super::GradSync::sync_device)): how the
     /// gradients moved; `None` (and left out of the JSON) for host steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<DeviceStats>,
 }
 
-/// How a device step ([`GradSync::sync_device`]) moved its gradients.
+/// How a device step ([`GradSync::sync_device`](super::GradSync::sync_device)) moved its gradients.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DeviceStats {
     /// `staged`: copied to pinned host memory, stepped by the host engine,
