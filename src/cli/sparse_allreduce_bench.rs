@@ -150,7 +150,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         .map(|&bytes| match (allgather, &profile) {
             (Pick::Auto, Some(prof)) => {
                 let k = pairs_of(density, bytes / 4);
-                Ok(cost::choose_allgatherv(prof, (4 + 8 * k) as f64, p, per_node)?.pick)
+                Ok(cost::choose_allgatherv(
+                    prof,
+                    (4 + 8 * k) as f64,
+                    &cost::Placement::on(p, per_node),
+                )?
+                .pick)
             }
             (Pick::Auto, None) => Ok(AllgathervAlgo::RecursiveDoubling),
             (Pick::Fixed(a), _) => Ok(a),

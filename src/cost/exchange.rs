@@ -10,7 +10,7 @@
 //! same collective; near-ties ([`NEAR_TIE`]) go to the simpler one.
 
 use super::argmin::cheapest;
-use super::query::StepQuery;
+use super::query::{Placement, StepQuery};
 use super::step::{check, dense_group, sparse_group, Sizes, MAX_RANKS};
 use super::topology::allgatherv_candidates;
 use super::topology::Net;
@@ -38,7 +38,7 @@ pub struct ExchangeQuery {
     /// Where the step runs (its `allgather` prices the fused allgatherv
     /// candidate; only with several nodes is the node-aware sparse
     /// allreduce a candidate).
-    pub at: super::query::Placement,
+    pub at: Placement,
     /// Each of those layers' elements and the bytes it adds to the
     /// message (summing to `n` and `message_bytes`). The fused allgatherv
     /// adds a layer's received pairs into that layer's own output, so its
@@ -181,7 +181,8 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Choic
 
 /// The fastest algorithm for the engine's fused dense allreduce of `bytes`
 /// per rank (`sync::Config::allreduce = "auto"`): Rabenseifner, the ring
-/// or, when the job spans several nodes (`ranks_per_node < p`), the
+/// or, when the job spans several nodes (`ranks_per_node < p` of `at`; its
+/// fill and allgatherv play no part), the
 /// hierarchical allreduce, priced as [`plan_step`](super::plan_step) prices the dense group.
 /// Every input must be the same on every rank (the engine passes the
 /// step's dense elements, the communicator's size and its node map), so
@@ -190,9 +191,9 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Choic
 pub fn choose_dense_allreduce(
     prof: &Profile,
     bytes: f64,
-    p: usize,
-    ranks_per_node: Option<usize>,
+    at: &Placement,
 ) -> Result<Choice<StrategyId>> {
+    let (p, ranks_per_node) = (at.p, at.ranks_per_node);
     if p == 0 || !(bytes >= 0.0 && bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "a dense allreduce of {bytes} bytes on {p} ranks"
@@ -229,25 +230,25 @@ pub fn choose_dense_allreduce(
 /// flat one.
 ///
 /// ```
-/// use gradsync::cost::{choose_allgatherv, NetLevel, Profile};
+/// use gradsync::cost::{choose_allgatherv, NetLevel, Placement, Profile};
 /// use gradsync::dense::AllgathervAlgo;
 /// // Shared memory at 1 µs and 5 GB/s inside a node, 20 µs and 125 MB/s between.
 /// let mut prof = Profile::from_network(1e-6, 5e9, 0.0, 0.0).unwrap();
 /// prof.inter_node = Some(NetLevel { alpha: 20e-6, beta: 8e-9, beta_curve: vec![],
 ///                                   oneway_curve: vec![], burst: None });
 /// // 4 nodes of 8 ranks, 1 MB a rank: one rank per node crosses.
-/// let c = choose_allgatherv(&prof, 1e6, 32, Some(8)).unwrap();
-/// assert_eq!(c.algo, AllgathervAlgo::Node);
+/// let c = choose_allgatherv(&prof, 1e6, &Placement::on(32, Some(8))).unwrap();
+/// assert_eq!(c.pick, AllgathervAlgo::Node);
 /// // One node: nothing to be node-aware about.
-/// let c = choose_allgatherv(&prof, 1e6, 8, Some(8)).unwrap();
-/// assert_eq!(c.algo, AllgathervAlgo::RecursiveDoubling);
+/// let c = choose_allgatherv(&prof, 1e6, &Placement::on(8, Some(8))).unwrap();
+/// assert_eq!(c.pick, AllgathervAlgo::RecursiveDoubling);
 /// ```
 pub fn choose_allgatherv(
     prof: &Profile,
     bytes: f64,
-    p: usize,
-    ranks_per_node: Option<usize>,
+    at: &Placement,
 ) -> Result<Choice<AllgathervAlgo>> {
+    let (p, ranks_per_node) = (at.p, at.ranks_per_node);
     if p == 0 || p > MAX_RANKS || !(bytes >= 0.0 && bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "an allgatherv of {bytes} bytes a rank on {p} ranks (1..={MAX_RANKS})"

@@ -32,6 +32,16 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// `p` ranks, `ranks_per_node` of them on each node when the job
+    /// spans several (`None`: one node, or the nodes unknown),
+    /// independent selections, `auto`'s allgatherv.
+    pub fn on(p: usize, ranks_per_node: Option<usize>) -> Placement {
+        Placement {
+            ranks_per_node,
+            ..Placement::ranks(p)
+        }
+    }
+
     /// `p` ranks on one node, independent selections, `auto`'s allgatherv.
     pub fn ranks(p: usize) -> Placement {
         Placement {

@@ -188,7 +188,7 @@ impl Tuning {
             Ok(prof) => prof,
             Err(d) => return d,
         };
-        match super::choose_dense_allreduce(prof, bytes, self.p, self.ranks_per_node) {
+        match super::choose_dense_allreduce(prof, bytes, &self.placement(None)) {
             Ok(c) => Decision {
                 pick: match c.pick {
                     StrategyId::DenseRing => AllreduceAlgo::Ring,
@@ -240,7 +240,7 @@ impl Tuning {
             Ok(prof) => prof,
             Err(d) => return d,
         };
-        match super::choose_allgatherv(prof, bytes, self.p, self.ranks_per_node) {
+        match super::choose_allgatherv(prof, bytes, &self.placement(None)) {
             Ok(c) => Decision {
                 pick: c.pick,
                 prices: c.predictions.iter().map(|(a, s)| (a.name(), *s)).collect(),
@@ -295,12 +295,7 @@ impl Tuning {
             Err(d) => return d,
         };
         let q = ExchangeQuery {
-            at: crate::cost::Placement {
-                p: self.p,
-                ranks_per_node: self.ranks_per_node,
-                fill,
-                allgather: self.masks.allgather,
-            },
+            at: self.placement(fill),
             n: load.n,
             k: load.k,
             message_bytes: load.message_bytes,
@@ -509,11 +504,18 @@ mod tests {
 
         let mut a = Tuning::new(Some(&pr), 8, Some(2), true, Masks::default()).unwrap();
         for bytes in [4.0, 4e3, 4e6, 4e8] {
-            let want = crate::cost::choose_dense_allreduce(&pr, bytes, 8, Some(2)).unwrap();
+            let want = crate::cost::choose_dense_allreduce(
+                &pr,
+                bytes,
+                &crate::cost::Placement::on(8, Some(2)),
+            )
+            .unwrap();
             let d = a.dense_allreduce(bytes).clone();
             assert_eq!(d.prices.len(), want.predictions.len());
             assert_eq!(a.dense_id(bytes).unwrap(), want.pick);
-            let g = crate::cost::choose_allgatherv(&pr, bytes, 8, Some(2)).unwrap();
+            let g =
+                crate::cost::choose_allgatherv(&pr, bytes, &crate::cost::Placement::on(8, Some(2)))
+                    .unwrap();
             assert_eq!(a.allgatherv(bytes).pick, g.pick);
         }
         assert_eq!(a.reduce_allgatherv(), AllgathervAlgo::RecursiveDoubling);

@@ -275,7 +275,8 @@ fn hierarchical_across_slow_nodes_with_several_ranks_each() {
     let gather = pred(&c, StrategyId::SparseAllgather);
     let hier = pred(&c, StrategyId::SparseHierarchical);
     assert!(gather <= hier * (1.0 + NEAR_TIE), "{c:?}");
-    let ag = crate::cost::choose_allgatherv(&pr, qq.message_bytes, 32, Some(8)).unwrap();
+    let ag =
+        crate::cost::choose_allgatherv(&pr, qq.message_bytes, &Placement::on(32, Some(8))).unwrap();
     assert_eq!(ag.pick, crate::dense::AllgathervAlgo::Node, "{ag:?}");
     assert!(ag.predictions[1].1 < ag.predictions[0].1 / 4.0, "{ag:?}");
     let overlapping = ExchangeQuery {
@@ -426,7 +427,7 @@ fn the_dense_choice_is_the_cheapest_dense_group() {
     // One node: Rabenseifner and the ring, priced as plan_step prices them.
     let flat = net_prof(None);
     for (p, bytes) in [(1usize, 4e6), (4, 4e6), (3, 4e6), (5, 64.0), (8, 0.0)] {
-        let c = choose_dense_allreduce(&flat, bytes, p, None).expect("choice");
+        let c = choose_dense_allreduce(&flat, bytes, &Placement::on(p, None)).expect("choice");
         assert_eq!(c.predictions.len(), 2, "p={p}");
         let (r, g) = if p == 1 || bytes == 0.0 {
             (0.0, 0.0)
@@ -449,13 +450,13 @@ fn the_dense_choice_is_the_cheapest_dense_group() {
     // Several nodes behind a slow link: the hierarchical one is a
     // candidate; the choice is the first within NEAR_TIE of the cheapest.
     let two = net_prof(Some((3e-5, 1.25e8)));
-    let c = choose_dense_allreduce(&two, 64e6, 64, Some(8)).expect("choice");
+    let c = choose_dense_allreduce(&two, 64e6, &Placement::on(64, Some(8))).expect("choice");
     assert_eq!(c.predictions.len(), 3);
     assert_eq!(c.pick, first_near_tie(&c), "{c:?}");
     // Bad inputs are errors.
-    assert!(choose_dense_allreduce(&two, -1.0, 4, None).is_err());
-    assert!(choose_dense_allreduce(&two, 1.0, 0, None).is_err());
-    assert!(choose_dense_allreduce(&two, 1.0, 4, Some(0)).is_err());
+    assert!(choose_dense_allreduce(&two, -1.0, &Placement::on(4, None)).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, &Placement::on(0, None)).is_err());
+    assert!(choose_dense_allreduce(&two, 1.0, &Placement::on(4, Some(0))).is_err());
 }
 
 #[test]
@@ -470,23 +471,23 @@ fn the_allgatherv_choice_checks_its_inputs_and_lists_its_candidates() {
         (10.0, 4, Some(0)),
     ] {
         assert!(
-            choose_allgatherv(&pr, bytes, p, l).is_err(),
+            choose_allgatherv(&pr, bytes, &Placement::on(p, l)).is_err(),
             "{bytes} {p} {l:?}"
         );
     }
     // One node, unknown nodes, a one-level profile: recdbl alone.
     for (pr, l) in [(&pr, Some(8)), (&pr, None), (&net_prof(None), Some(2))] {
-        let c = choose_allgatherv(pr, 1e6, 8, l).unwrap();
+        let c = choose_allgatherv(pr, 1e6, &Placement::on(8, l)).unwrap();
         assert_eq!(c.pick, AllgathervAlgo::RecursiveDoubling);
         assert_eq!(c.predictions.len(), 1);
     }
     // Several nodes of several ranks: both, and the node-aware one wins
     // on this slow link.
-    let c = choose_allgatherv(&pr, 1e6, 8, Some(2)).unwrap();
+    let c = choose_allgatherv(&pr, 1e6, &Placement::on(8, Some(2))).unwrap();
     assert_eq!(c.predictions.len(), 2);
     assert_eq!(c.pick, AllgathervAlgo::Node, "{c:?}");
     // A link as fast as shared memory: the flat one (fewer phases).
     let fast = net_prof(Some((1e-6, 5e9)));
-    let c = choose_allgatherv(&fast, 1e6, 8, Some(2)).unwrap();
+    let c = choose_allgatherv(&fast, 1e6, &Placement::on(8, Some(2))).unwrap();
     assert_eq!(c.pick, AllgathervAlgo::RecursiveDoubling, "{c:?}");
 }

@@ -189,9 +189,13 @@ fn auto_allreduce_follows_the_model_and_sums_alike() {
     for p in [1, 2, 3, 4, 5] {
         let fixed = run_exchange_table(p, &base, true, 3, &table);
         let chosen = run_exchange_table(p, &auto, true, 3, &table);
-        let want = match crate::cost::choose_dense_allreduce(&prof, 4.0 * 4010.0, p, None)
-            .expect("choice")
-            .pick
+        let want = match crate::cost::choose_dense_allreduce(
+            &prof,
+            4.0 * 4010.0,
+            &crate::cost::Placement::on(p, None),
+        )
+        .expect("choice")
+        .pick
         {
             crate::cost::StrategyId::DenseRing => "ring",
             _ => "rabenseifner",
