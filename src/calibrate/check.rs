@@ -289,7 +289,7 @@ pub(super) fn compare(
                     },
                     n,
                     density: d,
-                    gradiveq_ratio: 8.0,
+                    gradiveq_ratio: crate::cost::GRADIVEQ_RATIO,
                 },
                 "trimmed",
             )?;

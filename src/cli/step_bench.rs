@@ -248,7 +248,7 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         density: inp.density,
         powersgd_rank: inp.powersgd_rank,
         select_method: "trimmed".into(),
-        gradiveq_ratio: 8.0,
+        gradiveq_ratio: crate::cost::GRADIVEQ_RATIO,
         min_sparse_elems: cfg.compress_threshold,
         allowed: allowed.clone(),
     };
@@ -369,7 +369,7 @@ fn fixed(inp: &Inputs, p: usize, v: Choices) -> Result<(Choices, Option<cost::St
                 },
                 density: inp.density,
                 select_method: "trimmed".into(),
-                gradiveq_ratio: 8.0,
+                gradiveq_ratio: crate::cost::GRADIVEQ_RATIO,
                 min_sparse_elems: 0,
                 allowed: Vec::new(),
                 powersgd_rank: inp.powersgd_rank,

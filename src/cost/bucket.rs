@@ -220,7 +220,7 @@ mod tests {
             },
             density: 0.01,
             select_method: "trimmed".into(),
-            gradiveq_ratio: 8.0,
+            gradiveq_ratio: crate::cost::GRADIVEQ_RATIO,
             allowed: Vec::new(),
             min_sparse_elems: 0,
             powersgd_rank: 1,

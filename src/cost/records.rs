@@ -106,7 +106,7 @@ impl Default for ModelArgs {
             select_cost: None,
             select_fixed: None,
             select_method: "trimmed".into(),
-            gradiveq_ratio: 8.0,
+            gradiveq_ratio: crate::cost::GRADIVEQ_RATIO,
             strategies: String::new(),
             ranks_per_node: None,
             inter_alpha: None,

@@ -217,6 +217,17 @@ impl<'de> serde::Deserialize<'de> for TopKeys {
 
 #[cfg(test)]
 mod tests {
+
+    /// The decision table's own default policy is the default options'
+    /// (a table built without `with_policy` plans as the engine would).
+    #[test]
+    fn the_default_policy_is_the_default_options() {
+        assert_eq!(
+            crate::cost::LayerPolicy::default(),
+            crate::sync::Config::default().policy()
+        );
+    }
+
     use super::*;
     use crate::strategy::Strategy;
 
