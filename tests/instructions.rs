@@ -13,8 +13,9 @@
 //! that the count is the same on any x86-64 machine.
 //!
 //! The baseline names the compiler it was counted with; under another
-//! `rustc` the counts are printed beside it and not enforced (a new
-//! compiler moves them by itself): rebaseline with
+//! `rustc` (which moves the counts by itself) a rise past the looser
+//! `OTHER_COMPILER_TOLERANCE` (10 %) still fails, so that a new
+//! toolchain does not switch the check off; rebaseline with
 //! `GRADSYNC_UPDATE_INSTRUCTIONS=1 cargo test --release --test instructions`
 //! (or `hpc/instructions.sh --update`). Without valgrind the test prints
 //! `SKIP` with the reason; `GRADSYNC_REQUIRE_VALGRIND=1` (set by
@@ -28,6 +29,8 @@ use std::process::Command;
 
 const PHASES: [&str; 5] = ["select", "pack", "unpack", "dense_step", "sparse_step"];
 const TOLERANCE: f64 = 0.03;
+/// The tolerance against a baseline counted by another `rustc`.
+const OTHER_COMPILER_TOLERANCE: f64 = 0.10;
 
 fn baseline_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/instructions.json")
@@ -176,6 +179,11 @@ fn local_phases_execute_no_more_instructions_than_the_baseline() {
         serde_json::from_str(&std::fs::read_to_string(baseline_path()).unwrap())
             .expect("benches/instructions.json is JSON");
     let same_compiler = base["rustc"].as_str() == Some(rustc.as_str());
+    let tolerance = if same_compiler {
+        TOLERANCE
+    } else {
+        OTHER_COMPILER_TOLERANCE
+    };
     let mut report = Vec::new();
     let mut rises = Vec::new();
     for phase in PHASES {
@@ -187,23 +195,24 @@ fn local_phases_execute_no_more_instructions_than_the_baseline() {
         report.push(format!(
             "{phase:<12} own {own:>12} (baseline {was:>12}, {ratio:.4}x)  all {total:>12}"
         ));
-        if ratio > 1.0 + TOLERANCE {
+        if ratio > 1.0 + tolerance {
             rises.push(format!("{phase}: {ratio:.4}x"));
         }
     }
     println!("instructions ({rustc}):\n{}", report.join("\n"));
     if !same_compiler {
         println!(
-            "NOT ENFORCED: the baseline was counted with {}; this is {rustc} \
-             (rebaseline: GRADSYNC_UPDATE_INSTRUCTIONS=1)",
-            base["rustc"]
+            "the baseline was counted with {}; this is {rustc}: held to {:.0} % \
+             instead of {:.0} % (rebaseline: GRADSYNC_UPDATE_INSTRUCTIONS=1)",
+            base["rustc"],
+            OTHER_COMPILER_TOLERANCE * 100.0,
+            TOLERANCE * 100.0
         );
-        return;
     }
     assert!(
         rises.is_empty(),
         "instructions rose past {:.0} % of benches/instructions.json: {}\n{}",
-        TOLERANCE * 100.0,
+        tolerance * 100.0,
         rises.join(", "),
         report.join("\n")
     );
