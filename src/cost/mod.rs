@@ -94,15 +94,13 @@ pub use decide::{choose, default_candidates, engine_candidates, parse_list, Stra
 pub use exchange::{
     choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, Choice, ExchangeQuery,
 };
-pub use query::{Placement, StepQuery};
+pub use query::{Placement, StepQuery, GRADIVEQ_RATIO};
 pub use step::{
     plan_step, predict_step, sparse_collective, sparse_collective_by, GroupKind, GroupPlan,
     LayerKind, LayerPlan, StepLayer, StepPlan, MAX_RANKS,
 };
 pub use topology::{Burst, NetLevel};
-pub use tuning::{
-    layers_in_parallel, Decision, ExchangeLoad, LayerPolicy, Masks, Tuning, GRADIVEQ_RATIO,
-};
+pub use tuning::{layers_in_parallel, Decision, ExchangeLoad, LayerPolicy, Masks, Tuning};
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};

@@ -10,6 +10,11 @@ use super::StrategyId;
 use crate::dense::AllgathervAlgo;
 use crate::strategy::Pick;
 
+/// GradiVeQ's compression ratio the step model prices `gradiveq-ring` at
+/// (its paper's setting; the engine's GradiVeQ layers are fixed by the
+/// caller, never chosen by `auto`).
+pub const GRADIVEQ_RATIO: f64 = 8.0;
+
 /// Where a step's collectives run, and what the engine learned about it:
 /// the one part every query of the cost model shares.
 #[derive(Clone, Copy, Debug, PartialEq)]

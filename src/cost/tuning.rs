@@ -31,7 +31,7 @@ use super::{ExchangeQuery, Profile, StrategyId};
 use crate::dense::{AllgathervAlgo, AllreduceAlgo};
 use crate::strategy::{Pick, SparseExchange};
 use crate::{Error, Result};
-pub use policy::{LayerPolicy, GRADIVEQ_RATIO};
+pub use policy::LayerPolicy;
 
 /// The user's forced choices (`Pick::Fixed`) and the ones left to the
 /// table (`Pick::Auto`): `sync::Config::allreduce`, `allgather` and

@@ -24,16 +24,11 @@ use super::{layers_in_parallel, Tuning};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::cost::{
     engine_candidates, predict, BucketPlan, Placement, Query, StepLayer, StepPlan, StepQuery,
-    StrategyId,
+    StrategyId, GRADIVEQ_RATIO,
 };
 use crate::dense::AllreduceAlgo;
 use crate::strategy::{Pick, SparseExchange, Strategy};
 use crate::{Error, Result};
-
-/// GradiVeQ's compression ratio the step model prices `gradiveq-ring` at
-/// (its paper's setting; the engine's GradiVeQ layers are fixed by the
-/// caller, never chosen by `auto`).
-pub const GRADIVEQ_RATIO: f64 = 8.0;
 
 /// What the engine's options say about its per-layer choices
 /// (`sync::Config`'s `auto_density`, `codec`, `compress_threshold`,
