@@ -3,11 +3,13 @@
 //!
 //! ```text
 //! mpirun -np 3 target/release/examples/bucket_check equal
+//! mpirun -np 3 target/release/examples/bucket_check rollback
 //! mpirun -np 3 target/release/examples/bucket_check differ
 //! ```
 //!
 //! * `equal`: two engines over the same table (dense, RGC, SBC, QSGD,
-//!   quantized RGC, `auto`, an empty layer; momentum), fed the
+//!   quantized RGC, `auto`, an empty layer, PowerSGD from step 1;
+//!   momentum), fed the
 //!   same gradients for four steps: one synchronizes each step whole, the
 //!   other in buckets of three layers in backward order (last layer first),
 //!   each submitted as it would be when backward produced it, with
@@ -15,6 +17,12 @@
 //!   bitwise the whole step's, and every dense layer's within float
 //!   rounding of `MPI_Allreduce`'s average. Prints `OK buckets step <t>
 //!   buckets=<n> ranks=<p>`.
+//! * `rollback`: as `equal`, but the last rank's first layer (in the
+//!   last bucket) is short in step 1, so that step fails on every rank
+//!   after the first bucket's PowerSGD layer ran: both engines must fail
+//!   it (`FAILED step 1 rank <r>: <error>`), and after it the PowerSGD and
+//!   dense layers must agree bitwise (the PowerSGD state rolled back as a
+//!   failed whole step leaves it).
 //! * `differ`: the last rank cuts step 0 into other buckets; every rank
 //!   must get the same error for that step and run step 1 normally.
 //!   Prints `DIFFER rank <r>: <error>` and `OK next step ranks=<p>`.
@@ -34,7 +42,18 @@ const TABLE: &[(&str, usize, &str)] = &[
     ("head", 3000, "dense"),
     ("empty", 0, "dense"),
     ("out", 10, "dense"),
+    // 128 x 32 (`shape`), in the first bucket (backward order).
+    ("psg", 4096, "powersgd:rank=2,start=1"),
 ];
+
+/// A layer's shape: PowerSGD's as a matrix of 32 columns.
+fn shape(n: usize, spec: &str) -> Vec<usize> {
+    if spec.starts_with("powersgd") {
+        vec![n / 32, 32]
+    } else {
+        vec![n]
+    }
+}
 
 fn grad(rank: usize, step: u64, layer: usize, n: usize) -> Vec<f32> {
     let mut rng = SmallRng::seed_from_u64((rank as u64) << 40 ^ step << 20 ^ layer as u64);
@@ -53,7 +72,7 @@ fn engine<C: Communicator>(world: &C) -> GradSync {
     };
     let mut s = GradSync::new(world, cfg).unwrap_or_else(|e| fail(format!("{e}")));
     for (name, n, spec) in TABLE {
-        s.register_spec(name, &[*n], spec)
+        s.register_spec(name, &shape(*n, spec), spec)
             .unwrap_or_else(|e| fail(format!("{name}: {e}")));
     }
     s
@@ -79,30 +98,48 @@ fn submit(s: &mut GradSync, cut: &[Vec<usize>], g: &[Vec<f32>]) {
     }
 }
 
-fn equal<C: Communicator>(world: &C) {
+/// `fail_at`: the step in which the last rank's first layer is short.
+fn equal<C: Communicator>(world: &C, fail_at: Option<u64>) {
     let (rank, p) = (world.rank() as usize, world.size() as usize);
     let mut whole = engine(world);
     let mut cut = engine(world);
     for step in 0..4 {
-        let g: Vec<Vec<f32>> = (0..TABLE.len())
+        let mut g: Vec<Vec<f32>> = (0..TABLE.len())
             .map(|l| grad(rank, step, l, TABLE[l].1))
             .collect();
+        let failing = fail_at == Some(step);
+        if failing && rank == p - 1 {
+            g[0].truncate(10);
+        }
         // The whole step synchronizes in place.
         let mut a = g.clone();
         let mut b: Vec<Vec<f32>> = TABLE.iter().map(|t| vec![0.0; t.1]).collect();
-        {
+        let w = {
             let mut av: Vec<&mut [f32]> = a.iter_mut().map(|x| &mut x[..]).collect();
-            whole
-                .sync(&mut av)
-                .unwrap_or_else(|e| fail(format!("whole step {step}: {e}")));
-        }
+            whole.sync(&mut av).map(|_| ())
+        };
         submit(&mut cut, &buckets(), &g);
         let mut bv: Vec<&mut [f32]> = b.iter_mut().map(|x| &mut x[..]).collect();
-        let st = cut
-            .finish_step(&mut bv)
-            .unwrap_or_else(|e| fail(format!("bucketed step {step}: {e}")))
-            .clone();
+        let c = cut.finish_step(&mut bv).cloned();
+        if failing {
+            match (w, c) {
+                (Err(_), Err(e)) => println!("FAILED step {step} rank {rank}: {e}"),
+                _ => fail(format!("step {step} did not fail in both engines")),
+            }
+            continue;
+        }
+        w.unwrap_or_else(|e| fail(format!("whole step {step}: {e}")));
+        let st = c.unwrap_or_else(|e| fail(format!("bucketed step {step}: {e}")));
         for (l, (x, y)) in a.iter().zip(&b).enumerate() {
+            // After a failed step: the layers whose rollback is exact
+            // (PowerSGD's state, dense). A sparse codec's failed bucket is
+            // undone as `V += sent`, its momentum masking not undone: the
+            // same values to rounding, not the same bits.
+            let spec = TABLE[l].2;
+            let exact = spec == "dense" || spec.starts_with("powersgd");
+            if fail_at.is_some_and(|f| step > f) && !exact {
+                continue;
+            }
             if x.iter().zip(y).any(|(u, v)| u.to_bits() != v.to_bits()) {
                 fail(format!(
                     "step {step} layer {}: not bitwise the whole step's",
@@ -164,8 +201,9 @@ fn main() {
         .unwrap_or_else(|| fail("MPI initialized twice".into()));
     let world = universe.world();
     match std::env::args().nth(1).as_deref() {
-        Some("equal") => equal(&world),
+        Some("equal") => equal(&world, None),
+        Some("rollback") => equal(&world, Some(1)),
         Some("differ") => differ(&world),
-        _ => fail("usage: bucket_check equal|differ".into()),
+        _ => fail("usage: bucket_check equal|rollback|differ".into()),
     }
 }

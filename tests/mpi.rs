@@ -708,9 +708,25 @@ fn bucketed_steps_equal_the_whole_step_under_mpirun() {
         assert!(ok, "np={np}: {err}\n{out}");
         let oks = out
             .lines()
-            .filter(|l| l.starts_with("OK buckets step") && l.contains("buckets=3"))
+            .filter(|l| l.starts_with("OK buckets step") && l.contains("buckets=4"))
             .count();
         assert_eq!(oks, 4 * np, "np={np}:\n{out}");
+    }
+}
+
+/// A step that fails in its last bucket, after the first bucket's PowerSGD
+/// layer ran, fails on every rank in both engines (whole and bucketed),
+/// and the later steps agree bitwise: the PowerSGD state is rolled back.
+#[test]
+fn a_failed_bucketed_step_rolls_powersgd_back_under_mpirun() {
+    let ex = example("bucket_check");
+    for np in [1, 2, 3] {
+        let (ok, out, err) = mpirun(np, &ex, &["rollback"], Duration::from_secs(120));
+        assert!(ok, "np={np}: {err}\n{out}");
+        let count = |pre: &str| out.lines().filter(|l| l.starts_with(pre)).count();
+        assert_eq!(count("FAILED step 1 rank"), np, "np={np}:\n{out}");
+        assert_eq!(count("OK buckets step"), 3 * np, "np={np}:\n{out}");
+        assert!(out.contains(&format!("rank {}", np - 1)), "{out}");
     }
 }
 

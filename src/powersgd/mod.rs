@@ -174,6 +174,20 @@ pub struct PowerSgd {
     /// A step has run since `Q` was drawn or set (warm start then
     /// orthogonalizes the kept `Q` before use, as PyTorch does).
     stepped: bool,
+    /// What [`after_q`](Self::after_q) replaced, while it can be undone
+    /// ([`rollback`](Self::rollback)): `Q`, the draw counter and `stepped`
+    /// as [`begin`](Self::begin) found them (the old error is in `m`).
+    undo: Undo,
+}
+
+/// The state before the open step, for [`PowerSgd::rollback`].
+#[derive(Clone, Debug, PartialEq)]
+struct Undo {
+    /// `after_q` ran and nothing since: `m` holds the old error.
+    armed: bool,
+    q: Vec<f32>,
+    draws: u64,
+    stepped: bool,
 }
 
 impl PowerSgd {
@@ -201,6 +215,12 @@ impl PowerSgd {
             seed,
             draws: 0,
             stepped: false,
+            undo: Undo {
+                armed: false,
+                q: vec![0.0; cols * rank],
+                draws: 0,
+                stepped: false,
+            },
         };
         s.draw_q();
         Ok(s)
@@ -240,6 +260,7 @@ impl PowerSgd {
         }
         self.q.copy_from_slice(q);
         self.stepped = false;
+        self.undo.armed = false;
         Ok(())
     }
 
@@ -284,6 +305,7 @@ impl PowerSgd {
         self.error.copy_from_slice(&s.error);
         self.draws = s.draws;
         self.stepped = s.stepped;
+        self.undo.armed = false;
         Ok(())
     }
 
@@ -335,6 +357,12 @@ impl PowerSgd {
                 self.rank
             )));
         }
+        // What a failed step restores (`m` is overwritten below: the last
+        // step can no longer be undone).
+        self.undo.armed = false;
+        self.undo.q.copy_from_slice(&self.q);
+        self.undo.draws = self.draws;
+        self.undo.stepped = self.stepped;
         if !self.stepped {
             // The drawn (or given) Q, as it is.
         } else if self.warm_start {
@@ -382,7 +410,9 @@ impl PowerSgd {
     /// Step 4: with `q_sum` the allreduced `Q` over `ranks` ranks, write
     /// `M̂ = P (Q/p)ᵀ` into `out` (the layer's averaged gradient, the same
     /// on every rank) and keep `E = M − M̂` (and, with warm start, `Q/p`
-    /// for the next step).
+    /// for the next step). Until the next [`begin`](Self::begin) the step
+    /// can be undone ([`rollback`](Self::rollback)): the old error is kept
+    /// in the workspace `M` held (swapped, not copied).
     pub fn after_q(&mut self, q_sum: &[f32], ranks: usize, out: &mut [f32]) -> Result<()> {
         if q_sum.len() != self.q.len() || out.len() != self.m.len() || ranks == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -408,16 +438,45 @@ impl PowerSgd {
             // reports the non-finite result; the state starts over (no
             // error kept, `Q` drawn again), alike on every rank, where a
             // NaN kept in `E` would poison every later step.
+            std::mem::swap(&mut self.error, &mut self.m);
             self.error.fill(0.0);
             self.draw_q();
             self.stepped = false;
+            self.undo.armed = true;
             return Ok(());
         }
-        for ((e, m), o) in self.error.iter_mut().zip(&self.m).zip(out.iter()) {
-            *e = m - o;
+        // `M − M̂` in place, then swapped in: `m` keeps the old error.
+        for (m, o) in self.m.iter_mut().zip(out.iter()) {
+            *m -= o;
         }
+        std::mem::swap(&mut self.error, &mut self.m);
         self.stepped = true;
+        self.undo.armed = true;
         Ok(())
+    }
+
+    /// Undo the last [`after_q`](Self::after_q) (the error, `Q`, the draw
+    /// counter: the state before its [`begin`](Self::begin)), when nothing
+    /// ran since and it was not [`settle`](Self::settle)d: a step that
+    /// ran this layer and then failed elsewhere leaves no trace, as a
+    /// whole step that fails before its factors' allreduces. Returns
+    /// whether it undid anything.
+    pub fn rollback(&mut self) -> bool {
+        if !self.undo.armed {
+            return false;
+        }
+        std::mem::swap(&mut self.error, &mut self.m);
+        self.q.copy_from_slice(&self.undo.q);
+        self.draws = self.undo.draws;
+        self.stepped = self.undo.stepped;
+        self.undo.armed = false;
+        true
+    }
+
+    /// The last step stands: a later [`rollback`](Self::rollback) does
+    /// nothing (the engine settles every layer when a step opens).
+    pub fn settle(&mut self) {
+        self.undo.armed = false;
     }
 }
 

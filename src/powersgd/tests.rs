@@ -268,3 +268,45 @@ fn the_same_seed_draws_the_same_q_and_bad_sizes_are_errors() {
     assert!(s.begin(&[0.0; 15], &mut [0.0; 4]).is_err());
     assert!(s.set_q(&[0.0; 3]).is_err());
 }
+
+#[test]
+fn a_rolled_back_step_leaves_the_state_as_it_was_and_settle_keeps_it() {
+    let (rows, cols, r) = (24, 16, 2);
+    let mk = || {
+        (0..2)
+            .map(|_| PowerSgd::new(rows, cols, r, true, 7).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let g = |step: u64| -> Vec<Vec<f32>> {
+        (0..2).map(|k| matrix(rows, cols, step * 10 + k)).collect()
+    };
+    let mut states = mk();
+    step(&mut states, &g(0));
+    states.iter_mut().for_each(PowerSgd::settle);
+    let before: Vec<_> = states.iter().map(PowerSgd::snapshot).collect();
+    // A step that runs and is undone, including one whose result is not
+    // finite (the state reset is undone too).
+    let first = step(&mut states, &g(1));
+    assert!(states.iter_mut().all(|s| s.rollback()));
+    assert!(!states[0].rollback(), "undone once");
+    let after: Vec<_> = states.iter().map(PowerSgd::snapshot).collect();
+    assert_eq!(before, after, "error, Q, draws and stepped as before");
+    let mut bad = g(1);
+    bad[0][3] = f32::MAX;
+    bad[1][3] = f32::MAX;
+    step(&mut states, &bad);
+    assert!(states[0].error().iter().all(|&e| e == 0.0), "reset");
+    assert!(states.iter_mut().all(|s| s.rollback()));
+    let after: Vec<_> = states.iter().map(PowerSgd::snapshot).collect();
+    assert_eq!(before, after, "the reset undone");
+    // The same step again gives the same bits as the first time.
+    let again = step(&mut states, &g(1));
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+    assert_eq!(bits(&first), bits(&again));
+    // Settled, a rollback does nothing; a fresh state has nothing to undo.
+    states.iter_mut().for_each(PowerSgd::settle);
+    let kept: Vec<_> = states.iter().map(PowerSgd::snapshot).collect();
+    assert!(!states[1].rollback());
+    assert_eq!(kept[1], states[1].snapshot());
+    assert!(!mk()[0].rollback());
+}

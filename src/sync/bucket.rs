@@ -29,10 +29,13 @@
 //! buckets' gradients are copied into the engine and the step runs as one
 //! bucket when the last arrives (no overlap; logged once). That is the
 //! case for local clipping (`clip_norm`: the factor needs the whole
-//! gradient's norm), for dense layers summed by an algorithm whose
-//! order depends on an element's place (`ring`, `hierarchical`, `mpi`,
-//! or what `auto` chose among them), and for the node-aware sparse
-//! allreduce.
+//! gradient's norm), for dense layers or PowerSGD's factors summed by an
+//! algorithm whose order depends on an element's place (`ring`,
+//! `hierarchical`, `mpi`, or what `auto` chose among them), for GradiVeQ's
+//! rings (they advance their state as they run), and for the node-aware
+//! sparse allreduce. PowerSGD's layers run in their bucket: their state,
+//! advanced there, is rolled back with the step's if a later bucket fails
+//! (`PowerSgd::rollback`), as a whole step that fails leaves it.
 //!
 //! # Failures
 //!
@@ -375,9 +378,16 @@ impl<C: Transport + Send + 'static> GradSync<C> {
             // (its status is agreed before the rings).
             return Some("GradiVeQ's rings advance their state as they run".into());
         }
-        if self.plan.lowrank {
-            // Likewise PowerSGD's error and Q, after its allreduces.
-            return Some("PowerSGD's layers advance their state as they run".into());
+        if self.plan.lowrank && self.plan.factor_allreduce != AllreduceAlgo::Rabenseifner {
+            // Each bucket's factors are one allreduce: bit for bit only
+            // when an element's sum does not depend on its place. (A
+            // PowerSGD layer's state, advanced by its bucket, is undone if
+            // a later bucket fails: `PowerSgd::rollback`.)
+            return Some(format!(
+                "the {} allreduce of PowerSGD's factors sums an element in an order that \
+                 depends on its place in the buffer (Rabenseifner's does not)",
+                self.plan.factor_allreduce.name()
+            ));
         }
         if self.plan.sparse_reduce && self.plan.exchange == SparseExchange::Hierarchical {
             // Sums an index node by node, where its region lands: not

@@ -403,9 +403,15 @@ impl Layer {
     /// Undo what a failed step did to this layer's state: what it encoded
     /// goes back into the residual ([`unsend`](Self::unsend)), and with
     /// `delay > 1` the local directions it took out of `acc` go back there
-    /// (and out of `V` again, keeping this step's gradient in the residual).
+    /// (and out of `V` again, keeping this step's gradient in the residual);
+    /// a PowerSGD layer that ran in this step (a bucket before the one that
+    /// failed) gets its error and `Q` back
+    /// ([`crate::powersgd::PowerSgd::rollback`]).
     pub(super) fn rollback(&mut self) {
         self.unsend();
+        if let Some(p) = &mut self.psg {
+            p.rollback();
+        }
         match std::mem::take(&mut self.moved) {
             Moved::No => {}
             Moved::Dense => self.acc.copy_from_slice(&self.prev),
@@ -529,6 +535,10 @@ impl Layer {
 
     /// Clear the per-step flags and timers before a step.
     pub(super) fn begin_step(&mut self) {
+        if let Some(p) = &mut self.psg {
+            // The last step stands: only this step's PowerSGD is undone.
+            p.settle();
+        }
         self.non_finite = false;
         self.sent = false;
         self.moved = Moved::No;
