@@ -107,6 +107,12 @@ pub struct BenchArgs {
     /// where the profile prices it), and of the planned one's choice.
     #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub powersgd_rank: usize,
+    /// `--op step`: the engine's `compress_threshold` in elements (default
+    /// the engine's, 32768): layers below it are never sparsified by the
+    /// plan, and `sparse-threshold` keeps them dense. 0 lets the plan
+    /// compress every layer, as `sparse` does.
+    #[arg(long)]
+    pub compress_threshold: Option<usize>,
     /// `--op sparse`: communicate on the engine's progress thread.
     #[arg(long)]
     pub overlap: bool,

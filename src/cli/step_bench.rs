@@ -458,6 +458,9 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         profile: inp.profile.clone(),
         ..Config::default()
     };
+    if let Some(t) = a.compress_threshold {
+        cfg.compress_threshold = t;
+    }
     // The engine runs one dense algorithm a step: the one named, or with
     // several named the model's choice each step (`allreduce = "auto"`),
     // as the plan prices the dense group.

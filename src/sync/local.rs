@@ -203,6 +203,12 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 e.finite = l.dense_contribution(grads[i], w, params, &mut e.input);
                 l.stats.strategy = "powersgd".into();
                 l.stats.codec = "powersgd".into();
+                if let Some(s) = &l.psg {
+                    // What its two allreduces carry: P and Q, not the layer.
+                    let (np, nq) = s.factor_lens();
+                    l.stats.bytes_sent = 4 * (np + nq);
+                    l.stats.density = (np + nq) as f64 / l.n.max(1) as f64;
+                }
                 pi += 1;
             }
         }

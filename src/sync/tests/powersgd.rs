@@ -57,6 +57,18 @@ fn steps(
                 .collect();
             let mut v: Vec<&mut [f32]> = gs.iter_mut().map(|x| &mut x[..]).collect();
             let st = s.sync(&mut v).expect("sync").clone();
+            for (ls, (name, sh)) in st.layers.iter().zip(table) {
+                if ls.strategy == "powersgd" {
+                    // Its traffic is P and Q, (rows + cols)·r floats.
+                    let (rows, n) = (sh[0], sh.iter().product::<usize>());
+                    let per_rank = 4 * (rows + n / rows);
+                    assert!(
+                        ls.bytes_sent < 4 * n && ls.bytes_sent % per_rank == 0,
+                        "{name}: {} bytes sent",
+                        ls.bytes_sent
+                    );
+                }
+            }
             gs.into_iter()
                 .zip(&st.layers)
                 .map(|(x, ls)| (x, ls.strategy.clone()))
