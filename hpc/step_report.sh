@@ -11,7 +11,8 @@
 #   hpc/step_report.sh            # both networks
 #   NETS=shm hpc/step_report.sh   # shared memory only
 #
-# Env: NP (2), ITERS (5), NETS ("shm 1gbit"), OUT (target/step-report).
+# Env: NP (2), ITERS (5), NETS ("shm 1gbit"), OUT (target/step-report),
+# THRESHOLD (passed to hpc/step_bench.sh: the compress_threshold).
 # The 1 Gbit/s run needs root or sudo for namespaces; without them it is
 # skipped with the reason.
 set -euo pipefail
