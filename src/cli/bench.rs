@@ -200,6 +200,7 @@ const OP_FLAGS: &[(&str, &[&str])] = &[
             "compare",
             "density",
             "powersgd_rank",
+            "compress_threshold",
         ],
     ),
 ];
@@ -703,4 +704,31 @@ fn bench_allgatherv(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BenchArgs, OP_FLAGS};
+    use clap::Args;
+
+    /// A flag no `--op` lists is refused by every op (`check_flags_apply`):
+    /// every field of `BenchArgs` is common or belongs to an op.
+    #[test]
+    fn every_flag_belongs_to_an_op() {
+        let cmd = BenchArgs::augment_args(clap::Command::new("bench"));
+        let mut seen = 0;
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if ["op", "iters", "warmup", "json", "help"].contains(&id) {
+                continue;
+            }
+            seen += 1;
+            assert!(
+                OP_FLAGS.iter().any(|(_, f)| f.contains(&id)),
+                "--{} is used by no --op in OP_FLAGS",
+                id.replace('_', "-")
+            );
+        }
+        assert!(seen > 10, "{seen} flags read");
+    }
 }
