@@ -7,7 +7,7 @@ Needs PyTorch (prints ``SKIP: ...`` on rank 0 and exits 0 without it; the
 test runner refuses that skip where torch must be installed). Checks, each
 printing a line on rank 0:
 
-(a) DDP over gloo with ``gradsync_hook`` (dense, rgc, auto; several buckets,
+(a) DDP over gloo with ``gradsync_hook`` (dense, rgc, auto, PowerSGD; several buckets,
     so DDP's bucket rebuild after the first iteration is crossed) gives the
     parameters, bit for bit, of a plain model whose gradients go through the
     whole-step engine (``GradSync.sync``) with the same options;
@@ -140,7 +140,8 @@ def ddp_pair(strategy, cap_mb=0.05, find_unused=False, momentum=0.9, overlap=Tru
 
 
 # --- (a) the hook equals the whole-step engine, bit for bit ---------------
-for strategy, overlap in [("dense", True), ("rgc:density=0.05", True), ("auto", True), ("dense", False), ("auto", False)]:
+for strategy, overlap in [("dense", True), ("rgc:density=0.05", True), ("auto", True),
+                          ("powersgd:rank=2,start=2", True), ("dense", False), ("auto", False)]:
     model, ddp, state, opt, ref, ref_opt, eng = ddp_pair(strategy, overlap=overlap)
     for step in range(6):
         x, y = batch(step)
@@ -154,6 +155,9 @@ for strategy, overlap in [("dense", True), ("rgc:density=0.05", True), ("auto", 
         assert same_bits(model, ref), f"(a) {strategy} step {step}: the hook differs from the whole-step engine"
     assert state.steps == 6 and state.last_stats["step"] == 5, (state.steps, state.last_stats)
     assert state.buckets > 1, f"(a) one bucket: the multi-bucket path was not crossed ({state.buckets})"
+    if overlap:
+        # Run bucket by bucket in the engine, not staged (PowerSGD too).
+        assert state.last_stats["buckets"] > 1, (strategy, state.last_stats["buckets"])
     buckets = state.buckets
     kinds = [layer[2] for layer in state.sync.layers()]
     assert kinds == [layer[2] for layer in eng.layers()], kinds
