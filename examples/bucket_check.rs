@@ -131,10 +131,11 @@ fn equal<C: Communicator>(world: &C, fail_at: Option<u64>) {
         w.unwrap_or_else(|e| fail(format!("whole step {step}: {e}")));
         let st = c.unwrap_or_else(|e| fail(format!("bucketed step {step}: {e}")));
         for (l, (x, y)) in a.iter().zip(&b).enumerate() {
-            // After a failed step: the layers whose rollback is exact
-            // (PowerSGD's state, dense). A sparse codec's failed bucket is
-            // undone as `V += sent`, its momentum masking not undone: the
-            // same values to rounding, not the same bits.
+            // After a failed step: the layers whose state a failed step
+            // leaves as it was (PowerSGD's, rolled back; dense). A sparse
+            // layer whose bucket ran keeps the step's gradient in its
+            // residual (nothing lost), which the whole step, failed at its
+            // input check, never took in.
             let spec = TABLE[l].2;
             let exact = spec == "dense" || spec.starts_with("powersgd");
             if fail_at.is_some_and(|f| step > f) && !exact {
