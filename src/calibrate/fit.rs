@@ -424,8 +424,8 @@ fn local_probes_into<'a>(
     for parallel in [true, false] {
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
-    // 9. PowerSGD's local step of one layer (its products, the error
-    // kept, the copies in and out) at ranks 1, 2 and 4 on matrices of
+    // 9. PowerSGD's local step of one layer (its products and the error
+    // kept, as the engine's `powersgd_s` times it) at ranks 1, 2 and 4 on matrices of
     // 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
     // grows with the layer as the matrices leave the caches (on the
     // development VM, one process at rank 2: 1.5 ns at 0.6 M, 1.9 at 1 M, 2.8 at

@@ -1,17 +1,23 @@
 //! PowerSGD's local cost in a calibration: the probe of one layer's
-//! local step (its products, orthogonalization, the error kept and the
-//! copies in and out) and the fit `a + n·per_elem + n·r·per_elem_rank`
+//! local step (its products, orthogonalization and the error kept) and the fit `a + n·per_elem + n·r·per_elem_rank`
 //! the step model prices `powersgd` with ([`crate::cost::PowerSgdFit`]).
 
-use super::probes::{local, Probe};
+use super::probes::{local_prep, Probe};
 use crate::comm::MpiComm;
 use crate::cost;
 use crate::Result;
 
 /// One PowerSGD layer's local step of a `rows × cols` gradient at rank
-/// `r`, as the engine runs it on one rank (the allreduces are the
-/// network's): the gradient copied in, `P = M Q`, orthogonalization,
-/// `Q = Mᵀ P`, `M̂ = P Qᵀ` and the error, the result copied out.
+/// `r`, as the engine times it into `StepStats::powersgd_s` on one rank
+/// (the allreduces are the network's): `P = M Q` with the error added,
+/// orthogonalization, `Q = Mᵀ P`, `M̂ = P Qᵀ` and the new error. The
+/// gradient's copy in and the result's copy out are the dense path's,
+/// which the step model charges every PowerSGD layer as `dense_local`:
+/// the gradient is copied in untimed here, as backpropagation writes it
+/// in a step. Timing the copies too charged them twice, about 0.7 ns an
+/// element of a layer out of the caches (development VM, two processes:
+/// 2.3 ns for the step's part, 3.0 with the copies), and over-predicted
+/// every all-PowerSGD step (by up to 60 % for the LSTM).
 pub(super) fn powersgd_probe<'a>(
     comm: &'a MpiComm,
     x: &[f32],
@@ -21,18 +27,34 @@ pub(super) fn powersgd_probe<'a>(
 ) -> Result<Probe<'a>> {
     let n = rows * cols;
     let g: Vec<f32> = x.iter().copied().cycle().take(n).collect();
-    let mut st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
+    let st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
     let (np, nq) = st.factor_lens();
-    let (mut input, mut out, mut res) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let (mut p, mut q) = (vec![0f32; np], vec![0f32; nq]);
-    Ok(local(comm, move || {
-        input.copy_from_slice(&g);
-        st.begin(&input, &mut p)?;
-        st.after_p(&p, &mut q)?;
-        st.after_q(&q, 1, &mut out)?;
-        res.copy_from_slice(&out);
-        Ok(())
-    }))
+    let ws = Workspace {
+        st,
+        input: vec![0f32; n],
+        out: vec![0f32; n],
+        p: vec![0f32; np],
+        q: vec![0f32; nq],
+    };
+    Ok(local_prep(
+        comm,
+        ws,
+        move |w: &mut Workspace| w.input.copy_from_slice(&g),
+        |w: &mut Workspace| {
+            w.st.begin(&w.input, &mut w.p)?;
+            w.st.after_p(&w.p, &mut w.q)?;
+            w.st.after_q(&w.q, 1, &mut w.out)
+        },
+    ))
+}
+
+/// What [`powersgd_probe`] keeps between calls.
+struct Workspace {
+    st: crate::powersgd::PowerSgd,
+    input: Vec<f32>,
+    out: Vec<f32>,
+    p: Vec<f32>,
+    q: Vec<f32>,
 }
 
 /// PowerSGD's local cost (9.) from the probes of `shapes` (rows, columns,
