@@ -428,8 +428,8 @@ fn local_probes_into<'a>(
     // kept, as the engine's `powersgd_s` times it) at ranks 1, 2 and 4 on matrices of
     // 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
     // grows with the layer as the matrices leave the caches (on the
-    // development VM, one process at rank 2: 1.5 ns at 0.6 M, 1.9 at 1 M, 2.8 at
-    // 8 Mi), which the step model follows as a curve
+    // development VM, two ranks at once at rank 2: 1.7-1.8 ns at 256 Ki,
+    // 1.8-2.0 at 1 Mi, 2.0-2.4 at 4 Mi), which the step model follows as a curve
     // (`cost::PowerSgdFit::curve`). One size alone mispriced whole
     // models: in-cache probes under-predicted ResNet-50 and LSTM steps by
     // 10-30 %, the 8 Mi probe over-predicted ResNet-50's (layers of at
