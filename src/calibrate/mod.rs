@@ -59,7 +59,7 @@ pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckO
 /// The CLI's harness bookkeeping uses the same reduction.
 #[cfg(feature = "cli")]
 pub(crate) use probes::max_over_ranks;
-pub use probes::synthetic;
+pub use probes::{step_gradient, synthetic};
 
 use crate::comm::agree::{agree_inputs, MustMatch};
 use crate::comm::{MpiComm, Transport};

@@ -7,7 +7,8 @@
 //! Every layer gets random gradients of its own magnitude (a normal
 //! distribution whose scale is drawn log-uniformly in `[1e-5, 1e-1]` per
 //! layer, the same on every rank; the values differ by rank), so that the
-//! selection sees a realistic spread across layers. The strategy of each
+//! selection sees a realistic spread across layers, and each step its own
+//! ([`crate::calibrate::step_gradient`]), as in training. The strategy of each
 //! layer is the plan's: with `--profile`, `plan_step` over `--strategies`
 //! (default: what `Strategy::Auto` chooses among); without a profile, the
 //! engine's default (dense below its compression threshold, else RGC).
@@ -335,6 +336,9 @@ struct Measured {
     /// Per step, the exchange the pairs took.
     exchanges: Vec<String>,
     fill: Option<f64>,
+    /// Steps run so far (warm-up included): which gradient the next one
+    /// gets.
+    steps: usize,
 }
 
 /// `s` with PowerSGD's rank set to `rank` (other strategies as they are).
@@ -537,6 +541,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
                 bytes: (0, 0),
                 exchanges: Vec::new(),
                 fill: None,
+                steps: 0,
             })
         })
         .collect::<Result<_>>()?;
@@ -563,9 +568,13 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             });
         }
         let r = &mut runs[k - 1];
+        // Each step its own gradient, as in training (a sparse layer's
+        // residual would otherwise accumulate one gradient, and its
+        // selection slow down with the step count).
         for (w, i) in work.iter_mut().zip(&input) {
-            w.copy_from_slice(i);
+            crate::calibrate::step_gradient(w, i, r.steps);
         }
+        r.steps += 1;
         let mut st = None;
         let t = timed(comm, || {
             let mut views: Vec<&mut [f32]> = work.iter_mut().map(|w| &mut w[..]).collect();
