@@ -212,7 +212,8 @@ pub(super) fn check_probes<'a>(
     // Dense: the collectives as `gradsync bench --op allreduce` runs them,
     // without length validation as the engine runs its fused allreduce;
     // sparse: one engine step per density as `gradsync bench --op sparse`
-    // runs it. Fresh data (the rank's synthetic gradient) before each.
+    // runs it. Fresh data (the rank's synthetic gradient, rotated each
+    // step: `step_gradient`) before each.
     let mut probes: Vec<Probe<'a>> = Vec::new();
     for &bytes in sizes {
         let n = bytes / 4;
@@ -241,8 +242,11 @@ pub(super) fn check_probes<'a>(
             )?;
             s.register_with("layer", &[n], Strategy::rgc(d))?;
             let (input, mut buf) = (input.clone(), input.clone());
+            let mut step = 0;
             probes.push(Box::new(move |_| {
-                buf.copy_from_slice(&input);
+                // Each step its own gradient, as in training.
+                super::step_gradient(&mut buf, &input, step);
+                step += 1;
                 comm.barrier()?;
                 let t0 = mpi::time();
                 s.sync(&mut [&mut buf[..]])?;

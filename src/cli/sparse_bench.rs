@@ -360,8 +360,9 @@ fn one(comm: &MpiComm, a: &BenchArgs, inp: &Inputs, bytes: usize) -> Result<Spar
                     .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
             })
         } else {
+            // Each step its own gradient, as in training.
             for (w, i) in work.iter_mut().zip(&input) {
-                w.copy_from_slice(i);
+                crate::calibrate::step_gradient(w, i, steps as usize);
             }
             let mut st = None;
             let compute = inp.compute;
