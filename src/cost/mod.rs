@@ -440,8 +440,10 @@ pub struct Profile {
     /// Effective speedup of the engine's layer-parallel local phase
     /// (selection, encoding and unpacking of several sparse layers spread
     /// over its threads), measured by `calibrate` with every rank busy at
-    /// once; 1 when not measured. The step model divides the sparse
-    /// group's local seconds by it when the group has two layers or more.
+    /// once; 1 when not measured. Where it pays
+    /// ([`tuning::parallel_speedup`]) the engine runs the phase on its
+    /// threads, and the step model divides the sparse group's local
+    /// seconds by it when the group has two layers or more.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub local_parallelism: f64,
     /// PowerSGD's local cost of a layer ([`PowerSgdFit`]); zero (and left

@@ -2,8 +2,9 @@ use super::*;
 use crate::codec::CodecConfig;
 use crate::strategy::Pick;
 
-/// A profile that measured the parallel local phase slower keeps it
-/// serial; one that measured a gain (or no profile) runs it.
+/// A profile that measured the parallel local phase slower, or no
+/// clear gain, keeps it serial; one that measured a gain (or no profile)
+/// runs it.
 #[test]
 fn parallel_local_phase_only_where_the_profile_says_it_pays() {
     let table = [
@@ -11,7 +12,13 @@ fn parallel_local_phase_only_where_the_profile_says_it_pays() {
         TableRow::new(1 << 20, &Strategy::rgc(0.01)),
     ];
     let mut prof = crate::cost::Profile::from_network(1e-6, 1e9, 0.0, 0.0).unwrap();
-    for (par, want) in [(None, true), (Some(0.9), false), (Some(1.6), true)] {
+    // About 1 (every core busy with a rank) is no gain: serial.
+    for (par, want) in [
+        (None, true),
+        (Some(0.9), false),
+        (Some(1.03), false),
+        (Some(1.6), true),
+    ] {
         let cfg = Config {
             profile: par.map(|x| {
                 prof.local_parallelism = x;
