@@ -425,8 +425,8 @@ fn local_probes_into<'a>(
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
     // 9. PowerSGD's local step of one layer (its products and the error
-    // kept, as the engine's `powersgd_s` times it) at ranks 1, 2 and 4 on matrices of
-    // 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
+    // kept, as the engine's `powersgd_s` times it) at ranks 1, 2 and 4 on
+    // matrices of 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
     // grows with the layer as the matrices leave the caches (on the
     // development VM, two ranks at once at rank 2: 1.7-1.8 ns at 256 Ki,
     // 1.8-2.0 at 1 Mi, 2.0-2.4 at 4 Mi), which the step model follows as a curve

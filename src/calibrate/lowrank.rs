@@ -1,6 +1,7 @@
 //! PowerSGD's local cost in a calibration: the probe of one layer's
-//! local step (its products, orthogonalization and the error kept) and the fit `a + n·per_elem + n·r·per_elem_rank`
-//! the step model prices `powersgd` with ([`crate::cost::PowerSgdFit`]).
+//! local step (its products, orthogonalization and the error kept) and
+//! the fit `a + n·per_elem + n·r·per_elem_rank` the step model prices
+//! `powersgd` with ([`crate::cost::PowerSgdFit`]).
 
 use super::probes::{local_prep, Probe};
 use crate::comm::MpiComm;
