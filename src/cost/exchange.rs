@@ -142,7 +142,7 @@ pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Choic
             .map(|&(ln, bytes)| q.at.p as f64 * bytes * prof.gamma_unpack_at(4.0 * ln as f64))
             .sum();
         if q.layers.len() >= 2 {
-            adds / super::tuning::parallel_speedup(prof).unwrap_or(1.0)
+            adds / prof.parallel_speedup().unwrap_or(1.0)
         } else {
             adds
         }

@@ -359,6 +359,17 @@ pub struct ProfileMeta {
     pub note: String,
 }
 
+/// The least speedup of the layer-parallel local phase
+/// ([`Profile::local_parallelism`]) for which the engine runs it
+/// ([`layers_in_parallel`]) and the step model divides by it. Where
+/// every core is already busy with a rank the calibration measures it
+/// about 1 (0.80–1.03 in the development VM's calibrations, 2 ranks on 2
+/// cores), and the engine then ran the phase parallel or serial by the
+/// noise of one probe. Parallel there cost the LSTM table's RGC step
+/// 5 % over shared memory (96.8 against 92.1 ms, means of four 7-step
+/// medians) and up to 8 % at 1 Gbit/s, with twice the spread.
+pub const PARALLEL_MIN_SPEEDUP: f64 = 1.1;
+
 /// Current profile format version (2 added the β and γ_reduce curves;
 /// version-1 profiles still load, with constant β and γ).
 pub const PROFILE_VERSION: u32 = 2;
@@ -441,7 +452,7 @@ pub struct Profile {
     /// (selection, encoding and unpacking of several sparse layers spread
     /// over its threads), measured by `calibrate` with every rank busy at
     /// once; 1 when not measured. Where it pays
-    /// ([`tuning::parallel_speedup`]) the engine runs the phase on its
+    /// ([`Profile::parallel_speedup`]) the engine runs the phase on its
     /// threads, and the step model divides the sparse group's local
     /// seconds by it when the group has two layers or more.
     #[serde(default = "one", skip_serializing_if = "is_one")]
@@ -719,6 +730,13 @@ impl Profile {
     /// [`curve_time_at`]).
     pub fn beta_at(&self, m: f64) -> f64 {
         curve_time_at(&self.beta_curve, self.beta, m)
+    }
+
+    /// The layer-parallel local phase's speedup
+    /// ([`Self::local_parallelism`]) where it pays, at least
+    /// [`PARALLEL_MIN_SPEEDUP`]; `None` (serial) otherwise.
+    pub fn parallel_speedup(&self) -> Option<f64> {
+        (self.local_parallelism >= PARALLEL_MIN_SPEEDUP).then_some(self.local_parallelism)
     }
 
     /// The engine's local cost of a dense layer of `n` elements in a step

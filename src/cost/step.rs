@@ -17,7 +17,7 @@
 //! The sparse layers' local work (steps 1 and 5) runs on the engine's
 //! threads, several layers at once, where the profile's `local_parallelism`
 //! (the speedup `calibrate` measured) is at least
-//! [`super::tuning::PARALLEL_MIN_SPEEDUP`]; it then divides that
+//! [`super::PARALLEL_MIN_SPEEDUP`]; it then divides that
 //! work when the sparse group has two layers or more. The dense layers' fusing and momentum
 //! (`dense_local`) run on one thread; their cost per element depends on
 //! the whole table's size (the step's working set: a table larger than
@@ -649,7 +649,7 @@ fn effective_local(prof: &Profile, o: &Option_, sparse_layers: usize) -> f64 {
     // The engine runs the phase in parallel only where the profile says it
     // pays (`sync::plan`), so a measured slowdown never applies.
     if o.group == GroupKind::Sparse && sparse_layers >= 2 {
-        o.local / super::tuning::parallel_speedup(prof).unwrap_or(1.0)
+        o.local / prof.parallel_speedup().unwrap_or(1.0)
     } else {
         o.local
     }

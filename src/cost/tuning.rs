@@ -395,29 +395,12 @@ impl Tuning {
     }
 }
 
-/// The least speedup of the layer-parallel local phase
-/// (`Profile::local_parallelism`) for which the engine runs it. Where
-/// every core is already busy with a rank the calibration measures it
-/// about 1 (0.80–1.03 in the development VM's calibrations, 2 ranks on 2
-/// cores), and the engine then ran the phase parallel or serial by the
-/// noise of one probe. Parallel there cost the LSTM table's RGC step
-/// 5 % over shared memory (96.8 against 92.1 ms, means of four 7-step
-/// medians) and up to 8 % at 1 Gbit/s, with twice the spread.
-pub const PARALLEL_MIN_SPEEDUP: f64 = 1.1;
-
-/// The layer-parallel local phase's speedup where it pays
-/// ([`PARALLEL_MIN_SPEEDUP`]); 1 (serial) otherwise. Without a profile
-/// the engine runs it parallel and nothing is priced.
-pub fn parallel_speedup(prof: &Profile) -> Option<f64> {
-    (prof.local_parallelism >= PARALLEL_MIN_SPEEDUP).then_some(prof.local_parallelism)
-}
-
 /// Whether a step's local phase (or its unpacking) runs its `layers`
 /// layers of `elems` sparse elements in all on rayon's threads: across two
 /// or more layers only (one layer gains nothing, and idle rayon workers
 /// spinning next to MPI's polling cost more than they bring on a few
 /// cores), from `min_elems` elements (`sync::Config::parallel_min_elems`),
-/// and only where it pays ([`parallel_speedup`]): a profile whose
+/// and only where it pays ([`Profile::parallel_speedup`]): a profile whose
 /// calibration measured no clear gain over one layer after another
 /// (every core already busy with a rank) keeps it serial.
 pub fn layers_in_parallel(
@@ -426,7 +409,7 @@ pub fn layers_in_parallel(
     layers: usize,
     elems: usize,
 ) -> bool {
-    let pays = prof.is_none_or(|p| parallel_speedup(p).is_some());
+    let pays = prof.is_none_or(|p| p.parallel_speedup().is_some());
     pays && layers >= 2 && elems >= min_elems
 }
 
