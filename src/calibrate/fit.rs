@@ -11,7 +11,7 @@ use super::probes::{
 use super::{phase, CalibrateOptions, Calibration, Progress};
 use crate::codec::{CodecConfig, RgcMethod};
 use crate::comm::{MpiComm, Transport};
-use crate::cost::{self, CodecFit, LinearFit, Profile, ProfileMeta, PROFILE_VERSION};
+use crate::cost::{self, CodecFit, CurvePoint, LinearFit, Profile, ProfileMeta, PROFILE_VERSION};
 use crate::dense::{
     allgatherv, allreduce_with, AllgathervAlgo, AllreduceAlgo, AllreduceOptions, Gathered,
     Workspace,
@@ -84,7 +84,7 @@ pub(super) fn run(
     let net = fit_network(comm, &sizes, &at, &remote_med);
     let (gamma_reduce, gamma_reduce_curve) = fit_gamma_reduce(p, &sizes, &at, &net, &remote_med)?;
     let unpack = fit_unpack_clear(&sizes, &lat, &local_med);
-    let select = fit_select(densities, &sizes, &lat, &local_med);
+    let (select, select_curve) = fit_select(densities, &sizes, &lat, &local_med);
     let codec_fits = fit_codecs(&sizes, &lat, &local_med);
     let (dense_local, dense_local_curve) = fit_dense_local(&sizes, &lat, &local_med);
     let local_parallelism = fit_parallelism(&lat, &local_med);
@@ -108,6 +108,7 @@ pub(super) fn run(
         gamma_reduce_curve,
         gamma_unpack_curve: unpack.gamma_unpack_curve,
         select,
+        select_curve,
         codecs: codec_fits,
         dense_local,
         dense_local_curve,
@@ -811,14 +812,9 @@ fn fit_unpack_clear(s: &Sizes, lat: &LocalAt, local_med: &[f64]) -> UnpackFit {
 
 /// The selection fits per method and density (4.): `name@density`, and
 /// `name` alone at the first density.
-fn fit_select(
-    densities: &[f64],
-    s: &Sizes,
-    lat: &LocalAt,
-    local_med: &[f64],
-) -> BTreeMap<String, LinearFit> {
+fn fit_select(densities: &[f64], s: &Sizes, lat: &LocalAt, local_med: &[f64]) -> SelectFits {
     let lns = &s.lns;
-    let mut select = BTreeMap::new();
+    let (mut select, mut curves) = (BTreeMap::new(), BTreeMap::new());
     for (c, (name, d)) in lat.select_names.iter().enumerate() {
         let pts: Vec<(f64, f64)> = lns
             .iter()
@@ -827,13 +823,30 @@ fn fit_select(
             .collect();
         log::debug!("calibrate: select {name}@{d}: {pts:?}");
         let fit = LinearFit::fit(&pts);
+        let curve: Vec<CurvePoint> = pts
+            .iter()
+            .filter(|(_, t)| *t > 0.0 && t.is_finite())
+            .map(|&(n, t)| CurvePoint {
+                bytes: 4.0 * n,
+                per_byte: t / (4.0 * n),
+            })
+            .collect();
         if *d == densities[0] {
             select.insert(name.clone(), fit);
+            curves.insert(name.clone(), curve.clone());
         }
         select.insert(format!("{name}@{d}"), fit);
+        curves.insert(format!("{name}@{d}"), curve);
     }
-    select
+    (select, curves)
 }
+
+/// The selection fits and curves by key (`trimmed`, `trimmed@0.001`, ...):
+/// `Profile::select` and `Profile::select_curve`.
+type SelectFits = (
+    BTreeMap<String, LinearFit>,
+    BTreeMap<String, Vec<CurvePoint>>,
+);
 
 /// The codecs' encode and decode fits and, for the data-dependent ones,
 /// their measured bytes per element (5.).

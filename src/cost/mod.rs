@@ -432,6 +432,13 @@ pub struct Profile {
     /// `method@density` keys hold fits calibrated at one density.
     #[serde(default)]
     pub select: BTreeMap<String, LinearFit>,
+    /// The same local cost by layer size, per key of [`Self::select`]:
+    /// seconds per byte of the layer (`4n`) at each probed size. Its last
+    /// point prices the layers larger than every probe
+    /// ([`Self::select_at`]). Empty in profiles from before it (then the
+    /// fit everywhere).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub select_curve: BTreeMap<String, Vec<CurvePoint>>,
     /// Per codec (`fp16`, `int8`, `qsgd`, `sbc`, `3lc`, `fastsgd`).
     #[serde(default)]
     pub codecs: BTreeMap<String, CodecFit>,
@@ -528,6 +535,7 @@ impl Profile {
             gamma_unpack_curve: Vec::new(),
             dense_local_curve: Vec::new(),
             select: BTreeMap::new(),
+            select_curve: BTreeMap::new(),
             codecs: BTreeMap::new(),
             dense_local: LinearFit::default(),
             local_parallelism: 1.0,
@@ -693,7 +701,14 @@ impl Profile {
                 "inter_node.oneway_curve",
                 inter.map_or(&no_curve, |e| &e.oneway_curve),
             ),
-        ] {
+        ]
+        .into_iter()
+        .map(|(name, c)| (name.to_string(), c))
+        .chain(
+            self.select_curve
+                .iter()
+                .map(|(k, c)| (format!("select_curve.{k}"), c)),
+        ) {
             for (i, c) in curve.iter().enumerate() {
                 if !(c.bytes.is_finite() && c.bytes > 0.0 && non_negative(c.per_byte)) {
                     bad.push(format!("{name}[{i}] = {c:?}"));
@@ -803,6 +818,15 @@ impl Profile {
     /// exactly that density (`"trimmed@0.01"`) if there is one, else the
     /// method's default (`"trimmed"`), else zero.
     pub fn select_fit(&self, method: &str, density: f64) -> LinearFit {
+        self.select_key(method, density)
+            .and_then(|k| self.select.get(k))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The key of [`Self::select`] that prices `method` at `density`
+    /// (as [`Self::select_fit`] reads it).
+    fn select_key(&self, method: &str, density: f64) -> Option<&str> {
         // `method@density` keys compared without formatting the density:
         // the step model asks once per layer and strategy, and a table of
         // 10^6 layers spent a fifth of `plan` in that `format!`.
@@ -811,12 +835,48 @@ impl Profile {
                 .is_some_and(|(m, d)| m == method && d.parse::<f64>().ok() == Some(density))
         };
         self.select
-            .iter()
-            .find(|(k, _)| at_density(k))
-            .map(|(_, f)| f)
-            .or_else(|| self.select.get(method))
-            .copied()
-            .unwrap_or_default()
+            .keys()
+            .find(|k| at_density(k))
+            .or_else(|| self.select.get_key_value(method).map(|(k, _)| k))
+            .map(String::as_str)
+    }
+
+    /// Seconds of the local cost of a sparse step of `method` at
+    /// `density` on a layer of `n` elements: [`Self::select_fit`] over
+    /// the probed sizes; past the largest of them, the more of the fit and
+    /// the largest probe's cost per element ([`Self::select_curve`]'s last
+    /// point). The fit averages sizes that fit in the caches, and a layer
+    /// past the probes is out of them, as the largest probe is: the LSTM
+    /// table's 9–15 M-element layers cost 1.4–1.6 ns an element where the
+    /// fit said 1.3. Inside the probed range the fit, not the curve's
+    /// points: on the development VM the probes at 1 and 2 Mi elements
+    /// read 2.4–2.6 ns in one job's four calibrations (512 Ki and 4 Mi:
+    /// 1.4–1.7), which ResNet-50's steps did not show.
+    ///
+    /// ```
+    /// use gradsync::cost::{CurvePoint, LinearFit, Profile};
+    /// let mut p = Profile::from_network(1e-5, 1e9, 0.0, 1e-9).unwrap();
+    /// p.select.insert("trimmed".into(), LinearFit { a: 1e-6, b: 1e-9 });
+    /// assert!((p.select_at("trimmed", 0.001, 1e7) - 1.0001e-2).abs() < 1e-12);
+    /// p.select_curve.insert("trimmed".into(), vec![
+    ///     CurvePoint { bytes: 4.0 * 65536.0, per_byte: 0.25e-9 },
+    ///     CurvePoint { bytes: 4.0 * 4194304.0, per_byte: 0.4e-9 },
+    /// ]);
+    /// // Past the largest probe: its 1.6 ns an element.
+    /// assert!((p.select_at("trimmed", 0.001, 1e7) - 1.6e-2).abs() < 1e-12);
+    /// // Inside the probed range: the fit.
+    /// assert!((p.select_at("trimmed", 0.001, 1e6) - 1.001e-3).abs() < 1e-12);
+    /// ```
+    pub fn select_at(&self, method: &str, density: f64, n: f64) -> f64 {
+        let fit = self.select_fit(method, density).at(n);
+        let last = self
+            .select_key(method, density)
+            .and_then(|k| self.select_curve.get(k))
+            .and_then(|c| c.last());
+        match last {
+            Some(l) if 4.0 * n > l.bytes => fit.max(4.0 * n * l.per_byte),
+            _ => fit,
+        }
     }
 }
 

@@ -271,6 +271,7 @@ impl ModelArgs {
             for m in [self.select_method.as_str(), "quant"] {
                 let at = format!("{m}@");
                 p.select.retain(|k, _| k != m && !k.starts_with(&at));
+                p.select_curve.retain(|k, _| k != m && !k.starts_with(&at));
                 p.select.insert(m.to_string(), fit);
             }
         }

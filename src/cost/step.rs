@@ -244,17 +244,20 @@ fn option(
         }
         StrategyId::SparseAllreduce | StrategyId::SparseHierarchical => {
             let k = super::sparse_k(n, density);
-            let fit = prof.select_fit(&q.select_method, density);
-            o(GroupKind::Sparse, 8.0 * k, fit.at(nf))
+            o(
+                GroupKind::Sparse,
+                8.0 * k,
+                prof.select_at(&q.select_method, density, nf),
+            )
         }
         StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
-            let (codec, fit) = if id == StrategyId::SparseAllgather {
-                ("rgc", prof.select_fit(&q.select_method, density))
+            let (codec, select) = if id == StrategyId::SparseAllgather {
+                ("rgc", prof.select_at(&q.select_method, density, nf))
             } else {
-                ("rgc-quant", prof.select_fit("quant", density))
+                ("rgc-quant", prof.select_at("quant", density, nf))
             };
             let m = codec_wire_bytes(codec, n, density).unwrap_or(0.0);
-            o(GroupKind::Sparse, m + toc, fit.at(nf) + unpack(m))
+            o(GroupKind::Sparse, m + toc, select + unpack(m))
         }
         StrategyId::GradiveqRing => o(
             GroupKind::Gradiveq,
