@@ -819,9 +819,7 @@ impl Profile {
     /// method's default (`"trimmed"`), else zero.
     pub fn select_fit(&self, method: &str, density: f64) -> LinearFit {
         self.select_key(method, density)
-            .and_then(|k| self.select.get(k))
-            .copied()
-            .unwrap_or_default()
+            .map_or_else(LinearFit::default, |k| self.select[k])
     }
 
     /// The key of [`Self::select`] that prices `method` at `density`
@@ -868,12 +866,12 @@ impl Profile {
     /// assert!((p.select_at("trimmed", 0.001, 1e6) - 1.001e-3).abs() < 1e-12);
     /// ```
     pub fn select_at(&self, method: &str, density: f64, n: f64) -> f64 {
-        let fit = self.select_fit(method, density).at(n);
-        let last = self
-            .select_key(method, density)
-            .and_then(|k| self.select_curve.get(k))
-            .and_then(|c| c.last());
-        match last {
+        // The key once: the planner prices every layer with this.
+        let Some(key) = self.select_key(method, density) else {
+            return 0.0;
+        };
+        let fit = self.select[key].at(n);
+        match self.select_curve.get(key).and_then(|c| c.last()) {
             Some(l) if 4.0 * n > l.bytes => fit.max(4.0 * n * l.per_byte),
             _ => fit,
         }
