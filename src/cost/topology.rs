@@ -21,7 +21,7 @@
 //! |---|---|---|
 //! | Rabenseifner | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
 //! | allgather (the allgatherv) | `r ⊕ 2^i` for a power of two; otherwise Bruck's `r − 2^i` (send) and `r + 2^i` (receive) | Thakur et al. §4.1; [`crate::dense::allgatherv`] |
-//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`]) | Thakur et al. §4.3 |
+//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`](super::NetLevel::oneway_curve)) | Thakur et al. §4.3 |
 //! | sparse allreduce (split and reduce) | round `s`: `r → r + s` | Ok-Topk; [`crate::sparse::allreduce`] |
 //!
 //! and the node-aware algorithms are costed by their phases:
@@ -66,7 +66,7 @@
 //! fill ratio `ρ = F(p)/(p·k)` (the engine reports `F(p)` each step) gives
 //! `F(j) = clamp(ρ·j·k, k, n)` instead ([`Placement::fill`](super::Placement::fill)).
 //!
-//! **Burst credit.** A link shaped by a token bucket ([`Burst`]: a cloud
+//! **Burst credit.** A link shaped by a token bucket ([`Burst`](super::Burst): a cloud
 //! VM's, the emulated cluster's) moves the first bytes after an idle spell
 //! faster than its sustained rate. Each collective starts with the whole
 //! credit (a training step's forward and backward pass leave the link
@@ -78,86 +78,10 @@
 //! the one-level model of [`super`]: exactly the closed forms there.
 
 use super::query::StepQuery;
-use super::{ceil_lg, CurvePoint, Profile};
-use serde::{Deserialize, Serialize};
+use super::{ceil_lg, Profile};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-
-/// The network between nodes: one pair of ranks on two nodes exchanging
-/// alone (`gradsync calibrate` on a job spanning several nodes, or
-/// `--inter-alpha`/`--inter-bandwidth`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetLevel {
-    /// Seconds per message.
-    pub alpha: f64,
-    /// Seconds per byte.
-    pub beta: f64,
-    /// β by message size (as [`Profile::beta_curve`]); empty: `beta`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub beta_curve: Vec<CurvePoint>,
-    /// β of one-way traffic by message size (ping-pong across the link,
-    /// `(T_oneway(m) − α)/m`): what a ring step costs, whose messages go
-    /// one way on each connection. Where a transport moves a large two-way
-    /// exchange slower than one-way traffic (Open MPI's TCP BTL with its
-    /// default 2 GiB put fragments ran some exchanges one way at a time,
-    /// docs/benchmarks/cluster.md), the exchange's β would over-charge the ring.
-    /// Empty: the exchange's β.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub oneway_curve: Vec<CurvePoint>,
-    /// The link's burst credit, if it has one ([`Burst`]); `None`: every
-    /// byte at the curves' rates.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst: Option<Burst>,
-}
-
-/// A link's burst credit: after an idle spell, the first `bytes` that
-/// cross it in each direction move at `beta` seconds per byte, faster than
-/// the sustained rate of the curves. A rate limiter built as a token bucket
-/// works this way: the rate-limited network of a cloud VM, and the
-/// emulated cluster's `tbf` (`hpc/cluster.sh`: a 2 ms bucket, 250 KB at
-/// 1 Gbit/s). A training step finds the bucket full (the link idles
-/// through the forward and backward pass), so the first bytes of each
-/// collective cross on credit; a collective of a few hundred KB across the
-/// link is mostly credit, one of many MB hardly at all.
-///
-/// `gradsync calibrate` ([`crate::calibrate`]) measures it on a job
-/// spanning several nodes: the exchange across the link after 20 ms of
-/// idling (the other ranks polling, as inside a collective) against the
-/// same exchange back to back (the β curve), fitted as
-/// `α + m·β(m) − min(m, bytes)·(β(m) − beta)`. A link that runs at one
-/// rate (InfiniBand, an unshaped switch) measures none. The model spends
-/// it step by step in the order of each collective's schedule, once per
-/// collective (module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Burst {
-    /// Bytes each direction of the link moves at the burst rate.
-    pub bytes: f64,
-    /// Seconds per byte of those.
-    pub beta: f64,
-}
-
-impl NetLevel {
-    /// β at a message of `m` bytes.
-    pub fn beta_at(&self, m: f64) -> f64 {
-        super::curve_time_at(&self.beta_curve, self.beta, m)
-    }
-
-    /// How much slower a two-way exchange moves each byte than one-way
-    /// traffic, at the largest message both curves measured: `(bytes,
-    /// two-way β / one-way β)`. About 1 on a full-duplex link; about 2 where
-    /// the transport runs the two directions one after the other. `None`
-    /// without both curves.
-    pub fn two_way_slowdown(&self) -> Option<(f64, f64)> {
-        self.oneway_curve.iter().rev().find_map(|one| {
-            let two = self.beta_curve.iter().find(|c| c.bytes == one.bytes)?;
-            (one.per_byte > 0.0 && two.per_byte > 0.0)
-                .then(|| (one.bytes, two.per_byte / one.per_byte))
-        })
-    }
-}
 
 /// The placement a prediction is made for: `p` ranks, `l` per node.
 #[derive(Clone, Debug, PartialEq)]

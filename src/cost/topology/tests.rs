@@ -1,5 +1,7 @@
 use super::*;
-use crate::cost::{dense_rabenseifner, dense_ring, Profile, StrategyId};
+use crate::cost::{
+    dense_rabenseifner, dense_ring, Burst, CurvePoint, NetLevel, Profile, StrategyId,
+};
 
 /// A profile of shared memory inside a node, `inter` (α, bytes/s) between
 /// nodes.
