@@ -13,7 +13,7 @@
 //! `used_dltensor` at once, and its deleter called when the [`Imported`]
 //! is dropped (after the step).
 
-use crate::Bad;
+use crate::args::{stats_dict, Bad};
 use gradsync::sync::Grad;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
@@ -252,7 +252,7 @@ pub(crate) fn import(
     Ok(imp)
 }
 
-impl crate::PyGradSync {
+impl crate::engine::PyGradSync {
     /// `sync` on DLPack tensors (all CPU, or all CUDA), in place.
     pub(crate) fn sync_dlpack(
         &self,
@@ -275,7 +275,7 @@ impl crate::PyGradSync {
         .map_err(crate::engine_err)?;
         drop(g);
         drop(imported);
-        crate::stats_dict(py, &stats)
+        stats_dict(py, &stats)
     }
 
     fn import_all(&self, grads: &Bound<'_, PyAny>, weights: bool) -> Result<Vec<Imported>, Bad> {
