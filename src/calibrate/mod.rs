@@ -48,11 +48,18 @@
 //! exchanges, the β curve `(T(m) − α)/m` from 4 KiB up, γ_reduce from the
 //! allreduces minus their α-β part under that curve, γ_unpack, γ_clear, and the
 //! linear fits `a + b·n` of the local costs.
+//!
+//! Files: the probes themselves (closures that time one operation) are in
+//! `probes.rs` and PowerSGD's in `lowrank.rs`; which of them a calibration
+//! runs at which sizes is `plan.rs`; the rounds and the fits are `fit.rs`;
+//! the check against the model (`--check`) is `check.rs`, the burst
+//! credit's probe `burst.rs`.
 
 mod burst;
 mod check;
 mod fit;
 mod lowrank;
+mod plan;
 mod probes;
 
 pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckOptions};
