@@ -224,18 +224,16 @@ fn plan(inp: &Inputs, p: usize, cfg: &Config) -> Result<Planned> {
         return Ok((v, None, Vec::new()));
     };
     let allowed = if inp.allowed.is_empty() {
-        let mut v = cost::engine_candidates(
-            cfg.allreduce,
-            cfg.sparse_exchange,
-            cfg.auto_quant,
-            inp.ranks_per_node.is_some(),
-        );
-        // Everything the engine runs: PowerSGD too where the profile
-        // prices it.
-        if !prof.powersgd.is_zero() {
-            v.push(StrategyId::Powersgd);
-        }
-        v
+        // What the engine's `Auto` layers choose among under these
+        // options, asked of its decision table: PowerSGD too (at
+        // `--powersgd-rank`) where the profile prices it.
+        let engine = Config {
+            auto_powersgd: inp.powersgd_rank,
+            ..cfg.clone()
+        };
+        cost::Tuning::new(Some(prof), p, inp.ranks_per_node, true, engine.masks())?
+            .with_policy(engine.policy())
+            .candidates()
     } else {
         through_exchange(&inp.allowed, inp.exchange, inp.ranks_per_node)?
     };
