@@ -430,30 +430,10 @@ impl<C: Transport + Send + 'static> GradSync<C> {
     /// configuration ([`crate::cost::engine_candidates`]). `None` when no
     /// layer is `Auto`.
     fn plan_auto(&self) -> Result<Option<AutoPlan>> {
-        use crate::cost::{LayerKind, StepLayer};
         if !self.reg.layers.iter().any(|l| l.strategy == Strategy::Auto) {
             return Ok(None);
         }
-        // The decision table's algorithm for the layers fixed dense (`auto`
-        // chooses every step by the dense group's size).
-        let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
-        let table: Vec<StepLayer> = self
-            .reg
-            .layers
-            .iter()
-            .map(|l| StepLayer {
-                name: l.name.clone(),
-                n: l.n,
-                kind: match &l.strategy {
-                    Strategy::Auto => LayerKind::Auto,
-                    s => {
-                        let (id, density) = self.tuning.fixed_layer(s, l.psg.is_some(), dense);
-                        LayerKind::Fixed(id, density)
-                    }
-                },
-                matrix: l.matrix(),
-            })
-            .collect();
+        let table = self.step_layers()?;
         let plan = self.tuning.plan_table(&table, self.tuner.fill())?;
         let mut layers = Vec::new();
         for (i, (l, lp)) in self.reg.layers.iter().zip(&plan.layers).enumerate() {
@@ -502,7 +482,6 @@ impl<C: Transport + Send + 'static> GradSync<C> {
         backward_s: f64,
         cap_bytes: Option<usize>,
     ) -> Result<crate::cost::BucketPlan> {
-        use crate::cost::{LayerKind, StepLayer};
         if self.cfg.profile.is_none() {
             return Err(Error::InvalidArgument(
                 "plan_buckets needs Config::profile (gradsync calibrate)".into(),
@@ -513,23 +492,32 @@ impl<C: Transport + Send + 'static> GradSync<C> {
                 "the auto layers have no strategy yet: complete_table() first".into(),
             ));
         }
-        let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
-        let table: Vec<StepLayer> = self
-            .reg
-            .layers
-            .iter()
-            .map(|l| {
-                let (id, density) = self.tuning.fixed_layer(&l.strategy, l.psg.is_some(), dense);
-                StepLayer {
-                    name: l.name.clone(),
-                    n: l.n,
-                    kind: LayerKind::Fixed(id, density),
-                    matrix: l.matrix(),
-                }
-            })
-            .collect();
+        let table = self.step_layers()?;
         self.tuning
             .buckets(&table, backward_s, cap_bytes, self.tuner.fill())
+    }
+
+    /// The table as the step model reads it: an `Auto` layer as
+    /// [`LayerKind::Auto`](crate::cost::LayerKind::Auto), every other as
+    /// the cost-model id and density of its strategy, a dense one with the
+    /// decision table's algorithm for the layers fixed dense (`auto`
+    /// chooses every step by the dense group's size).
+    fn step_layers(&self) -> Result<Vec<crate::cost::StepLayer>> {
+        use crate::cost::{LayerKind, StepLayer};
+        let dense = self.tuning.dense_id(self.fixed_dense_bytes())?;
+        let layer = |l: &super::layer::Layer| StepLayer {
+            name: l.name.clone(),
+            n: l.n,
+            kind: match &l.strategy {
+                Strategy::Auto => LayerKind::Auto,
+                s => {
+                    let (id, density) = self.tuning.fixed_layer(s, l.psg.is_some(), dense);
+                    LayerKind::Fixed(id, density)
+                }
+            },
+            matrix: l.matrix(),
+        };
+        Ok(self.reg.layers.iter().map(layer).collect())
     }
 
     /// Ranks per node for the step model: the largest node's count when the
