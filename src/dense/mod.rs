@@ -232,6 +232,21 @@ pub(crate) fn add_into<T: Real>(dst: &mut [T], src: &[T]) {
     }
 }
 
+/// `dst[i] = (dst[i] + src[i]) / p`: [`add_into`] then [`average`] in one
+/// pass over the memory, bit for bit the same (each element is rounded
+/// after the sum and after the division, as the two passes round it).
+#[inline]
+pub(crate) fn add_average_into<T: Real>(dst: &mut [T], src: &[T], p: usize) {
+    debug_assert_eq!(dst.len(), src.len());
+    let d = T::of_count(p);
+    for (x, s) in dst.iter_mut().zip(src) {
+        let mut v = *x;
+        v += *s;
+        v /= d;
+        *x = v;
+    }
+}
+
 /// `dst[i] -= src[i]`.
 #[inline]
 pub(crate) fn sub_from(dst: &mut [f32], src: &[f32]) {

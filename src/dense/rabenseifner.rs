@@ -3,8 +3,8 @@
 //! §4.4), with Open MPI's handling of non-powers of two and odd counts.
 
 use super::{
-    add_into, average, split_ref_mut, validate_same_len, AllreduceOptions, Fold, Real, ReduceOp,
-    Workspace, TAG_RABENSEIFNER as TAG,
+    add_average_into, add_into, average, split_ref_mut, validate_same_len, AllreduceOptions, Fold,
+    Real, ReduceOp, Workspace, TAG_RABENSEIFNER as TAG,
 };
 use crate::comm::Transport;
 use crate::Result;
@@ -86,14 +86,20 @@ pub fn rabenseifner_allreduce_with<C: Transport, T: Real>(
         };
         let klen = keep.len();
         comm.sendrecv(&buf[give], peer, &mut tmp[..klen], peer, TAG)?;
-        add_into(&mut buf[keep.clone()], &tmp[..klen]);
+        // The average in the last halving's sum: one pass over this rank's
+        // reduced block instead of two (at p = 2 a pass over half the
+        // buffer: 3.7 ms of a 264 MB allreduce's 90 on the development VM).
+        if opts.op == ReduceOp::Average && mask << 1 == f.p2 {
+            add_average_into(&mut buf[keep.clone()], &tmp[..klen], p);
+        } else {
+            add_into(&mut buf[keep.clone()], &tmp[..klen]);
+        }
         windows[steps] = (lo, w);
         steps += 1;
         (lo, w) = (keep.start, klen);
         mask <<= 1;
     }
-
-    if opts.op == ReduceOp::Average {
+    if opts.op == ReduceOp::Average && steps == 0 {
         average(&mut buf[lo..lo + w], p);
     }
 
