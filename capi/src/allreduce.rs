@@ -3,8 +3,15 @@
 
 use crate::{gs_algo, gs_dtype, gs_op, guard, invalid};
 use gradsync_engine::comm::MpiComm;
-use gradsync_engine::dense::{allreduce_agreed, AllreduceAlgo, AnyBuf, ReduceOp};
+use gradsync_engine::dense::{
+    allreduce_agreed, allreduce_agreed_with, AllreduceAlgo, AnyBuf, AnyWorkspace, ReduceOp,
+};
 use std::ffi::{c_int, c_void};
+use std::sync::{LazyLock, Mutex};
+
+/// `gs_allreduce`'s scratch, kept across calls (half the largest buffer
+/// reduced): a fresh one each call paid the first touch of its pages.
+static SCRATCH: LazyLock<Mutex<AnyWorkspace>> = LazyLock::new(Mutex::default);
 
 /// The enum parameters as the integers C passes, so that an out-of-range
 /// value is an error rather than undefined behaviour (a Rust enum must
@@ -72,7 +79,9 @@ fn parse(
 /// The values are not inspected, as `MPI_Allreduce` does not inspect them:
 /// a NaN or Inf (or a sum that overflows) reaches every rank's result
 /// alike, with `GS_OK`; the engine (`gs_sync`) checks its gradients.
-/// `GS_OP_AVERAGE` divides the sum by the number of ranks.
+/// `GS_OP_AVERAGE` divides the sum by the number of ranks. The scratch of
+/// `GS_ALGO_RABENSEIFNER` and `GS_ALGO_RING` (half the buffer) is kept
+/// for the next call, as large as the largest buffer reduced.
 ///
 /// # Safety
 /// `comm` is a valid communicator of the MPI library gradsync is linked
@@ -134,6 +143,10 @@ pub unsafe extern "C" fn gs_allreduce(
             };
             (b, algo, op)
         });
-        allreduce_agreed(&mpi, call)
+        // The kept scratch, unless another thread's call holds it.
+        match SCRATCH.try_lock() {
+            Ok(mut ws) => allreduce_agreed_with(&mpi, call, &mut ws),
+            Err(_) => allreduce_agreed(&mpi, call),
+        }
     })
 }

@@ -4,11 +4,18 @@
 
 use crate::args::{json_to_py, raw_comm, to_str, Bad};
 use crate::{engine_err, Error};
-use gradsync::dense::{allreduce_agreed, AllreduceAlgo, AnyBuf, ReduceOp};
+use gradsync::dense::{
+    allreduce_agreed, allreduce_agreed_with, AllreduceAlgo, AnyBuf, AnyWorkspace, ReduceOp,
+};
 use numpy::{PyArrayDyn, PyArrayMethods, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::path::PathBuf;
+use std::sync::{LazyLock, Mutex};
+
+/// `allreduce`'s scratch, kept across calls (half the largest array
+/// reduced): a fresh one each call paid the first touch of its pages.
+static SCRATCH: LazyLock<Mutex<AnyWorkspace>> = LazyLock::new(Mutex::default);
 
 /// In-place allreduce of a float32/float64 array over `comm`.
 #[pyfunction]
@@ -45,7 +52,11 @@ pub(crate) fn allreduce(
     let r = py.detach(move || {
         // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
         let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
-        allreduce_agreed(&comm, call)
+        // The kept scratch, unless another thread's call holds it.
+        match SCRATCH.try_lock() {
+            Ok(mut ws) => allreduce_agreed_with(&comm, call, &mut ws),
+            Err(_) => allreduce_agreed(&comm, call),
+        }
     });
     match (r, bad) {
         (Ok(()), _) => Ok(()),

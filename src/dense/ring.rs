@@ -9,7 +9,7 @@
 //! (the schedule NCCL's ring uses).
 
 use super::{
-    add_into, average, split_ref_mut, validate_same_len, AllreduceOptions, Real, ReduceOp,
+    add_average_into, add_into, split_ref_mut, validate_same_len, AllreduceOptions, Real, ReduceOp,
     Workspace, TAG_RING as TAG,
 };
 use crate::comm::{Request, Transport};
@@ -100,10 +100,13 @@ fn ring_plain<C: Transport, T: Real>(
         let rb = segment(n, p, (rank + 2 * p - s - 1) % p);
         let t = &mut tmp[..rb.len()];
         comm.sendrecv(&buf[sb], right, t, left, TAG)?;
-        add_into(&mut buf[rb], t);
-    }
-    if op == ReduceOp::Average {
-        average(&mut buf[segment(n, p, (rank + 1) % p)], p);
+        // The last step's sum is this rank's reduced segment: the average
+        // in the same pass.
+        if op == ReduceOp::Average && s == p - 2 {
+            add_average_into(&mut buf[rb], t, p);
+        } else {
+            add_into(&mut buf[rb], t);
+        }
     }
     for s in 0..p - 1 {
         let sb = segment(n, p, (rank + 1 + p - s) % p);
@@ -193,9 +196,11 @@ fn ring_pipelined<C: Transport, T: Real>(
             let mine = unsafe { view_mut(base, c, len) };
             if reduce {
                 // SAFETY: the received chunk in `tmp`, its receive done.
-                add_into(mine, unsafe { view(tbase, c - seg.start, len) });
+                let got = unsafe { view(tbase, c - seg.start, len) };
                 if s == p - 2 && op == ReduceOp::Average {
-                    average(mine, p);
+                    add_average_into(mine, got, p);
+                } else {
+                    add_into(mine, got);
                 }
             }
             if s + 1 < steps {

@@ -116,34 +116,41 @@ fn average_divides_by_p() {
     }
 }
 
-/// Rabenseifner's average is its last halving's sum divided in the same
-/// pass: bit for bit its sum then `/ p` on every rank, with values whose
-/// sums round (not integers), at powers of two and folded counts.
+/// The average is the last reduce step's sum divided in the same pass
+/// (a multiply by the exact `1/p` where `p` is a power of two): bit for
+/// bit the sum then `/ p` on every rank, for both algorithms, pipelined
+/// or not, with values whose sums round (not integers), at powers of two
+/// and at folded counts.
 #[test]
-fn rabenseifner_average_is_its_sum_then_divided_bitwise() {
-    let opts = |op| AllreduceOptions {
-        op,
-        ..Default::default()
-    };
-    for p in [2, 3, 4, 5, 7, 8] {
-        for n in [1, 2, 5, 1000] {
-            let input = |r: usize| -> Vec<f32> {
-                (0..n)
-                    .map(|i| ((i * 7919 + r * 104729) % 1009) as f32 * 0.1037 - 50.3)
-                    .collect()
+fn average_is_the_sum_then_divided_bitwise() {
+    for algo in ALGOS {
+        for chunk in [0, 3] {
+            let opts = |op| AllreduceOptions {
+                op,
+                chunk_elems: chunk,
+                ..Default::default()
             };
-            let run = |op| {
-                LocalComm::run(p, |c| {
-                    let mut b = input(c.rank());
-                    rabenseifner_allreduce(&c, &mut b, &opts(op)).unwrap();
-                    b
-                })
-            };
-            let (sums, avgs) = (run(ReduceOp::Sum), run(ReduceOp::Average));
-            for (s, a) in sums.iter().zip(&avgs) {
-                let want: Vec<u32> = s.iter().map(|&x| (x / p as f32).to_bits()).collect();
-                let got: Vec<u32> = a.iter().map(|x| x.to_bits()).collect();
-                assert_eq!(got, want, "p={p} n={n}");
+            for p in [2, 3, 4, 5, 7, 8] {
+                for n in [1, 2, 5, 1000] {
+                    let input = |r: usize| -> Vec<f32> {
+                        (0..n)
+                            .map(|i| ((i * 7919 + r * 104729) % 1009) as f32 * 0.1037 - 50.3)
+                            .collect()
+                    };
+                    let run = |op| {
+                        LocalComm::run(p, |c| {
+                            let mut b = input(c.rank());
+                            allreduce(&c, &mut b, algo, &opts(op)).unwrap();
+                            b
+                        })
+                    };
+                    let (sums, avgs) = (run(ReduceOp::Sum), run(ReduceOp::Average));
+                    for (s, a) in sums.iter().zip(&avgs) {
+                        let want: Vec<u32> = s.iter().map(|&x| (x / p as f32).to_bits()).collect();
+                        let got: Vec<u32> = a.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(got, want, "{algo:?} chunk {chunk} p={p} n={n}");
+                    }
+                }
             }
         }
     }
