@@ -166,9 +166,10 @@ const char *gs_version(void);
  * The values are not inspected, as `MPI_Allreduce` does not inspect them:
  * a NaN or Inf (or a sum that overflows) reaches every rank's result
  * alike, with `GS_OK`; the engine (`gs_sync`) checks its gradients.
- * `GS_OP_AVERAGE` divides the sum by the number of ranks. The scratch of
- * `GS_ALGO_RABENSEIFNER` and `GS_ALGO_RING` (half the buffer) is kept
- * for the next call, as large as the largest buffer reduced.
+ * `GS_OP_AVERAGE` divides the sum by the number of ranks. The algorithm's
+ * scratch is kept for the next call (half the buffer for
+ * `GS_ALGO_RABENSEIFNER`, the whole buffer for `GS_ALGO_MPI`), as large as
+ * the largest it needed, for the life of the process.
  *
  * # Safety
  * `comm` is a valid communicator of the MPI library gradsync is linked

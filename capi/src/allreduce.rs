@@ -9,8 +9,9 @@ use gradsync_engine::dense::{
 use std::ffi::{c_int, c_void};
 use std::sync::{LazyLock, Mutex};
 
-/// `gs_allreduce`'s scratch, kept across calls (half the largest buffer
-/// reduced): a fresh one each call paid the first touch of its pages.
+/// `gs_allreduce`'s scratch, kept across calls (as large as the largest
+/// buffer's algorithm needed: half of it for `GS_ALGO_RABENSEIFNER`, all of
+/// it for `GS_ALGO_MPI`): a fresh one each call paid the first touch of its pages.
 static SCRATCH: LazyLock<Mutex<AnyWorkspace>> = LazyLock::new(Mutex::default);
 
 /// The enum parameters as the integers C passes, so that an out-of-range
@@ -79,9 +80,10 @@ fn parse(
 /// The values are not inspected, as `MPI_Allreduce` does not inspect them:
 /// a NaN or Inf (or a sum that overflows) reaches every rank's result
 /// alike, with `GS_OK`; the engine (`gs_sync`) checks its gradients.
-/// `GS_OP_AVERAGE` divides the sum by the number of ranks. The scratch of
-/// `GS_ALGO_RABENSEIFNER` and `GS_ALGO_RING` (half the buffer) is kept
-/// for the next call, as large as the largest buffer reduced.
+/// `GS_OP_AVERAGE` divides the sum by the number of ranks. The algorithm's
+/// scratch is kept for the next call (half the buffer for
+/// `GS_ALGO_RABENSEIFNER`, the whole buffer for `GS_ALGO_MPI`), as large as
+/// the largest it needed, for the life of the process.
 ///
 /// # Safety
 /// `comm` is a valid communicator of the MPI library gradsync is linked
@@ -143,10 +145,14 @@ pub unsafe extern "C" fn gs_allreduce(
             };
             (b, algo, op)
         });
-        // The kept scratch, unless another thread's call holds it.
+        // The kept scratch, unless another thread's call holds it (a
+        // panic that poisoned it left it usable: its contents never matter).
         match SCRATCH.try_lock() {
             Ok(mut ws) => allreduce_agreed_with(&mpi, call, &mut ws),
-            Err(_) => allreduce_agreed(&mpi, call),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                allreduce_agreed_with(&mpi, call, &mut p.into_inner())
+            }
+            Err(std::sync::TryLockError::WouldBlock) => allreduce_agreed(&mpi, call),
         }
     })
 }

@@ -502,10 +502,11 @@ def allreduce(comm: Any, array: Any, algo: str = "rabenseifner", op: str = "sum"
     The values are not
     inspected, as ``MPI_Allreduce`` does not inspect them: a NaN or Inf
     reaches every rank's result alike (``GradSync.sync`` checks gradients).
-    ``"average"`` divides the sum by the number of ranks. The scratch of
-    the ``"rabenseifner"`` and ``"ring"`` algorithms (half the array) is
-    kept for the next call, so a loop of calls does not fault fresh pages
-    in every time; it stays as large as the largest array reduced.
+    ``"average"`` divides the sum by the number of ranks. The algorithm's
+    scratch (half the array for ``"rabenseifner"``, the whole array for
+    ``"mpi"``) is kept for the next call, so a loop of calls does not fault
+    fresh pages in every time; it stays, for the life of the process, as
+    large as the largest it needed.
     """
     _gradsync.allreduce(comm, _dlpack_view(array) if type(array) is not _np.ndarray else array, algo, op)
 

@@ -13,8 +13,9 @@ use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::sync::{LazyLock, Mutex};
 
-/// `allreduce`'s scratch, kept across calls (half the largest array
-/// reduced): a fresh one each call paid the first touch of its pages.
+/// `allreduce`'s scratch, kept across calls (as large as the largest
+/// array's algorithm needed: half of it for `rabenseifner`, all of it for
+/// `mpi`): a fresh one each call paid the first touch of its pages.
 static SCRATCH: LazyLock<Mutex<AnyWorkspace>> = LazyLock::new(Mutex::default);
 
 /// In-place allreduce of a float32/float64 array over `comm`.
@@ -52,10 +53,14 @@ pub(crate) fn allreduce(
     let r = py.detach(move || {
         // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
         let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
-        // The kept scratch, unless another thread's call holds it.
+        // The kept scratch, unless another thread's call holds it (a
+        // panic that poisoned it left it usable: its contents never matter).
         match SCRATCH.try_lock() {
             Ok(mut ws) => allreduce_agreed_with(&comm, call, &mut ws),
-            Err(_) => allreduce_agreed(&comm, call),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                allreduce_agreed_with(&comm, call, &mut p.into_inner())
+            }
+            Err(std::sync::TryLockError::WouldBlock) => allreduce_agreed(&comm, call),
         }
     });
     match (r, bad) {

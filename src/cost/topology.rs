@@ -21,7 +21,7 @@
 //! |---|---|---|
 //! | Rabenseifner | virtual rank `v ⊕ 2^i` (distance 1 first) after the fold of the first `2r` ranks into pairs | Thakur et al. §4.4; [`crate::dense`] |
 //! | allgather (the allgatherv) | `r ⊕ 2^i` for a power of two; otherwise Bruck's `r − 2^i` (send) and `r + 2^i` (receive) | Thakur et al. §4.1; [`crate::dense::allgatherv`] |
-//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`](super::NetLevel::oneway_curve)) | Thakur et al. §4.3 |
+//! | ring | `r → r + 1`: one rank per node crosses (`c = 1`), one way on each connection ([`NetLevel::oneway_curve`]) | Thakur et al. §4.3 |
 //! | sparse allreduce (split and reduce) | round `s`: `r → r + s` | Ok-Topk; [`crate::sparse::allreduce`] |
 //!
 //! and the node-aware algorithms are costed by their phases:
@@ -66,7 +66,7 @@
 //! fill ratio `ρ = F(p)/(p·k)` (the engine reports `F(p)` each step) gives
 //! `F(j) = clamp(ρ·j·k, k, n)` instead ([`Placement::fill`](super::Placement::fill)).
 //!
-//! **Burst credit.** A link shaped by a token bucket ([`Burst`](super::Burst): a cloud
+//! **Burst credit.** A link shaped by a token bucket ([`Burst`]: a cloud
 //! VM's, the emulated cluster's) moves the first bytes after an idle spell
 //! faster than its sustained rate. Each collective starts with the whole
 //! credit (a training step's forward and backward pass leave the link
@@ -77,6 +77,9 @@
 //! A profile without [`Profile::inter_node`], or one node (`L ≥ p`), is
 //! the one-level model of [`super`]: exactly the closed forms there.
 
+/// The link between nodes as the profile holds it, which this module's
+/// schedules price (also `cost::NetLevel` and `cost::Burst`).
+pub use super::profile::{Burst, NetLevel};
 use super::query::StepQuery;
 use super::{ceil_lg, Profile};
 use std::cell::{Cell, RefCell};

@@ -2,7 +2,7 @@
 //! marginal cost against the rest of the step and its cost alone, and
 //! every group's bytes and seconds ([`StepPlan`]), as `gradsync plan`,
 //! `predict_step` and `bench --op step` report them. The search for the
-//! assignment is [`super`]'s; this file describes the one it found.
+//! assignment is [`super::search`]'s; this file describes the one it found.
 
 use super::groups::{dense_group, dense_wire, lowrank_group, sparse_group, sparse_wire};
 use super::{

@@ -36,7 +36,7 @@ pub(super) fn curve(points: &[(f64, f64)]) -> Vec<CurvePoint> {
         .collect()
 }
 
-// ---- the step model (step.rs) ----
+// ---- the step model (step/) ----
 
 pub(super) fn table(ns: &[usize]) -> Vec<StepLayer> {
     ns.iter()
