@@ -33,13 +33,14 @@ pub(crate) type LayerTable = Arc<Vec<(String, Vec<usize>)>>;
 pub(crate) type Held<'a> = std::sync::MutexGuard<'a, Option<Engine>>;
 
 impl PyGradSync {
-    /// The engine, locked. Another Python thread may hold it inside a
-    /// GIL-free call (a `sync`); waiting for it with the GIL held would
-    /// deadlock (that thread needs the GIL to return), so wait without it.
-    pub(crate) fn engine(&self, py: Python<'_>) -> PyResult<Held<'_>> {
-        let g = loop {
+    /// The engine's slot, locked, open or closed. Another Python thread may
+    /// hold it inside a GIL-free call (a `sync`); waiting for it with the
+    /// GIL held would deadlock (that thread needs the GIL to return), so
+    /// wait without it.
+    fn lock(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        loop {
             match self.inner.try_lock() {
-                Ok(g) => break g,
+                Ok(g) => return Ok(g),
                 Err(std::sync::TryLockError::WouldBlock) => {
                     py.detach(|| std::thread::sleep(std::time::Duration::from_micros(50)))
                 }
@@ -47,7 +48,12 @@ impl PyGradSync {
                     return Err(Error::new_err("the engine was poisoned by a panic"))
                 }
             }
-        };
+        }
+    }
+
+    /// The engine, locked ([`lock`](Self::lock)); an error once closed.
+    pub(crate) fn engine(&self, py: Python<'_>) -> PyResult<Held<'_>> {
+        let g = self.lock(py)?;
         if g.is_none() {
             return Err(Error::new_err("the engine is closed"));
         }
@@ -692,17 +698,7 @@ impl PyGradSync {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // As `engine()`: another thread may hold the engine inside a
         // GIL-free step, and needs the GIL to return: wait without it.
-        let mut g = loop {
-            match self.inner.try_lock() {
-                Ok(g) => break g,
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    py.detach(|| std::thread::sleep(std::time::Duration::from_micros(50)))
-                }
-                Err(std::sync::TryLockError::Poisoned(_)) => {
-                    return Err(Error::new_err("the engine was poisoned by a panic"))
-                }
-            }
-        };
+        let mut g = self.lock(py)?;
         let Some(eng) = g.as_mut() else {
             return Ok(()); // closed already: no collective
         };

@@ -11,7 +11,7 @@
 
 use super::argmin::cheapest;
 use super::query::{Placement, StepQuery};
-use super::step::{check, dense_group, sparse_group, Sizes, MAX_RANKS};
+use super::step::{check, check_ranks, dense_group, sparse_group, Sizes, MAX_RANKS};
 use super::topology::allgatherv_candidates;
 use super::topology::Net;
 use super::{Profile, StrategyId};
@@ -81,15 +81,7 @@ pub struct Choice<T> {
 /// Near-ties (one rank) and a group without pairs (empty layers) go to the
 /// allgatherv.
 pub fn choose_sparse_exchange(prof: &Profile, q: &ExchangeQuery) -> Result<Choice<StrategyId>> {
-    if q.at.p == 0 {
-        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
-    }
-    if q.at.p > MAX_RANKS {
-        return Err(Error::InvalidArgument(format!(
-            "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
-            q.at.p
-        )));
-    }
+    check_ranks(q.at.p)?;
     if !(q.k >= 0.0 && q.k.is_finite() && q.message_bytes >= 0.0 && q.message_bytes.is_finite()) {
         return Err(Error::InvalidArgument(format!(
             "pairs {} and message bytes {} must be finite and not negative",

@@ -498,16 +498,21 @@ pub(super) fn check_select_method(m: &str) -> Result<()> {
         })
 }
 
-pub(super) fn check(q: &StepQuery) -> Result<()> {
-    if q.at.p == 0 {
+/// A rank count the model prices: 1 to [`MAX_RANKS`].
+pub(super) fn check_ranks(p: usize) -> Result<()> {
+    if p == 0 {
         return Err(Error::InvalidArgument("ranks must be at least 1".into()));
     }
-    if q.at.p > MAX_RANKS {
+    if p > MAX_RANKS {
         return Err(Error::InvalidArgument(format!(
-            "ranks {} is past the model's limit of {MAX_RANKS} (2^24)",
-            q.at.p
+            "ranks {p} is past the model's limit of {MAX_RANKS} (2^24)"
         )));
     }
+    Ok(())
+}
+
+pub(super) fn check(q: &StepQuery) -> Result<()> {
+    check_ranks(q.at.p)?;
     if !(q.density > 0.0 && q.density <= 1.0) {
         return Err(Error::InvalidArgument(format!(
             "density {} must lie in (0, 1]",
