@@ -32,6 +32,7 @@
 mod aware;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod sparse;
 mod staging;
 
 pub use aware::{cuda_aware, query_mpi, CudaAware, Override, Query, ENV as CUDA_AWARE_ENV};
