@@ -43,7 +43,7 @@ echo "test.sh: the library builds without the cli feature and its crates"
 # unit tests and tests/gpu.rs (the staged allreduce under mpirun; its GPU
 # tests print "skipped: <reason>" where no GPU is usable, shown here).
 cargo test --release --features cuda --lib
-cargo build --release --features cuda --example staging_check --example device_engine_check
+cargo build --release --features cuda --example staging_check --example device_engine_check --example device_sparse_check
 cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1
 # The C ABI built with the cuda feature: gs_sync_device(GS_MEMORY_CUDA) on
 # one rank fails that step on every rank ("libcuda not found" here) and

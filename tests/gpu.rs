@@ -353,3 +353,62 @@ fn gpu_staged_allreduce_equals_host_model() {
         "gpu_staged_allreduce_equals_host_model: skipped: built without the cuda feature (cargo test --features cuda)"
     );
 }
+
+fn device_sparse_check(np: usize, args: &[&str]) -> (bool, String, String) {
+    let ex = example("device_sparse_check");
+    assert!(
+        ex.exists(),
+        "{} not built (cargo test builds it; with --test gpu, build it first: cargo build --release --example device_sparse_check)",
+        ex.display()
+    );
+    mpirun_env(np, &ex, args, &[], LIMIT)
+}
+
+/// The device-resident sparse step (`gpu::sparse`) against the host
+/// engine under mpirun, bit for bit on integer gradients for 5 steps of
+/// trimmed and threshold selection with momentum, on the CPU reference
+/// at p = 1, 2, 3 (any machine) and on the kernels where every rank has
+/// a GPU; a NaN on the last rank fails that step on every rank.
+#[test]
+fn device_sparse_step_equals_host_engine_under_mpirun() {
+    for np in [1, 2, 3] {
+        let (ok, out, err) = device_sparse_check(np, &[]);
+        assert!(ok, "np={np}: {err}\n{out}");
+        assert_eq!(
+            lines(&out, &format!("SPARSE-OK host steps=15 ranks={np}")).len(),
+            np,
+            "{out}"
+        );
+        assert_eq!(lines(&out, "SPARSE-ERR-OK host").len(), np, "{out}");
+        let skipped = lines(&out, "GPU-SKIPPED ");
+        if let Some(l) = skipped.first() {
+            assert_eq!(skipped.len(), np, "{out}");
+            println!(
+                "device_sparse_step_equals_host_engine_under_mpirun (cuda): skipped: {}",
+                &l["GPU-SKIPPED ".len()..]
+            );
+            continue;
+        }
+        assert_eq!(
+            lines(&out, &format!("SPARSE-OK cuda steps=15 ranks={np}")).len(),
+            np,
+            "{out}"
+        );
+    }
+}
+
+/// Each device sparse kernel against its CPU reference on device memory;
+/// skipped with the reason without a GPU.
+#[test]
+fn gpu_sparse_kernels_equal_the_cpu_reference() {
+    let (ok, out, err) = device_sparse_check(1, &["--kernels"]);
+    assert!(ok, "{err}\n{out}");
+    if let Some(l) = lines(&out, "GPU-SKIPPED ").first() {
+        println!(
+            "gpu_sparse_kernels_equal_the_cpu_reference: skipped: {}",
+            &l["GPU-SKIPPED ".len()..]
+        );
+        return;
+    }
+    assert_eq!(lines(&out, "KERNELS-OK ").len(), 1, "{out}");
+}

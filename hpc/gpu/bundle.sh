@@ -33,7 +33,7 @@ pkgs=(openmpi-bin libopenmpi3 openmpi-common libpmix2 libevent-core-2.1-7
 (cd .gpu/deb && apt-get download "${pkgs[@]}" >/dev/null)
 
 # 2. The test and the examples, built with the cuda feature.
-cargo build --release --features cuda --example staging_check --example device_engine_check
+cargo build --release --features cuda --example staging_check --example device_engine_check --example device_sparse_check
 test_exe=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -42,7 +42,7 @@ for l in sys.stdin:
         print(m["executable"])' | tail -1)
 [ -n "$test_exe" ] || { echo "bundle.sh: no gpu test executable" >&2; exit 1; }
 strip -o .gpu/bin/gpu "$test_exe"
-for ex in staging_check device_engine_check; do
+for ex in staging_check device_engine_check device_sparse_check; do
   strip -o ".gpu/bin/$ex" "target/release/examples/$ex"
 done
 realpath target/release > .gpu/exe_dir

@@ -112,8 +112,8 @@ if [ "$gpu" = 1 ] && [ -x .gpu/bin/device_sparse_check ]; then
   timeout 120 mpirun -np 2 --oversubscribe .gpu/bin/device_sparse_check > "$OUT/sparse.log" 2>&1
   rc=$?
   tail -20 "$OUT/sparse.log"
-  if [ "$rc" = 0 ] && [ "$(grep -c '^SPARSE-OK' "$OUT/sparse.log")" = 2 ]; then
-    result sparse PASS "$(grep '^SPARSE-OK' "$OUT/sparse.log" | head -1)"
+  if [ "$rc" = 0 ] && [ "$(grep -c '^SPARSE-OK cuda' "$OUT/sparse.log")" = 2 ]; then
+    result sparse PASS "$(grep '^SPARSE-OK cuda' "$OUT/sparse.log" | head -1)"
   else
     result sparse FAIL "exit $rc (see sparse.log)"
   fi

@@ -28,7 +28,7 @@ export LD_LIBRARY_PATH="$lib/openmpi/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export OPAL_PREFIX="$root/usr"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mkdir -p "$exe_dir/examples"
-cp .gpu/bin/staging_check .gpu/bin/device_engine_check "$exe_dir/examples/"
+cp .gpu/bin/staging_check .gpu/bin/device_engine_check .gpu/bin/device_sparse_check "$exe_dir/examples/"
 # The test finds the examples beside this path (never truncate a real one).
 [ -e "$exe_dir/gradsync" ] || : > "$exe_dir/gradsync"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "run.sh: no nvidia-smi"

@@ -50,9 +50,19 @@ pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx> {
         .map_err(|e| Error::Device(format!("NVRTC compiling kernels.cu: {e}")))
 }
 
-/// The kernels built for `ctx`.
+/// The kernels built for `ctx` (compiled once per process).
 fn build(ctx: &Arc<CudaContext>) -> Result<Kernels> {
-    let ptx = compile_kernels()?;
+    static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
+        std::sync::OnceLock::new();
+    let src = PTX
+        .get_or_init(|| {
+            compile_kernels()
+                .map(|p| p.to_src())
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(Error::Device)?;
+    let ptx = cudarc::nvrtc::Ptx::from_src(src);
     let m = ctx.load_module(ptx).map_err(dev("loading the kernels"))?;
     let f = |name: &'static str| m.load_function(name).map_err(dev(name));
     Ok(Kernels {
@@ -168,10 +178,26 @@ impl CudaOps {
             seg_first_blk: up32(&seg_first)?,
             seg_nblk: up32(&seg_nblk)?,
         };
-        let z32 = |len: usize| stream.alloc_zeros::<f32>(len.max(1)).map_err(dev("allocation"));
-        let zu32 = |len: usize| stream.alloc_zeros::<u32>(len.max(1)).map_err(dev("allocation"));
-        let zu64 = |len: usize| stream.alloc_zeros::<u64>(len.max(1)).map_err(dev("allocation"));
-        let zf64 = |len: usize| stream.alloc_zeros::<f64>(len.max(1)).map_err(dev("allocation"));
+        let z32 = |len: usize| {
+            stream
+                .alloc_zeros::<f32>(len.max(1))
+                .map_err(dev("allocation"))
+        };
+        let zu32 = |len: usize| {
+            stream
+                .alloc_zeros::<u32>(len.max(1))
+                .map_err(dev("allocation"))
+        };
+        let zu64 = |len: usize| {
+            stream
+                .alloc_zeros::<u64>(len.max(1))
+                .map_err(dev("allocation"))
+        };
+        let zf64 = |len: usize| {
+            stream
+                .alloc_zeros::<f64>(len.max(1))
+                .map_err(dev("allocation"))
+        };
         Ok(CudaOps {
             grads: z32(n)?,
             v: z32(n)?,
@@ -240,6 +266,17 @@ impl CudaOps {
             self.stream
                 .memcpy_htod(v, &mut self.v)
                 .map_err(dev("copy to the device"))?;
+        }
+        Ok(())
+    }
+
+    /// `grads = V`, a device-to-device copy (the bandwidth a selection
+    /// is measured against).
+    pub fn copy_residual_to_grads(&mut self) -> Result<()> {
+        if self.n > 0 {
+            self.stream
+                .memcpy_dtod(&self.v, &mut self.grads)
+                .map_err(dev("device-to-device copy"))?;
         }
         Ok(())
     }
@@ -435,8 +472,10 @@ impl SparseOps for CudaOps {
             return Ok(Vec::new());
         }
         let s = &self.stream;
-        s.memcpy_htod(&flat, &mut self.thr).map_err(dev("thresholds"))?;
-        s.memcpy_htod(&nthr, &mut self.nthr).map_err(dev("thresholds"))?;
+        s.memcpy_htod(&flat, &mut self.thr)
+            .map_err(dev("thresholds"))?;
+        s.memcpy_htod(&nthr, &mut self.nthr)
+            .map_err(dev("thresholds"))?;
         s.memset_zeros(&mut self.hist).map_err(dev("memset"))?;
         let t = &self.t;
         if t.nblk > 0 {
@@ -481,7 +520,8 @@ impl SparseOps for CudaOps {
             });
         }
         let s = self.stream.clone();
-        s.memcpy_htod(thr, &mut self.thr1).map_err(dev("thresholds"))?;
+        s.memcpy_htod(thr, &mut self.thr1)
+            .map_err(dev("thresholds"))?;
         let t = &self.t;
         // SAFETY: tables as in stats; blk_cnt/blk_off nblk, seg_* nseg.
         unsafe {
@@ -556,7 +596,8 @@ impl SparseOps for CudaOps {
         let s = self.stream.clone();
         ensure(&s, &mut self.in_idx, gidx.len())?;
         let ii = self.in_idx.as_mut().expect("ensured");
-        s.memcpy_htod(gidx, ii).map_err(dev("indices to the device"))?;
+        s.memcpy_htod(gidx, ii)
+            .map_err(dev("indices to the device"))?;
         let m = gidx.len() as u64;
         // SAFETY: every index is < n (the policy's, from this layout).
         unsafe {
@@ -612,8 +653,10 @@ impl SparseOps for CudaOps {
             self.in_idx.as_mut().expect("ensured"),
             self.in_val.as_mut().expect("ensured"),
         );
-        s.memcpy_htod(&gi, ii).map_err(dev("entries to the device"))?;
-        s.memcpy_htod(&gv, iv).map_err(dev("entries to the device"))?;
+        s.memcpy_htod(&gi, ii)
+            .map_err(dev("entries to the device"))?;
+        s.memcpy_htod(&gv, iv)
+            .map_err(dev("entries to the device"))?;
         let mut at = 0usize;
         for (i, _) in ranks {
             let m = i.len();
@@ -675,6 +718,9 @@ mod tests {
         ] {
             assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
         }
-        assert!(!ptx.contains("fma.rn.f32"), "a float multiply-add was contracted");
+        assert!(
+            !ptx.contains("fma.rn.f32"),
+            "a float multiply-add was contracted"
+        );
     }
 }

@@ -47,18 +47,18 @@
 //! rank with nothing changed; a residual that overflowed f32 is cleared,
 //! as the host engine clears it.
 
-mod host;
-pub mod policy;
-mod wire;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod host;
+pub mod policy;
 #[cfg(test)]
 mod tests;
+mod wire;
 
-pub use host::HostOps;
-pub use policy::{Method, LayerState};
 #[cfg(feature = "cuda")]
 pub use cuda::{compile_kernels, CudaOps};
+pub use host::HostOps;
+pub use policy::{LayerState, Method};
 
 use crate::comm::agree::agree;
 use crate::comm::Transport;
@@ -252,10 +252,13 @@ impl<O: SparseOps> DeviceSparse<O> {
         st.check_s = t.elapsed().as_secs_f64();
         let step = self.steps;
         let die = |what: &str, e: Error| -> ! {
-            comm.abort(1, &format!(
-                "rank {}: device sparse step {step}: {what} failed after the ranks agreed: {e}",
-                comm.rank()
-            ))
+            comm.abort(
+                1,
+                &format!(
+                    "rank {}: device sparse step {step}: {what} failed after the ranks agreed: {e}",
+                    comm.rank()
+                ),
+            )
         };
         let t = Instant::now();
         if let Err(e) = self.ops.accumulate(self.cfg.momentum, self.cfg.nesterov) {
@@ -276,7 +279,11 @@ impl<O: SparseOps> DeviceSparse<O> {
         let mut at = 0;
         for (l, &c) in sel.entries.counts.iter().enumerate() {
             let base = self.offsets[l];
-            gidx.extend(sel.entries.idx[at..at + c].iter().map(|&i| base + u64::from(i)));
+            gidx.extend(
+                sel.entries.idx[at..at + c]
+                    .iter()
+                    .map(|&i| base + u64::from(i)),
+            );
             at += c;
         }
         for &l in &sel.overflowed {

@@ -67,7 +67,8 @@ pub struct LayerState {
 }
 
 impl LayerState {
-    pub(super) fn new(n: usize, k: usize, method: Method) -> Self {
+    /// A layer of `n` elements sending `k`, with no threshold yet.
+    pub fn new(n: usize, k: usize, method: Method) -> Self {
         LayerState {
             n,
             k,
@@ -96,7 +97,11 @@ enum Plan {
     /// Nothing to send (k = 0, empty, overflowed).
     Nothing,
     /// Candidates above `t`; `topk`: reduce them to the k largest.
-    Take { t: f32, topk: bool, store: Store },
+    Take {
+        t: f32,
+        topk: bool,
+        store: Store,
+    },
     /// Count these thresholds next round.
     Trim,
     Reuse(f32),
@@ -176,7 +181,12 @@ impl Search {
 
     /// The host loop, as far as `counts` (by ratio bits) reach: `Some`
     /// when it ended (with its threshold, or `None` for the fallback).
-    fn walk(&mut self, k: usize, eps: f64, counts: &HashMap<u64, (f32, u64)>) -> Option<Option<f32>> {
+    fn walk(
+        &mut self,
+        k: usize,
+        eps: f64,
+        counts: &HashMap<u64, (f32, u64)>,
+    ) -> Option<Option<f32>> {
         let hi = k.saturating_mul(2) as u64;
         let k = k as u64;
         loop {
@@ -370,7 +380,10 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
                 Store::No | Store::Reused => {}
                 Store::Found => remember(ls, *t),
                 Store::Fallback => {
-                    let kth = keep_val.iter().map(|v| v.abs()).fold(f32::INFINITY, f32::min);
+                    let kth = keep_val
+                        .iter()
+                        .map(|v| v.abs())
+                        .fold(f32::INFINITY, f32::min);
                     remember(ls, next_down(kth));
                 }
             }
@@ -451,7 +464,12 @@ fn search_or_exact(ls: &LayerState, s: &AbsStats) -> Plan {
 /// The `k` largest magnitudes of the candidates (ties to the lower index),
 /// in index order: [`crate::select`]'s `reduce_to_topk` on the candidates'
 /// own values.
-pub(crate) fn reduce_to_topk(k: usize, idx: &mut Vec<u32>, val: &mut Vec<f32>, mags: &mut Vec<f32>) {
+pub(crate) fn reduce_to_topk(
+    k: usize,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+    mags: &mut Vec<f32>,
+) {
     if idx.len() <= k {
         return;
     }

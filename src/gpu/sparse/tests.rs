@@ -76,7 +76,7 @@ fn run(case: &Case) -> Vec<Vec<(Vec<f32>, Vec<f32>)>> {
             momentum,
             nesterov,
         };
-        let mut dev = DeviceSparse::new(HostOps::new(&sizes), dcfg).unwrap();
+        let mut dev = DeviceSparse::new(HostOps::new(sizes), dcfg).unwrap();
         let mut out = Vec::new();
         for step in 0..steps {
             let mut gs: Vec<Vec<f32>> = sizes
@@ -93,7 +93,10 @@ fn run(case: &Case) -> Vec<Vec<(Vec<f32>, Vec<f32>)>> {
         out
     };
     std::thread::scope(|sc| {
-        let hs: Vec<_> = pairs.into_iter().map(|pc| sc.spawn(move || body(pc))).collect();
+        let hs: Vec<_> = pairs
+            .into_iter()
+            .map(|pc| sc.spawn(move || body(pc)))
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -127,7 +130,9 @@ fn equals_the_host_engine_bit_for_bit_on_integer_gradients() {
                 assert!(
                     bits(h) == bits(d),
                     "p {p} {method:?} m {momentum} rank {r} step {s}: first difference at {:?}",
-                    h.iter().zip(d).position(|(a, b)| a.to_bits() != b.to_bits())
+                    h.iter()
+                        .zip(d)
+                        .position(|(a, b)| a.to_bits() != b.to_bits())
                 );
                 assert!(h.iter().any(|&v| v != 0.0), "step {s} sent nothing");
             }
@@ -153,7 +158,11 @@ fn real_gradients_stay_close_to_the_host_engine() {
         };
         for steps in run(&case) {
             for (h, d) in steps {
-                let differ = h.iter().zip(&d).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                let differ = h
+                    .iter()
+                    .zip(&d)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
                 assert!(differ <= 8, "{method:?}: {differ} elements differ");
             }
         }
@@ -164,7 +173,8 @@ fn real_gradients_stay_close_to_the_host_engine() {
 fn a_nonfinite_gradient_fails_every_rank_and_changes_nothing() {
     let res = LocalComm::run(3, |c| {
         let sizes = [100, 50];
-        let mut dev = DeviceSparse::new(HostOps::new(&sizes), DeviceSparseConfig::default()).unwrap();
+        let mut dev =
+            DeviceSparse::new(HostOps::new(&sizes), DeviceSparseConfig::default()).unwrap();
         dev.ops().grads = grad(c.rank(), 0, 150, true);
         if c.rank() == 2 {
             dev.ops().grads[120] = f32::NAN;

@@ -48,7 +48,10 @@ pub(super) fn parse(
     let mut at = 0usize;
     for (l, (&n, &base)) in sizes.iter().zip(offsets).enumerate() {
         if msg.len() - at < 4 {
-            return Err(bad(l, format!("message ends at byte {at} before the unit's length")));
+            return Err(bad(
+                l,
+                format!("message ends at byte {at} before the unit's length"),
+            ));
         }
         let len = u32_at(msg, at) as usize;
         at += 4;
@@ -56,14 +59,20 @@ pub(super) fn parse(
             return Err(bad(l, format!("{len} entries for a layer of {n}")));
         }
         if (msg.len() - at) / 8 < len {
-            return Err(bad(l, format!("{len} entries overrun the message at byte {at}")));
+            return Err(bad(
+                l,
+                format!("{len} entries overrun the message at byte {at}"),
+            ));
         }
         let (ib, vb) = (at, at + 4 * len);
         let mut prev: Option<u32> = None;
         for j in 0..len {
             let i = u32_at(msg, ib + 4 * j);
             if i as usize >= n || prev.is_some_and(|p| i <= p) {
-                return Err(bad(l, format!("index {i} at entry {j} is out of order or past {n}")));
+                return Err(bad(
+                    l,
+                    format!("index {i} at entry {j} is out of order or past {n}"),
+                ));
             }
             prev = Some(i);
             let v = f32::from_bits(u32_at(msg, vb + 4 * j));
@@ -76,7 +85,10 @@ pub(super) fn parse(
         at += 8 * len;
     }
     if at != msg.len() {
-        return Err(bad(sizes.len(), format!("{} trailing bytes", msg.len() - at)));
+        return Err(bad(
+            sizes.len(),
+            format!("{} trailing bytes", msg.len() - at),
+        ));
     }
     Ok(())
 }
