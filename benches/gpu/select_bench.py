@@ -77,9 +77,11 @@ def main():
     print(f"  device-to-device copy: {copy_s * 1e3:8.3f} ms  {res['copy_gbps']:7.1f} GB/s (read + write)")
     print(f"  torch.topk(|x|, k):    {topk_s * 1e3:8.3f} ms  {res['torch_topk_gbps']:7.1f} GB/s (input bytes)")
     if os.path.exists(a.example):
-        cmd = [a.example, "--bench", "--log2n", str(a.log2n), "--density", str(a.density),
+        import shutil
+        launcher = ["mpirun", "-np", "1"] if shutil.which("mpirun") else []
+        cmd = launcher + [a.example, "--bench", "--log2n", str(a.log2n), "--density", str(a.density),
                "--reps", str(a.reps)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         sys.stdout.write(p.stdout[-4000:])
         sys.stderr.write(p.stderr[-4000:])
         line = [l for l in p.stdout.splitlines() if l.startswith("BENCH-JSON ")]

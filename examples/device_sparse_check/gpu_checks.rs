@@ -132,6 +132,22 @@ pub fn kernels(_: &[String]) {
             &h.v,
         );
         checks += 1;
+        // Statistics by their own pass (the residual changed since the
+        // accumulation took them).
+        let (cs, hs) = (ok(c.stats(), "stats"), ok(h.stats(), "stats"));
+        for (l, (a, b)) in cs.iter().zip(&hs).enumerate() {
+            let rel = (a.sum - b.sum).abs() / b.sum.abs().max(1e-30);
+            if a.count != b.count
+                || a.max.to_bits() != b.max.to_bits()
+                || (integer && a.sum != b.sum)
+                || rel > 1e-12
+            {
+                fail(format!(
+                    "{tag} stats pass of layer {l}: device {a:?} cpu {b:?}"
+                ));
+            }
+            checks += 1;
+        }
         ok(c.clear_layer(6), "clear_layer");
         ok(h.clear_layer(6), "clear_layer");
         same(
@@ -226,40 +242,83 @@ pub fn bench<C: Communicator>(world: &C, args: &[String]) {
         interval: 5,
         eps: 1e-4,
     };
-    let (mut search, mut reuse, mut trimmed, mut copy) = (vec![], vec![], vec![], vec![]);
+    // The statistics come with the accumulation (one fused pass, timed
+    // apart: `V += 0` here); the selection starts from them, as in a step.
+    let mut t_of = std::collections::BTreeMap::<&str, Vec<f64>>::new();
     let (mut sent_search, mut sent_reuse, mut passes) = (0, 0, 0);
+    let probe_t = {
+        let st = ok(ops.stats(), "stats")[0];
+        let mean = st.sum / st.count as f64;
+        (mean + 0.5 * (f64::from(st.max) - mean)) as f32
+    };
     for r in 0..reps + 2 {
+        let mut row: Vec<(&str, f64)> = Vec::new();
+        row.push((
+            "accumulate_stats",
+            time(&mut || {
+                ok(ops.accumulate(0.0, false), "accumulate");
+                ok(ops.sync(), "sync");
+            }),
+        ));
         let mut ls = vec![LayerState::new(n, k, thr)];
-        let mut s_passes = 0;
-        let a = time(&mut || {
-            let s = ok(policy::select(&mut ops, &mut ls), "select");
-            sent_search = s.entries.idx.len();
-            s_passes = s.count_passes;
-        });
-        let b = time(&mut || {
-            let s = ok(policy::select(&mut ops, &mut ls), "select");
-            sent_reuse = s.entries.idx.len();
-        });
+        row.push((
+            "search",
+            time(&mut || {
+                let s = ok(policy::select(&mut ops, &mut ls), "select");
+                sent_search = s.entries.idx.len();
+                passes = s.count_passes;
+            }),
+        ));
+        row.push((
+            "reuse",
+            time(&mut || {
+                let s = ok(policy::select(&mut ops, &mut ls), "select");
+                sent_reuse = s.entries.idx.len();
+            }),
+        ));
         let mut lt = vec![LayerState::new(n, k, Method::Trimmed)];
-        let c = time(&mut || {
-            ok(policy::select(&mut ops, &mut lt), "select");
-        });
-        let d = time(&mut || {
-            ok(ops.copy_residual_to_grads(), "copy");
-            ok(ops.sync(), "sync");
-        });
-        passes = s_passes;
+        row.push((
+            "trimmed",
+            time(&mut || {
+                ok(policy::select(&mut ops, &mut lt), "select");
+            }),
+        ));
+        row.push((
+            "op_stats_from_accumulate",
+            time(&mut || {
+                ok(ops.stats(), "stats");
+            }),
+        ));
+        row.push((
+            "op_count_1",
+            time(&mut || {
+                ok(ops.count_above(&[vec![probe_t]]), "count");
+            }),
+        ));
+        row.push((
+            "op_compact",
+            time(&mut || {
+                ok(ops.compact(&[probe_t]), "compact");
+            }),
+        ));
+        row.push((
+            "copy",
+            time(&mut || {
+                ok(ops.copy_residual_to_grads(), "copy");
+                ok(ops.sync(), "sync");
+            }),
+        ));
         if r >= 2 {
-            search.push(a);
-            reuse.push(b);
-            trimmed.push(c);
-            copy.push(d);
+            for (name, v) in row {
+                t_of.entry(name).or_default().push(v);
+            }
         }
     }
-    let (search, reuse, trimmed, copy) =
-        (median(search), median(reuse), median(trimmed), median(copy));
+    let med: std::collections::BTreeMap<&str, f64> =
+        t_of.into_iter().map(|(k, v)| (k, median(v))).collect();
+    let (search, reuse, trimmed, copy) = (med["search"], med["reuse"], med["trimmed"], med["copy"]);
     eprintln!(
-        "bench: select 2^{log2n} at k = {k}: search {:.3} ms ({passes} count passes, {sent_search} sent), reuse {:.3} ms ({sent_reuse} sent), trimmed {:.3} ms; copy {:.3} ms",
+        "bench: select 2^{log2n} at k = {k}: search {:.3} ms ({passes} count passes, {sent_search} sent), reuse {:.3} ms ({sent_reuse} sent), trimmed {:.3} ms; copy {:.3} ms; {med:?}",
         search * 1e3,
         reuse * 1e3,
         trimmed * 1e3,
@@ -357,6 +416,7 @@ pub fn bench<C: Communicator>(world: &C, args: &[String]) {
     let out = serde_json::json!({
         "n": n, "k": k, "reps": reps,
         "select_s": search, "select_count_passes": passes, "select_sent": sent_search,
+        "medians_s": med,
         "reuse_s": reuse, "reuse_sent": sent_reuse, "trimmed_s": trimmed,
         "copy_s": copy, "copy_gbps": 8.0 * n as f64 / copy / 1e9,
         "resnet50": {

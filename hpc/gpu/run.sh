@@ -51,6 +51,13 @@ if ls .gpu/wheel/*.whl >/dev/null 2>&1; then
     mpirun -np 2 --oversubscribe python3 -m mpi4py tests/python/check_cuda.py || prc=$?
   echo "run.sh: check_cuda.py exit $prc"
   [ "$prc" = 0 ] || rc=$prc
+  # PyTorch's own entry points on CUDA models: the DDP comm hook and
+  # DistributedOptimizer, each against the same on a CPU copy.
+  prc=0
+  PYTHONPATH="$py" timeout 300 \
+    mpirun -np 2 --oversubscribe python3 -m mpi4py tests/python/check_cuda_torch.py || prc=$?
+  echo "run.sh: check_cuda_torch.py exit $prc"
+  [ "$prc" = 0 ] || rc=$prc
 else
   echo "run.sh: no .gpu/wheel: the Python CUDA check was not run"
 fi

@@ -7,7 +7,8 @@
 use super::{AbsStats, Compacted, SparseOps, CHUNK, MAX_T};
 use crate::{Error, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -23,6 +24,7 @@ struct Kernels {
     nonfinite: CudaFunction,
     abs_stats: CudaFunction,
     seg_sum: CudaFunction,
+    seg_offsets: CudaFunction,
     count_multi: CudaFunction,
     count_above: CudaFunction,
     scan_blocks: CudaFunction,
@@ -66,10 +68,11 @@ fn build(ctx: &Arc<CudaContext>) -> Result<Kernels> {
     let m = ctx.load_module(ptx).map_err(dev("loading the kernels"))?;
     let f = |name: &'static str| m.load_function(name).map_err(dev(name));
     Ok(Kernels {
-        accumulate: f("gs_accumulate")?,
+        accumulate: f("gs_accumulate_stats")?,
         nonfinite: f("gs_nonfinite")?,
         abs_stats: f("gs_abs_stats")?,
         seg_sum: f("gs_seg_sum")?,
+        seg_offsets: f("gs_seg_offsets")?,
         count_multi: f("gs_count_multi")?,
         count_above: f("gs_count_above")?,
         scan_blocks: f("gs_scan_blocks")?,
@@ -104,8 +107,8 @@ pub struct CudaOps {
     part_sum: CudaSlice<f64>,
     part_cnt: CudaSlice<u32>,
     seg_max: CudaSlice<u32>,
-    seg_sum: CudaSlice<f64>,
-    seg_cnt: CudaSlice<u64>,
+    /// Per layer: the sum's bits, the count, the maximum's bits.
+    seg_stats: CudaSlice<u64>,
     thr: CudaSlice<f32>,
     nthr: CudaSlice<u32>,
     hist: CudaSlice<u64>,
@@ -119,6 +122,12 @@ pub struct CudaOps {
     out_val: Option<CudaSlice<f32>>,
     in_idx: Option<CudaSlice<u64>>,
     in_val: Option<CudaSlice<f32>>,
+    /// Page-locked landing buffers of the selected entries.
+    pin_idx: Option<PinnedHostSlice<u32>>,
+    pin_val: Option<PinnedHostSlice<f32>>,
+    /// The block statistics of the current `V` are in the partials (the
+    /// accumulation took them).
+    stats_fresh: bool,
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -146,6 +155,11 @@ impl CudaOps {
             return Err(Error::Device(why));
         }
         let ctx = CudaContext::new(ordinal).map_err(dev("CUDA context"))?;
+        // SAFETY: every buffer of this context object is used on its one
+        // stream only, so cudarc's per-use events (an event record and a
+        // wait per buffer argument of every launch once a process has
+        // several streams) order nothing the stream does not.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(dev("CUDA stream"))?;
         let k = build(&ctx)?;
         let nseg = sizes.len();
@@ -205,8 +219,7 @@ impl CudaOps {
             part_sum: zf64(nblk)?,
             part_cnt: zu32(nblk)?,
             seg_max: zu32(nseg)?,
-            seg_sum: zf64(nseg)?,
-            seg_cnt: zu64(nseg)?,
+            seg_stats: zu64(3 * nseg)?,
             thr: z32(nseg * MAX_T)?,
             nthr: zu32(nseg)?,
             hist: zu64(nseg * (MAX_T + 1))?,
@@ -220,6 +233,9 @@ impl CudaOps {
             out_val: None,
             in_idx: None,
             in_val: None,
+            pin_idx: None,
+            pin_val: None,
+            stats_fresh: false,
             stream,
             k,
             sizes: sizes.to_vec(),
@@ -262,6 +278,7 @@ impl CudaOps {
     /// The residual from the host (checks: start from a known `V`).
     pub fn upload_residual(&mut self, v: &[f32]) -> Result<()> {
         self.check_len(v.len())?;
+        self.stats_fresh = false;
         if self.n > 0 {
             self.stream
                 .memcpy_htod(v, &mut self.v)
@@ -313,6 +330,36 @@ impl CudaOps {
         Ok(out)
     }
 
+    /// The compaction's write pass into the first `cap` output entries.
+    fn compact_write(&mut self, cap: usize) -> Result<()> {
+        let s = self.stream.clone();
+        let (oi, ov) = (
+            self.out_idx.as_mut().expect("capacity"),
+            self.out_val.as_mut().expect("capacity"),
+        );
+        let t = &self.t;
+        let cap = cap as u64;
+        // SAFETY: out_idx/out_val hold at least `cap` entries, and the
+        // kernel writes none at or past it; each block writes its own range.
+        unsafe {
+            s.launch_builder(&self.k.compact)
+                .arg(&self.v)
+                .arg(&t.blk_seg)
+                .arg(&t.blk_start)
+                .arg(&t.seg_end)
+                .arg(&t.seg_begin)
+                .arg(&self.thr1)
+                .arg(&self.blk_off)
+                .arg(&self.seg_out)
+                .arg(oi)
+                .arg(ov)
+                .arg(&cap)
+                .launch(blocks(t.nblk))
+        }
+        .map_err(dev("gs_compact"))?;
+        Ok(())
+    }
+
     /// Wait for the stream.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(dev("stream synchronize"))
@@ -321,6 +368,39 @@ impl CudaOps {
     fn nseg(&self) -> usize {
         self.sizes.len()
     }
+}
+
+/// The first `len` elements of `src` through a page-locked buffer kept in
+/// `pin` (grown as needed): one DMA, where a pageable copy is staged by the
+/// driver.
+fn down_pinned<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone>(
+    stream: &Arc<CudaStream>,
+    src: &CudaSlice<T>,
+    pin: &mut Option<PinnedHostSlice<T>>,
+    len: usize,
+) -> Result<Vec<T>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    if pin.as_ref().is_none_or(|p| p.len() < len) {
+        *pin = None;
+        // SAFETY: written by the copy below before it is read. Flags 0:
+        // cached, not write-combined (the CPU reads it; write-combined
+        // memory read back ran 1000 times slower on an H200 machine).
+        let p = unsafe {
+            stream
+                .context()
+                .alloc_pinned_with_flags::<T>(len.next_power_of_two(), 0)
+        }
+        .map_err(dev("pinned allocation"))?;
+        *pin = Some(p);
+    }
+    let p = pin.as_mut().expect("allocated");
+    stream
+        .memcpy_dtoh(&src.slice(0..len), p)
+        .map_err(dev("copy to the host"))?;
+    stream.synchronize().map_err(dev("stream synchronize"))?;
+    Ok(p.as_slice().map_err(dev("pinned buffer"))?[..len].to_vec())
 }
 
 /// At least one element (a zero-length device allocation is refused).
@@ -376,24 +456,35 @@ impl SparseOps for CudaOps {
     }
 
     fn accumulate(&mut self, momentum: f32, nesterov: bool) -> Result<()> {
-        if self.n == 0 {
+        self.stats_fresh = false;
+        if self.t.nblk == 0 {
             return Ok(());
         }
-        let n = self.n as u64;
+        self.stream
+            .memset_zeros(&mut self.seg_max)
+            .map_err(dev("memset"))?;
         let nest = i32::from(nesterov);
-        // SAFETY: g, v, u hold n floats each.
+        let t = &self.t;
+        // SAFETY: g, v, u hold n floats; the tables describe nblk blocks
+        // inside them; partials hold nblk entries, seg_max nseg.
         unsafe {
             self.stream
                 .launch_builder(&self.k.accumulate)
                 .arg(&self.grads)
                 .arg(&mut self.v)
                 .arg(&mut self.u)
-                .arg(&n)
                 .arg(&momentum)
                 .arg(&nest)
-                .launch(grid(self.n))
+                .arg(&t.blk_seg)
+                .arg(&t.blk_start)
+                .arg(&t.seg_end)
+                .arg(&mut self.part_sum)
+                .arg(&mut self.part_cnt)
+                .arg(&mut self.seg_max)
+                .launch(blocks(t.nblk))
         }
-        .map_err(dev("gs_accumulate"))?;
+        .map_err(dev("gs_accumulate_stats"))?;
+        self.stats_fresh = true;
         Ok(())
     }
 
@@ -402,11 +493,11 @@ impl SparseOps for CudaOps {
         if nseg == 0 {
             return Ok(Vec::new());
         }
-        self.stream
-            .memset_zeros(&mut self.seg_max)
-            .map_err(dev("memset"))?;
         let t = &self.t;
-        if t.nblk > 0 {
+        if t.nblk > 0 && !self.stats_fresh {
+            self.stream
+                .memset_zeros(&mut self.seg_max)
+                .map_err(dev("memset"))?;
             // SAFETY: the tables describe nblk blocks inside v; partials
             // hold nblk entries, seg_max nseg.
             unsafe {
@@ -431,19 +522,18 @@ impl SparseOps for CudaOps {
                 .arg(&self.part_cnt)
                 .arg(&t.seg_first_blk)
                 .arg(&t.seg_nblk)
-                .arg(&mut self.seg_sum)
-                .arg(&mut self.seg_cnt)
+                .arg(&self.seg_max)
+                .arg(&mut self.seg_stats)
                 .launch(blocks(nseg))
         }
         .map_err(dev("gs_seg_sum"))?;
-        let sum = self.down_n(&self.seg_sum, nseg)?;
-        let cnt = self.down_n(&self.seg_cnt, nseg)?;
-        let max = self.down_n(&self.seg_max, nseg)?;
-        Ok((0..nseg)
+        let st = self.down_n(&self.seg_stats, 3 * nseg)?;
+        Ok(st
+            .chunks_exact(3)
             .map(|s| AbsStats {
-                sum: sum[s],
-                count: cnt[s],
-                max: f32::from_bits(max[s]),
+                sum: f64::from_bits(s[0]),
+                count: s[1],
+                max: f32::from_bits(s[2] as u32),
             })
             .collect())
     }
@@ -546,42 +636,42 @@ impl SparseOps for CudaOps {
                 .launch(blocks(nseg))
         }
         .map_err(dev("gs_scan_blocks"))?;
-        let totals = self.down_n(&self.seg_total, nseg)?;
-        let mut seg_out = Vec::with_capacity(nseg);
-        let mut all = 0u64;
-        for &c in &totals {
-            seg_out.push(all);
-            all += c;
-        }
-        let all = all as usize;
-        s.memcpy_htod(&seg_out, &mut self.seg_out)
-            .map_err(dev("offsets"))?;
-        ensure(&s, &mut self.out_idx, all)?;
-        ensure(&s, &mut self.out_val, all)?;
-        let (oi, ov) = (
-            self.out_idx.as_mut().expect("ensured"),
-            self.out_val.as_mut().expect("ensured"),
-        );
-        let t = &self.t;
-        // SAFETY: out_idx/out_val hold `all` entries, the sum of the
-        // layers' counts; each block writes its own range.
+        let nseg32 = nseg as u32;
+        // SAFETY: one thread over nseg totals into nseg offsets.
         unsafe {
-            s.launch_builder(&self.k.compact)
-                .arg(&self.v)
-                .arg(&t.blk_seg)
-                .arg(&t.blk_start)
-                .arg(&t.seg_end)
-                .arg(&t.seg_begin)
-                .arg(&self.thr1)
-                .arg(&self.blk_off)
-                .arg(&self.seg_out)
-                .arg(oi)
-                .arg(ov)
-                .launch(blocks(t.nblk))
+            s.launch_builder(&self.k.seg_offsets)
+                .arg(&self.seg_total)
+                .arg(&nseg32)
+                .arg(&mut self.seg_out)
+                .launch(blocks(1))
         }
-        .map_err(dev("gs_compact"))?;
-        let idx = self.down_n(self.out_idx.as_ref().expect("ensured"), all)?;
-        let val = self.down_n(self.out_val.as_ref().expect("ensured"), all)?;
+        .map_err(dev("gs_seg_offsets"))?;
+        // The write pass starts before the totals are read back: it writes
+        // what fits the kept capacity; when the totals say more was
+        // selected, the capacity grows and the write pass runs again.
+        let mut cap = self.out_idx.as_ref().map_or(0, |b| b.len());
+        let mut totals = Vec::new();
+        for _ in 0..2 {
+            if cap > 0 {
+                self.compact_write(cap)?;
+            }
+            totals = self.down_n(&self.seg_total, nseg)?;
+            let all: u64 = totals.iter().sum();
+            if all as usize <= cap {
+                break;
+            }
+            ensure(&s, &mut self.out_idx, all as usize)?;
+            ensure(&s, &mut self.out_val, all as usize)?;
+            cap = self.out_idx.as_ref().map_or(0, |b| b.len());
+        }
+        let all = totals.iter().sum::<u64>() as usize;
+        let (idx, val) = match (&self.out_idx, &self.out_val) {
+            (Some(oi), Some(ov)) if all > 0 => (
+                down_pinned(&s, oi, &mut self.pin_idx, all)?,
+                down_pinned(&s, ov, &mut self.pin_val, all)?,
+            ),
+            _ => (Vec::new(), Vec::new()),
+        };
         Ok(Compacted {
             counts: totals.iter().map(|&c| c as usize).collect(),
             idx,
@@ -590,6 +680,7 @@ impl SparseOps for CudaOps {
     }
 
     fn clear_sent(&mut self, gidx: &[u64]) -> Result<()> {
+        self.stats_fresh = false;
         if gidx.is_empty() {
             return Ok(());
         }
@@ -613,6 +704,7 @@ impl SparseOps for CudaOps {
     }
 
     fn clear_layer(&mut self, l: usize) -> Result<()> {
+        self.stats_fresh = false;
         let start: usize = self.sizes[..l].iter().sum();
         let end = start + self.sizes[l];
         if end > start {
@@ -705,10 +797,11 @@ mod tests {
             Err(e) => panic!("{e}"),
         };
         for k in [
-            "gs_accumulate",
+            "gs_accumulate_stats",
             "gs_nonfinite",
             "gs_abs_stats",
             "gs_seg_sum",
+            "gs_seg_offsets",
             "gs_count_multi",
             "gs_count_above",
             "gs_scan_blocks",

@@ -20,18 +20,29 @@ typedef unsigned int u32;
 
 // Error feedback with momentum correction (RedSync, after DGC):
 // U = m U + g; d = U (Nesterov: g + m U); V += d. No momentum: V += g.
-extern "C" __global__ void gs_accumulate(const float* __restrict__ g, float* __restrict__ v,
-                                         float* __restrict__ u, u64 n, float m, int nesterov) {
-  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n;
-       i += (u64)gridDim.x * blockDim.x) {
-    float gi = g[i];
-    float d = gi;
-    if (m != 0.0f) {
-      float ui = m * u[i] + gi;
-      u[i] = ui;
-      d = nesterov ? gi + m * ui : ui;
+// The same pass takes |V|'s block statistics, as gs_abs_stats does, so
+// the selection needs no pass of its own for them.
+__device__ __forceinline__ void block_stats(double sum, u32 cnt, float mx, u32 s, double* part_sum,
+                                            u32* part_cnt, u32* seg_max) {
+  __shared__ double ssum[THREADS];
+  __shared__ u32 scnt[THREADS];
+  __shared__ float smax[THREADS];
+  ssum[threadIdx.x] = sum;
+  scnt[threadIdx.x] = cnt;
+  smax[threadIdx.x] = mx;
+  __syncthreads();
+  for (int w = THREADS / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) {
+      ssum[threadIdx.x] += ssum[threadIdx.x + w];
+      scnt[threadIdx.x] += scnt[threadIdx.x + w];
+      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + w]);
     }
-    v[i] = v[i] + d;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    part_sum[blockIdx.x] = ssum[0];
+    part_cnt[blockIdx.x] = scnt[0];
+    atomicMax(&seg_max[s], __float_as_uint(smax[0]));
   }
 }
 
@@ -60,9 +71,6 @@ __device__ __forceinline__ void chunk_of(const u32* blk_seg, const u64* blk_star
 extern "C" __global__ void gs_abs_stats(const float* __restrict__ x, const u32* blk_seg,
                                         const u64* blk_start, const u64* seg_end,
                                         double* part_sum, u32* part_cnt, u32* seg_max) {
-  __shared__ double ssum[THREADS];
-  __shared__ u32 scnt[THREADS];
-  __shared__ float smax[THREADS];
   u32 s;
   u64 lo, hi;
   chunk_of(blk_seg, blk_start, seg_end, &s, &lo, &hi);
@@ -77,30 +85,47 @@ extern "C" __global__ void gs_abs_stats(const float* __restrict__ x, const u32* 
       mx = fmaxf(mx, a);
     }
   }
-  ssum[threadIdx.x] = sum;
-  scnt[threadIdx.x] = cnt;
-  smax[threadIdx.x] = mx;
-  __syncthreads();
-  for (int w = THREADS / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) {
-      ssum[threadIdx.x] += ssum[threadIdx.x + w];
-      scnt[threadIdx.x] += scnt[threadIdx.x + w];
-      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + w]);
+  block_stats(sum, cnt, mx, s, part_sum, part_cnt, seg_max);
+}
+
+// gs_abs_stats of the V this writes.
+extern "C" __global__ void gs_accumulate_stats(const float* __restrict__ g, float* __restrict__ v,
+                                               float* __restrict__ u, float m, int nesterov,
+                                               const u32* blk_seg, const u64* blk_start,
+                                               const u64* seg_end, double* part_sum,
+                                               u32* part_cnt, u32* seg_max) {
+  u32 s;
+  u64 lo, hi;
+  chunk_of(blk_seg, blk_start, seg_end, &s, &lo, &hi);
+  double sum = 0.0;
+  u32 cnt = 0;
+  float mx = 0.0f;
+  for (u64 i = lo + threadIdx.x; i < hi; i += THREADS) {
+    float gi = g[i];
+    float d = gi;
+    if (m != 0.0f) {
+      float ui = m * u[i] + gi;
+      u[i] = ui;
+      d = nesterov ? gi + m * ui : ui;
     }
-    __syncthreads();
+    float vi = v[i] + d;
+    v[i] = vi;
+    float a = fabsf(vi);
+    if (!isnan(a)) {
+      sum += (double)a;
+      cnt += 1;
+      mx = fmaxf(mx, a);
+    }
   }
-  if (threadIdx.x == 0) {
-    part_sum[blockIdx.x] = ssum[0];
-    part_cnt[blockIdx.x] = scnt[0];
-    atomicMax(&seg_max[s], __float_as_uint(smax[0]));
-  }
+  block_stats(sum, cnt, mx, s, part_sum, part_cnt, seg_max);
 }
 
 // One block per layer: its blocks' partial sums and counts, in a fixed
-// order (deterministic).
+// order (deterministic), with the layer's maximum: out[3 s ..] = (the sum
+// as bits, the count, the maximum as bits), read back in one copy.
 extern "C" __global__ void gs_seg_sum(const double* part_sum, const u32* part_cnt,
                                       const u32* seg_first_blk, const u32* seg_nblk,
-                                      double* seg_sum, u64* seg_cnt) {
+                                      const u32* seg_max, u64* out) {
   __shared__ double ssum[THREADS];
   __shared__ u64 scnt[THREADS];
   u32 s = blockIdx.x;
@@ -122,8 +147,21 @@ extern "C" __global__ void gs_seg_sum(const double* part_sum, const u32* part_cn
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    seg_sum[s] = ssum[0];
-    seg_cnt[s] = scnt[0];
+    out[3 * s] = (u64)__double_as_longlong(ssum[0]);
+    out[3 * s + 1] = scnt[0];
+    out[3 * s + 2] = seg_max[s];
+  }
+}
+
+// After gs_scan_blocks: each layer's start in the compacted output (one
+// thread; layers are few).
+extern "C" __global__ void gs_seg_offsets(const u64* seg_total, u32 nseg, u64* seg_out) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    u64 run = 0;
+    for (u32 s = 0; s < nseg; s++) {
+      seg_out[s] = run;
+      run += seg_total[s];
+    }
   }
 }
 
@@ -169,6 +207,10 @@ extern "C" __global__ void gs_count_above(const float* __restrict__ x, const u32
   u64 lo, hi;
   chunk_of(blk_seg, blk_start, seg_end, &s, &lo, &hi);
   float t = thr1[s];
+  if (isinf(t) && t > 0.0f) {  // this layer takes nothing in this pass
+    if (threadIdx.x == 0) blk_cnt[blockIdx.x] = 0;
+    return;
+  }
   u32 c = 0;
   for (u64 i = lo + threadIdx.x; i < hi; i += THREADS) c += fabsf(x[i]) > t ? 1u : 0u;
   __shared__ u32 sc[THREADS];
@@ -219,13 +261,15 @@ extern "C" __global__ void gs_scan_blocks(const u32* blk_cnt, const u32* seg_fir
 extern "C" __global__ void gs_compact(const float* __restrict__ x, const u32* blk_seg,
                                       const u64* blk_start, const u64* seg_end,
                                       const u64* seg_begin, const float* thr1, const u64* blk_off,
-                                      const u64* seg_out, u32* out_idx, float* out_val) {
+                                      const u64* seg_out, u32* out_idx, float* out_val,
+                                      u64 cap) {
   __shared__ u32 warp_cnt[THREADS / 32];
   __shared__ u64 base;
   u32 s;
   u64 lo, hi;
   chunk_of(blk_seg, blk_start, seg_end, &s, &lo, &hi);
   float t = thr1[s];
+  if (isinf(t) && t > 0.0f) return;  // nothing to write for this layer
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) base = seg_out[s] + blk_off[blockIdx.x];
   __syncthreads();
@@ -239,7 +283,7 @@ extern "C" __global__ void gs_compact(const float* __restrict__ x, const u32* bl
     u64 off = base;
     for (int w = 0; w < warp; w++) off += warp_cnt[w];
     off += __popc(ballot & ((1u << lane) - 1u));
-    if (keep) {
+    if (keep && off < cap) {
       out_idx[off] = (u32)(i - seg_begin[s]);
       out_val[off] = xi;
     }

@@ -246,6 +246,11 @@ fn count_round<O: SparseOps + ?Sized>(ops: &mut O, want: &[Vec<f32>]) -> Result<
 
 /// Choose and read back every layer's entries for this step, advancing
 /// the layers' thresholds as the host selection would.
+///
+/// A reused threshold goes straight to the compaction, whose count is the
+/// host's check (at most `2k` entries, else search again): no counting
+/// pass for it. Layers whose reused threshold passed too many search and
+/// are compacted a second time (their first entries dropped).
 pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> Result<Selection> {
     let stats = ops.stats()?;
     let mut overflowed = Vec::new();
@@ -259,10 +264,68 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
             plans.push(Plan::Nothing);
             continue;
         }
-        plans.push(first_plan(ls, s));
+        plans.push(match first_plan(ls, s) {
+            Plan::Reuse(t) => Plan::Take {
+                t,
+                topk: false,
+                store: Store::Reused,
+            },
+            p => p,
+        });
     }
-    let mut passes = 0;
-    let mut to_host = 16 * stats.len();
+    let mut sel = Selection {
+        entries: Compacted::default(),
+        overflowed,
+        count_passes: 0,
+        to_host_bytes: 16 * stats.len(),
+    };
+    rounds(ops, layers, &stats, &mut plans, &mut sel)?;
+    let mut got = take(ops, layers, &plans, &mut sel)?;
+    // Reused thresholds that passed more than 2k: search again.
+    let mut again = false;
+    for (l, p) in plans.iter_mut().enumerate() {
+        let ls = &mut layers[l];
+        let redo = matches!(
+            p,
+            Plan::Take {
+                store: Store::Reused,
+                ..
+            }
+        ) && got[l].0.len() > ls.k.saturating_mul(2);
+        *p = if redo {
+            ls.threshold = None;
+            ls.reuse_left = 0;
+            again = true;
+            search_or_exact(ls, &stats[l])
+        } else {
+            Plan::Nothing
+        };
+    }
+    if again {
+        rounds(ops, layers, &stats, &mut plans, &mut sel)?;
+        let redo = take(ops, layers, &plans, &mut sel)?;
+        for (l, p) in plans.iter().enumerate() {
+            if matches!(p, Plan::Take { .. }) {
+                got[l] = redo[l].clone();
+            }
+        }
+    }
+    for (idx, val) in got {
+        sel.entries.counts.push(idx.len());
+        sel.entries.idx.extend_from_slice(&idx);
+        sel.entries.val.extend_from_slice(&val);
+    }
+    Ok(sel)
+}
+
+/// Counting rounds until every layer is at `Take` or `Nothing`.
+fn rounds<O: SparseOps + ?Sized>(
+    ops: &mut O,
+    layers: &mut [LayerState],
+    stats: &[AbsStats],
+    plans: &mut [Plan],
+    sel: &mut Selection,
+) -> Result<()> {
     loop {
         let mut want = vec![Vec::new(); layers.len()];
         let mut any = false;
@@ -283,11 +346,11 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
             any = true;
         }
         if !any {
-            break;
+            return Ok(());
         }
         let counts = count_round(ops, &want)?;
-        passes += 1;
-        to_host += 8 * (MAX_T + 1) * layers.len();
+        sel.count_passes += 1;
+        sel.to_host_bytes += 8 * (MAX_T + 1) * layers.len();
         for (l, p) in plans.iter_mut().enumerate() {
             let ls = &mut layers[l];
             let c = &counts[l];
@@ -348,7 +411,16 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
             *p = next;
         }
     }
-    // One compaction for every layer.
+}
+
+/// One compaction of every `Take` layer (the others take nothing), the
+/// top-k of the candidates where asked, and the thresholds remembered.
+fn take<O: SparseOps + ?Sized>(
+    ops: &mut O,
+    layers: &mut [LayerState],
+    plans: &[Plan],
+    sel: &mut Selection,
+) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
     let thr: Vec<f32> = plans
         .iter()
         .map(|p| match p {
@@ -356,48 +428,33 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
             _ => f32::INFINITY,
         })
         .collect();
-    let mut got = ops.compact(&thr)?;
-    to_host += 8 * got.idx.len() + 8 * layers.len();
-    let mut entries = Compacted {
-        counts: Vec::with_capacity(layers.len()),
-        idx: Vec::with_capacity(got.idx.len()),
-        val: Vec::with_capacity(got.val.len()),
-    };
+    let got = ops.compact(&thr)?;
+    sel.to_host_bytes += 8 * got.idx.len() + 8 * layers.len();
+    let mut out = Vec::with_capacity(layers.len());
     let mut at = 0;
     let mut mags = Vec::new();
     for (l, p) in plans.iter().enumerate() {
         let c = got.counts[l];
-        let (idx, val) = (&mut got.idx[at..at + c], &mut got.val[at..at + c]);
+        let mut idx = got.idx[at..at + c].to_vec();
+        let mut val = got.val[at..at + c].to_vec();
         at += c;
         let ls = &mut layers[l];
-        let mut keep_idx = idx.to_vec();
-        let mut keep_val = val.to_vec();
-        if let Plan::Take { topk: true, .. } = p {
-            reduce_to_topk(ls.k, &mut keep_idx, &mut keep_val, &mut mags);
-        }
-        if let Plan::Take { t, store, .. } = p {
+        if let Plan::Take { t, topk, store } = p {
+            if *topk {
+                reduce_to_topk(ls.k, &mut idx, &mut val, &mut mags);
+            }
             match store {
                 Store::No | Store::Reused => {}
                 Store::Found => remember(ls, *t),
                 Store::Fallback => {
-                    let kth = keep_val
-                        .iter()
-                        .map(|v| v.abs())
-                        .fold(f32::INFINITY, f32::min);
+                    let kth = val.iter().map(|v| v.abs()).fold(f32::INFINITY, f32::min);
                     remember(ls, next_down(kth));
                 }
             }
         }
-        entries.counts.push(keep_idx.len());
-        entries.idx.extend_from_slice(&keep_idx);
-        entries.val.extend_from_slice(&keep_val);
+        out.push((idx, val));
     }
-    Ok(Selection {
-        entries,
-        overflowed,
-        count_passes: passes,
-        to_host_bytes: to_host,
-    })
+    Ok(out)
 }
 
 fn remember(ls: &mut LayerState, t: f32) {

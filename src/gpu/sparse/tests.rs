@@ -36,6 +36,9 @@ struct Case {
     nesterov: bool,
     integer: bool,
     steps: usize,
+    /// The same gradient every step (a reused threshold then passes
+    /// more and more: the search runs again).
+    repeat: bool,
 }
 
 /// Every step's result of the host engine and of the device step on
@@ -50,6 +53,7 @@ fn run(case: &Case) -> Vec<Vec<(Vec<f32>, Vec<f32>)>> {
         nesterov,
         integer,
         steps,
+        repeat,
     } = *case;
     let sizes = &sizes;
     let pairs: Vec<(LocalComm, LocalComm)> = LocalComm::create(p)
@@ -82,7 +86,7 @@ fn run(case: &Case) -> Vec<Vec<(Vec<f32>, Vec<f32>)>> {
             let mut gs: Vec<Vec<f32>> = sizes
                 .iter()
                 .enumerate()
-                .map(|(l, &n)| grad(c.rank(), step * 31 + l, n, integer))
+                .map(|(l, &n)| grad(c.rank(), if repeat { l } else { step * 31 + l }, n, integer))
                 .collect();
             dev.ops().grads = gs.concat();
             let mut view: Vec<&mut [f32]> = gs.iter_mut().map(|g| &mut g[..]).collect();
@@ -124,6 +128,7 @@ fn equals_the_host_engine_bit_for_bit_on_integer_gradients() {
             nesterov,
             integer: true,
             steps: 8,
+            repeat: false,
         };
         for (r, steps) in run(&case).iter().enumerate() {
             for (s, (h, d)) in steps.iter().enumerate() {
@@ -141,6 +146,46 @@ fn equals_the_host_engine_bit_for_bit_on_integer_gradients() {
 }
 
 #[test]
+fn a_reused_threshold_that_passes_too_many_searches_again_as_the_host_does() {
+    for p in [1, 2] {
+        let case = Case {
+            p,
+            sizes: vec![5000, 40000],
+            method: RgcMethod::Threshold,
+            density: 0.001,
+            momentum: 0.0,
+            nesterov: false,
+            integer: true,
+            steps: 12,
+            repeat: true,
+        };
+        for steps in run(&case) {
+            for (s, (h, d)) in steps.iter().enumerate() {
+                assert!(bits(h) == bits(d), "p {p} step {s}");
+            }
+        }
+    }
+    // And the device policy did search again: with one gradient repeated,
+    // the residual grows, the reused threshold passes more than 2k.
+    let mut ops = HostOps::new(&[40000]);
+    let m = Method::from_rgc(RgcMethod::Threshold).unwrap();
+    let mut layers = vec![LayerState::new(40000, 40, m)];
+    let g = grad(0, 3, 40000, true);
+    for _ in 0..6 {
+        ops.grads = g.clone();
+        ops.accumulate(0.0, false).unwrap();
+        let s = policy::select(&mut ops, &mut layers).unwrap();
+        let gidx: Vec<u64> = s.entries.idx.iter().map(|&i| u64::from(i)).collect();
+        ops.clear_sent(&gidx).unwrap();
+    }
+    assert!(
+        layers[0].searches > 1,
+        "searched {} times",
+        layers[0].searches
+    );
+}
+
+#[test]
 fn real_gradients_stay_close_to_the_host_engine() {
     // The statistics sum in another order: thresholds may move in their
     // last bits. Over 6 steps of 30k reals the results still agree on all
@@ -155,6 +200,7 @@ fn real_gradients_stay_close_to_the_host_engine() {
             nesterov: false,
             integer: false,
             steps: 6,
+            repeat: false,
         };
         for steps in run(&case) {
             for (h, d) in steps {
@@ -193,7 +239,7 @@ fn a_nonfinite_gradient_fails_every_rank_and_changes_nothing() {
 }
 
 #[test]
-fn search_rounds_count_five_levels_per_pass() {
+fn search_rounds_count_five_levels_per_pass_and_reuse_counts_none() {
     // A 2^16 layer at density 0.001 searches once (at most 3 passes for the
     // 14 levels of ε = 1e-4), then reuses its threshold (1 pass).
     let mut ops = HostOps::new(&[1 << 16]);
@@ -205,8 +251,9 @@ fn search_rounds_count_five_levels_per_pass() {
     assert!((1..=3).contains(&s.count_passes), "{}", s.count_passes);
     assert!((66..=132).contains(&s.entries.idx.len()));
     assert_eq!(layers[0].searches, 1);
+    // The reused threshold goes straight to the compaction.
     let s = policy::select(&mut ops, &mut layers).unwrap();
-    assert_eq!(s.count_passes, 1);
+    assert_eq!(s.count_passes, 0);
     assert_eq!(layers[0].searches, 1);
 }
 
