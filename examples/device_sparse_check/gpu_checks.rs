@@ -308,6 +308,10 @@ pub fn bench<C: Communicator>(world: &C, args: &[String]) {
                 ok(ops.sync(), "sync");
             }),
         ));
+        // The accumulation of the next round adds the gradients to V: back
+        // to zero (else V doubles every round and a fixed threshold takes
+        // all of it).
+        ok(ops.zero_grads(), "zero");
         if r >= 2 {
             for (name, v) in row {
                 t_of.entry(name).or_default().push(v);

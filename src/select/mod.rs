@@ -827,5 +827,45 @@ impl ThresholdSearch {
     }
 }
 
+/// The `k` largest magnitudes among candidates given as indices (ascending)
+/// and their values, ties to the lower index, kept in index order: the rule
+/// of this module's exact top-k on candidates that arrive with their values
+/// (the device selection's, whose candidates come back from the GPU).
+/// `mags` is scratch.
+pub fn topk_of_candidates(k: usize, idx: &mut Vec<u32>, val: &mut Vec<f32>, mags: &mut Vec<f32>) {
+    if idx.len() <= k {
+        return;
+    }
+    if k == 0 {
+        idx.clear();
+        val.clear();
+        return;
+    }
+    mags.clear();
+    mags.extend(val.iter().map(|v| v.abs()));
+    let (before, kth, _) = mags.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let kth = *kth;
+    let mut ties = k - before.iter().filter(|&&a| a > kth).count();
+    let mut w = 0;
+    for r in 0..idx.len() {
+        let a = val[r].abs();
+        let keep = if a > kth {
+            true
+        } else if a == kth && ties > 0 {
+            ties -= 1;
+            true
+        } else {
+            false
+        };
+        if keep {
+            idx[w] = idx[r];
+            val[w] = val[r];
+            w += 1;
+        }
+    }
+    idx.truncate(w);
+    val.truncate(w);
+}
+
 #[cfg(test)]
 mod tests;

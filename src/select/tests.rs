@@ -439,3 +439,24 @@ fn sampled_signed_topk_is_exact() {
     assert!(!signed_topk(&x, 50, Some((&mut pi, &mut pv)), None).expect("test"));
     assert_eq!(pi[pi.len() - 1] as usize, n - 1, "+inf is the largest");
 }
+
+/// The top-k of candidates that come with their values (the device
+/// selection's) is the exact top-k's set, ties and all.
+#[test]
+fn topk_of_candidates_equals_exact_topk() {
+    for seed in 0..20u64 {
+        let n = 50 + (seed as usize * 37) % 400;
+        let x: Vec<f32> = (0..n)
+            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 15) as f32) - 7.0)
+            .collect();
+        for k in [1, 3, n / 10, n / 2, n - 1] {
+            let (mut wi, mut wv) = (Vec::new(), Vec::new());
+            exact_topk(&x, k, &mut wi, &mut wv).unwrap();
+            let mut idx: Vec<u32> = (0..n as u32).collect();
+            let mut val = x.clone();
+            topk_of_candidates(k, &mut idx, &mut val, &mut Vec::new());
+            assert_eq!(idx, wi, "seed {seed} k {k}");
+            assert_eq!(val, wv, "seed {seed} k {k}");
+        }
+    }
+}

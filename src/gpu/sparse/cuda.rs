@@ -128,6 +128,9 @@ pub struct CudaOps {
     /// The block statistics of the current `V` are in the partials (the
     /// accumulation took them).
     stats_fresh: bool,
+    /// `GRADSYNC_GPU_TRACE` set: each operation's phases timed (the
+    /// stream waited for after each) on standard error.
+    trace: bool,
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -236,6 +239,7 @@ impl CudaOps {
             pin_idx: None,
             pin_val: None,
             stats_fresh: false,
+            trace: std::env::var_os("GRADSYNC_GPU_TRACE").is_some(),
             stream,
             k,
             sizes: sizes.to_vec(),
@@ -294,6 +298,16 @@ impl CudaOps {
             self.stream
                 .memcpy_dtod(&self.v, &mut self.grads)
                 .map_err(dev("device-to-device copy"))?;
+        }
+        Ok(())
+    }
+
+    /// The gradient buffer zeroed.
+    pub fn zero_grads(&mut self) -> Result<()> {
+        if self.n > 0 {
+            self.stream
+                .memset_zeros(&mut self.grads)
+                .map_err(dev("memset"))?;
         }
         Ok(())
     }
@@ -360,6 +374,18 @@ impl CudaOps {
         Ok(())
     }
 
+    /// With tracing on, wait for the stream and print the time since `t`.
+    fn mark(&self, what: &str, t: &mut std::time::Instant) {
+        if self.trace {
+            let _ = self.stream.synchronize();
+            eprintln!(
+                "gpu-trace {what}: {:.1} us",
+                t.elapsed().as_secs_f64() * 1e6
+            );
+            *t = std::time::Instant::now();
+        }
+    }
+
     /// Wait for the stream.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(dev("stream synchronize"))
@@ -370,23 +396,31 @@ impl CudaOps {
     }
 }
 
-/// The first `len` elements of `src` through a page-locked buffer kept in
-/// `pin` (grown as needed): one DMA, where a pageable copy is staged by the
-/// driver.
+/// Start copying the first `len` elements of `src` into a page-locked
+/// buffer kept in `pin` (grown as needed): one DMA, where a pageable copy
+/// is staged by the driver; [`landed`] reads it after a wait for the
+/// stream. The copy is the driver's own call on the stream, as
+/// [`crate::gpu::CudaStaging`] does: cudarc's copy into a
+/// `PinnedHostSlice` also records the slice's blocking-sync event.
 fn down_pinned<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone>(
     stream: &Arc<CudaStream>,
     src: &CudaSlice<T>,
     pin: &mut Option<PinnedHostSlice<T>>,
     len: usize,
-) -> Result<Vec<T>> {
+) -> Result<()> {
     if len == 0 {
-        return Ok(Vec::new());
+        return Ok(());
+    }
+    if len > src.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reading {len} entries of a device buffer of {}",
+            src.len()
+        )));
     }
     if pin.as_ref().is_none_or(|p| p.len() < len) {
         *pin = None;
         // SAFETY: written by the copy below before it is read. Flags 0:
-        // cached, not write-combined (the CPU reads it; write-combined
-        // memory read back ran 1000 times slower on an H200 machine).
+        // cached, not write-combined (the CPU reads it).
         let p = unsafe {
             stream
                 .context()
@@ -395,12 +429,32 @@ fn down_pinned<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone
         .map_err(dev("pinned allocation"))?;
         *pin = Some(p);
     }
-    let p = pin.as_mut().expect("allocated");
-    stream
-        .memcpy_dtoh(&src.slice(0..len), p)
-        .map_err(dev("copy to the host"))?;
-    stream.synchronize().map_err(dev("stream synchronize"))?;
-    Ok(p.as_slice().map_err(dev("pinned buffer"))?[..len].to_vec())
+    // No event was ever recorded on it: this returns at once.
+    let dst = pin
+        .as_mut()
+        .expect("allocated")
+        .as_mut_slice()
+        .map_err(dev("pinned buffer"))?;
+    let (src_ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(src, stream);
+    // SAFETY: `dst` holds at least `len` elements of page-locked memory
+    // owned by `pin`, which outlives the copy (waited for below); the
+    // source holds at least `len` (checked).
+    unsafe {
+        cudarc::driver::result::memcpy_dtoh_async(&mut dst[..len], src_ptr, stream.cu_stream())
+    }
+    .map_err(dev("copy to the host"))
+}
+
+/// The first `len` elements of a landing buffer that [`down_pinned`]
+/// filled, once the stream has been waited for.
+fn landed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Clone>(
+    pin: &mut Option<PinnedHostSlice<T>>,
+    len: usize,
+) -> Result<Vec<T>> {
+    match pin {
+        Some(p) if len > 0 => Ok(p.as_mut_slice().map_err(dev("pinned buffer"))?[..len].to_vec()),
+        _ => Ok(Vec::new()),
+    }
 }
 
 /// At least one element (a zero-length device allocation is refused).
@@ -610,8 +664,10 @@ impl SparseOps for CudaOps {
             });
         }
         let s = self.stream.clone();
+        let mut tr = std::time::Instant::now();
         s.memcpy_htod(thr, &mut self.thr1)
             .map_err(dev("thresholds"))?;
+        self.mark("compact: thresholds up", &mut tr);
         let t = &self.t;
         // SAFETY: tables as in stats; blk_cnt/blk_off nblk, seg_* nseg.
         unsafe {
@@ -636,6 +692,7 @@ impl SparseOps for CudaOps {
                 .launch(blocks(nseg))
         }
         .map_err(dev("gs_scan_blocks"))?;
+        self.mark("compact: count and scan", &mut tr);
         let nseg32 = nseg as u32;
         // SAFETY: one thread over nseg totals into nseg offsets.
         unsafe {
@@ -654,8 +711,10 @@ impl SparseOps for CudaOps {
         for _ in 0..2 {
             if cap > 0 {
                 self.compact_write(cap)?;
+                self.mark("compact: write", &mut tr);
             }
             totals = self.down_n(&self.seg_total, nseg)?;
+            self.mark("compact: totals down", &mut tr);
             let all: u64 = totals.iter().sum();
             if all as usize <= cap {
                 break;
@@ -666,12 +725,18 @@ impl SparseOps for CudaOps {
         }
         let all = totals.iter().sum::<u64>() as usize;
         let (idx, val) = match (&self.out_idx, &self.out_val) {
-            (Some(oi), Some(ov)) if all > 0 => (
-                down_pinned(&s, oi, &mut self.pin_idx, all)?,
-                down_pinned(&s, ov, &mut self.pin_val, all)?,
-            ),
+            (Some(oi), Some(ov)) if all > 0 => {
+                down_pinned(&s, oi, &mut self.pin_idx, all)?;
+                down_pinned(&s, ov, &mut self.pin_val, all)?;
+                s.synchronize().map_err(dev("stream synchronize"))?;
+                (
+                    landed(&mut self.pin_idx, all)?,
+                    landed(&mut self.pin_val, all)?,
+                )
+            }
             _ => (Vec::new(), Vec::new()),
         };
+        self.mark("compact: entries down", &mut tr);
         Ok(Compacted {
             counts: totals.iter().map(|&c| c as usize).collect(),
             idx,

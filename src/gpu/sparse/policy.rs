@@ -441,7 +441,7 @@ fn take<O: SparseOps + ?Sized>(
         let ls = &mut layers[l];
         if let Plan::Take { t, topk, store } = p {
             if *topk {
-                reduce_to_topk(ls.k, &mut idx, &mut val, &mut mags);
+                crate::select::topk_of_candidates(ls.k, &mut idx, &mut val, &mut mags);
             }
             match store {
                 Store::No | Store::Reused => {}
@@ -516,47 +516,4 @@ fn search_or_exact(ls: &LayerState, s: &AbsStats) -> Plan {
         mean,
         max,
     })
-}
-
-/// The `k` largest magnitudes of the candidates (ties to the lower index),
-/// in index order: [`crate::select`]'s `reduce_to_topk` on the candidates'
-/// own values.
-pub(crate) fn reduce_to_topk(
-    k: usize,
-    idx: &mut Vec<u32>,
-    val: &mut Vec<f32>,
-    mags: &mut Vec<f32>,
-) {
-    if idx.len() <= k {
-        return;
-    }
-    if k == 0 {
-        idx.clear();
-        val.clear();
-        return;
-    }
-    mags.clear();
-    mags.extend(val.iter().map(|v| v.abs()));
-    let (before, kth, _) = mags.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-    let kth = *kth;
-    let mut ties = k - before.iter().filter(|&&a| a > kth).count();
-    let mut w = 0;
-    for r in 0..idx.len() {
-        let a = val[r].abs();
-        let keep = if a > kth {
-            true
-        } else if a == kth && ties > 0 {
-            ties -= 1;
-            true
-        } else {
-            false
-        };
-        if keep {
-            idx[w] = idx[r];
-            val[w] = val[r];
-            w += 1;
-        }
-    }
-    idx.truncate(w);
-    val.truncate(w);
 }

@@ -261,7 +261,7 @@ fn search_rounds_count_five_levels_per_pass_and_reuse_counts_none() {
 fn topk_of_candidates_keeps_ties_to_the_lower_index() {
     let mut idx = vec![0, 2, 5, 7, 9];
     let mut val = vec![1.0, -3.0, 3.0, 2.0, -3.0];
-    policy::reduce_to_topk(2, &mut idx, &mut val, &mut Vec::new());
+    crate::select::topk_of_candidates(2, &mut idx, &mut val, &mut Vec::new());
     assert_eq!(idx, vec![2, 5]);
     assert_eq!(val, vec![-3.0, 3.0]);
 }
