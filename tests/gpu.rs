@@ -412,3 +412,48 @@ fn gpu_sparse_kernels_equal_the_cpu_reference() {
     }
     assert_eq!(lines(&out, "KERNELS-OK ").len(), 1, "{out}");
 }
+
+/// `hpc/gpu/check.sh`, the one device check, where there is no GPU: every
+/// step says why it cannot pass (the environment step fails naming the
+/// missing GPU, the others skip), and the exit status counts the failures.
+/// Where `nvidia-smi` finds a GPU this is the device's job: skipped.
+#[test]
+fn gpu_check_script_says_why_without_a_gpu() {
+    let gpu = std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if gpu {
+        println!("gpu_check_script_says_why_without_a_gpu: skipped: a GPU is present (run hpc/gpu/check.sh itself)");
+        return;
+    }
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("gs-check-{}", std::process::id()));
+    let o = std::process::Command::new(root.join("hpc/gpu/check.sh"))
+        .env("OUT", &out)
+        .output()
+        .expect("hpc/gpu/check.sh runs");
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    let fails = text.lines().filter(|l| l.contains(": FAIL")).count() as i32;
+    assert_eq!(o.status.code(), Some(fails), "{text}");
+    assert!(text.contains("check.sh: env: FAIL no GPU found"), "{text}");
+    // With a bundle (hpc/gpu/bundle.sh) every device step skips naming
+    // the missing GPU; without one the script stops at the bundle.
+    if root.join(".gpu/bin").is_dir() {
+        for step in ["tests", "kernels", "sparse", "bench"] {
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(&format!("check.sh: {step}: SKIP"))
+                        && l.contains("no GPU")),
+                "{step}: {text}"
+            );
+        }
+    } else {
+        assert!(
+            text.contains("check.sh: bundle: FAIL no .gpu/bin"),
+            "{text}"
+        );
+    }
+    assert!(out.join("check.log").exists() && out.join("env.txt").exists());
+    let _ = std::fs::remove_dir_all(&out);
+}
