@@ -33,6 +33,28 @@ fn same(what: &str, a: &[f32], b: &[f32]) {
     }
 }
 
+/// The device's and the CPU's statistics of `V`: counts and maxima equal,
+/// sums equal on integers and within 1e-12 otherwise (another order).
+fn stats_agree(
+    c: &mut CudaOps,
+    h: &mut HostOps,
+    integer: bool,
+    what: &str,
+) -> Vec<gradsync::gpu::sparse::AbsStats> {
+    let (cs, hs) = (ok(c.stats(), "stats"), ok(h.stats(), "stats"));
+    for (l, (a, b)) in cs.iter().zip(&hs).enumerate() {
+        let rel = (a.sum - b.sum).abs() / b.sum.abs().max(1e-30);
+        if a.count != b.count
+            || a.max.to_bits() != b.max.to_bits()
+            || (integer && a.sum != b.sum)
+            || rel > 1e-12
+        {
+            fail(format!("{what} of layer {l}: device {a:?} cpu {b:?}"));
+        }
+    }
+    hs
+}
+
 /// Every kernel against the CPU reference on the same buffers.
 pub fn kernels(_: &[String]) {
     if let Err(why) = gradsync::gpu::probe() {
@@ -66,18 +88,8 @@ pub fn kernels(_: &[String]) {
             );
             checks += 1;
         }
-        let (cs, hs) = (ok(c.stats(), "stats"), ok(h.stats(), "stats"));
-        for (l, (a, b)) in cs.iter().zip(&hs).enumerate() {
-            let rel = (a.sum - b.sum).abs() / b.sum.abs().max(1e-30);
-            if a.count != b.count
-                || a.max.to_bits() != b.max.to_bits()
-                || (integer && a.sum != b.sum)
-                || rel > 1e-12
-            {
-                fail(format!("{tag} stats of layer {l}: device {a:?} cpu {b:?}"));
-            }
-            checks += 1;
-        }
+        let hs = stats_agree(&mut c, &mut h, integer, &format!("{tag} stats"));
+        checks += hs.len();
         // Thresholds: 31 ratios of each layer, and exact magnitudes of
         // some elements (strictness: |x| > t, not ≥).
         let mut thr: Vec<Vec<f32>> = Vec::new();
@@ -134,20 +146,7 @@ pub fn kernels(_: &[String]) {
         checks += 1;
         // Statistics by their own pass (the residual changed since the
         // accumulation took them).
-        let (cs, hs) = (ok(c.stats(), "stats"), ok(h.stats(), "stats"));
-        for (l, (a, b)) in cs.iter().zip(&hs).enumerate() {
-            let rel = (a.sum - b.sum).abs() / b.sum.abs().max(1e-30);
-            if a.count != b.count
-                || a.max.to_bits() != b.max.to_bits()
-                || (integer && a.sum != b.sum)
-                || rel > 1e-12
-            {
-                fail(format!(
-                    "{tag} stats pass of layer {l}: device {a:?} cpu {b:?}"
-                ));
-            }
-            checks += 1;
-        }
+        checks += stats_agree(&mut c, &mut h, integer, &format!("{tag} stats pass")).len();
         ok(c.clear_layer(6), "clear_layer");
         ok(h.clear_layer(6), "clear_layer");
         same(

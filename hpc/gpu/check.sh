@@ -75,20 +75,9 @@ if [ ! -d .gpu/bin ]; then
   exit "$failed"
 fi
 
-# The carried Open MPI, unpacked as run.sh does (it runs no maintainer
-# scripts: mpirun is named here).
+# The carried Open MPI (hpc/gpu/mpi_env.sh, as run.sh uses it).
 if [ "$gpu" = 1 ]; then
-  root=/opt/gs-mpi
-  mkdir -p "$root"
-  for f in .gpu/deb/*.deb; do dpkg -x "$f" "$root"; done
-  ln -sf orterun "$root/usr/bin/mpirun"
-  ln -sf orterun "$root/usr/bin/mpiexec"
-  lib="$root/usr/lib/x86_64-linux-gnu"
-  export PATH="$root/usr/bin:$PATH"
-  export LD_LIBRARY_PATH="$lib/openmpi/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export OPAL_PREFIX="$root/usr"
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  export PMIX_MCA_pcompress_base_silence_warning=1
+  . hpc/gpu/mpi_env.sh
 fi
 # GRADSYNC_GPU_STEPS picks steps (default: all of them).
 steps=" ${GRADSYNC_GPU_STEPS:-tests kernels sparse bench} "

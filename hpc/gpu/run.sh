@@ -16,17 +16,7 @@ if [ -s "$exe_dir/gradsync" ] && [ "${GRADSYNC_GPU_RUN_HERE:-0}" != 1 ]; then
   echo "run.sh: $exe_dir holds a build (the machine that made the bundle?): run this on the GPU machine, or set GRADSYNC_GPU_RUN_HERE=1 to overwrite its examples" >&2
   exit 2
 fi
-root=/opt/gs-mpi
-mkdir -p "$root"
-for f in .gpu/deb/*.deb; do dpkg -x "$f" "$root"; done
-# dpkg -x runs no maintainer scripts: no alternatives, so name mpirun here.
-ln -sf orterun "$root/usr/bin/mpirun"
-ln -sf orterun "$root/usr/bin/mpiexec"
-lib="$root/usr/lib/x86_64-linux-gnu"
-export PATH="$root/usr/bin:$PATH"
-export LD_LIBRARY_PATH="$lib/openmpi/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export OPAL_PREFIX="$root/usr"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+. hpc/gpu/mpi_env.sh
 mkdir -p "$exe_dir/examples"
 cp .gpu/bin/staging_check .gpu/bin/device_engine_check .gpu/bin/device_sparse_check "$exe_dir/examples/"
 # The test finds the examples beside this path (never truncate a real one).

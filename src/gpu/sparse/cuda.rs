@@ -253,7 +253,10 @@ impl CudaOps {
         &self.stream
     }
 
-    /// The fused gradient buffer (input, then the result).
+    /// The fused gradient buffer (input, then the result). Write it on
+    /// [`stream`](Self::stream), or wait for your own stream's writes
+    /// before the step: this context keeps no per-buffer events, so work
+    /// on another stream is not ordered with the step's.
     pub fn grads(&mut self) -> &mut CudaSlice<f32> {
         &mut self.grads
     }
@@ -749,13 +752,19 @@ impl SparseOps for CudaOps {
         if gidx.is_empty() {
             return Ok(());
         }
+        if let Some(&i) = gidx.iter().find(|&&i| i as usize >= self.n) {
+            return Err(Error::InvalidArgument(format!(
+                "clearing index {i} past {} elements",
+                self.n
+            )));
+        }
         let s = self.stream.clone();
         ensure(&s, &mut self.in_idx, gidx.len())?;
         let ii = self.in_idx.as_mut().expect("ensured");
         s.memcpy_htod(gidx, ii)
             .map_err(dev("indices to the device"))?;
         let m = gidx.len() as u64;
-        // SAFETY: every index is < n (the policy's, from this layout).
+        // SAFETY: every index is < n (checked above).
         unsafe {
             s.launch_builder(&self.k.clear_sent)
                 .arg(&mut self.v)

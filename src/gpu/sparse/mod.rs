@@ -42,10 +42,13 @@
 //! one path and not on the other; every other element is the same.
 //!
 //! Not here (the staged path has them): `rgc-quant`, the `sampled`
-//! method, weight decay, clipping, delayed steps and a per-layer choice
-//! of strategy. A non-finite gradient on any rank fails the step on every
-//! rank with nothing changed; a residual that overflowed f32 is cleared,
-//! as the host engine clears it.
+//! method, dense layers, weight decay, clipping, delayed steps, the
+//! `propagate` non-finite policy and a per-layer choice of strategy. A
+//! non-finite gradient on any rank fails the step on every rank with
+//! nothing changed; a residual that overflowed f32 is cleared, as the
+//! host engine clears it, and the step fails on every rank naming the
+//! layer and the rank (its unit says so), after the other layers'
+//! results were written.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -118,7 +121,8 @@ pub trait SparseOps {
     /// Layer `l`'s `V` and `U` zeroed (an overflowed residual).
     fn clear_layer(&mut self, l: usize) -> Result<()>;
     /// The gradient buffer zeroed, then, rank after rank in order,
-    /// `g[gidx] += scale · val` for that rank's entries.
+    /// `g[gidx] += scale · val` for that rank's entries (distinct within
+    /// a rank, as parsed messages are).
     fn scatter(&mut self, ranks: &[(Vec<u64>, Vec<f32>)], scale: f32) -> Result<()>;
 }
 
@@ -191,6 +195,13 @@ impl<O: SparseOps> DeviceSparse<O> {
                 cfg.density
             )));
         }
+        if let Method::Threshold { eps, .. } = cfg.method {
+            if !(eps > 0.0 && eps < 1.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "device sparse step: search eps {eps} must lie in (0, 1)"
+                )));
+            }
+        }
         let mut offsets = Vec::with_capacity(ops.sizes().len());
         let mut off = 0u64;
         let mut layers = Vec::new();
@@ -232,11 +243,14 @@ impl<O: SparseOps> DeviceSparse<O> {
 
     /// One step, collective: every rank calls it with its gradients in
     /// the buffer; on return the buffer holds the average of every rank's
-    /// sent entries. On an error every rank returns one (the same
-    /// [`Error::RankFailed`] for a rank's bad input) and no state changed,
-    /// except where a device operation failed after the agreement, which
-    /// ends the job ([`Transport::abort`]: `MPI_Abort` over MPI) since the ranks' states
-    /// would part.
+    /// sent entries. On an error every rank returns one: the same
+    /// [`Error::RankFailed`] for a rank's non-finite gradient, with no
+    /// state changed; the same [`Error::NonFinite`] (naming the first
+    /// layer and the lowest rank) where a residual overflowed f32, after
+    /// the other layers' results were written, as the host engine's
+    /// default policy does. A device operation or the exchange failing
+    /// after the agreement ends the job ([`Transport::abort`]:
+    /// `MPI_Abort` over MPI), since the ranks' states would part.
     pub fn step<C: Transport>(&mut self, comm: &C) -> Result<DeviceSparseStats> {
         let mut st = DeviceSparseStats::default();
         let t = Instant::now();
@@ -287,6 +301,11 @@ impl<O: SparseOps> DeviceSparse<O> {
             at += c;
         }
         for &l in &sel.overflowed {
+            log::warn!(
+                "gradsync: rank {}: device sparse step {step}: layer {l}'s residual overflowed f32; \
+                 its residual and momentum are cleared and the step fails on every rank",
+                comm.rank()
+            );
             if let Err(e) = self.ops.clear_layer(l) {
                 die("clearing an overflowed residual", e);
             }
@@ -297,17 +316,20 @@ impl<O: SparseOps> DeviceSparse<O> {
         st.sent = gidx.len();
         let clear_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        wire::pack(&sel.entries, &mut self.message);
+        wire::pack(&sel.entries, &sel.overflowed, &mut self.message);
         st.message_bytes = self.message.len();
-        crate::sparse::fused_allgather(
+        if let Err(e) = crate::sparse::fused_allgather(
             comm,
             &self.message,
             AllgathervAlgo::default(),
             &mut self.gathered,
-        )?;
-        let ranks = wire::parse_all(&self.gathered, comm.size(), self.ops.sizes(), &self.offsets);
+        ) {
+            // The residuals already gave up what was sent.
+            die("the allgatherv", e);
+        }
+        let parsed = wire::parse_all(&self.gathered, comm.size(), self.ops.sizes(), &self.offsets);
         st.exchange_s = t.elapsed().as_secs_f64();
-        let ranks = match ranks {
+        let (ranks, non_finite) = match parsed {
             Ok(r) => r,
             // Every rank parses the same bytes: the same error everywhere.
             Err(e) => die("parsing the units", e),
@@ -319,6 +341,16 @@ impl<O: SparseOps> DeviceSparse<O> {
         }
         st.apply_s = clear_s + t.elapsed().as_secs_f64();
         st.pcie_bytes = sel.to_host_bytes + 8 * gidx.len() + 12 * received;
+        self.steps += 1;
+        // As the host engine's default policy: every rank has the other
+        // layers' results, and the same error naming the first such layer
+        // and the lowest rank whose residual overflowed.
+        if let Some((layer, rank)) = non_finite {
+            return Err(Error::NonFinite {
+                rank: Some(rank),
+                layer: format!("{layer}"),
+            });
+        }
         self.steps += 1;
         Ok(st)
     }

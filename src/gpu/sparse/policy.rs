@@ -104,7 +104,6 @@ enum Plan {
     },
     /// Count these thresholds next round.
     Trim,
-    Reuse(f32),
     Search(Search),
 }
 
@@ -264,14 +263,7 @@ pub fn select<O: SparseOps + ?Sized>(ops: &mut O, layers: &mut [LayerState]) -> 
             plans.push(Plan::Nothing);
             continue;
         }
-        plans.push(match first_plan(ls, s) {
-            Plan::Reuse(t) => Plan::Take {
-                t,
-                topk: false,
-                store: Store::Reused,
-            },
-            p => p,
-        });
+        plans.push(first_plan(ls, s));
     }
     let mut sel = Selection {
         entries: Compacted::default(),
@@ -332,7 +324,6 @@ fn rounds<O: SparseOps + ?Sized>(
         for (l, p) in plans.iter().enumerate() {
             match p {
                 Plan::Trim => want[l] = trim_thresholds(&stats[l]),
-                Plan::Reuse(t) => want[l] = vec![*t],
                 Plan::Search(s) => {
                     let mut r = Vec::new();
                     let Method::Threshold { eps, .. } = layers[l].method else {
@@ -365,19 +356,6 @@ fn rounds<O: SparseOps + ?Sized>(
                         t,
                         topk: true,
                         store: Store::No,
-                    }
-                }
-                Plan::Reuse(t) => {
-                    if c[0] <= ls.k.saturating_mul(2) as u64 {
-                        Plan::Take {
-                            t,
-                            topk: false,
-                            store: Store::Reused,
-                        }
-                    } else {
-                        ls.threshold = None;
-                        ls.reuse_left = 0;
-                        search_or_exact(ls, &stats[l])
                     }
                 }
                 Plan::Search(mut s) => {
@@ -488,9 +466,14 @@ fn first_plan(ls: &mut LayerState, s: &AbsStats) -> Plan {
             }
         }
         Method::Threshold { .. } => match ls.threshold {
+            // Straight to the compaction: its count is the check.
             Some(t) if ls.reuse_left > 0 => {
                 ls.reuse_left -= 1;
-                Plan::Reuse(t)
+                Plan::Take {
+                    t,
+                    topk: false,
+                    store: Store::Reused,
+                }
             }
             _ => search_or_exact(ls, s),
         },

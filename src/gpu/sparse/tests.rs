@@ -265,3 +265,72 @@ fn topk_of_candidates_keeps_ties_to_the_lower_index() {
     assert_eq!(idx, vec![2, 5]);
     assert_eq!(val, vec![-3.0, 3.0]);
 }
+
+#[test]
+fn an_overflowed_residual_fails_the_step_everywhere_as_the_host_engine_does() {
+    let sizes = vec![3000usize, 2000];
+    let pairs: Vec<(LocalComm, LocalComm)> = LocalComm::create(2)
+        .into_iter()
+        .zip(LocalComm::create(2))
+        .collect();
+    let body = |(e, c): (LocalComm, LocalComm)| {
+        let mut host = GradSync::with_transport(e, Config::default()).unwrap();
+        for (l, &n) in sizes.iter().enumerate() {
+            host.register_with(&format!("{l}"), &[n], Strategy::rgc(0.01))
+                .unwrap();
+        }
+        let mut dev = DeviceSparse::new(
+            HostOps::new(&sizes),
+            DeviceSparseConfig {
+                density: 0.01,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut outcomes = Vec::new();
+        for step in 0..3 {
+            let mut gs: Vec<Vec<f32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(l, &n)| grad(c.rank(), step * 31 + l, n, true))
+                .collect();
+            if c.rank() == 1 && step < 2 {
+                // Finite, but two of them overflow f32 in the residual.
+                gs[1].iter_mut().for_each(|g| *g = 3e38);
+            }
+            dev.ops().grads = gs.concat();
+            let mut view: Vec<&mut [f32]> = gs.iter_mut().map(|g| &mut g[..]).collect();
+            let h = host.sync(&mut view).map(|_| ()).map_err(|e| e.to_string());
+            let d = dev.step(&c).map(|_| ()).map_err(|e| e.to_string());
+            outcomes.push((h, d, bits(&gs.concat()) == bits(&dev.ops().grads)));
+        }
+        outcomes
+    };
+    let got: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = pairs
+            .into_iter()
+            .map(|pc| sc.spawn(move || body(pc)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, steps) in got.iter().enumerate() {
+        for (s, (h, d, same)) in steps.iter().enumerate() {
+            assert_eq!(
+                h.is_err(),
+                d.is_err(),
+                "rank {r} step {s}: host {h:?} device {d:?}"
+            );
+            assert!(*same, "rank {r} step {s}: results differ");
+            if let (Err(h), Err(d)) = (h, d) {
+                assert_eq!(s, 1, "the residual overflows at the second step");
+                for e in [h, d] {
+                    assert!(e.contains("rank 1") && e.contains('1'), "{e}");
+                }
+            }
+        }
+        assert!(
+            steps[1].0.is_err(),
+            "rank {r}: the overflow was not an error"
+        );
+    }
+}
