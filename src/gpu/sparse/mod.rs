@@ -289,17 +289,7 @@ impl<O: SparseOps> DeviceSparse<O> {
         // Clear what is sent (and overflowed layers) before the exchange:
         // nothing below can fail on one rank alone.
         let t = Instant::now();
-        let mut gidx = Vec::with_capacity(sel.entries.idx.len());
-        let mut at = 0;
-        for (l, &c) in sel.entries.counts.iter().enumerate() {
-            let base = self.offsets[l];
-            gidx.extend(
-                sel.entries.idx[at..at + c]
-                    .iter()
-                    .map(|&i| base + u64::from(i)),
-            );
-            at += c;
-        }
+        let gidx = fused_indices(&sel.entries, &self.offsets);
         for &l in &sel.overflowed {
             log::warn!(
                 "gradsync: rank {}: device sparse step {step}: layer {l}'s residual overflowed f32; \
@@ -354,4 +344,16 @@ impl<O: SparseOps> DeviceSparse<O> {
         self.steps += 1;
         Ok(st)
     }
+}
+
+/// The entries' indices in the fused buffer (`offsets[l] + i`).
+fn fused_indices(e: &Compacted, offsets: &[u64]) -> Vec<u64> {
+    let mut gidx = Vec::with_capacity(e.idx.len());
+    let mut at = 0;
+    for (l, &c) in e.counts.iter().enumerate() {
+        let base = offsets[l];
+        gidx.extend(e.idx[at..at + c].iter().map(|&i| base + u64::from(i)));
+        at += c;
+    }
+    gidx
 }
