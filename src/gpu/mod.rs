@@ -22,12 +22,17 @@
 //!   machines without CUDA; `CudaStaging` is [`DeviceCopies`] over a
 //!   CUDA stream, events and pinned host buffers.
 //!
+//! * [`sparse`]: the device-resident sparse step (RedSync §5.2–5.3 on
+//!   the GPU: error feedback, threshold search, compaction and
+//!   scatter-add as kernels; only the selected units cross to the host),
+//!   over [`sparse::SparseOps`]: the kernels or their CPU reference.
+//!
 //! The engine takes device buffers through this module
 //! (`GradSync::sync_device`, C's `gs_sync_device`, Python's DLPack CUDA
-//! tensors). Not here: device-side reduction for gradsync's own algorithms
-//! and the average on the direct route, and the GPU kernels of the sparse
-//! path (RedSync §5: threshold binary search, trimmed top-k, packing,
-//! scatter-add); none of it has yet run on a GPU.
+//! tensors), staged. Not here: device-side reduction for gradsync's own
+//! dense algorithms and the average on the direct route. All of it ran
+//! on an H200 (`hpc/gpu/check.sh`; docs/benchmarks/gpu.md), the direct
+//! route only on the host model (no CUDA-aware MPI there).
 
 mod aware;
 #[cfg(feature = "cuda")]
