@@ -357,3 +357,23 @@ fn fused_indices(e: &Compacted, offsets: &[u64]) -> Vec<u64> {
     }
     gidx
 }
+
+/// One rank's device-step message parsed against layers of `sizes`, as
+/// every rank parses its peers' (the fuzz target's entry): the entries'
+/// fused indices and values, and the layers it marks non-finite; an error
+/// names the rank and the layer. Never panics, whatever the bytes.
+pub fn parse_units(
+    msg: &[u8],
+    rank: usize,
+    sizes: &[usize],
+) -> Result<(Vec<u64>, Vec<f32>, Vec<usize>)> {
+    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut off = 0u64;
+    for &n in sizes {
+        offsets.push(off);
+        off = off.saturating_add(n as u64);
+    }
+    let (mut gi, mut v, mut nf) = (Vec::new(), Vec::new(), Vec::new());
+    wire::parse(msg, rank, sizes, &offsets, &mut gi, &mut v, &mut nf)?;
+    Ok((gi, v, nf))
+}
