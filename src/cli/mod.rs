@@ -56,6 +56,7 @@ mod scale;
 mod sparse_allreduce_bench;
 mod sparse_bench;
 mod step_bench;
+mod step_record;
 mod verify;
 
 pub(crate) use crate::calibrate::max_over_ranks;
@@ -77,7 +78,7 @@ pub use model::{
 };
 pub use scale::{parse_ranks, scale_record, ScaleArgs, ScaleRecord};
 pub use sparse_bench::SparseRecord;
-pub use step_bench::{StepGroupRecord, StepLayerRecord, StepRecord};
+pub use step_record::{StepGroupRecord, StepLayerRecord, StepRecord};
 pub use verify::VerifyArgs;
 
 /// gradsync: gradient synchronization for data-parallel training over MPI.

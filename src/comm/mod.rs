@@ -26,6 +26,7 @@ pub mod agree;
 mod group;
 mod local;
 mod mpi_comm;
+mod mpi_request;
 pub(crate) mod small;
 
 pub use group::Group;

@@ -7,17 +7,14 @@
 use super::{AbsStats, Compacted, SparseOps, CHUNK, MAX_T};
 use crate::{Error, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use std::sync::Arc;
 
+use super::cuda_mem::{dev, down_pinned, ensure, landed, pad};
+
 const SRC: &str = include_str!("kernels.cu");
 const THREADS: u32 = 256;
-
-fn dev(what: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::Device(format!("{what}: {e}"))
-}
 
 struct Kernels {
     accumulate: CudaFunction,
@@ -397,93 +394,6 @@ impl CudaOps {
     fn nseg(&self) -> usize {
         self.sizes.len()
     }
-}
-
-/// Start copying the first `len` elements of `src` into a page-locked
-/// buffer kept in `pin` (grown as needed): one DMA, where a pageable copy
-/// is staged by the driver; [`landed`] reads it after a wait for the
-/// stream. The copy is the driver's own call on the stream, as
-/// [`crate::gpu::CudaStaging`] does: cudarc's copy into a
-/// `PinnedHostSlice` also records the slice's blocking-sync event.
-fn down_pinned<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone>(
-    stream: &Arc<CudaStream>,
-    src: &CudaSlice<T>,
-    pin: &mut Option<PinnedHostSlice<T>>,
-    len: usize,
-) -> Result<()> {
-    if len == 0 {
-        return Ok(());
-    }
-    if len > src.len() {
-        return Err(Error::InvalidArgument(format!(
-            "reading {len} entries of a device buffer of {}",
-            src.len()
-        )));
-    }
-    if pin.as_ref().is_none_or(|p| p.len() < len) {
-        *pin = None;
-        // SAFETY: written by the copy below before it is read. Flags 0:
-        // cached, not write-combined (the CPU reads it).
-        let p = unsafe {
-            stream
-                .context()
-                .alloc_pinned_with_flags::<T>(len.next_power_of_two(), 0)
-        }
-        .map_err(dev("pinned allocation"))?;
-        *pin = Some(p);
-    }
-    // No event was ever recorded on it: this returns at once.
-    let dst = pin
-        .as_mut()
-        .expect("allocated")
-        .as_mut_slice()
-        .map_err(dev("pinned buffer"))?;
-    let (src_ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(src, stream);
-    // SAFETY: `dst` holds at least `len` elements of page-locked memory
-    // owned by `pin`, which outlives the copy (waited for below); the
-    // source holds at least `len` (checked).
-    unsafe {
-        cudarc::driver::result::memcpy_dtoh_async(&mut dst[..len], src_ptr, stream.cu_stream())
-    }
-    .map_err(dev("copy to the host"))
-}
-
-/// The first `len` elements of a landing buffer that [`down_pinned`]
-/// filled, once the stream has been waited for.
-fn landed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Clone>(
-    pin: &mut Option<PinnedHostSlice<T>>,
-    len: usize,
-) -> Result<Vec<T>> {
-    match pin {
-        Some(p) if len > 0 => Ok(p.as_mut_slice().map_err(dev("pinned buffer"))?[..len].to_vec()),
-        _ => Ok(Vec::new()),
-    }
-}
-
-/// At least one element (a zero-length device allocation is refused).
-fn pad<T: Copy + Default>(v: &[T]) -> Vec<T> {
-    if v.is_empty() {
-        vec![T::default()]
-    } else {
-        v.to_vec()
-    }
-}
-
-/// Grow `slot` to at least `len` elements (contents not kept).
-fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    stream: &Arc<CudaStream>,
-    slot: &mut Option<CudaSlice<T>>,
-    len: usize,
-) -> Result<()> {
-    if slot.as_ref().is_none_or(|s| s.len() < len) {
-        *slot = None;
-        *slot = Some(
-            stream
-                .alloc_zeros::<T>(len.max(1).next_power_of_two())
-                .map_err(dev("allocation"))?,
-        );
-    }
-    Ok(())
 }
 
 impl SparseOps for CudaOps {

@@ -52,6 +52,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_mem;
 mod host;
 pub mod policy;
 #[cfg(test)]
