@@ -243,6 +243,13 @@ pub trait Transport {
         None
     }
 
+    /// The MPI library's own `MPI_Allreduce` (sum) in place
+    /// (`MPI_IN_PLACE`: no copy of the input), if this transport has one.
+    /// `None` means "not available here".
+    fn native_allreduce_sum_in_place<T: Elem>(&self, _buf: &mut [T]) -> Option<Result<()>> {
+        None
+    }
+
     /// The MPI library's own `MPI_Allgatherv` of bytes, if this transport has
     /// one. `counts[i]` bytes from rank `i` land at `displs[i]` in `out`.
     fn native_allgatherv(

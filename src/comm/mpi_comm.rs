@@ -12,6 +12,12 @@ use std::mem::MaybeUninit;
 use std::os::raw::{c_char, c_int, c_void};
 use std::sync::Arc;
 
+// `src/comm/in_place.c`, built by build.rs against the MPI library's mpi.h.
+extern "C" {
+    /// The linked MPI library's `MPI_IN_PLACE`.
+    fn gradsync_mpi_in_place() -> *mut c_void;
+}
+
 /// Largest element count moved by one MPI call (`Count` is a C `int`); longer
 /// blocking transfers are split into several messages.
 const MAX_COUNT: usize = 1 << 30;
@@ -669,6 +675,42 @@ impl<C: Communicator> Transport for MpiComm<C> {
                     // chunks' borrows end.
                     |req| unsafe {
                         ffi::MPI_Iallreduce(s, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw, req)
+                    },
+                    "MPI_Iallreduce",
+                )?;
+            }
+            Ok(())
+        };
+        Some(run())
+    }
+
+    fn native_allreduce_sum_in_place<T: Elem>(&self, buf: &mut [T]) -> Option<Result<()>> {
+        let mut run = || -> Result<()> {
+            for r in buf.chunks_mut(MAX_COUNT) {
+                let n = r.len() as c_int;
+                let r = buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void;
+                // SAFETY: a function of this crate's C shim returning the
+                // linked MPI library's constant.
+                let in_place = unsafe { gradsync_mpi_in_place() } as *const c_void;
+                self.collective(
+                    // SAFETY: `r` and `n` describe the chunk, read and
+                    // written in place (`MPI_IN_PLACE` as the send buffer).
+                    || unsafe {
+                        ffi::MPI_Allreduce(in_place, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw)
+                    },
+                    "MPI_Allreduce",
+                    // SAFETY: as above; the request completes before the
+                    // chunk's borrow ends.
+                    |req| unsafe {
+                        ffi::MPI_Iallreduce(
+                            in_place,
+                            r,
+                            n,
+                            dtype::<T>(),
+                            ffi::RSMPI_SUM,
+                            self.raw,
+                            req,
+                        )
                     },
                     "MPI_Iallreduce",
                 )?;

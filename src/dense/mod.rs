@@ -210,11 +210,18 @@ pub fn allreduce_with<C: Transport, T: Real>(
             if opts.validate {
                 validate_same_len(comm, buf.len())?;
             }
-            let tmp = ws.scratch(buf.len());
-            tmp.copy_from_slice(buf);
-            comm.native_allreduce_sum(tmp, buf).ok_or_else(|| {
-                Error::Unsupported("this transport has no MPI-native allreduce".into())
-            })??;
+            // In place where the transport can (no copy of the input: a
+            // whole pass over the buffer), else through a scratch copy.
+            match comm.native_allreduce_sum_in_place(buf) {
+                Some(r) => r?,
+                None => {
+                    let tmp = ws.scratch(buf.len());
+                    tmp.copy_from_slice(buf);
+                    comm.native_allreduce_sum(tmp, buf).ok_or_else(|| {
+                        Error::Unsupported("this transport has no MPI-native allreduce".into())
+                    })??;
+                }
+            }
             if opts.op == ReduceOp::Average {
                 average(buf, comm.size());
             }
