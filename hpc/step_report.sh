@@ -60,5 +60,23 @@ for line in open(path):
           f"{r['predicted_s'] * 1e3:.1f} ms ({err * 100:+.1f} %); MPI_Allreduce of the table "
           f"{r['dense_mpi_median_s'] * 1e3:.1f} ms; {picks}")
 print(f"step_report.sh: {net}: largest model error {worst * 100:.1f} %")
+# The plan against the best single configuration of its table, measured in
+# the same interleaved rounds (each a median of ITERS steps), and what the
+# model predicted for the two: whether `auto` loses to one strategy alone.
+by_table = {}
+for line in open(path):
+    if line.startswith("{"):
+        r = json.loads(line)
+        by_table.setdefault(r["layers_file"].rsplit("/", 1)[-1].removesuffix(".json"), {})[r["config"]] = r
+for table, rs in by_table.items():
+    plan, others = rs.get("planned"), {c: r for c, r in rs.items() if c != "planned"}
+    if plan is None or not others:
+        continue
+    best = min(others, key=lambda c: others[c]["median_s"])
+    m, b = plan["median_s"], others[best]["median_s"]
+    pp, pb = plan.get("predicted_s"), others[best].get("predicted_s")
+    pred = "" if pp is None or pb is None else f" (predicted {pp * 1e3:.1f} against {pb * 1e3:.1f} ms)"
+    print(f"step_report.sh: {net} {table}: planned {m * 1e3:.1f} ms against the best single "
+          f"configuration, {best}, {b * 1e3:.1f} ms: {(m / b - 1) * 100:+.1f} %{pred}")
 PY
 done
