@@ -5,6 +5,10 @@
 
 fn main() {
     println!("cargo:rerun-if-changed=src/comm/in_place.c");
+    // No rerun on the probe's environment (MPICC, MPI_PKG_CONFIG, ...):
+    // mpi-sys's build does not rerun on it either, and the shim must stay
+    // built against the library mpi-sys links (the engine also checks the
+    // value against the linked library at run time).
     let lib = match build_probe_mpi::probe() {
         Ok(lib) => lib,
         Err(errs) => {

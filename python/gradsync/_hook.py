@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from gradsync._torch_common import Strategy, _engine_for, _import_torch, _needs_weights
 
+
 class GradSyncHookState:
     """The state of :func:`gradsync_hook`, DDP's comm hook (in the shape of ``PowerSGDState``).
 
@@ -20,7 +21,7 @@ class GradSyncHookState:
     sync=None, overlap=True, bucket_cap_mb=None, **gradsync_options)`` is
     collective over ``MPI.COMM_WORLD`` (or ``sync``'s communicator): every
     rank must build it with the same parameters in the same order. Arguments
-    as for :class:`DistributedOptimizer`: the parameters that require grad
+    as for :class:`gradsync.torch.DistributedOptimizer`: the parameters that require grad
     are registered with gradsync (``profile`` is a ``gradsync calibrate``
     profile for ``strategy="auto"``), with ``momentum=0.0`` unless given.
 
@@ -29,7 +30,7 @@ class GradSyncHookState:
     ``torch.futures.Future`` at once. With ``overlap=True`` (the default)
     the parameters are cut into gradsync's own buckets of up to
     ``bucket_cap_mb`` MiB (reverse registration order; ``None``: chosen by
-    the step model after the first step, as for :class:`DistributedOptimizer`;
+    the step model after the first step, as for :class:`gradsync.torch.DistributedOptimizer`;
     then fixed for the run; the parts of one engine's step); a gradsync bucket is submitted as soon as
     DDP has handed all its gradients (compression on the autograd thread,
     its collectives on the engine's progress thread), so the communication
@@ -63,7 +64,7 @@ class GradSyncHookState:
     (``torch.optim.SGD(params, lr)``); the hook's gradients are then update
     directions. ``weight_decay`` is refused here (it needs the weights): use
     the optimizer's; so is ``delay > 1`` (it writes the weights back): use
-    :class:`DistributedOptimizer`.
+    :class:`gradsync.torch.DistributedOptimizer`.
 
     Attributes: ``sync`` (the engine), ``last_stats`` (the last step's
     stats), ``steps`` (synchronized steps so far), ``buckets`` (DDP's

@@ -14,8 +14,9 @@ use std::path::PathBuf;
 use std::sync::{LazyLock, Mutex};
 
 /// `allreduce`'s scratch, kept across calls (as large as the largest
-/// array's algorithm needed: half of it for `rabenseifner`, all of it for
-/// `mpi`): a fresh one each call paid the first touch of its pages.
+/// array's algorithm needed: half of it for `rabenseifner`, none for `mpi`,
+/// which passes `MPI_IN_PLACE`): a fresh one each call paid the first
+/// touch of its pages.
 static SCRATCH: LazyLock<Mutex<AnyWorkspace>> = LazyLock::new(Mutex::default);
 
 /// In-place allreduce of a float32/float64 array over `comm`.

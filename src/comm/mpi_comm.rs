@@ -18,6 +18,38 @@ extern "C" {
     fn gradsync_mpi_in_place() -> *mut c_void;
 }
 
+/// The linked MPI library's `MPI_IN_PLACE`, or `None` (the caller copies
+/// instead) where the value the shim was built with does not match the
+/// library found at run time: Open MPI's is `(void *) 1`, MPICH's (and its
+/// derivatives') `(void *) -1`, and a build whose `mpi.h` was another
+/// library's than the one linked would pass a wild pointer as a buffer.
+fn in_place_constant() -> Option<*const c_void> {
+    static OK: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let v = *OK.get_or_init(|| {
+        // SAFETY: a function of this crate's C shim returning a constant.
+        let v = unsafe { gradsync_mpi_in_place() } as usize;
+        let lib = mpi_library_version();
+        let expected = if lib.contains("Open MPI") {
+            Some(1usize)
+        } else if lib.contains("MPICH") {
+            Some(usize::MAX)
+        } else {
+            None
+        };
+        match expected {
+            Some(e) if e != v => {
+                log::warn!(
+                    "MPI_IN_PLACE built as {v:#x} does not match the linked library ({lib}): \
+                     the mpi allreduce copies instead (rebuild gradsync against this MPI)"
+                );
+                None
+            }
+            _ => Some(v),
+        }
+    });
+    v.map(|v| v as *const c_void)
+}
+
 /// Largest element count moved by one MPI call (`Count` is a C `int`); longer
 /// blocking transfers are split into several messages.
 const MAX_COUNT: usize = 1 << 30;
@@ -663,7 +695,7 @@ impl<C: Communicator> Transport for MpiComm<C> {
                 let n = s.len() as c_int;
                 let (s, r) = (
                     buf_ptr(s.as_ptr() as *const u8, s.len()),
-                    buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void,
+                    buf_ptr(r.as_mut_ptr() as *const u8, r.len()) as *mut c_void,
                 );
                 self.collective(
                     // SAFETY: pointers/counts describe the chunks `s` and `r`.
@@ -685,16 +717,15 @@ impl<C: Communicator> Transport for MpiComm<C> {
     }
 
     fn native_allreduce_sum_in_place<T: Elem>(&self, buf: &mut [T]) -> Option<Result<()>> {
+        let in_place = in_place_constant()?;
         let mut run = || -> Result<()> {
             for r in buf.chunks_mut(MAX_COUNT) {
                 let n = r.len() as c_int;
-                let r = buf_ptr(r.as_ptr() as *const u8, r.len()) as *mut c_void;
-                // SAFETY: a function of this crate's C shim returning the
-                // linked MPI library's constant.
-                let in_place = unsafe { gradsync_mpi_in_place() } as *const c_void;
+                let r = buf_ptr(r.as_mut_ptr() as *const u8, r.len()) as *mut c_void;
                 self.collective(
                     // SAFETY: `r` and `n` describe the chunk, read and
-                    // written in place (`MPI_IN_PLACE` as the send buffer).
+                    // written in place; `in_place` is the linked library's
+                    // `MPI_IN_PLACE` (`in_place_constant`).
                     || unsafe {
                         ffi::MPI_Allreduce(in_place, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw)
                     },

@@ -306,8 +306,9 @@ pub fn staged_allreduce<C: Transport, D: DeviceCopies>(
 /// for `aware` (whether MPI takes device pointers: [`super::cuda_aware`]):
 /// [`staged_allreduce`], or, for a CUDA-aware MPI and `MPI_Allreduce`'s
 /// sum, the device addresses straight to MPI, one chunk at a time into a
-/// device scratch chunk copied back over the buffer (rsmpi has no
-/// `MPI_IN_PLACE`). Collective; the ranks' routes are agreed on with the
+/// device scratch chunk copied back over the buffer (written before the
+/// engine's host path passed `MPI_IN_PLACE`; not yet changed, as it can
+/// only be checked on a GPU with a CUDA-aware MPI). Collective; the ranks' routes are agreed on with the
 /// length and options, so ranks that decided differently (different
 /// `GRADSYNC_CUDA_AWARE`) get [`Error::ArgumentMismatch`] on every rank.
 /// Errors as [`staged_allreduce`].
