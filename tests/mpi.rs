@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{example, gradsync, mpirun};
+use common::{example, gradsync, mpirun, mpirun_env};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -162,6 +162,45 @@ fn bench_json_has_the_documented_fields_and_checks_pass() {
         let bytes: Vec<_> = recs.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
         assert!(bytes.contains(&4096) && bytes.contains(&65536));
     }
+}
+
+/// The `mpi` algorithm passes the linked library's `MPI_IN_PLACE` (Open
+/// MPI's and MPICH's differ; a value built from another library's `mpi.h`
+/// would make it fall back to a copy with a warning), and its result is
+/// MPI's own.
+#[test]
+fn the_mpi_allreduce_passes_the_linked_librarys_in_place() {
+    let args = [
+        "bench",
+        "--op",
+        "allreduce",
+        "--algo",
+        "mpi",
+        "--sizes",
+        "4K,1M",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--check",
+        "--json",
+    ];
+    let env = [("RUST_LOG", "gradsync::comm=debug")];
+    let (ok, out, err) = mpirun_env(
+        2,
+        Path::new(gradsync()),
+        &args,
+        &env,
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{err}");
+    let recs = json_lines(&out);
+    assert_eq!(recs.len(), 2, "{out}");
+    assert!(recs.iter().all(|r| r["check"] == "ok"), "{out}");
+    assert!(
+        err.contains("passes MPI_IN_PLACE") && !err.contains("does not match"),
+        "no in-place allreduce on the linked library:\n{err}"
+    );
 }
 
 #[test]

@@ -44,7 +44,10 @@ fn in_place_constant() -> Option<*const c_void> {
                 );
                 None
             }
-            _ => Some(v),
+            _ => {
+                log::debug!("the mpi allreduce passes MPI_IN_PLACE = {v:#x} ({lib})");
+                Some(v)
+            }
         }
     });
     v.map(|v| v as *const c_void)
