@@ -40,6 +40,14 @@
 //!   rounding of the sums' order); a snapshot taken after step 3 and
 //!   restored into a fresh engine continues bitwise; a NaN on the last
 //!   rank fails every rank alike. Prints `OK powersgd ranks=<p>`.
+//! * `mpi-dense`: dense layers (sizes 0 to 70 001) with momentum, plain and
+//!   Nesterov, in an engine whose dense allreduce is MPI's own
+//!   (`allreduce = mpi`, which sums and averages as it unpacks) beside one
+//!   with Rabenseifner's (which averages in its last halving), fed the
+//!   same integer-valued gradients (exact sums in any order): five steps
+//!   whose every result must be bitwise the same in both, then a NaN on
+//!   the last rank that both must fail alike, with the same outputs.
+//!   Prints `OK mpi-dense nesterov=<b> ranks=<p>`.
 //! * `mismatch`: the last rank registers a different shape; every rank must
 //!   get the table-mismatch error. Prints `MISMATCH <error>`.
 //! * `run`: steps `from..to` with momentum, Nesterov, weight decay, a density
@@ -194,6 +202,82 @@ fn codecs<C: Communicator>(world: &C) {
         }
         if rank == 0 {
             println!("OK {name} ranks={p}");
+        }
+    }
+}
+
+/// `mpi-dense` (module docs).
+fn mpi_dense<C: Communicator>(world: &C) {
+    let (rank, p) = (world.rank() as usize, world.size() as usize);
+    let sizes = [0usize, 1, 5, 4099, 70_001];
+    for nesterov in [false, true] {
+        let engine = |algo: AllreduceAlgo| {
+            let cfg = Config {
+                allreduce: Pick::Fixed(algo),
+                momentum: 0.9,
+                nesterov,
+                ..Config::default()
+            };
+            let mut s = GradSync::new(world, cfg).unwrap_or_else(|e| fail(format!("{e}")));
+            for (i, &n) in sizes.iter().enumerate() {
+                s.register_with(&format!("d{i}"), &[n], Strategy::Dense)
+                    .unwrap_or_else(|e| fail(format!("{e}")));
+            }
+            s
+        };
+        let (mut m, mut r) = (
+            engine(AllreduceAlgo::Mpi),
+            engine(AllreduceAlgo::Rabenseifner),
+        );
+        for step in 0..6usize {
+            let mut g: Vec<Vec<f32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    (0..n)
+                        .map(|j| ((rank * 7 + step * 3 + i * 5 + j) % 11) as f32 - 5.0)
+                        .collect()
+                })
+                .collect();
+            let bad = step == 5;
+            if bad && rank == p - 1 {
+                g[3][17] = f32::NAN;
+            }
+            let mut gr = g.clone();
+            let mut vm: Vec<&mut [f32]> = g.iter_mut().map(|v| &mut v[..]).collect();
+            let rm = m.sync(&mut vm).map(|_| ()).map_err(|e| e.to_string());
+            let mut vr: Vec<&mut [f32]> = gr.iter_mut().map(|v| &mut v[..]).collect();
+            let rr = r.sync(&mut vr).map(|_| ()).map_err(|e| e.to_string());
+            if rm != rr || bad != rm.is_err() {
+                fail(format!(
+                    "mpi-dense step {step}: mpi {rm:?}, rabenseifner {rr:?}"
+                ));
+            }
+            if bad
+                && !rm
+                    .as_ref()
+                    .err()
+                    .is_some_and(|e| e.contains("d3") && e.contains(&format!("rank {}", p - 1)))
+            {
+                fail(format!(
+                    "mpi-dense: the NaN step's error names neither: {rm:?}"
+                ));
+            }
+            for (i, (a, b)) in g.iter().zip(&gr).enumerate() {
+                let differ = a
+                    .iter()
+                    .zip(b)
+                    .position(|(x, y)| x.to_bits() != y.to_bits());
+                if let Some(j) = differ {
+                    fail(format!(
+                        "mpi-dense nesterov={nesterov} step {step} d{i}[{j}]: mpi {} vs rabenseifner {}",
+                        a[j], b[j]
+                    ));
+                }
+            }
+        }
+        if rank == 0 {
+            println!("OK mpi-dense nesterov={nesterov} ranks={p}");
         }
     }
 }
@@ -654,6 +738,7 @@ fn main() {
             },
         ),
         Some("mismatch") => mismatch(&world),
+        Some("mpi-dense") => mpi_dense(&world),
         Some("powersgd") => powersgd(&world),
         Some("run") => run(
             &world,
@@ -663,7 +748,7 @@ fn main() {
             opt("--load"),
         ),
         _ => fail(
-            "usage: engine_check codecs | exchange | powersgd | mismatch | run --from A --to B [--save DIR] [--load DIR]"
+            "usage: engine_check codecs | exchange | powersgd | mpi-dense | mismatch | run --from A --to B [--save DIR] [--load DIR]"
                 .into(),
         ),
     }

@@ -242,6 +242,24 @@ fn engine_check() -> PathBuf {
     ex
 }
 
+/// The engine with MPI's own dense allreduce (a sum, averaged as the
+/// layers are unpacked) against the one with Rabenseifner's, bitwise, with
+/// momentum and Nesterov, and failing alike on a NaN
+/// (examples/engine_check.rs `mpi-dense`).
+#[test]
+fn engine_with_the_mpi_allreduce_equals_rabenseifners_bitwise() {
+    let ex = engine_check();
+    for np in [1, 2, 3, 4] {
+        let (ok, out, err) = mpirun(np, &ex, &["mpi-dense"], Duration::from_secs(300));
+        assert!(ok, "np={np}: {err}\n{out}");
+        let oks = out
+            .lines()
+            .filter(|l| l.starts_with("OK mpi-dense") && l.ends_with(&format!("ranks={np}")))
+            .count();
+        assert_eq!(oks, 2, "np={np}:\n{out}");
+    }
+}
+
 /// PowerSGD layers under mpirun: the same bits on every rank, its phases
 /// by hand with `MPI_Allreduce` summing the factors, a snapshot restored
 /// bitwise, a NaN on one rank failing every rank (examples/engine_check.rs).

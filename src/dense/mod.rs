@@ -285,6 +285,38 @@ pub(crate) fn sub_from(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// The average of `p` ranks' sum, one element at a time, bitwise as
+/// [`average`] takes it: a multiply by the exact `1/p` where `p` is a power
+/// of two, else a division. For a pass that reads the sum anyway (the
+/// engine's dense layers unpacked after the `mpi` allreduce's sum), so
+/// that the average costs no pass of its own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Averaging {
+    /// `x · (1/p)`, `1/p` exact.
+    Mul(f32),
+    /// `x / p`.
+    Div(f32),
+}
+
+impl Averaging {
+    /// The averaging of `p` ranks' sum.
+    pub(crate) fn of(p: usize) -> Self {
+        match exact_reciprocal::<f32>(p) {
+            Some(r) => Averaging::Mul(r),
+            None => Averaging::Div(f32::of_count(p)),
+        }
+    }
+
+    /// The average of the sum `x`.
+    #[inline]
+    pub(crate) fn apply(self, x: f32) -> f32 {
+        match self {
+            Averaging::Mul(r) => x * r,
+            Averaging::Div(d) => x / d,
+        }
+    }
+}
+
 /// `buf[i] /= p`: the average of `p` ranks, correctly rounded (a sum of
 /// integers that `p` divides averages to that integer exactly, as
 /// `MPI_Allreduce` then `/ p` gives; `· (1/p)` was off by an ulp at p = 3).

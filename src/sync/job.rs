@@ -88,6 +88,10 @@ pub(super) struct RoundBuffers {
     pub(super) fused: Vec<u8>,
     pub(super) gathered: Gathered,
     pub(super) dense: Vec<f32>,
+    /// `dense` holds the ranks' sum, not their average: the `mpi`
+    /// allreduce, whose average would be a pass of its own, is taken as
+    /// the layers are unpacked (`unpack.rs`). Set by every dense round.
+    pub(super) dense_summed: bool,
     pub(super) ws: Workspace<f32>,
     /// This rank's pairs of the reduced layers: global index, value · 1/p.
     pub(super) sp_idx: Vec<u32>,
@@ -339,13 +343,21 @@ impl Job {
     /// non-finite markers ([`agree_non_finite`](Self::agree_non_finite)).
     fn reduce_dense<C: Transport>(&mut self, comm: &C) -> Result<Option<Vec<String>>> {
         let t = Instant::now();
+        let algo = self.script.reduce_algo;
+        // MPI's own allreduce can only sum: its average is taken in the
+        // unpacking's pass over the result instead of one of its own. The
+        // status words below are read as "nonzero", sum or average.
+        self.buf.dense_summed = algo == AllreduceAlgo::Mpi;
         let opts = AllreduceOptions {
-            op: ReduceOp::Average,
+            op: if self.buf.dense_summed {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Average
+            },
             // The layer table was checked at registration.
             validate: false,
             chunk_elems: 0,
         };
-        let algo = self.script.reduce_algo;
         allreduce_with(comm, &mut self.buf.dense, algo, &opts, &mut self.buf.ws)?;
         self.out.allreduce_s = t.elapsed().as_secs_f64();
         // The status word: the fraction of ranks that failed.

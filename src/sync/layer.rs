@@ -533,6 +533,45 @@ impl Layer {
         }
     }
 
+    /// [`Self::dense_update_from`] of the ranks' sum `s`, averaged by `avg`
+    /// in the same pass (bitwise the average, then the update).
+    pub(super) fn dense_update_from_sum(
+        &mut self,
+        s: &[f32],
+        o: &mut [f32],
+        params: (f32, bool, bool),
+        avg: crate::dense::Averaging,
+    ) {
+        use crate::dense::Averaging;
+        match avg {
+            Averaging::Mul(r) => self.dense_update_mapped(s, o, params, move |y| y * r),
+            Averaging::Div(d) => self.dense_update_mapped(s, o, params, move |y| y / d),
+        }
+    }
+
+    /// [`Self::dense_update_from`] of `f` of every element of `a` (one
+    /// loop per `f`, so that it vectorizes).
+    fn dense_update_mapped(
+        &mut self,
+        a: &[f32],
+        o: &mut [f32],
+        (m, nesterov, delay): (f32, bool, bool),
+        f: impl Fn(f32) -> f32,
+    ) {
+        if !delay && m != 0.0 && self.u.len() == o.len() {
+            for ((x, &y), u) in o.iter_mut().zip(a).zip(self.u.iter_mut()) {
+                let y = f(y);
+                *u = m * *u + y;
+                *x = if nesterov { y + m * *u } else { *u };
+            }
+        } else {
+            for (x, &y) in o.iter_mut().zip(a) {
+                *x = f(y);
+            }
+            self.dense_update(o, (m, nesterov, delay));
+        }
+    }
+
     /// Clear the per-step flags and timers before a step.
     pub(super) fn begin_step(&mut self) {
         if let Some(p) = &mut self.psg {

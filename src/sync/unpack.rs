@@ -18,6 +18,7 @@ use super::layer::Layer;
 use super::plan::{Mode, StepScript};
 use super::{GradSync, NonFinitePolicy};
 use crate::comm::Transport;
+use crate::dense::Averaging;
 use crate::sparse::{parse_fused, unpack_layer_counting, Entry, EntryKind};
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -338,7 +339,8 @@ impl<'a> Unpacker<'a> {
             Mode::Other => unreachable!("a layer's own bucket plans it"),
             Mode::Dense => {
                 let g = &job.buf.dense[lp.dense_off..lp.dense_off + l.n];
-                (self.dense(l, o, g, &job.buf.dn_bad_rank[i]), None)
+                let summed = job.buf.dense_summed.then(|| Averaging::of(self.p));
+                (self.dense(l, o, g, summed, &job.buf.dn_bad_rank[i]), None)
             }
         };
         l.stats.unpack_s = t.elapsed().as_secs_f64();
@@ -470,11 +472,23 @@ impl<'a> Unpacker<'a> {
         }
     }
 
-    /// A dense layer: its slice `g` of the fused average, then momentum;
-    /// `bad`: the lowest rank whose input was non-finite, if any.
-    fn dense(&self, l: &mut Layer, o: &mut [f32], g: &[f32], bad: &Option<usize>) -> Option<Error> {
+    /// A dense layer: its slice `g` of the fused average (of the fused
+    /// sum, averaged here by `summed`, after the `mpi` allreduce), then
+    /// momentum; `bad`: the lowest rank whose input was non-finite, if any.
+    fn dense(
+        &self,
+        l: &mut Layer,
+        o: &mut [f32],
+        g: &[f32],
+        summed: Option<Averaging>,
+        bad: &Option<usize>,
+    ) -> Option<Error> {
+        // (A sum is finite exactly where its average is.)
         if g.iter().any(|x| !x.is_finite()) {
-            o.copy_from_slice(g);
+            match summed {
+                Some(avg) => o.iter_mut().zip(g).for_each(|(x, &y)| *x = avg.apply(y)),
+                None => o.copy_from_slice(g),
+            }
             // The lowest rank whose input was non-finite (this one alone
             // when no allreduce ran); none when finite inputs overflowed
             // in the sum.
@@ -484,7 +498,10 @@ impl<'a> Unpacker<'a> {
                 layer: l.name.clone(),
             })
         } else {
-            l.dense_update_from(g, o, self.params);
+            match summed {
+                Some(avg) => l.dense_update_from_sum(g, o, self.params, avg),
+                None => l.dense_update_from(g, o, self.params),
+            }
             None
         }
     }
