@@ -32,8 +32,9 @@ pub struct VerifyArgs {
     /// Run every case over a transport that waits as the engine's progress
     /// thread does while its caller computes: test the requests and sleep
     /// this many microseconds between tests (`progress_poll_us`), with
-    /// MPI's immediate calls in place of its blocking ones. 0: MPI's
-    /// blocking calls.
+    /// MPI's immediate calls in place of its blocking ones (the `mpi`
+    /// allreduce then copies instead of passing `MPI_IN_PLACE`, as the
+    /// engine's does). 0: MPI's blocking calls.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub poll_us: u32,
 }

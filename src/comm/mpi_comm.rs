@@ -732,29 +732,13 @@ impl<C: Communicator> Transport for MpiComm<C> {
             for r in buf.chunks_mut(MAX_COUNT) {
                 let n = r.len() as c_int;
                 let r = buf_ptr(r.as_mut_ptr() as *const u8, r.len()) as *mut c_void;
-                self.collective(
-                    // SAFETY: `r` and `n` describe the chunk, read and
-                    // written in place; `in_place` is the linked library's
-                    // `MPI_IN_PLACE` (`in_place_constant`).
-                    || unsafe {
-                        ffi::MPI_Allreduce(in_place, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw)
-                    },
-                    "MPI_Allreduce",
-                    // SAFETY: as above; the request completes before the
-                    // chunk's borrow ends.
-                    |req| unsafe {
-                        ffi::MPI_Iallreduce(
-                            in_place,
-                            r,
-                            n,
-                            dtype::<T>(),
-                            ffi::RSMPI_SUM,
-                            self.raw,
-                            req,
-                        )
-                    },
-                    "MPI_Iallreduce",
-                )?;
+                // SAFETY: `r` and `n` describe the chunk, read and written
+                // in place; `in_place` is the linked library's
+                // `MPI_IN_PLACE` (`in_place_constant`).
+                let rc = unsafe {
+                    ffi::MPI_Allreduce(in_place, r, n, dtype::<T>(), ffi::RSMPI_SUM, self.raw)
+                };
+                check(rc, "MPI_Allreduce")?;
             }
             Ok(())
         };

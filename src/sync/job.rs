@@ -337,7 +337,8 @@ impl Job {
         Ok(None)
     }
 
-    /// The fused dense allreduce (average) with the status words after the
+    /// The fused dense allreduce (the average; the sum with the `mpi`
+    /// algorithm, averaged in the unpacking) with the status words after the
     /// data; then, if some rank failed, one allgatherv of every rank's
     /// failure text (returned), else if some layer was non-finite, the
     /// non-finite markers ([`agree_non_finite`](Self::agree_non_finite)).
