@@ -27,8 +27,44 @@ say() { echo "step_report.sh: $*"; }
 # The machine, so that records from several machines (or boots of one)
 # can be told apart: CPUs, the kernel's boot id and boot time.
 say "$(nproc) CPUs ($(grep -m 1 'model name' /proc/cpuinfo | sed 's/.*: //')), host $(hostname), boot $(cut -c1-8 /proc/sys/kernel/random/boot_id) at $(uptime -s 2>/dev/null || echo '?'), $NP ranks, $ITERS iterations, $(date -u '+%F %H:%M') UTC"
+# The CPU time of the whole machine (/proc/stat: busy, and stolen by the
+# host) and of this script's finished children (bash's `times`), so that
+# each network's job can say how much of the machine other work took while
+# it ran: a calibration that shares two cores with a build or another
+# benchmark reads its local costs 10-40 % slow, and its report is not a
+# quiet machine's.
+# (`times` runs in this shell, not in a command substitution's subshell,
+# whose children are not the job's.)
+cpu_mark() {
+  times >"$1.times"
+  echo "$(awk '/^cpu /{print $2+$3+$4+$7+$8, $9}' /proc/stat) $(getconf CLK_TCK)" \
+    "$(tail -n 1 "$1.times") $(date +%s.%N)" >"$1"
+}
+cpu_share() {
+  python3 - "$1" "$2" "$3" "$(nproc)" <<'PY'
+import re, sys
+net, a, b, ncpu = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
+def secs(t):  # bash `times`: 1m2.345s
+    m = re.fullmatch(r"(\d+)m([\d.]+)s", t)
+    return int(m[1]) * 60 + float(m[2])
+hz = float(a[2])
+busy = (float(b[0]) - float(a[0])) / hz
+steal = (float(b[1]) - float(a[1])) / hz
+ours = secs(b[3]) + secs(b[4]) - secs(a[3]) - secs(a[4])
+wall = float(b[5]) - float(a[5])
+other = max(busy - ours, 0.0)
+cap = ncpu * wall
+print(f"step_report.sh: {net}: the machine while it ran: {wall:.0f} s on {ncpu} CPUs; this job "
+      f"{ours:.0f} CPU-s, other processes {other:.1f} ({other / cap * 100:.1f} %), stolen by the "
+      f"host {steal:.1f} ({steal / cap * 100:.1f} %)")
+if other > 0.05 * cap or steal > 0.05 * cap:
+    print(f"step_report.sh: {net}: WARNING: not a quiet machine; its calibration and steps "
+          f"shared the CPUs, so this network's errors are not the model's alone")
+PY
+}
 for net in $NETS; do
   log="$OUT/$net.jsonl"
+  cpu_mark "$OUT/$net.cpu0"
   case "$net" in
     shm) NP=$NP ITERS=$ITERS OUT="$OUT/$net" hpc/step_bench.sh >"$log" 2>"$OUT/$net.err" || {
       say "$net: step_bench.sh failed:"; tail -n 20 "$OUT/$net.err"; exit 1; } ;;
@@ -40,6 +76,8 @@ for net in $NETS; do
         >"$log" 2>"$OUT/$net.err" || { say "$net: step_bench.sh failed:"; tail -n 20 "$OUT/$net.err"; exit 1; } ;;
     *) say "unknown network '$net' in NETS (shm, 1gbit)"; exit 2 ;;
   esac
+  cpu_mark "$OUT/$net.cpu1"
+  cpu_share "$net" "$(cat "$OUT/$net.cpu0")" "$(cat "$OUT/$net.cpu1")"
   python3 - "$net" "$log" <<'PY'
 import json, sys
 net, path = sys.argv[1], sys.argv[2]
@@ -78,5 +116,27 @@ for table, rs in by_table.items():
     pred = "" if pp is None or pb is None else f" (predicted {pp * 1e3:.1f} against {pb * 1e3:.1f} ms)"
     print(f"step_report.sh: {net} {table}: planned {m * 1e3:.1f} ms against the best single "
           f"configuration, {best}, {b * 1e3:.1f} ms: {(m / b - 1) * 100:+.1f} %{pred}")
+    # Paired by round (the configurations take turns step by step, so the
+    # i-th steps of two records ran under the same machine state): the
+    # median and the range of planned / best, and the same ratio between
+    # two configurations the plan tied with, where there is one: how far
+    # apart identical work lands in these rounds.
+    def ratios(x, y):
+        return sorted(u / v for u, v in zip(x["step_times_s"], y["step_times_s"]))
+    def med(v):
+        n = len(v)
+        return (v[n // 2] + v[(n - 1) // 2]) / 2
+    if "step_times_s" in plan and "step_times_s" in others[best]:
+        r = ratios(plan, others[best])
+        same = [c for c, o in others.items() if o["choices"] == plan["choices"]
+                or [l["choice"] for l in o["choices"]] == [l["choice"] for l in plan["choices"]]]
+        tie = ""
+        if same and same[0] != best:
+            rs = ratios(plan, others[same[0]])
+            tie = (f"; against {same[0]}, the same strategies, {(med(rs) - 1) * 100:+.1f} % "
+                   f"({(rs[0] - 1) * 100:+.1f} to {(rs[-1] - 1) * 100:+.1f})")
+        print(f"step_report.sh: {net} {table}: planned / {best} paired by round: median "
+              f"{(med(r) - 1) * 100:+.1f} %, range {(r[0] - 1) * 100:+.1f} to {(r[-1] - 1) * 100:+.1f} % "
+              f"over {len(r)} rounds{tie}")
 PY
 done

@@ -73,6 +73,17 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
             assert!(v[f].as_f64().expect(f) > 0.0 || np == 1, "{f} in {out}");
         }
         assert!(v["rel_error"].is_number());
+        // Every timed step, whose median is the record's.
+        let mut steps: Vec<f64> = v["step_times_s"]
+            .as_array()
+            .expect("step_times_s")
+            .iter()
+            .map(|t| t.as_f64().expect("a step's seconds"))
+            .collect();
+        assert_eq!(steps.len(), 3, "{out}");
+        steps.sort_by(f64::total_cmp);
+        assert_eq!(steps[1], v["median_s"].as_f64().unwrap(), "{out}");
+        assert_eq!(steps[0], v["min_s"].as_f64().unwrap(), "{out}");
         let choices = v["choices"].as_array().expect("choices");
         assert_eq!(choices.len(), 5);
         // The same plan as `gradsync plan` on the same profile.

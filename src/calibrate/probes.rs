@@ -124,6 +124,11 @@ pub(super) fn rounds(
         }
         round += 1;
     }
+    if log::log_enabled!(log::Level::Trace) {
+        for (i, v) in t.iter().enumerate() {
+            log::trace!("samples rank {} probe {i}: {:?}", comm.rank(), v);
+        }
+    }
     let mut med: Vec<f64> = t.iter_mut().map(|v| interquartile_mean(v)).collect();
     max_over_ranks(comm, &mut med);
     Ok((med, round))

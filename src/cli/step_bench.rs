@@ -531,6 +531,7 @@ fn record(
         *m = median(&mut tail);
     }
     max_over_ranks(comm, &mut med);
+    let step_times_s = t.to_vec();
     let median_s = median(t);
     let min_s = t.iter().copied().fold(f64::INFINITY, f64::min);
     let (plan, bytes) = (&r.plan, r.bytes);
@@ -622,6 +623,7 @@ fn record(
         iters: a.iters,
         median_s,
         min_s,
+        step_times_s,
         predicted_s,
         rel_error: predicted_s.map(|x| (x - median_s) / median_s),
         dense_mpi_median_s: dense,

@@ -67,6 +67,11 @@ pub struct StepRecord {
     pub median_s: f64,
     /// Fastest step.
     pub min_s: f64,
+    /// Every timed step's seconds (slowest rank), in the order they ran.
+    /// The configurations of one run take turns step by step, so the
+    /// i-th entries of its records are the same round: their ratio pairs
+    /// two configurations under the same machine state.
+    pub step_times_s: Vec<f64>,
     /// The step model's prediction (null without a profile).
     pub predicted_s: Option<f64>,
     /// `(predicted_s − median_s) / median_s`.
