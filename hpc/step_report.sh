@@ -108,6 +108,14 @@ for line in open(path):
         by_table.setdefault(r["layers_file"].rsplit("/", 1)[-1].removesuffix(".json"), {})[r["config"]] = r
 for table, rs in by_table.items():
     plan, others = rs.get("planned"), {c: r for c, r in rs.items() if c != "planned"}
+    # The network's state beside the steps against its calibration's: a
+    # ratio far from 1 moves the predictions of this table with it.
+    size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+    st = [f"{size(x['bytes'])} {x['measured_s'] * 1e3:.3f} ms against the profile's "
+          f"{x['profile_s'] * 1e3:.3f} ({x['measured_s'] / x['profile_s']:.2f}x)"
+          for x in next(iter(rs.values())).get("state_exchanges", []) if x.get("profile_s")]
+    if st:
+        print(f"step_report.sh: {net} {table}: exchanges beside the steps: " + "; ".join(st))
     if plan is None or not others:
         continue
     best = min(others, key=lambda c: others[c]["median_s"])

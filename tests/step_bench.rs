@@ -84,6 +84,14 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         steps.sort_by(f64::total_cmp);
         assert_eq!(steps[1], v["median_s"].as_f64().unwrap(), "{out}");
         assert_eq!(steps[0], v["min_s"].as_f64().unwrap(), "{out}");
+        // The state exchanges beside the steps, priced by the profile
+        // (none on one rank).
+        let state = v["state_exchanges"].as_array().expect("state_exchanges");
+        assert_eq!(state.len(), if np > 1 { 2 } else { 0 }, "{out}");
+        for x in state {
+            assert!(x["measured_s"].as_f64().expect("measured_s") > 0.0, "{out}");
+            assert!(x["profile_s"].as_f64().expect("profile_s") > 0.0, "{out}");
+        }
         let choices = v["choices"].as_array().expect("choices");
         assert_eq!(choices.len(), 5);
         // The same plan as `gradsync plan` on the same profile.

@@ -65,7 +65,7 @@ mod probes;
 pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckOptions};
 /// The CLI's harness bookkeeping uses the same reduction.
 #[cfg(feature = "cli")]
-pub(crate) use probes::max_over_ranks;
+pub(crate) use probes::{exchange_burst, max_over_ranks};
 pub use probes::{step_gradient, synthetic};
 
 use crate::comm::agree::{agree_inputs, MustMatch};

@@ -198,6 +198,25 @@ pub(super) fn exchange_time(
     )
 }
 
+/// [`exchange_time`] as a short warm burst, the way the calibration's
+/// rounds run it (one untimed call, then [`BURST`] timed): their median.
+/// What `bench --op step` measures beside its steps to tell whether the
+/// machine is in the state its profile was calibrated in.
+#[cfg(feature = "cli")]
+pub(crate) fn exchange_burst(
+    comm: &MpiComm,
+    send: &mut [u8],
+    recv: &mut [u8],
+    round: usize,
+) -> Result<f64> {
+    let mut t = [0f64; BURST];
+    exchange_time(comm, send, recv, round * (BURST + 1))?;
+    for (b, x) in t.iter_mut().enumerate() {
+        *x = exchange_time(comm, send, recv, round * (BURST + 1) + b + 1)?;
+    }
+    Ok(super::median(&mut t))
+}
+
 /// The same with this rank's partner given (`None`: this rank only takes
 /// part in the barrier).
 pub(super) fn exchange_time_with(

@@ -20,7 +20,7 @@
 use super::bench::{
     check_common, common_must_match, flag_error, time_interleaved, timed, BenchArgs,
 };
-use super::step_record::{print_record, StepGroupRecord, StepLayerRecord, StepRecord};
+use super::step_record::{print_record, StateRecord, StepGroupRecord, StepLayerRecord, StepRecord};
 use super::{max_over_ranks, model, synthetic};
 use crate::calibrate::median;
 use crate::codec::RgcMethod;
@@ -468,14 +468,27 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let dense_in: Vec<f32> = input.concat();
     let mut dense_out = vec![0f32; dense_in.len()];
     let nruns = runs.len();
-    let mut times = time_interleaved(comm, a.iters, a.warmup, 1 + nruns, |k| {
+    // The state exchanges (none on one rank), their buffers and rounds.
+    let nstate = if p > 1 { STATE_BYTES.len() } else { 0 };
+    let mut state_bufs: Vec<(Vec<u8>, Vec<u8>)> = STATE_BYTES[..nstate]
+        .iter()
+        .map(|&b| (vec![0u8; b], vec![0u8; b]))
+        .collect();
+    let mut state_round = 0;
+    let ops = 1 + nstate + nruns;
+    let mut times = time_interleaved(comm, a.iters, a.warmup, ops, |k| {
         if k == 0 {
             return timed(comm, || {
                 comm.native_allreduce_sum(&dense_in, &mut dense_out)
                     .ok_or_else(|| Error::Unsupported("no MPI allreduce".into()))?
             });
         }
-        let r = &mut runs[k - 1];
+        if k <= nstate {
+            let (send, recv) = &mut state_bufs[k - 1];
+            state_round += 1;
+            return crate::calibrate::exchange_burst(comm, send, recv, state_round);
+        }
+        let r = &mut runs[k - 1 - nstate];
         // Each step its own gradient, as in training (a sparse layer's
         // residual would otherwise accumulate one gradient, and its
         // selection slow down with the step count).
@@ -502,8 +515,21 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         Ok(t)
     })?;
     let dense = median(&mut times[0]);
-    for (r, t) in runs.iter_mut().zip(times.iter_mut().skip(1)) {
-        let rec = record(comm, a, &inp, r, t, dense, algo, &allowed, p)?;
+    let state: Vec<StateRecord> = STATE_BYTES[..nstate]
+        .iter()
+        .zip(&mut times[1..])
+        .map(|(&bytes, t)| {
+            let m = bytes as f64;
+            StateRecord {
+                bytes,
+                measured_s: median(t),
+                profile_s: inp.profile.as_ref().map(|pr| pr.alpha + m * pr.beta_at(m)),
+            }
+        })
+        .collect();
+    for (r, t) in runs.iter_mut().zip(times.iter_mut().skip(1 + nstate)) {
+        let mut rec = record(comm, a, &inp, r, t, dense, algo, &allowed, p)?;
+        rec.state_exchanges = state.clone();
         if rank == 0 {
             print_record(a, &rec)?;
         }
@@ -636,8 +662,14 @@ fn record(
         sparse_exchange: inp.exchange.to_string(),
         exchanges,
         fill_estimate: r.fill,
+        state_exchanges: Vec::new(),
     })
 }
+
+/// Bytes of the state exchanges measured beside the steps: a short
+/// message (α and the cache-to-cache state of the development VMs) and a
+/// long one (the bandwidth a dense group's allreduce moves at).
+const STATE_BYTES: [usize; 2] = [64 << 10, 16 << 20];
 
 #[cfg(test)]
 mod tests {

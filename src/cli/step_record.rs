@@ -22,6 +22,19 @@ pub struct StepLayerRecord {
     pub predicted_s: Option<f64>,
 }
 
+/// A pairwise exchange measured in the steps' rounds beside the profile's
+/// price of it: whether the machine is in the state it was calibrated in.
+#[derive(Serialize, Debug, Clone)]
+pub struct StateRecord {
+    /// Bytes each way (ranks 2i and 2i+1, as the calibration pairs them).
+    pub bytes: usize,
+    /// Median over the rounds (slowest rank; each round a burst of three
+    /// after an untimed one).
+    pub measured_s: f64,
+    /// The profile's `α + β(m)·m` (null without a profile).
+    pub profile_s: Option<f64>,
+}
+
 /// One group of the measured step.
 #[derive(Serialize, Debug, Clone)]
 pub struct StepGroupRecord {
@@ -100,6 +113,11 @@ pub struct StepRecord {
     pub exchanges: std::collections::BTreeMap<String, usize>,
     /// The fill estimate after the last step (`StepStats::fill_estimate`).
     pub fill_estimate: Option<f64>,
+    /// Exchanges of 64 KiB and 16 MiB in the same rounds, against the
+    /// profile's prices (empty on one rank): where the measured and the
+    /// priced differ, the network is not in its calibration's state, and
+    /// the step's prediction is off by about as much.
+    pub state_exchanges: Vec<StateRecord>,
 }
 
 /// Print `rec`: its JSON line with `--json`, else readable lines.
@@ -140,6 +158,17 @@ pub(super) fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
             g.measured_s * 1e3,
             g.predicted_s
                 .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3))
+        );
+    }
+    for x in &rec.state_exchanges {
+        outln!(
+            "  state: exchange of {} bytes measured {:.1} us, the profile's {}",
+            x.bytes,
+            x.measured_s * 1e6,
+            x.profile_s.map_or_else(
+                || "-".into(),
+                |y| format!("{:.1} us ({:.2}x)", y * 1e6, x.measured_s / y)
+            )
         );
     }
     Ok(())
