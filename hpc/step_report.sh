@@ -34,19 +34,21 @@ say "$(nproc) CPUs ($(grep -m 1 'model name' /proc/cpuinfo | sed 's/.*: //')), h
 # benchmark reads its local costs 10-40 % slow, and its report is not a
 # quiet machine's.
 # (`times` runs in this shell, not in a command substitution's subshell,
-# whose children are not the job's.)
+# whose children are not the job's; `%.0f`, as mawk prints numbers past
+# 2^31 in six digits; the CPUs counted are /proc/stat's, every online one,
+# which in a container may be more than this job may use.)
 cpu_mark() {
-  times >"$1.times"
-  echo "$(awk '/^cpu /{print $2+$3+$4+$7+$8, $9}' /proc/stat) $(getconf CLK_TCK)" \
+  LC_ALL=C times >"$1.times"
+  echo "$(awk '/^cpu /{printf "%.0f %.0f", $2+$3+$4+$7+$8, $9}' /proc/stat) $(getconf CLK_TCK)" \
     "$(tail -n 1 "$1.times") $(date +%s.%N)" >"$1"
 }
 cpu_share() {
-  python3 - "$1" "$2" "$3" "$(nproc)" <<'PY'
+  python3 - "$1" "$2" "$3" "$(grep -c '^cpu[0-9]' /proc/stat)" <<'PY'
 import re, sys
 net, a, b, ncpu = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
-def secs(t):  # bash `times`: 1m2.345s
-    m = re.fullmatch(r"(\d+)m([\d.]+)s", t)
-    return int(m[1]) * 60 + float(m[2])
+def secs(t):  # bash `times`: 1m2.345s (1m2,345s in some locales)
+    m = re.fullmatch(r"(\d+)m([\d.,]+)s", t)
+    return int(m[1]) * 60 + float(m[2].replace(",", "."))
 hz = float(a[2])
 busy = (float(b[0]) - float(a[0])) / hz
 steal = (float(b[1]) - float(a[1])) / hz
@@ -111,11 +113,18 @@ for table, rs in by_table.items():
     # The network's state beside the steps against its calibration's: a
     # ratio far from 1 moves the predictions of this table with it.
     size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
-    st = [f"{size(x['bytes'])} {x['measured_s'] * 1e3:.3f} ms against the profile's "
-          f"{x['profile_s'] * 1e3:.3f} ({x['measured_s'] / x['profile_s']:.2f}x)"
+    sec = lambda t: f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+    st = [f"{size(x['bytes'])} {sec(x['measured_s'])} against the profile's "
+          f"{sec(x['profile_s'])} ({x['measured_s'] / x['profile_s']:.2f}x)"
           for x in next(iter(rs.values())).get("state_exchanges", []) if x.get("profile_s")]
     if st:
         print(f"step_report.sh: {net} {table}: exchanges beside the steps: " + "; ".join(st))
+    far = [x for x in next(iter(rs.values())).get("state_exchanges", [])
+           if x.get("profile_s") and not 0.8 <= x["measured_s"] / x["profile_s"] <= 1.25]
+    if far:
+        print(f"step_report.sh: {net} {table}: WARNING: the network beside the steps is not in "
+              f"its calibration's state ({', '.join(size(x['bytes']) for x in far)} off by more "
+              f"than 20 %); this table's predictions carry that")
     if plan is None or not others:
         continue
     best = min(others, key=lambda c: others[c]["median_s"])
@@ -126,9 +135,9 @@ for table, rs in by_table.items():
           f"configuration, {best}, {b * 1e3:.1f} ms: {(m / b - 1) * 100:+.1f} %{pred}")
     # Paired by round (the configurations take turns step by step, so the
     # i-th steps of two records ran under the same machine state): the
-    # median and the range of planned / best, and the same ratio between
-    # two configurations the plan tied with, where there is one: how far
-    # apart identical work lands in these rounds.
+    # median and the range of planned / best; and, where another
+    # configuration ran the plan's strategies layer for layer, the same
+    # ratio against it: how far apart identical work lands in these rounds.
     def ratios(x, y):
         return sorted(u / v for u, v in zip(x["step_times_s"], y["step_times_s"]))
     def med(v):
@@ -136,13 +145,15 @@ for table, rs in by_table.items():
         return (v[n // 2] + v[(n - 1) // 2]) / 2
     if "step_times_s" in plan and "step_times_s" in others[best]:
         r = ratios(plan, others[best])
-        same = [c for c, o in others.items() if o["choices"] == plan["choices"]
-                or [l["choice"] for l in o["choices"]] == [l["choice"] for l in plan["choices"]]]
+        picks = lambda x: [l["choice"] for l in x["choices"]]
+        same = [c for c, o in others.items() if picks(o) == picks(plan)]
         tie = ""
-        if same and same[0] != best:
-            rs = ratios(plan, others[same[0]])
-            tie = (f"; against {same[0]}, the same strategies, {(med(rs) - 1) * 100:+.1f} % "
-                   f"({(rs[0] - 1) * 100:+.1f} to {(rs[-1] - 1) * 100:+.1f})")
+        if best in same:
+            tie = f" ({best} ran the plan's strategies: this is the rounds' noise)"
+        elif same:
+            q = ratios(plan, others[same[0]])
+            tie = (f"; against {same[0]}, the same strategies, {(med(q) - 1) * 100:+.1f} % "
+                   f"({(q[0] - 1) * 100:+.1f} to {(q[-1] - 1) * 100:+.1f})")
         print(f"step_report.sh: {net} {table}: planned / {best} paired by round: median "
               f"{(med(r) - 1) * 100:+.1f} %, range {(r[0] - 1) * 100:+.1f} to {(r[-1] - 1) * 100:+.1f} % "
               f"over {len(r)} rounds{tie}")

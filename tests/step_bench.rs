@@ -90,7 +90,14 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         assert_eq!(state.len(), if np > 1 { 2 } else { 0 }, "{out}");
         for x in state {
             assert!(x["measured_s"].as_f64().expect("measured_s") > 0.0, "{out}");
-            assert!(x["profile_s"].as_f64().expect("profile_s") > 0.0, "{out}");
+            // α + β·m of the profile above (it has no β curve).
+            let m = x["bytes"].as_f64().expect("bytes");
+            let priced = x["profile_s"].as_f64().expect("profile_s");
+            assert!((priced - (2e-6 + m * 1e-9)).abs() < 1e-12, "{out}");
+        }
+        if np > 1 {
+            assert_eq!(state[0]["bytes"], 65536, "{out}");
+            assert_eq!(state[1]["bytes"], 16 << 20, "{out}");
         }
         let choices = v["choices"].as_array().expect("choices");
         assert_eq!(choices.len(), 5);

@@ -303,6 +303,7 @@ fn phase(
     name: &'static str,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(Vec<f64>, usize)> {
+    log::trace!("calibrate: the {name} phase is round set {seed}");
     let mut last = (0, 0.0);
     let fraction = |r: usize, t: f64| {
         (r as f64 / min_rounds.max(1) as f64)

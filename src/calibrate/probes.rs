@@ -126,7 +126,11 @@ pub(super) fn rounds(
     }
     if log::log_enabled!(log::Level::Trace) {
         for (i, v) in t.iter().enumerate() {
-            log::trace!("samples rank {} probe {i}: {:?}", comm.rank(), v);
+            log::trace!(
+                "samples of round set {seed} rank {} probe {i}: {:?}",
+                comm.rank(),
+                v
+            );
         }
     }
     let mut med: Vec<f64> = t.iter_mut().map(|v| interquartile_mean(v)).collect();

@@ -469,8 +469,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let mut dense_out = vec![0f32; dense_in.len()];
     let nruns = runs.len();
     // The state exchanges (none on one rank), their buffers and rounds.
-    let nstate = if p > 1 { STATE_BYTES.len() } else { 0 };
-    let mut state_bufs: Vec<(Vec<u8>, Vec<u8>)> = STATE_BYTES[..nstate]
+    let state_bytes = match &inp.profile {
+        Some(prof) if p > 1 => state_bytes(prof),
+        _ => Vec::new(),
+    };
+    let nstate = state_bytes.len();
+    let mut state_bufs: Vec<(Vec<u8>, Vec<u8>)> = state_bytes
         .iter()
         .map(|&b| (vec![0u8; b], vec![0u8; b]))
         .collect();
@@ -515,7 +519,7 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         Ok(t)
     })?;
     let dense = median(&mut times[0]);
-    let state: Vec<StateRecord> = STATE_BYTES[..nstate]
+    let state: Vec<StateRecord> = state_bytes
         .iter()
         .zip(&mut times[1..])
         .map(|(&bytes, t)| {
@@ -523,7 +527,10 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             StateRecord {
                 bytes,
                 measured_s: median(t),
-                profile_s: inp.profile.as_ref().map(|pr| pr.alpha + m * pr.beta_at(m)),
+                profile_s: inp
+                    .profile
+                    .as_ref()
+                    .map_or(0.0, |pr| pr.alpha + m * pr.beta_at(m)),
             }
         })
         .collect();
@@ -668,8 +675,27 @@ fn record(
 
 /// Bytes of the state exchanges measured beside the steps: a short
 /// message (α and the cache-to-cache state of the development VMs) and a
-/// long one (the bandwidth a dense group's allreduce moves at).
-const STATE_BYTES: [usize; 2] = [64 << 10, 16 << 20];
+/// long one (the bandwidth a dense group's allreduce moves at), 16 MiB or
+/// the largest the profile's calibration measured if less (its exchanges
+/// stop where one takes 50 ms, 4 MiB on a 1 Gbit/s link), so that neither
+/// is priced from the flat end of the β curve, nor costs seconds a round.
+fn state_bytes(prof: &Profile) -> Vec<usize> {
+    let top = prof
+        .beta_curve
+        .iter()
+        .map(|c| c.bytes as usize)
+        .max()
+        .unwrap_or(16 << 20);
+    let long = top.clamp(STATE_SHORT, 16 << 20);
+    if long > STATE_SHORT {
+        vec![STATE_SHORT, long]
+    } else {
+        vec![STATE_SHORT]
+    }
+}
+
+/// The short state exchange, bytes.
+const STATE_SHORT: usize = 64 << 10;
 
 #[cfg(test)]
 mod tests {

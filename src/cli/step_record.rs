@@ -26,13 +26,15 @@ pub struct StepLayerRecord {
 /// price of it: whether the machine is in the state it was calibrated in.
 #[derive(Serialize, Debug, Clone)]
 pub struct StateRecord {
-    /// Bytes each way (ranks 2i and 2i+1, as the calibration pairs them).
+    /// Bytes each way between ranks 2i and 2i+1 (the calibration's pairs
+    /// on one node; across nodes it pairs ranks inside each node, and
+    /// such a pair here may cross the link, still priced at one level).
     pub bytes: usize,
     /// Median over the rounds (slowest rank; each round a burst of three
     /// after an untimed one).
     pub measured_s: f64,
-    /// The profile's `α + β(m)·m` (null without a profile).
-    pub profile_s: Option<f64>,
+    /// The profile's `α + β(m)·m`.
+    pub profile_s: f64,
 }
 
 /// One group of the measured step.
@@ -113,8 +115,9 @@ pub struct StepRecord {
     pub exchanges: std::collections::BTreeMap<String, usize>,
     /// The fill estimate after the last step (`StepStats::fill_estimate`).
     pub fill_estimate: Option<f64>,
-    /// Exchanges of 64 KiB and 16 MiB in the same rounds, against the
-    /// profile's prices (empty on one rank): where the measured and the
+    /// Exchanges of 64 KiB and of up to 16 MiB (the largest the profile
+    /// measured) in the same rounds, against the profile's prices (empty
+    /// on one rank or without a profile): where the measured and the
     /// priced differ, the network is not in its calibration's state, and
     /// the step's prediction is off by about as much.
     pub state_exchanges: Vec<StateRecord>,
@@ -162,13 +165,11 @@ pub(super) fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
     }
     for x in &rec.state_exchanges {
         outln!(
-            "  state: exchange of {} bytes measured {:.1} us, the profile's {}",
+            "  state: exchange of {} bytes measured {:.1} us, the profile's {:.1} us ({:.2}x)",
             x.bytes,
             x.measured_s * 1e6,
-            x.profile_s.map_or_else(
-                || "-".into(),
-                |y| format!("{:.1} us ({:.2}x)", y * 1e6, x.measured_s / y)
-            )
+            x.profile_s * 1e6,
+            x.measured_s / x.profile_s
         );
     }
     Ok(())
