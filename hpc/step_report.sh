@@ -110,21 +110,24 @@ for line in open(path):
         by_table.setdefault(r["layers_file"].rsplit("/", 1)[-1].removesuffix(".json"), {})[r["config"]] = r
 for table, rs in by_table.items():
     plan, others = rs.get("planned"), {c: r for c, r in rs.items() if c != "planned"}
-    # The network's state beside the steps against its calibration's: a
-    # ratio far from 1 moves the predictions of this table with it.
-    size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+    # The machine's state beside the steps against its calibration's (the
+    # network's exchanges, PowerSGD's local step): a ratio far from 1
+    # moves the predictions that use that part of the profile with it.
+    size = lambda x: (f"{x['size'] >> 20} MiB" if x['size'] >= 1 << 20 else f"{x['size'] >> 10} KiB") \
+        if x["probe"] == "exchange" else f"{x['size'] >> 20} Mi elements"
     sec = lambda t: f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
-    st = [f"{size(x['bytes'])} {sec(x['measured_s'])} against the profile's "
+    probes = next(iter(rs.values())).get("state_probes", [])
+    st = [f"{x['probe']} {size(x)} {sec(x['measured_s'])} against the profile's "
           f"{sec(x['profile_s'])} ({x['measured_s'] / x['profile_s']:.2f}x)"
-          for x in next(iter(rs.values())).get("state_exchanges", []) if x.get("profile_s")]
+          for x in probes if x.get("profile_s")]
     if st:
-        print(f"step_report.sh: {net} {table}: exchanges beside the steps: " + "; ".join(st))
-    far = [x for x in next(iter(rs.values())).get("state_exchanges", [])
+        print(f"step_report.sh: {net} {table}: state beside the steps: " + "; ".join(st))
+    far = [x for x in probes
            if x.get("profile_s") and not 0.8 <= x["measured_s"] / x["profile_s"] <= 1.25]
     if far:
-        print(f"step_report.sh: {net} {table}: WARNING: the network beside the steps is not in "
-              f"its calibration's state ({', '.join(size(x['bytes']) for x in far)} off by more "
-              f"than 20 %); this table's predictions carry that")
+        print(f"step_report.sh: {net} {table}: WARNING: the machine beside the steps is not in "
+              f"its calibration's state ({', '.join(x['probe'] + ' ' + size(x) for x in far)} off "
+              f"by more than 20 %); this table's predictions carry that")
     if plan is None or not others:
         continue
     best = min(others, key=lambda c: others[c]["median_s"])

@@ -84,20 +84,21 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         steps.sort_by(f64::total_cmp);
         assert_eq!(steps[1], v["median_s"].as_f64().unwrap(), "{out}");
         assert_eq!(steps[0], v["min_s"].as_f64().unwrap(), "{out}");
-        // The state exchanges beside the steps, priced by the profile
-        // (none on one rank).
-        let state = v["state_exchanges"].as_array().expect("state_exchanges");
+        // The state probes beside the steps, priced by the profile: its
+        // exchanges (none on one rank; no PowerSGD point in it).
+        let state = v["state_probes"].as_array().expect("state_probes");
         assert_eq!(state.len(), if np > 1 { 2 } else { 0 }, "{out}");
         for x in state {
+            assert_eq!(x["probe"], "exchange", "{out}");
             assert!(x["measured_s"].as_f64().expect("measured_s") > 0.0, "{out}");
             // α + β·m of the profile above (it has no β curve).
-            let m = x["bytes"].as_f64().expect("bytes");
+            let m = x["size"].as_f64().expect("size");
             let priced = x["profile_s"].as_f64().expect("profile_s");
             assert!((priced - (2e-6 + m * 1e-9)).abs() < 1e-12, "{out}");
         }
         if np > 1 {
-            assert_eq!(state[0]["bytes"], 65536, "{out}");
-            assert_eq!(state[1]["bytes"], 16 << 20, "{out}");
+            assert_eq!(state[0]["size"], 65536, "{out}");
+            assert_eq!(state[1]["size"], 16 << 20, "{out}");
         }
         let choices = v["choices"].as_array().expect("choices");
         assert_eq!(choices.len(), 5);

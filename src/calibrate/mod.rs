@@ -61,12 +61,16 @@ mod fit;
 mod lowrank;
 mod plan;
 mod probes;
+#[cfg(feature = "cli")]
+mod state;
 
 pub use check::{model_check, CheckRecord, CheckReport, CheckSummary, ModelCheckOptions};
 /// The CLI's harness bookkeeping uses the same reduction.
 #[cfg(feature = "cli")]
-pub(crate) use probes::{exchange_burst, max_over_ranks};
+pub(crate) use probes::max_over_ranks;
 pub use probes::{step_gradient, synthetic};
+#[cfg(feature = "cli")]
+pub(crate) use state::state_probes;
 
 use crate::comm::agree::{agree_inputs, MustMatch};
 use crate::comm::{MpiComm, Transport};

@@ -142,7 +142,7 @@ pub(super) fn rounds(
 pub(super) const MAX_ROUNDS: usize = 100_000;
 
 /// Timed calls of a probe per round (after one untimed call).
-const BURST: usize = 3;
+pub(super) const BURST: usize = 3;
 
 /// One-way time of a message between ranks 0 and 1 (ping-pong / 2).
 pub(super) fn pingpong(comm: &MpiComm, buf: &mut [u8]) -> Result<f64> {
@@ -200,25 +200,6 @@ pub(super) fn exchange_time(
         recv,
         round,
     )
-}
-
-/// [`exchange_time`] as a short warm burst, the way the calibration's
-/// rounds run it (one untimed call, then [`BURST`] timed): their median.
-/// What `bench --op step` measures beside its steps to tell whether the
-/// machine is in the state its profile was calibrated in.
-#[cfg(feature = "cli")]
-pub(crate) fn exchange_burst(
-    comm: &MpiComm,
-    send: &mut [u8],
-    recv: &mut [u8],
-    round: usize,
-) -> Result<f64> {
-    let mut t = [0f64; BURST];
-    exchange_time(comm, send, recv, round * (BURST + 1))?;
-    for (b, x) in t.iter_mut().enumerate() {
-        *x = exchange_time(comm, send, recv, round * (BURST + 1) + b + 1)?;
-    }
-    Ok(super::median(&mut t))
 }
 
 /// The same with this rank's partner given (`None`: this rank only takes

@@ -468,16 +468,12 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
     let dense_in: Vec<f32> = input.concat();
     let mut dense_out = vec![0f32; dense_in.len()];
     let nruns = runs.len();
-    // The state exchanges (none on one rank), their buffers and rounds.
-    let state_bytes = match &inp.profile {
-        Some(prof) if p > 1 => state_bytes(prof),
-        _ => Vec::new(),
+    // The machine's state beside the steps against the profile's.
+    let mut state = match &inp.profile {
+        Some(prof) => crate::calibrate::state_probes(comm, prof)?,
+        None => Vec::new(),
     };
-    let nstate = state_bytes.len();
-    let mut state_bufs: Vec<(Vec<u8>, Vec<u8>)> = state_bytes
-        .iter()
-        .map(|&b| (vec![0u8; b], vec![0u8; b]))
-        .collect();
+    let nstate = state.len();
     let mut state_round = 0;
     let ops = 1 + nstate + nruns;
     let mut times = time_interleaved(comm, a.iters, a.warmup, ops, |k| {
@@ -488,9 +484,8 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
             });
         }
         if k <= nstate {
-            let (send, recv) = &mut state_bufs[k - 1];
             state_round += 1;
-            return crate::calibrate::exchange_burst(comm, send, recv, state_round);
+            return state[k - 1].measure(state_round);
         }
         let r = &mut runs[k - 1 - nstate];
         // Each step its own gradient, as in training (a sparse layer's
@@ -519,24 +514,19 @@ pub(super) fn run(comm: &MpiComm, a: &BenchArgs) -> Result<i32> {
         Ok(t)
     })?;
     let dense = median(&mut times[0]);
-    let state: Vec<StateRecord> = state_bytes
+    let state: Vec<StateRecord> = state
         .iter()
         .zip(&mut times[1..])
-        .map(|(&bytes, t)| {
-            let m = bytes as f64;
-            StateRecord {
-                bytes,
-                measured_s: median(t),
-                profile_s: inp
-                    .profile
-                    .as_ref()
-                    .map_or(0.0, |pr| pr.alpha + m * pr.beta_at(m)),
-            }
+        .map(|(s, t)| StateRecord {
+            probe: s.probe.into(),
+            size: s.size,
+            measured_s: median(t),
+            profile_s: s.profile_s,
         })
         .collect();
     for (r, t) in runs.iter_mut().zip(times.iter_mut().skip(1 + nstate)) {
         let mut rec = record(comm, a, &inp, r, t, dense, algo, &allowed, p)?;
-        rec.state_exchanges = state.clone();
+        rec.state_probes = state.clone();
         if rank == 0 {
             print_record(a, &rec)?;
         }
@@ -669,33 +659,9 @@ fn record(
         sparse_exchange: inp.exchange.to_string(),
         exchanges,
         fill_estimate: r.fill,
-        state_exchanges: Vec::new(),
+        state_probes: Vec::new(),
     })
 }
-
-/// Bytes of the state exchanges measured beside the steps: a short
-/// message (α and the cache-to-cache state of the development VMs) and a
-/// long one (the bandwidth a dense group's allreduce moves at), 16 MiB or
-/// the largest the profile's calibration measured if less (its exchanges
-/// stop where one takes 50 ms, 4 MiB on a 1 Gbit/s link), so that neither
-/// is priced from the flat end of the β curve, nor costs seconds a round.
-fn state_bytes(prof: &Profile) -> Vec<usize> {
-    let top = prof
-        .beta_curve
-        .iter()
-        .map(|c| c.bytes as usize)
-        .max()
-        .unwrap_or(16 << 20);
-    let long = top.clamp(STATE_SHORT, 16 << 20);
-    if long > STATE_SHORT {
-        vec![STATE_SHORT, long]
-    } else {
-        vec![STATE_SHORT]
-    }
-}
-
-/// The short state exchange, bytes.
-const STATE_SHORT: usize = 64 << 10;
 
 #[cfg(test)]
 mod tests {

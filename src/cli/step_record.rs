@@ -22,18 +22,19 @@ pub struct StepLayerRecord {
     pub predicted_s: Option<f64>,
 }
 
-/// A pairwise exchange measured in the steps' rounds beside the profile's
-/// price of it: whether the machine is in the state it was calibrated in.
+/// A probe of the machine's state timed in the steps' rounds beside the
+/// profile's price of it (`crate::calibrate::StateProbe`): whether the
+/// machine is in the state its profile was calibrated in.
 #[derive(Serialize, Debug, Clone)]
 pub struct StateRecord {
-    /// Bytes each way between ranks 2i and 2i+1 (the calibration's pairs
-    /// on one node; across nodes it pairs ranks inside each node, and
-    /// such a pair here may cross the link, still priced at one level).
-    pub bytes: usize,
+    /// `exchange` (pairwise, ranks 2i and 2i+1).
+    pub probe: String,
+    /// Bytes each way.
+    pub size: usize,
     /// Median over the rounds (slowest rank; each round a burst of three
-    /// after an untimed one).
+    /// after an untimed call).
     pub measured_s: f64,
-    /// The profile's `α + β(m)·m`.
+    /// The profile's price of the same.
     pub profile_s: f64,
 }
 
@@ -115,12 +116,11 @@ pub struct StepRecord {
     pub exchanges: std::collections::BTreeMap<String, usize>,
     /// The fill estimate after the last step (`StepStats::fill_estimate`).
     pub fill_estimate: Option<f64>,
-    /// Exchanges of 64 KiB and of up to 16 MiB (the largest the profile
-    /// measured) in the same rounds, against the profile's prices (empty
-    /// on one rank or without a profile): where the measured and the
-    /// priced differ, the network is not in its calibration's state, and
-    /// the step's prediction is off by about as much.
-    pub state_exchanges: Vec<StateRecord>,
+    /// The state probes (`exchange` of 64 KiB and of up to 16 MiB on
+    /// more than one rank), against the profile's prices: where a probe measures far from its
+    /// price, the machine is not in its calibration's state, and the
+    /// predictions that use that part of the profile are off with it.
+    pub state_probes: Vec<StateRecord>,
 }
 
 /// Print `rec`: its JSON line with `--json`, else readable lines.
@@ -163,10 +163,11 @@ pub(super) fn print_record(a: &BenchArgs, rec: &StepRecord) -> Result<()> {
                 .map_or_else(|| "-".into(), |x| format!("{:.3} ms", x * 1e3))
         );
     }
-    for x in &rec.state_exchanges {
+    for x in &rec.state_probes {
         outln!(
-            "  state: exchange of {} bytes measured {:.1} us, the profile's {:.1} us ({:.2}x)",
-            x.bytes,
+            "  state: {} of {} measured {:.1} us, the profile's {:.1} us ({:.2}x)",
+            x.probe,
+            x.size,
             x.measured_s * 1e6,
             x.profile_s * 1e6,
             x.measured_s / x.profile_s
