@@ -110,11 +110,10 @@ for line in open(path):
         by_table.setdefault(r["layers_file"].rsplit("/", 1)[-1].removesuffix(".json"), {})[r["config"]] = r
 for table, rs in by_table.items():
     plan, others = rs.get("planned"), {c: r for c, r in rs.items() if c != "planned"}
-    # The machine's state beside the steps against its calibration's (the
-    # network's exchanges, PowerSGD's local step): a ratio far from 1
-    # moves the predictions that use that part of the profile with it.
-    size = lambda x: (f"{x['size'] >> 20} MiB" if x['size'] >= 1 << 20 else f"{x['size'] >> 10} KiB") \
-        if x["probe"] == "exchange" else f"{x['size'] >> 20} Mi elements"
+    # The network's state beside the steps against its calibration's (the
+    # exchanges of `state_probes`): a ratio far from 1 moves the
+    # predictions that use that part of the profile with it.
+    size = lambda x: f"{x['size'] >> 20} MiB" if x['size'] >= 1 << 20 else f"{x['size'] >> 10} KiB"
     sec = lambda t: f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
     probes = next(iter(rs.values())).get("state_probes", [])
     st = [f"{x['probe']} {size(x)} {sec(x['measured_s'])} against the profile's "

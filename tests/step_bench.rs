@@ -85,7 +85,7 @@ fn step_records_agree_with_the_plan_on_1_2_and_3_ranks() {
         assert_eq!(steps[1], v["median_s"].as_f64().unwrap(), "{out}");
         assert_eq!(steps[0], v["min_s"].as_f64().unwrap(), "{out}");
         // The state probes beside the steps, priced by the profile: its
-        // exchanges (none on one rank; no PowerSGD point in it).
+        // exchanges (none on one rank).
         let state = v["state_probes"].as_array().expect("state_probes");
         assert_eq!(state.len(), if np > 1 { 2 } else { 0 }, "{out}");
         for x in state {

@@ -1,10 +1,10 @@
 //! Probes of the machine's state beside a job's own measurements, each
 //! against what its profile's calibration measured of the same: the
 //! development VMs move between states for seconds at a time (their vCPUs
-//! between core complexes, for one), and a profile
-//! describes the state its calibration ran in. `bench --op step` times
-//! these in its steps' rounds, so that its records say whether a miss of
-//! the step model is the machine's or the model's.
+//! between core complexes, for one), and a profile describes the state
+//! its calibration ran in. `bench --op step` times these in its steps'
+//! rounds, so that its records say whether a miss of the step model is
+//! the network's state or the model's.
 
 use super::probes::{exchange_time, Probe, BURST};
 use crate::comm::{MpiComm, Transport};

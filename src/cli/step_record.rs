@@ -117,9 +117,10 @@ pub struct StepRecord {
     /// The fill estimate after the last step (`StepStats::fill_estimate`).
     pub fill_estimate: Option<f64>,
     /// The state probes (`exchange` of 64 KiB and of up to 16 MiB on
-    /// more than one rank), against the profile's prices: where a probe measures far from its
-    /// price, the machine is not in its calibration's state, and the
-    /// predictions that use that part of the profile are off with it.
+    /// more than one rank), against the profile's prices: where a probe
+    /// measures far from its price, the machine is not in its
+    /// calibration's state, and the predictions that use that part of the
+    /// profile are off with it.
     pub state_probes: Vec<StateRecord>,
 }
 
