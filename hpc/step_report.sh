@@ -6,7 +6,8 @@
 # median, the model's prediction and the relative error, then the largest
 # error. Nothing is asserted (timings belong in benchmarks, not tests): its
 # purpose is a record of how well the model holds on machines other than
-# the one it was tuned on (docs/benchmarks/step-model.md). About 4 minutes.
+# the one it was tuned on (docs/benchmarks/step-model.md). About 5-10
+# minutes.
 #
 #   hpc/step_report.sh            # both networks
 #   NETS=shm hpc/step_report.sh   # shared memory only

@@ -66,8 +66,17 @@ pub(super) fn run(
     let codec_fits = fit_codecs(&sizes, &lat, &local_med);
     let (dense_local, dense_local_curve) = fit_dense_local(&sizes, &lat, &local_med);
     let local_parallelism = fit_parallelism(&lat, &local_med);
+    let select_table = fit_select_table(densities[0], &lat, &local_med);
     let psg_times = &local_med[lat.psg_at..lat.psg_at + lat.psg_shapes.len()];
-    let powersgd = fit_powersgd(&lat.psg_shapes, psg_times);
+    let psg_table_times =
+        &local_med[lat.psg_table_at..lat.psg_table_at + lat.psg_table_shapes.len()];
+    let powersgd = fit_powersgd(
+        &lat.psg_shapes,
+        psg_times,
+        &lat.psg_table_shapes,
+        psg_table_times,
+        lat.table_elems,
+    );
     // The credit last: the γ_reduce fit above subtracts the allreduces'
     // α-β part as they ran, back to back, on a link without credit.
     let mut inter_node = net.inter_node;
@@ -87,6 +96,7 @@ pub(super) fn run(
         gamma_unpack_curve: unpack.gamma_unpack_curve,
         select,
         select_curve,
+        select_table,
         codecs: codec_fits,
         dense_local,
         dense_local_curve,
@@ -367,6 +377,29 @@ fn fit_select(densities: &[f64], s: &Sizes, lat: &LocalAt, local_med: &[f64]) ->
         curves.insert(format!("{name}@{d}"), curve);
     }
     (select, curves)
+}
+
+/// The sparse tables' cost per byte by layer size (7b.): each table's
+/// time over its gradients' bytes; `None` without a table.
+fn fit_select_table(density: f64, lat: &LocalAt, local_med: &[f64]) -> Option<cost::SelectTable> {
+    let bytes = 4.0 * lat.table_elems as f64;
+    let curve: Vec<CurvePoint> = lat
+        .table_ns
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (n, local_med[lat.table_at + i]))
+        .filter(|(_, t)| *t > 0.0 && t.is_finite())
+        .map(|(n, t)| CurvePoint {
+            bytes: 4.0 * n as f64,
+            per_byte: t / bytes,
+        })
+        .collect();
+    log::debug!("calibrate: sparse tables of {bytes} B: {curve:?}");
+    (!curve.is_empty()).then(|| cost::SelectTable {
+        key: format!("trimmed@{density}"),
+        table_bytes: bytes,
+        curve,
+    })
 }
 
 /// The selection fits and curves by key (`trimmed`, `trimmed@0.001`, ...):

@@ -49,6 +49,45 @@ pub(super) fn powersgd_probe<'a>(
     ))
 }
 
+/// [`powersgd_probe`] on a table of `layers` such layers, one after
+/// another (each gradient copied in untimed first, as backpropagation
+/// writes a whole model's): in a whole model's step each layer finds its
+/// matrices out of the caches, pushed out by the others'
+/// ([`crate::cost::PowerSgdFit::table`]).
+pub(super) fn powersgd_table_probe<'a>(
+    comm: &'a MpiComm,
+    x: &[f32],
+    (rows, cols, r): (usize, usize, usize),
+    layers: usize,
+) -> Result<Probe<'a>> {
+    let n = rows * cols;
+    let g: Vec<f32> = x.iter().copied().cycle().take(n).collect();
+    let mut table = Vec::with_capacity(layers);
+    for _ in 0..layers {
+        let st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
+        let (np, nq) = st.factor_lens();
+        table.push(Workspace {
+            st,
+            input: vec![0f32; n],
+            out: vec![0f32; n],
+            p: vec![0f32; np],
+            q: vec![0f32; nq],
+        });
+    }
+    Ok(local_prep(
+        comm,
+        table,
+        move |t: &mut Vec<Workspace>| t.iter_mut().for_each(|w| w.input.copy_from_slice(&g)),
+        |t: &mut Vec<Workspace>| {
+            t.iter_mut().try_for_each(|w| {
+                w.st.begin(&w.input, &mut w.p)?;
+                w.st.after_p(&w.p, &mut w.q)?;
+                w.st.after_q(&w.q, 1, &mut w.out)
+            })
+        },
+    ))
+}
+
 /// What [`powersgd_probe`] keeps between calls.
 struct Workspace {
     st: crate::powersgd::PowerSgd,
@@ -62,8 +101,16 @@ struct Workspace {
 /// rank) and their `times`: `a + n·per_elem + n·r·per_elem_rank` by
 /// least squares on relative errors over the probes' shapes; coefficients
 /// that come out negative (noise at small sizes) are refitted without
-/// that term.
-pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> cost::PowerSgdFit {
+/// that term. With them, the tables of `table_elems` elements each, one
+/// per `table_shapes` entry, that measured `table_times` (9b.: the fit's
+/// [`cost::PowerSgdFit::table`]).
+pub(super) fn fit_powersgd(
+    shapes: &[(usize, usize, usize)],
+    times: &[f64],
+    table_shapes: &[(usize, usize, usize)],
+    table_times: &[f64],
+    table_elems: usize,
+) -> cost::PowerSgdFit {
     let pts: Vec<(f64, f64, f64)> = shapes
         .iter()
         .zip(times)
@@ -89,6 +136,19 @@ pub(super) fn fit_powersgd(shapes: &[(usize, usize, usize)], times: &[f64]) -> c
             })
             .collect();
         monotone_in_rank(&mut fit.curve);
+        fit.table = table_shapes
+            .iter()
+            .zip(table_times)
+            .filter(|(_, t)| **t > 0.0 && t.is_finite())
+            .map(|(&(rows, cols, r), &t)| cost::PowerSgdPoint {
+                elements: rows * cols,
+                rank: r,
+                per_elem: t / table_elems as f64,
+            })
+            .collect();
+        if !fit.table.is_empty() {
+            fit.table_bytes = 4.0 * table_elems as f64;
+        }
     }
     log::debug!("calibrate: PowerSGD local points {pts:?}: {fit:?}");
     fit
@@ -144,7 +204,7 @@ pub(super) fn fit_three(pts: &[(f64, f64, f64)], intercept: bool) -> cost::Power
                     a: x[0],
                     per_elem: x[1],
                     per_elem_rank: x[2],
-                    curve: Vec::new(),
+                    ..cost::PowerSgdFit::default()
                 };
             }
         }
@@ -242,13 +302,13 @@ mod tests {
             (1024, 1024, 4),
         ];
         let times = [2e-4, 4e-4, 0.023, 0.0];
-        let f = fit_powersgd(&shapes, &times);
+        let f = fit_powersgd(&shapes, &times, &[], &[], 0);
         assert_eq!(f.curve.len(), 3, "{f:?}");
         for (&(rows, cols, r), &t) in shapes.iter().zip(&times).take(3) {
             let n = (rows * cols) as f64;
             assert!(((f.at(n, r as f64) - t) / t).abs() < 1e-12, "{f:?}");
         }
-        assert!(fit_powersgd(&shapes, &[0.0; 4]).is_zero());
+        assert!(fit_powersgd(&shapes, &[0.0; 4], &[], &[], 0).is_zero());
     }
 
     /// A lower rank measured slower than a higher one at the same size
@@ -267,7 +327,7 @@ mod tests {
         let n = |i: usize| (shapes[i].0 * shapes[i].1) as f64;
         let per = [0.8e-9, 2.0e-9, 2.1e-9, 1.3e-9, 3.2e-9, 2.3e-9];
         let times: Vec<f64> = per.iter().enumerate().map(|(i, p)| p * n(i)).collect();
-        let f = fit_powersgd(&shapes, &times);
+        let f = fit_powersgd(&shapes, &times, &[], &[], 0);
         let got: Vec<f64> = f.curve.iter().map(|p| p.per_elem).collect();
         let want = [0.8e-9, 2.0e-9, 2.1e-9, 1.3e-9, 2.3e-9, 2.3e-9];
         for (g, w) in got.iter().zip(want) {
@@ -276,7 +336,7 @@ mod tests {
         // Rank 1 above both higher ranks takes the least of them.
         let per = [2.5e-9, 2.0e-9, 2.1e-9];
         let times: Vec<f64> = per.iter().enumerate().map(|(i, p)| p * n(i)).collect();
-        let f = fit_powersgd(&shapes[..3], &times);
+        let f = fit_powersgd(&shapes[..3], &times, &[], &[], 0);
         assert!((f.curve[0].per_elem - 2.0e-9).abs() < 1e-18, "{f:?}");
     }
 }

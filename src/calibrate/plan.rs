@@ -7,7 +7,7 @@
 //! [`super::fit`]'s.
 
 use super::check::{check_probes, CHECK_SIZES};
-use super::lowrank::powersgd_probe;
+use super::lowrank::{powersgd_probe, powersgd_table_probe};
 use super::probes::{
     allgather_time, barrier_span, clear_probe, cold_add_probe, exchange_time, exchange_time_with,
     idle_exchange_time, layers_probe, local, net_cap, net_sizes, pairs, pingpong, pingpong_with,
@@ -27,6 +27,13 @@ const LOCAL_MAX_BYTES: usize = 16 << 20;
 /// Tables of this many of the largest local layers also measure the dense
 /// path's local cost (the `dense_local_curve` beyond one layer).
 const DENSE_TABLES: [usize; 2] = [2, 4];
+/// Layer sizes (elements) of the sparse tables (7b.): RGC layers of one
+/// size, one after another, in a table of [`SPARSE_TABLE_MAX`] elements at
+/// most (four of the largest local layer, as the dense tables).
+const SPARSE_TABLE_NS: [usize; 5] = [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22];
+/// The sparse tables' largest size (elements): 64 MiB of gradients, past
+/// the last-level caches of the machines this is for.
+const SPARSE_TABLE_MAX: usize = 1 << 24;
 /// Smallest local layer (elements) whose clearing is timed for γ_clear:
 /// 4 MiB (the `gamma_clear_curve` goes on to the 32 and 128 MiB outputs of
 /// [`UNPACK_COLD_NS`]).
@@ -276,10 +283,19 @@ pub(super) struct LocalAt {
     pub(super) dense_tables: Vec<(usize, usize)>,
     /// The layer-parallel local phase, then the same one after another.
     pub(super) par_at: usize,
+    /// The sparse tables, one per `table_ns` entry (layers of that many
+    /// elements), `table_elems` elements each.
+    pub(super) table_at: usize,
+    pub(super) table_ns: Vec<usize>,
+    pub(super) table_elems: usize,
     /// PowerSGD's step of one layer, one per `psg_shapes` entry (rows,
     /// columns, rank).
     pub(super) psg_at: usize,
     pub(super) psg_shapes: Vec<(usize, usize, usize)>,
+    /// The same on tables of `table_elems` elements, one per
+    /// `psg_table_shapes` entry.
+    pub(super) psg_table_at: usize,
+    pub(super) psg_table_shapes: Vec<(usize, usize, usize)>,
     /// The barriers around every local probe.
     pub(super) base_at: usize,
 }
@@ -321,6 +337,23 @@ pub(super) fn local_probes_into<'a>(
     for parallel in [true, false] {
         local_probes.push(layers_probe(comm, par_codec.clone(), 8, par_n, parallel)?);
     }
+    // 7b. A sparse layer's local cost in a whole model's step: tables of
+    // RGC layers of one size, one after another (the parallel speedup
+    // above divides them as it divides a step's), so that each layer finds
+    // its data out of the caches, pushed out by the others', as in a step.
+    // The one-layer probes of 4. find them in the caches: on one VM they
+    // priced ResNet-50's RGC step at 2.7 ns an element where it took 4.6,
+    // and a table of 256 Ki-element layers 3.4 (`cost::SelectTable`).
+    let table_at = local_probes.len();
+    let table_elems = (DENSE_TABLES[DENSE_TABLES.len() - 1] * top).min(SPARSE_TABLE_MAX);
+    let table_ns: Vec<usize> = SPARSE_TABLE_NS
+        .into_iter()
+        .filter(|&n| 2 * n <= table_elems)
+        .collect();
+    for &n in &table_ns {
+        let layers = table_elems / n;
+        local_probes.push(layers_probe(comm, par_codec.clone(), layers, n, false)?);
+    }
     // 9. PowerSGD's local step of one layer (its products and the error
     // kept, as the engine's `powersgd_s` times it) at ranks 1, 2 and 4 on
     // matrices of 256 Ki, 1 Mi and up to 8 Mi elements (32 MiB): its cost per element
@@ -344,6 +377,18 @@ pub(super) fn local_probes_into<'a>(
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }
+    // 9b. The same in a whole model's step: tables of the rank-2 shapes
+    // that fit twice in the sparse tables' size (as 7b.).
+    let psg_table_at = local_probes.len();
+    let psg_table_shapes: Vec<(usize, usize, usize)> = psg_shapes
+        .iter()
+        .copied()
+        .filter(|&(rows, cols, r)| r == 2 && 2 * rows * cols <= table_elems)
+        .collect();
+    for &shape in &psg_table_shapes {
+        let layers = table_elems / (shape.0 * shape.1);
+        local_probes.push(powersgd_table_probe(comm, &s.x, shape, layers)?);
+    }
     // 8. The barriers around every local probe, subtracted from each.
     let base_at = local_probes.len();
     local_probes.push(barrier_span(comm));
@@ -360,8 +405,13 @@ pub(super) fn local_probes_into<'a>(
         dense_at,
         dense_tables,
         par_at,
+        table_at,
+        table_ns,
+        table_elems,
         psg_at,
         psg_shapes,
+        psg_table_at,
+        psg_table_shapes,
         base_at,
     })
 }

@@ -251,6 +251,41 @@ pub struct PowerSgdFit {
     /// follow. Interpolated in log-size and in rank ([`Self::at`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub curve: Vec<PowerSgdPoint>,
+    /// The same step in a whole model's: per element at a few (elements,
+    /// rank) points, each measured on a table of such layers, `table_bytes`
+    /// of gradients, one layer after another, so that each finds its
+    /// matrices out of the caches, pushed out by the others' (on one
+    /// 2-vCPU VM 1.2–1.4 times the same layer alone below 4 Mi elements).
+    /// [`Self::at_in_table`] prices a layer of a large table at `curve`
+    /// times their ratio to it. Empty in profiles from before it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub table: Vec<PowerSgdPoint>,
+    /// Bytes of gradients in each table of [`Self::table`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub table_bytes: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// How much of a layer's cost in a whole model's step its table of `step`
+/// gradient bytes takes from the calibration's tables of `probes` bytes
+/// (past the caches) rather than from the layer alone (its data in them):
+/// 1 from `probes` up, 0 at a sixteenth of it and below, linear in the
+/// logarithm of the size between.
+///
+/// ```
+/// use gradsync::cost::table_weight;
+/// assert_eq!(table_weight(128.0, 64.0), 1.0);
+/// assert_eq!(table_weight(4.0, 64.0), 0.0);
+/// assert!((table_weight(16.0, 64.0) - 0.5).abs() < 1e-12);
+/// ```
+pub fn table_weight(step: f64, probes: f64) -> f64 {
+    if !(probes > 0.0 && step > 0.0) {
+        return 0.0;
+    }
+    (1.0 + (step / probes).ln() / 16f64.ln()).clamp(0.0, 1.0)
 }
 
 /// One measured point of [`PowerSgdFit::curve`].
@@ -267,7 +302,11 @@ pub struct PowerSgdPoint {
 impl PowerSgdFit {
     /// Whether every coefficient is zero (not measured).
     pub fn is_zero(&self) -> bool {
-        self.a == 0.0 && self.per_elem == 0.0 && self.per_elem_rank == 0.0 && self.curve.is_empty()
+        self.a == 0.0
+            && self.per_elem == 0.0
+            && self.per_elem_rank == 0.0
+            && self.curve.is_empty()
+            && self.table.is_empty()
     }
 
     /// Seconds for `n` elements at rank `r`: from the curve where there is
@@ -303,6 +342,48 @@ impl PowerSgdFit {
             (None, None) => 0.0,
         };
         pe.max(0.0) * n
+    }
+
+    /// Seconds for `n` elements at rank `r` in a step whose whole table
+    /// has `table` elements: [`Self::at`], times the ratio of the
+    /// [`Self::table`] points to it at their sizes (each at least 1: a
+    /// table cheaper than its layers alone is noise; linear in `ln n`
+    /// between them, the nearest one's past them), by the
+    /// [`table_weight`] of the table's size.
+    pub fn at_in_table(&self, n: f64, r: f64, table: f64) -> f64 {
+        let alone = self.at(n, r);
+        let w = table_weight(4.0 * table.max(n), self.table_bytes);
+        if self.table.is_empty() || w == 0.0 {
+            return alone;
+        }
+        let ratio = |p: &PowerSgdPoint| {
+            let e = p.elements as f64;
+            let a = self.at(e, p.rank as f64) / e;
+            (
+                e.ln(),
+                if a > 0.0 {
+                    (p.per_elem / a).max(1.0)
+                } else {
+                    1.0
+                },
+            )
+        };
+        let lo = self
+            .table
+            .iter()
+            .filter(|p| p.elements as f64 <= n)
+            .max_by_key(|p| p.elements);
+        let hi = self
+            .table
+            .iter()
+            .filter(|p| p.elements as f64 >= n)
+            .min_by_key(|p| p.elements);
+        let f = match (lo, hi) {
+            (Some(a), Some(b)) if a.elements != b.elements => lerp(ratio(a), ratio(b), n.ln()),
+            (Some(a), _) | (None, Some(a)) => ratio(a).1,
+            (None, None) => 1.0,
+        };
+        alone * (1.0 + w * (f - 1.0))
     }
 
     /// (`rank`, seconds per element at `n` elements) from the curve's

@@ -102,15 +102,16 @@ pub use bucket::{
     FIRST_STEP_CAP_BYTES,
 };
 pub use curve::{
-    curve_at, curve_mean, curve_time_at, fit_relative_l1, fit_relative_l2, CurvePoint, LinearFit,
-    PowerSgdFit, PowerSgdPoint,
+    curve_at, curve_mean, curve_time_at, fit_relative_l1, fit_relative_l2, table_weight,
+    CurvePoint, LinearFit, PowerSgdFit, PowerSgdPoint,
 };
 pub use decide::{choose, default_candidates, engine_candidates, parse_list, StrategyId};
 pub use exchange::{
     choose_allgatherv, choose_dense_allreduce, choose_sparse_exchange, Choice, ExchangeQuery,
 };
 pub use profile::{
-    Burst, CodecFit, NetLevel, Profile, ProfileMeta, PARALLEL_MIN_SPEEDUP, PROFILE_VERSION,
+    Burst, CodecFit, NetLevel, Profile, ProfileMeta, SelectTable, PARALLEL_MIN_SPEEDUP,
+    PROFILE_VERSION,
 };
 pub use query::{Placement, StepQuery, GRADIVEQ_RATIO};
 pub use step::{

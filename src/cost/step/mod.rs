@@ -21,7 +21,9 @@
 //! work when the sparse group has two layers or more. The dense layers' fusing and momentum
 //! (`dense_local`) run on one thread; their cost per element depends on
 //! the whole table's size (the step's working set: a table larger than
-//! the last-level cache streams from memory), [`Profile::dense_local_at`].
+//! the last-level cache streams from memory), [`Profile::dense_local_at`];
+//! so does a sparse layer's, whose data in such a step are out of the
+//! caches too ([`Profile::select_in_table`]).
 //!
 //! All of it runs one after the other (the progress thread overlaps the
 //! whole step with the caller's computation, not its parts with each
@@ -210,8 +212,9 @@ struct Option_ {
 }
 
 /// The option `id` for a layer of `n` elements at `density`, in a step
-/// whose whole table has `table` elements (the dense path's per-element
-/// cost depends on it: [`Profile::dense_local_at`]).
+/// whose whole table has `table` elements (the dense and sparse paths'
+/// per-element costs depend on it: [`Profile::dense_local_at`],
+/// [`Profile::select_in_table`]).
 fn option(
     prof: &Profile,
     q: &StepQuery,
@@ -244,7 +247,7 @@ fn option(
                 ..o(
                     GroupKind::Lowrank,
                     4.0 * (rows * r) as f64,
-                    prof.powersgd.at(nf, r as f64) + prof.dense_local_at(nf, table),
+                    prof.powersgd.at_in_table(nf, r as f64, table) + prof.dense_local_at(nf, table),
                 )
             },
             // Not compressed (a vector, or too small): dense, as the
@@ -262,14 +265,20 @@ fn option(
             o(
                 GroupKind::Sparse,
                 8.0 * k,
-                prof.select_at(&q.select_method, density, nf),
+                prof.select_in_table(&q.select_method, density, nf, table),
             )
         }
         StrategyId::SparseAllgather | StrategyId::SparseAllgatherQuant => {
             let (codec, select) = if id == StrategyId::SparseAllgather {
-                ("rgc", prof.select_at(&q.select_method, density, nf))
+                (
+                    "rgc",
+                    prof.select_in_table(&q.select_method, density, nf, table),
+                )
             } else {
-                ("rgc-quant", prof.select_at("quant", density, nf))
+                (
+                    "rgc-quant",
+                    prof.select_in_table("quant", density, nf, table),
+                )
             };
             let m = codec_wire_bytes(codec, n, density).unwrap_or(0.0);
             o(GroupKind::Sparse, m + toc, select + unpack(m))

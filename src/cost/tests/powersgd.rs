@@ -12,7 +12,7 @@ fn psg_prof() -> Profile {
         a: 1e-5,
         per_elem: 2e-9,
         per_elem_rank: 1e-9,
-        curve: Vec::new(),
+        ..PowerSgdFit::default()
     };
     p
 }
@@ -358,7 +358,7 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
         a: 1e-5,
         per_elem: 2e-9,
         per_elem_rank: 1e-9,
-        curve: Vec::new(),
+        ..PowerSgdFit::default()
     };
     assert!(rel(lin.at(1e6, 2.0), 1e-5 + 2e-3 + 2e-3) < 1e-12);
     let (ku, mu) = (262144usize, 8388608usize);
@@ -436,4 +436,40 @@ fn powersgd_curve_interpolates_in_log_size_and_rank() {
     assert!(!serde_json::to_string(&psg_prof())
         .unwrap()
         .contains("curve"));
+}
+
+/// In a table of the calibration's tables' size or larger, a PowerSGD
+/// layer costs its curve's price times the tables' ratio to the curve at
+/// the probed sizes (log-linear between them, the nearest past them, never
+/// below 1); in a small table, its curve's price alone.
+#[test]
+fn powersgd_in_a_large_table_takes_the_tables_ratio() {
+    let (ku, mu) = (262144usize, 4194304usize);
+    let mut f = PowerSgdFit {
+        curve: vec![pt(ku, 2, 2e-9), pt(mu, 2, 4e-9)],
+        ..PowerSgdFit::default()
+    };
+    let k = ku as f64;
+    assert_eq!(f.at_in_table(k, 2.0, 1e9), f.at(k, 2.0), "no tables");
+    f.table = vec![pt(ku, 2, 3e-9), pt(mu, 2, 3e-9)];
+    f.table_bytes = 64.0 * 1048576.0;
+    // 1.5 times at 256 Ki, 0.75 (so 1: noise) at 4 Mi, 1.25 halfway in
+    // log-size.
+    assert!(rel(f.at_in_table(k, 2.0, 1e8), 1.5 * f.at(k, 2.0)) < 1e-12);
+    assert!(rel(f.at_in_table(k, 4.0, 1e8), 1.5 * f.at(k, 4.0)) < 1e-12);
+    let m = mu as f64;
+    assert_eq!(f.at_in_table(m, 2.0, 1e8), f.at(m, 2.0));
+    let mid = (k * m).sqrt();
+    assert!(rel(f.at_in_table(mid, 2.0, 1e8), 1.25 * f.at(mid, 2.0)) < 1e-9);
+    assert_eq!(f.at_in_table(k, 2.0, 1e6), f.at(k, 2.0), "a small table");
+    // The profile check names a hostile table.
+    let mut p = psg_prof();
+    p.powersgd = f.clone();
+    p.validate().expect("valid");
+    p.powersgd.table = vec![pt(ku, 2, f64::NAN)];
+    let e = p.validate().expect_err("refused").to_string();
+    assert!(e.contains("powersgd.table"), "{e}");
+    p.powersgd = f.clone();
+    p.powersgd.table_bytes = -1.0;
+    assert!(p.validate().is_err());
 }

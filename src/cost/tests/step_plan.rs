@@ -253,3 +253,65 @@ fn dense_local_cost_follows_the_table_size() {
     pr.dense_local_curve.reverse();
     assert!(pr.validate().is_err());
 }
+
+/// A sparse layer's local cost follows the whole table's size too: alone
+/// (its data in the caches) in a small table, at the calibration's tables
+/// in one of their size or larger, log-linear between, another method at
+/// its fit's ratio to the tables' own, never under the layer alone; a
+/// profile without tables keeps the layer alone, and a hostile table does
+/// not validate.
+#[test]
+fn sparse_local_cost_follows_the_table_size() {
+    use StrategyId::*;
+    let mut pr = prof();
+    let n = 1 << 18;
+    let nf = n as f64;
+    let alone = pr.select_at("trimmed", 0.001, nf);
+    assert_eq!(pr.select_in_table("trimmed", 0.001, nf, 1e9), alone);
+    // Tables of 64 MiB: 1 ns a byte (4 an element) at 1 MiB layers, 2 at 16 MiB.
+    let mib = 1048576.0;
+    pr.select_table = Some(SelectTable {
+        key: "trimmed".into(),
+        table_bytes: 64.0 * mib,
+        curve: curve(&[(mib, 1e-9), (16.0 * mib, 2e-9)]),
+    });
+    pr.validate().expect("valid");
+    let big = pr.select_in_table("trimmed", 0.001, nf, 1e8);
+    assert!(rel(big, 4.0 * nf * 1e-9) < 1e-12, "{big}");
+    assert_eq!(pr.select_in_table("trimmed", 0.001, nf, 1e6), alone);
+    // A 16 MiB table, halfway in log-size from 4 to 64 MiB: halfway.
+    let mid = pr.select_in_table("trimmed", 0.001, nf, 4.0 * mib);
+    assert!(rel(mid, (alone + big) / 2.0) < 1e-12, "{mid} {alone} {big}");
+    // Quantized RGC at its fit's ratio to trimmed's.
+    let ratio = pr.select["quant"].at(nf) / pr.select["trimmed"].at(nf);
+    let quant = pr.select_in_table("quant", 0.001, nf, 1e8);
+    assert!(rel(quant, big * ratio) < 1e-12, "{quant}");
+    // Past the tables' layers, never under the layer alone.
+    let huge = 64.0 * mib;
+    assert!(
+        pr.select_in_table("trimmed", 0.001, huge, 1e9) >= pr.select_at("trimmed", 0.001, huge)
+    );
+    // The step model charges it per layer at the table's size.
+    let q = sq(2, &[SparseAllgather]);
+    let one = plan_step(&pr, &q, &table(&[n])).expect("plan");
+    let many = plan_step(&pr, &q, &table(&[n; 128])).expect("plan");
+    let (l0, l1) = (one.layers[0].local_s, many.layers[0].local_s);
+    assert!(l1 > 1.5 * l0, "{l0} {l1}");
+    // Hostile tables are refused, naming the field.
+    for (bytes, c) in [(0.0, 1e-9), (f64::NAN, 1e-9), (64.0 * mib, -1e-9)] {
+        let mut bad = pr.clone();
+        bad.select_table = Some(SelectTable {
+            key: "trimmed".into(),
+            table_bytes: bytes,
+            curve: curve(&[(mib, c)]),
+        });
+        let e = bad.validate().expect_err("refused").to_string();
+        assert!(e.contains("select_table"), "{e}");
+    }
+    // It survives JSON; a profile without it leaves it out.
+    let back: Profile = serde_json::from_str(&serde_json::to_string(&pr).unwrap()).unwrap();
+    assert_eq!(back, pr);
+    assert!(!serde_json::to_string(&prof())
+        .unwrap()
+        .contains("select_table"));
+}

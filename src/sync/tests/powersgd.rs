@@ -488,7 +488,7 @@ fn psg_profile(bandwidth: f64) -> crate::cost::Profile {
         a: 0.0,
         per_elem: 5e-10,
         per_elem_rank: 1e-9,
-        curve: Vec::new(),
+        ..crate::cost::PowerSgdFit::default()
     };
     prof
 }
