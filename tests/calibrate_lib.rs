@@ -51,18 +51,10 @@ fn every_rank_gets_the_same_valid_profile() {
         assert_eq!(prof.meta.note, "calibrate_in_job");
         assert!(prof.select.contains_key("trimmed@0.01"), "{json}");
         assert_eq!(prof.beta_curve.last().map(|c| c.bytes), Some(65536.0));
-        // The tables past the caches (here four of the largest layer, 64
-        // KiB): RGC's at the first density, PowerSGD's at rank 2.
-        let t = prof.select_table.as_ref().expect("select_table");
-        assert_eq!(t.key, "trimmed@0.001", "{json}");
-        assert_eq!(t.table_bytes, 4.0 * 65536.0, "{json}");
-        assert!(
-            !t.curve.is_empty() && t.curve.iter().all(|c| c.per_byte > 0.0),
-            "{json}"
-        );
-        assert_eq!(prof.powersgd.table_bytes, 4.0 * 65536.0, "{json}");
-        assert!(prof.powersgd.table.iter().all(|q| q.rank == 2), "{json}");
-        assert!(!prof.powersgd.table.is_empty(), "{json}");
+        // No tables past the caches: four of the largest layer here are
+        // 256 KiB, which could stay in them.
+        assert!(prof.select_table.is_none(), "{json}");
+        assert!(prof.powersgd.table.is_empty(), "{json}");
     }
 }
 

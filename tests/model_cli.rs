@@ -1522,3 +1522,43 @@ fn predict_crossover_and_scale_list_powersgd_where_the_profile_prices_it() {
     assert!(s["points"][0]["strategies"].get("powersgd").is_none());
     assert_eq!(s["crossovers"].as_array().expect("crossovers").len(), 3);
 }
+
+/// `--select-cost` overrides a profile's tables past the caches too
+/// (`select_table`): with them or without, the same plan and price.
+#[test]
+fn select_cost_overrides_the_profiles_tables() {
+    let text = std::fs::read_to_string("docs/scale/profile-1x2-1gbit.json").expect("profile");
+    let mut v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    v["select_table"] = serde_json::json!({
+        "key": "trimmed@0.001",
+        "table_bytes": 67108864.0,
+        "curve": [{"bytes": 1048576.0, "per_byte": 2e-9}]
+    });
+    let with = temp_file("select-tables", "tables.json", &v.to_string());
+    let planned = |profile: &str, extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--layers",
+            "examples/layers/resnet50.json",
+            "--ranks",
+            "2",
+            "--profile",
+            profile,
+            "--strategies",
+            "sparse-allgather",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = gradsync(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+        v["planned_total_s"].as_f64().expect("planned_total_s")
+    };
+    let p = "docs/scale/profile-1x2-1gbit.json";
+    let w = with.to_str().unwrap();
+    // The tables price ResNet-50's 25.6 M elements at 8 ns each, the
+    // profile's fit at 2.1: 0.15 s more.
+    assert!(planned(w, &[]) > planned(p, &[]) + 0.1);
+    let over = ["--select-cost", "1e-10"];
+    assert_eq!(planned(w, &over), planned(p, &over));
+}

@@ -291,6 +291,25 @@ fn step_calibrates_in_the_same_job() {
             .expect("dense_local fitted")
             > 0.0
     );
+    // The tables past the caches (64 MiB of gradients each): RGC's at
+    // three layer sizes, PowerSGD's at two shapes, both priced.
+    let t = &prof["select_table"];
+    assert_eq!(t["key"], "trimmed@0.001", "{prof}");
+    assert_eq!(t["table_bytes"].as_f64(), Some(67108864.0), "{prof}");
+    let pts = t["curve"].as_array().expect("select_table.curve");
+    assert_eq!(pts.len(), 3, "{prof}");
+    assert!(
+        pts.iter().all(|c| c["per_byte"].as_f64() > Some(0.0)),
+        "{prof}"
+    );
+    let psg = prof["powersgd"]["table"]
+        .as_array()
+        .expect("powersgd.table");
+    assert_eq!(psg.len(), 2, "{prof}");
+    assert!(
+        psg.iter().all(|c| c["per_elem"].as_f64() > Some(0.0)),
+        "{prof}"
+    );
     let _ = std::fs::remove_file(&out_prof);
 }
 

@@ -9,6 +9,7 @@ use super::plan::{
 };
 use super::probes::Probe;
 use super::{phase, CalibrateOptions, Calibration, Progress};
+use crate::comm::agree::agree;
 use crate::comm::{MpiComm, Transport};
 use crate::cost::{self, CodecFit, CurvePoint, LinearFit, Profile, ProfileMeta, PROFILE_VERSION};
 use crate::dense::{allgatherv, AllgathervAlgo};
@@ -30,7 +31,9 @@ pub(super) fn run(
     // probes, the allreduces and (with `check`) the check's, then the
     // local costs (see below).
     let mut probes: Vec<Probe<'_>> = Vec::new();
-    let at = network_probes(comm, opts, &sizes, &mut probes)?;
+    // Made on every rank alike; an error in one rank's (an allocation the
+    // engine refused) is every rank's, before the rounds' barriers.
+    let at = agree(comm, network_probes(comm, opts, &sizes, &mut probes))?;
     let (remote_med, nrounds) = phase(
         comm,
         &mut probes,
@@ -42,7 +45,10 @@ pub(super) fn run(
     )?;
     drop(probes);
     let mut local_probes: Vec<Probe<'_>> = Vec::new();
-    let lat = local_probes_into(comm, densities, &sizes, &mut local_probes)?;
+    let lat = agree(
+        comm,
+        local_probes_into(comm, densities, &sizes, &mut local_probes),
+    )?;
     let (mut local_med, local_rounds) = phase(
         comm,
         &mut local_probes,

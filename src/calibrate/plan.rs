@@ -30,10 +30,15 @@ const DENSE_TABLES: [usize; 2] = [2, 4];
 /// Layer sizes (elements) of the sparse tables (7b.): RGC layers of one
 /// size, one after another, in a table of [`SPARSE_TABLE_MAX`] elements at
 /// most (four of the largest local layer, as the dense tables).
-const SPARSE_TABLE_NS: [usize; 5] = [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22];
+/// Three sizes, as each table holds its gradients, their source and the
+/// residuals (about 200 MiB a rank) until the local phase ends.
+const SPARSE_TABLE_NS: [usize; 3] = [1 << 14, 1 << 18, 1 << 22];
 /// The sparse tables' largest size (elements): 64 MiB of gradients, past
 /// the last-level caches of the machines this is for.
 const SPARSE_TABLE_MAX: usize = 1 << 24;
+/// Their smallest (elements): 32 MiB. Smaller tables (a small
+/// `--max-bytes`) could stay in the caches, and are not run.
+const SPARSE_TABLE_MIN: usize = 1 << 23;
 /// Smallest local layer (elements) whose clearing is timed for γ_clear:
 /// 4 MiB (the `gamma_clear_curve` goes on to the 32 and 128 MiB outputs of
 /// [`UNPACK_COLD_NS`]).
@@ -343,12 +348,13 @@ pub(super) fn local_probes_into<'a>(
     // its data out of the caches, pushed out by the others', as in a step.
     // The one-layer probes of 4. find them in the caches: on one VM they
     // priced ResNet-50's RGC step at 2.7 ns an element where it took 4.6,
-    // and a table of 256 Ki-element layers 3.4 (`cost::SelectTable`).
+    // and 64 layers of 256 Ki elements at 2.7 where they took 3.4
+    // (`cost::SelectTable`).
     let table_at = local_probes.len();
     let table_elems = (DENSE_TABLES[DENSE_TABLES.len() - 1] * top).min(SPARSE_TABLE_MAX);
     let table_ns: Vec<usize> = SPARSE_TABLE_NS
         .into_iter()
-        .filter(|&n| 2 * n <= table_elems)
+        .filter(|&n| table_elems >= SPARSE_TABLE_MIN && 2 * n <= table_elems)
         .collect();
     for &n in &table_ns {
         let layers = table_elems / n;
@@ -377,14 +383,21 @@ pub(super) fn local_probes_into<'a>(
     for &(rows, cols, r) in &psg_shapes {
         local_probes.push(powersgd_probe(comm, &s.x, rows, cols, r)?);
     }
-    // 9b. The same in a whole model's step: tables of the rank-2 shapes
-    // that fit twice in the sparse tables' size (as 7b.).
+    // 9b. The same in a whole model's step: tables of the smallest and
+    // largest rank-2 shapes that fit twice in the sparse tables' size
+    // (as 7b., and only where those run; 256 MiB a table and rank).
     let psg_table_at = local_probes.len();
-    let psg_table_shapes: Vec<(usize, usize, usize)> = psg_shapes
+    let rank2: Vec<(usize, usize, usize)> = psg_shapes
         .iter()
         .copied()
         .filter(|&(rows, cols, r)| r == 2 && 2 * rows * cols <= table_elems)
         .collect();
+    let psg_table_shapes: Vec<(usize, usize, usize)> = match (rank2.first(), rank2.last()) {
+        _ if table_ns.is_empty() => Vec::new(),
+        (Some(&a), Some(&b)) if a != b => vec![a, b],
+        (Some(&a), _) => vec![a],
+        _ => Vec::new(),
+    };
     for &shape in &psg_table_shapes {
         let layers = table_elems / (shape.0 * shape.1);
         local_probes.push(powersgd_table_probe(comm, &s.x, shape, layers)?);

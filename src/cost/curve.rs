@@ -255,7 +255,8 @@ pub struct PowerSgdFit {
     /// rank) points, each measured on a table of such layers, `table_bytes`
     /// of gradients, one layer after another, so that each finds its
     /// matrices out of the caches, pushed out by the others' (on one
-    /// 2-vCPU VM 1.2–1.4 times the same layer alone below 4 Mi elements).
+    /// 2-vCPU VM 1.3 times the same layer alone at 256 Ki elements,
+    /// 1.0–1.05 at 1 and 4 Mi).
     /// [`Self::at_in_table`] prices a layer of a large table at `curve`
     /// times their ratio to it. Empty in profiles from before it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -300,13 +301,10 @@ pub struct PowerSgdPoint {
 }
 
 impl PowerSgdFit {
-    /// Whether every coefficient is zero (not measured).
+    /// Whether every coefficient is zero (not measured; [`Self::table`]
+    /// alone only scales a price, it makes none).
     pub fn is_zero(&self) -> bool {
-        self.a == 0.0
-            && self.per_elem == 0.0
-            && self.per_elem_rank == 0.0
-            && self.curve.is_empty()
-            && self.table.is_empty()
+        self.a == 0.0 && self.per_elem == 0.0 && self.per_elem_rank == 0.0 && self.curve.is_empty()
     }
 
     /// Seconds for `n` elements at rank `r`: from the curve where there is

@@ -652,11 +652,11 @@ fn non_negative(v: f64) -> bool {
 /// The local cost of a sparse layer in a whole model's step: `calibrate`
 /// times tables of RGC layers of one size, `table_bytes` of gradients in
 /// all, one layer after another through the engine, as a step runs them.
-/// Each layer then finds its gradient, residual and momentum out of the
-/// caches, where the one-layer probes of [`Profile::select`] find them in:
-/// on one 2-vCPU VM a table of 256 Ki-element layers cost 3.4 ns an
-/// element against 2.6 alone, ResNet-50's RGC step 4.6 against 2.7
-/// predicted from the layers alone.
+/// Each layer then finds its gradient and residual out of the caches,
+/// where the one-layer probes of [`Profile::select`] find them in: on one
+/// 2-vCPU VM the tables of 256 Ki-element layers cost 3.2–3.5 ns an
+/// element against 2.3–2.6 alone, and ResNet-50's RGC step 4.6 where
+/// the layers alone priced 2.7.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SelectTable {

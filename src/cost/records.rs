@@ -274,6 +274,9 @@ impl ModelArgs {
                 p.select_curve.retain(|k, _| k != m && !k.starts_with(&at));
                 p.select.insert(m.to_string(), fit);
             }
+            // The calibrated tables would price a large table's layers
+            // over the override.
+            p.select_table = None;
         }
         Ok(())
     }
