@@ -26,26 +26,12 @@ pub(super) fn powersgd_probe<'a>(
     cols: usize,
     r: usize,
 ) -> Result<Probe<'a>> {
-    let n = rows * cols;
-    let g: Vec<f32> = x.iter().copied().cycle().take(n).collect();
-    let st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
-    let (np, nq) = st.factor_lens();
-    let ws = Workspace {
-        st,
-        input: vec![0f32; n],
-        out: vec![0f32; n],
-        p: vec![0f32; np],
-        q: vec![0f32; nq],
-    };
+    let g: Vec<f32> = x.iter().copied().cycle().take(rows * cols).collect();
     Ok(local_prep(
         comm,
-        ws,
+        Workspace::new(rows, cols, r)?,
         move |w: &mut Workspace| w.input.copy_from_slice(&g),
-        |w: &mut Workspace| {
-            w.st.begin(&w.input, &mut w.p)?;
-            w.st.after_p(&w.p, &mut w.q)?;
-            w.st.after_q(&w.q, 1, &mut w.out)
-        },
+        Workspace::step,
     ))
 }
 
@@ -60,31 +46,15 @@ pub(super) fn powersgd_table_probe<'a>(
     (rows, cols, r): (usize, usize, usize),
     layers: usize,
 ) -> Result<Probe<'a>> {
-    let n = rows * cols;
-    let g: Vec<f32> = x.iter().copied().cycle().take(n).collect();
-    let mut table = Vec::with_capacity(layers);
-    for _ in 0..layers {
-        let st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
-        let (np, nq) = st.factor_lens();
-        table.push(Workspace {
-            st,
-            input: vec![0f32; n],
-            out: vec![0f32; n],
-            p: vec![0f32; np],
-            q: vec![0f32; nq],
-        });
-    }
+    let g: Vec<f32> = x.iter().copied().cycle().take(rows * cols).collect();
+    let table = (0..layers)
+        .map(|_| Workspace::new(rows, cols, r))
+        .collect::<Result<Vec<_>>>()?;
     Ok(local_prep(
         comm,
         table,
         move |t: &mut Vec<Workspace>| t.iter_mut().for_each(|w| w.input.copy_from_slice(&g)),
-        |t: &mut Vec<Workspace>| {
-            t.iter_mut().try_for_each(|w| {
-                w.st.begin(&w.input, &mut w.p)?;
-                w.st.after_p(&w.p, &mut w.q)?;
-                w.st.after_q(&w.q, 1, &mut w.out)
-            })
-        },
+        |t: &mut Vec<Workspace>| t.iter_mut().try_for_each(Workspace::step),
     ))
 }
 
@@ -95,6 +65,28 @@ struct Workspace {
     out: Vec<f32>,
     p: Vec<f32>,
     q: Vec<f32>,
+}
+
+impl Workspace {
+    /// A `rows × cols` layer's at rank `r`, zeroed.
+    fn new(rows: usize, cols: usize, r: usize) -> Result<Self> {
+        let st = crate::powersgd::PowerSgd::new(rows, cols, r, true, 1)?;
+        let (np, nq) = st.factor_lens();
+        Ok(Self {
+            st,
+            input: vec![0f32; rows * cols],
+            out: vec![0f32; rows * cols],
+            p: vec![0f32; np],
+            q: vec![0f32; nq],
+        })
+    }
+
+    /// The timed part: the products, orthogonalization and the error kept.
+    fn step(&mut self) -> Result<()> {
+        self.st.begin(&self.input, &mut self.p)?;
+        self.st.after_p(&self.p, &mut self.q)?;
+        self.st.after_q(&self.q, 1, &mut self.out)
+    }
 }
 
 /// PowerSGD's local cost (9.) from the probes of `shapes` (rows, columns,
