@@ -266,7 +266,9 @@ pub struct PowerSgdFit {
     pub table_bytes: f64,
 }
 
-fn is_zero(x: &f64) -> bool {
+/// Whether `x` is zero (serde's `skip_serializing_if` of the cost
+/// model's optional constants).
+pub(super) fn is_zero(x: &f64) -> bool {
     *x == 0.0
 }
 
@@ -357,30 +359,13 @@ impl PowerSgdFit {
         let ratio = |p: &PowerSgdPoint| {
             let e = p.elements as f64;
             let a = self.at(e, p.rank as f64) / e;
-            (
-                e.ln(),
-                if a > 0.0 {
-                    (p.per_elem / a).max(1.0)
-                } else {
-                    1.0
-                },
-            )
+            if a > 0.0 {
+                (p.per_elem / a).max(1.0)
+            } else {
+                1.0
+            }
         };
-        let lo = self
-            .table
-            .iter()
-            .filter(|p| p.elements as f64 <= n)
-            .max_by_key(|p| p.elements);
-        let hi = self
-            .table
-            .iter()
-            .filter(|p| p.elements as f64 >= n)
-            .min_by_key(|p| p.elements);
-        let f = match (lo, hi) {
-            (Some(a), Some(b)) if a.elements != b.elements => lerp(ratio(a), ratio(b), n.ln()),
-            (Some(a), _) | (None, Some(a)) => ratio(a).1,
-            (None, None) => 1.0,
-        };
+        let f = log_size_lerp(self.table.iter(), n, ratio, 1.0);
         alone * (1.0 + w * (f - 1.0))
     }
 
@@ -388,24 +373,36 @@ impl PowerSgdFit {
     /// points at `rank`: linear in `ln n` between the probed sizes
     /// around `n`, the nearest one's past them.
     fn at_rank(&self, rank: usize, n: f64) -> (f64, f64) {
-        let pts = || self.curve.iter().filter(move |p| p.rank == rank);
-        let lo = pts()
-            .filter(|p| p.elements as f64 <= n)
-            .max_by_key(|p| p.elements);
-        let hi = pts()
-            .filter(|p| p.elements as f64 >= n)
-            .min_by_key(|p| p.elements);
-        let pe = match (lo, hi) {
-            (Some(a), Some(b)) if a.elements != b.elements => lerp(
-                ((a.elements as f64).ln(), a.per_elem),
-                ((b.elements as f64).ln(), b.per_elem),
-                n.ln(),
-            ),
-            (Some(a), _) => a.per_elem,
-            (None, Some(b)) => b.per_elem,
-            (None, None) => 0.0,
-        };
+        let pts = self.curve.iter().filter(move |p| p.rank == rank);
+        let pe = log_size_lerp(pts, n, |p| p.per_elem, 0.0);
         (rank as f64, pe)
+    }
+}
+
+/// `value` at `n` elements from the points around it: linear in `ln n`
+/// between the nearest below and above, the nearest one's past them,
+/// `none` without points.
+fn log_size_lerp<'a>(
+    pts: impl Iterator<Item = &'a PowerSgdPoint> + Clone,
+    n: f64,
+    value: impl Fn(&PowerSgdPoint) -> f64,
+    none: f64,
+) -> f64 {
+    let lo = pts
+        .clone()
+        .filter(|p| p.elements as f64 <= n)
+        .max_by_key(|p| p.elements);
+    let hi = pts
+        .filter(|p| p.elements as f64 >= n)
+        .min_by_key(|p| p.elements);
+    match (lo, hi) {
+        (Some(a), Some(b)) if a.elements != b.elements => lerp(
+            ((a.elements as f64).ln(), value(a)),
+            ((b.elements as f64).ln(), value(b)),
+            n.ln(),
+        ),
+        (Some(a), _) | (None, Some(a)) => value(a),
+        (None, None) => none,
     }
 }
 

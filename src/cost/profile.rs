@@ -82,7 +82,7 @@ pub struct Profile {
     /// ([`topology`](super::topology)). The engine's fused-allgather path clears its layers
     /// in the local phase, inside the selection fits. Zero in profiles from
     /// before it.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "super::curve::is_zero")]
     pub gamma_clear: f64,
     /// γ_clear by the size of the output (`bytes` = 4·n), log-linear
     /// between its points ([`Self::gamma_clear_at`]): `calibrate` clears
@@ -189,10 +189,6 @@ fn one() -> f64 {
 
 fn is_one(x: &f64) -> bool {
     *x == 1.0
-}
-
-fn is_zero(x: &f64) -> bool {
-    *x == 0.0
 }
 
 fn profile_version() -> u32 {
@@ -582,9 +578,12 @@ impl Profile {
     /// ```
     pub fn select_at(&self, method: &str, density: f64, n: f64) -> f64 {
         // The key once: the planner prices every layer with this.
-        let Some(key) = self.select_key(method, density) else {
-            return 0.0;
-        };
+        self.select_key(method, density)
+            .map_or(0.0, |key| self.select_alone(key, n))
+    }
+
+    /// [`Self::select_at`] for a key of [`Self::select`].
+    fn select_alone(&self, key: &str, n: f64) -> f64 {
         let fit = self.select[key].at(n);
         match self.select_curve.get(key).and_then(|c| c.last()) {
             Some(l) if 4.0 * n > l.bytes => fit.max(4.0 * n * l.per_byte),
@@ -620,7 +619,10 @@ impl Profile {
     /// assert!((p.select_in_table("trimmed", 0.001, n, 3e7) - 4e-9 * n).abs() < 1e-12);
     /// ```
     pub fn select_in_table(&self, method: &str, density: f64, n: f64, table: f64) -> f64 {
-        let alone = self.select_at(method, density, n);
+        let Some(key) = self.select_key(method, density) else {
+            return 0.0;
+        };
+        let alone = self.select_alone(key, n);
         let Some(t) = self
             .select_table
             .as_ref()
@@ -629,9 +631,9 @@ impl Profile {
             return alone;
         };
         let w = super::table_weight(4.0 * table.max(n), t.table_bytes);
-        let Some(key) = self.select_key(method, density).filter(|_| w > 0.0) else {
+        if w == 0.0 {
             return alone;
-        };
+        }
         let fit = self.select[key].at(n);
         let reference = self.select.get(&t.key).map_or(fit, |f| f.at(n));
         let ratio = if reference > 0.0 {
