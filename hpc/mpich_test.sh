@@ -160,18 +160,21 @@ if [ -z "${1:-}" ]; then
 fi
 
 export_env="$YIELD GRADSYNC_PYTHON=$VENV/bin/python GRADSYNC_REQUIRE_PYTHON=1"
-# The examples the tests run under mpirun (`cargo test --test ...` does not
-# build them).
-in_root "cargo build --release --features cli --examples"
+# One feature set for every build here, the command line with the cuda
+# feature (hpc/test.sh's engine tests use the same): the CUDA-aware query
+# needs it and the CPU paths are the same with it, so the engine is built
+# once, not once per feature set. The examples the tests run under mpirun
+# first (`cargo test --test ...` does not build them).
+FEATURES="--features cli,cuda"
+in_root "cargo build --release $FEATURES --examples"
 if [ $# -gt 0 ]; then
-  in_root "$export_env cargo test --release --features cli $*"
+  in_root "$export_env cargo test --release $FEATURES $*"
   exit 0
 fi
-in_root "$export_env cargo test --release --features cli \
+in_root "$export_env cargo test --release $FEATURES \
   --test mpi --test failure --test sparse_allreduce --test hierarchical \
   --test hierarchical_sparse --test feedback_engine --test cli_inputs --test capi"
-in_root "$export_env cargo test --release --features cli --test python -- \
+in_root "$export_env cargo test --release $FEATURES --test python -- \
   python_api_under_mpirun python_different_calls_fail_alike_under_mpirun"
-in_root "cargo build --release --features cuda --example staging_check --example device_engine_check &&
-  $YIELD cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1"
+in_root "$YIELD cargo test --release $FEATURES --test gpu -- --nocapture --test-threads=1"
 echo "mpich_test.sh: the MPI tests passed against MPICH"

@@ -1,13 +1,16 @@
 //! Drift check of the C header: regenerate `include/gradsync.h` from the
 //! sources with cbindgen (capi/cbindgen.toml) and compare it with the
-//! checked-in file. `GRADSYNC_BLESS=1 cargo test -p gradsync-capi --release
-//! --test header` rewrites the file instead.
+//! checked-in file. `GRADSYNC_BLESS=1 cargo test -p gradsync-capi-header
+//! --release` rewrites the file instead.
 
 use std::path::Path;
 
 #[test]
 fn header_matches_the_sources() {
-    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The C ABI crate (capi/), one level up from this package.
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("capi/header has a parent");
     let header = crate_dir.join("../include/gradsync.h");
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
         .expect("read capi/cbindgen.toml");
@@ -49,7 +52,7 @@ fn header_matches_the_sources() {
             .unwrap_or_else(|| checked_in.lines().count().min(fresh.lines().count()));
         panic!(
             "include/gradsync.h is out of date with capi/src (first difference at line {}); \
-             regenerate it with: GRADSYNC_BLESS=1 cargo test -p gradsync-capi --release --test header",
+             regenerate it with: GRADSYNC_BLESS=1 cargo test -p gradsync-capi-header --release",
             first + 1
         );
     }
