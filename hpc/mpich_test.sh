@@ -21,6 +21,11 @@
 # GRADSYNC_REQUIRE_MPICH=1 makes that a failure.
 #   hpc/mpich_test.sh                 # the whole subset
 #   hpc/mpich_test.sh --test failure  # one test binary (cargo test arguments)
+#   hpc/mpich_test.sh --prepare       # only make the root (debootstrap, MPICH)
+#
+# --prepare is mostly downloads and unpacking: hpc/test.sh runs it in the
+# background while the Open MPI suite compiles, so the root is ready when
+# its turn comes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -122,6 +127,10 @@ if [ ! -f "$ROOT/.gradsync-ready" ]; then
   in_root "apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(echo $PKGS)" \
     >/tmp/gradsync-mpich-apt.log 2>&1 || skip "apt-get in $ROOT failed (see /tmp/gradsync-mpich-apt.log)"
   touch "$ROOT/.gradsync-ready"
+fi
+if [ "${1:-}" = --prepare ]; then
+  echo "mpich_test.sh: the root $ROOT is ready"
+  exit 0
 fi
 # The host's certificate bundle (it may hold a site's own authority) and
 # pip's settings.
