@@ -19,8 +19,11 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Build the C library in this test's profile and compile the C programs
-/// once; returns the directory holding `train` and `failure`.
+/// Build the C library in this test's profile and with its `cuda` feature
+/// where this test was built with it (`cargo test --features cuda`: one
+/// engine build serves this test and the C ABI's cuda check in
+/// hpc/test.sh), and compile the C programs once; returns the directory
+/// holding `train` and `failure`.
 fn programs() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -31,6 +34,9 @@ fn programs() -> &'static Path {
             .args(["build", "-p", "gradsync-capi"]);
         if libdir.ends_with("release") {
             cargo.arg("--release");
+        }
+        if cfg!(feature = "cuda") {
+            cargo.args(["--features", "cuda"]);
         }
         let st = cargo.status().expect("run cargo");
         assert!(st.success(), "cargo build -p gradsync-capi failed");
