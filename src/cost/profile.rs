@@ -598,10 +598,18 @@ impl Profile {
     /// ([`SelectTable::table_bytes`]) prices the layer as the tables
     /// measured it (at the [`SelectTable::curve`] for its size, scaled by
     /// `method`'s fit against the tables' own), or alone where that costs
-    /// more (a layer past the caches by itself: the tables' largest layers
-    /// are smaller than a large LSTM's); one of at most a sixteenth of it
-    /// as [`Self::select_at`] (alone, its data in the caches). No
+    /// more and the one-layer probes measured the layer's size (noise, or
+    /// a layer past the caches by itself); one of at most a sixteenth of
+    /// it as [`Self::select_at`] (alone, its data in the caches). No
     /// [`Self::select_table`]: [`Self::select_at`].
+    ///
+    /// A layer larger than both the tables' largest and the one-layer
+    /// probes' largest is priced from the tables alone: both prices are
+    /// then the cost an element of their largest layers, and the tables'
+    /// ran the step's own code on a step's working set (a large LSTM's
+    /// 9–15 M-element layers ran at 3.4–4.5 ns an element in steps on one
+    /// VM, its 4 Mi-element tables read 4.5, its 4 Mi-element layer alone
+    /// 4.9).
     ///
     /// ```
     /// use gradsync::cost::{CurvePoint, LinearFit, Profile, SelectTable};
@@ -641,7 +649,15 @@ impl Profile {
         } else {
             1.0
         };
-        let in_table = alone.max(4.0 * n * curve_at(&t.curve, 0.0, 4.0 * n) * ratio);
+        let tabled = 4.0 * n * curve_at(&t.curve, 0.0, 4.0 * n) * ratio;
+        // The largest layer either kind of probe measured.
+        let last = |c: &[CurvePoint]| c.last().map_or(0.0, |l| l.bytes);
+        let measured = last(&t.curve).max(self.select_curve.get(key).map_or(0.0, |c| last(c)));
+        let in_table = if 4.0 * n > measured {
+            tabled
+        } else {
+            alone.max(tabled)
+        };
         alone + w * (in_table - alone)
     }
 }

@@ -291,6 +291,16 @@ fn sparse_local_cost_follows_the_table_size() {
     let mut cheap = pr.clone();
     cheap.select_table.as_mut().unwrap().curve = curve(&[(mib, 1e-12)]);
     assert_eq!(cheap.select_in_table("trimmed", 0.001, nf, 1e9), alone);
+    // Past every size a probe measured (the tables' 1 MiB layers, the
+    // one-layer probes' 4 MiB), the tables alone, cheaper or not.
+    cheap
+        .select_curve
+        .insert("trimmed".into(), curve(&[(4.0 * mib, 1e-9)]));
+    let (n4, n8) = (mib, 2.0 * mib); // 4 MiB and 8 MiB layers
+    let alone4 = cheap.select_at("trimmed", 0.001, n4);
+    assert_eq!(cheap.select_in_table("trimmed", 0.001, n4, 1e9), alone4);
+    let past = cheap.select_in_table("trimmed", 0.001, n8, 1e9);
+    assert!(rel(past, 4.0 * n8 * 1e-12) < 1e-12, "{past}");
     // The step model charges it per layer at the table's size.
     let q = sq(2, &[SparseAllgather]);
     let one = plan_step(&pr, &q, &table(&[n])).expect("plan");
