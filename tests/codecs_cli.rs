@@ -2,20 +2,7 @@
 
 mod common;
 
-use common::{write_npy, write_npy_f32, write_npy_f64};
-use std::process::Command;
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gradsync"))
-        .args(args)
-        .output()
-        .expect("run gradsync");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::{run_gradsync as run, write_npy, write_npy_f32, write_npy_f64};
 
 /// A fresh scratch directory for one test.
 fn scratch(name: &str) -> std::path::PathBuf {

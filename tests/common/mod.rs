@@ -12,6 +12,20 @@ pub fn gradsync() -> &'static str {
     env!("CARGO_BIN_EXE_gradsync")
 }
 
+/// Run the `gradsync` command with `args` (no MPI); returns (exit ok,
+/// stdout, stderr).
+pub fn run_gradsync(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(gradsync())
+        .args(args)
+        .output()
+        .expect("run gradsync");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 pub fn example(name: &str) -> PathBuf {
     Path::new(gradsync())
         .parent()

@@ -3,22 +3,12 @@
 //! `src/cost` ([`prices`]), and bad input is an error naming the file,
 //! entry, field or flag ([`inputs`]).
 
-use std::process::Command;
-
+#[path = "../common/mod.rs"]
+mod common;
 mod inputs;
 mod prices;
 
-fn gradsync(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gradsync"))
-        .args(args)
-        .output()
-        .expect("run gradsync");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::run_gradsync as gradsync;
 
 fn rel(a: f64, b: f64) -> f64 {
     if a == b {
