@@ -7,8 +7,9 @@
 # (3300 s from the start), the MPI tests against MPICH (hpc/mpich_test.sh;
 # GRADSYNC_SKIP_MPICH=1 skips it), a short smoke run of every fuzz target
 # over its kept corpus (fuzz/README.md; GRADSYNC_SKIP_FUZZ=1 skips it,
-# FUZZ_SECONDS sets seconds per target) and last a report of the step model on this machine
-# (hpc/step_report.sh; GRADSYNC_SKIP_STEP_REPORT=1 skips it).
+# FUZZ_SECONDS sets seconds per target) and last a report of the step
+# model on this machine (hpc/step_report.sh; GRADSYNC_SKIP_STEP_REPORT=1
+# skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One stream: a record that keeps only standard output (CI's) still shows
