@@ -111,9 +111,9 @@ for line in open(path):
         by_table.setdefault(r["layers_file"].rsplit("/", 1)[-1].removesuffix(".json"), {})[r["config"]] = r
 for table, rs in by_table.items():
     plan, others = rs.get("planned"), {c: r for c, r in rs.items() if c != "planned"}
-    # The network's state beside the steps against its calibration's (the
-    # exchanges of `state_probes`): a ratio far from 1 moves the
-    # predictions that use that part of the profile with it.
+    # The machine's state beside the steps against its calibration's (the
+    # exchanges and the local tables of `state_probes`): a ratio far from
+    # 1 moves the predictions that use that part of the profile with it.
     size = lambda x: f"{x['size'] >> 20} MiB" if x['size'] >= 1 << 20 else f"{x['size'] >> 10} KiB"
     sec = lambda t: f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
     probes = next(iter(rs.values())).get("state_probes", [])

@@ -310,7 +310,73 @@ fn step_calibrates_in_the_same_job() {
         psg.iter().all(|c| c["per_elem"].as_f64() > Some(0.0)),
         "{prof}"
     );
+    // Beside the steps, the largest local tables the calibration timed,
+    // each at the price it measured.
+    let state = v["state_probes"].as_array().expect("state_probes");
+    let probes: Vec<&str> = state.iter().map(|x| x["probe"].as_str().unwrap()).collect();
+    assert_eq!(
+        probes,
+        ["exchange", "exchange", "dense-table", "rgc-table"],
+        "{out}"
+    );
+    let dense = prof["dense_local_curve"].as_array().expect("dense curve");
+    let last = dense.last().expect("a dense table");
+    let bytes = last["bytes"].as_f64().unwrap();
+    assert_eq!(state[2]["size"].as_f64(), Some(bytes), "{out}");
+    let priced = bytes * last["per_byte"].as_f64().unwrap();
+    assert!((state[2]["profile_s"].as_f64().unwrap() - priced).abs() < 1e-12 * priced.max(1.0));
+    let top = pts.last().unwrap()["per_byte"].as_f64().unwrap();
+    assert_eq!(state[3]["size"].as_f64(), Some(67108864.0), "{out}");
+    let priced = 67108864.0 * top;
+    assert!((state[3]["profile_s"].as_f64().unwrap() - priced).abs() < 1e-12 * priced.max(1.0));
+    assert!(state.iter().all(|x| x["measured_s"].as_f64() > Some(0.0)));
     let _ = std::fs::remove_file(&out_prof);
+}
+
+/// A profile with local tables: the step's records time them beside the
+/// steps at the sizes the profile priced, on one rank (no exchanges) and
+/// on three.
+#[test]
+fn step_state_probes_time_the_profiles_local_tables() {
+    let layers = temp("local-layers.json", LAYERS);
+    let prof = temp(
+        "local-profile.json",
+        r#"{"alpha": 2e-6, "beta": 1e-9,
+            "select": {"trimmed": {"a": 2e-5, "b": 1e-9}, "trimmed@0.01": {"a": 2e-5, "b": 1e-9}},
+            "dense_local_curve": [{"bytes": 65536, "per_byte": 3e-10},
+                                  {"bytes": 262144, "per_byte": 5e-10}],
+            "select_table": {"key": "trimmed@0.01", "table_bytes": 1048576,
+                             "curve": [{"bytes": 65536, "per_byte": 1e-9},
+                                       {"bytes": 262144, "per_byte": 2e-9}]}}"#,
+    );
+    for np in [1usize, 3] {
+        let (ok, out, err) = run_step(
+            np,
+            &layers,
+            &prof,
+            &["--iters", "2", "--warmup", "0", "--json"],
+        );
+        assert!(ok, "np={np}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
+        let state = v["state_probes"].as_array().expect("state_probes");
+        let local: Vec<_> = state.iter().filter(|x| x["probe"] != "exchange").collect();
+        assert_eq!(
+            state.len() - local.len(),
+            if np > 1 { 2 } else { 0 },
+            "{out}"
+        );
+        assert_eq!(local.len(), 2, "{out}");
+        assert_eq!(local[0]["probe"], "dense-table", "{out}");
+        assert_eq!(local[0]["size"], 262144, "{out}");
+        assert!((local[0]["profile_s"].as_f64().unwrap() - 262144.0 * 5e-10).abs() < 1e-15);
+        assert_eq!(local[1]["probe"], "rgc-table", "{out}");
+        assert_eq!(local[1]["size"], 1048576, "{out}");
+        assert!((local[1]["profile_s"].as_f64().unwrap() - 1048576.0 * 2e-9).abs() < 1e-15);
+        assert!(
+            local.iter().all(|x| x["measured_s"].as_f64() > Some(0.0)),
+            "{out}"
+        );
+    }
 }
 
 /// `--sparse-exchange` gives the engine its exchange of the RGC

@@ -27,9 +27,10 @@ pub struct StepLayerRecord {
 /// machine is in the state its profile was calibrated in.
 #[derive(Serialize, Debug, Clone)]
 pub struct StateRecord {
-    /// `exchange` (pairwise, ranks 2i and 2i+1).
+    /// `exchange` (pairwise, ranks 2i and 2i+1), `dense-table` or
+    /// `rgc-table` (one engine step of the calibration's largest table).
     pub probe: String,
-    /// Bytes each way.
+    /// Bytes each way (`exchange`), or of the table's gradients.
     pub size: usize,
     /// Median over the rounds (slowest rank; each round a burst of three
     /// after an untimed call).
