@@ -377,6 +377,25 @@ fn step_state_probes_time_the_profiles_local_tables() {
             "{out}"
         );
     }
+    // Tables no calibration writes (a TiB each, a density past 1) are
+    // not probed; the step runs without them.
+    let huge = temp(
+        "huge-profile.json",
+        r#"{"alpha": 2e-6, "beta": 1e-9,
+            "select": {"trimmed": {"a": 2e-5, "b": 1e-9}, "trimmed@2": {"a": 2e-5, "b": 1e-9}},
+            "dense_local_curve": [{"bytes": 1099511627776, "per_byte": 3e-10}],
+            "select_table": {"key": "trimmed@2", "table_bytes": 1048576,
+                             "curve": [{"bytes": 262144, "per_byte": 2e-9}]}}"#,
+    );
+    let (ok, out, err) = run_step(
+        1,
+        &layers,
+        &huge,
+        &["--iters", "2", "--warmup", "0", "--json"],
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON record");
+    assert_eq!(v["state_probes"].as_array().map(Vec::len), Some(0), "{out}");
 }
 
 /// `--sparse-exchange` gives the engine its exchange of the RGC

@@ -86,10 +86,14 @@ pub(crate) fn state_probes<'a>(comm: &'a MpiComm, prof: &Profile) -> Result<Vec<
 /// what it measured: the dense path's (the last point of
 /// `dense_local_curve`, a table of four layers) and the RGC tables' of
 /// their largest layer size (`select_table`). A profile without them
-/// (older, or from a small `--max-bytes`) has none.
+/// (older, or from a small `--max-bytes`) has none, nor one whose table
+/// is past [`TABLE_MAX_BYTES`] or whose RGC density is out of (0, 1]
+/// (not one `calibrate` wrote: the probe would hold several such tables
+/// a rank).
 fn local_probes<'a>(comm: &'a MpiComm, prof: &Profile) -> Result<Vec<StateProbe<'a>>> {
     let mut v = Vec::new();
-    if let Some(last) = prof.dense_local_curve.last() {
+    let in_range = |bytes: f64| bytes > 0.0 && bytes <= TABLE_MAX_BYTES;
+    if let Some(last) = prof.dense_local_curve.last().filter(|l| in_range(l.bytes)) {
         let table = last.bytes as usize / 4;
         let n = table / DENSE_LAYERS;
         if n > 0 {
@@ -105,6 +109,9 @@ fn local_probes<'a>(comm: &'a MpiComm, prof: &Profile) -> Result<Vec<StateProbe<
     let rgc = prof.select_table.as_ref().and_then(|t| {
         let density = t.key.strip_prefix("trimmed@")?.parse::<f64>().ok()?;
         let last = t.curve.last()?;
+        if !(density > 0.0 && density <= 1.0 && in_range(t.table_bytes) && in_range(last.bytes)) {
+            return None;
+        }
         let n = last.bytes as usize / 4;
         let layers = (t.table_bytes / last.bytes) as usize;
         (n > 0 && layers > 0).then_some((density, n, layers, last.per_byte, t.table_bytes))
@@ -127,6 +134,10 @@ fn local_probes<'a>(comm: &'a MpiComm, prof: &Profile) -> Result<Vec<StateProbe<
 /// Layers of the dense table probe: the calibration's largest dense
 /// table has four (`DENSE_TABLES`); its price is by the table's bytes.
 const DENSE_LAYERS: usize = 4;
+
+/// The largest local table probed beside the steps, bytes: the
+/// calibration's tables are 64 MiB at most.
+const TABLE_MAX_BYTES: f64 = (64 << 20) as f64;
 
 /// The short exchange, bytes.
 const SHORT: usize = 64 << 10;
