@@ -26,14 +26,16 @@ pub mod agree;
 mod group;
 mod local;
 mod mpi_comm;
+mod mpi_lib;
 mod mpi_request;
 pub(crate) mod small;
 
 pub use group::Group;
 pub use local::LocalComm;
+pub use mpi_comm::MpiComm;
 #[cfg(feature = "cli")]
-pub(crate) use mpi_comm::abort_raw;
-pub use mpi_comm::{mpi_library_version, mpi_ready, MpiComm};
+pub(crate) use mpi_lib::abort_raw;
+pub use mpi_lib::{mpi_library_version, mpi_ready};
 pub use small::Gathered;
 
 use crate::Result;

@@ -53,6 +53,8 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_kernels;
+#[cfg(feature = "cuda")]
 mod cuda_mem;
 mod host;
 pub mod policy;
@@ -61,7 +63,9 @@ mod tests;
 mod wire;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{compile_kernels, CudaOps};
+pub use cuda::CudaOps;
+#[cfg(feature = "cuda")]
+pub use cuda_kernels::compile_kernels;
 pub use host::HostOps;
 pub use policy::{LayerState, Method};
 
