@@ -49,6 +49,12 @@ pub(super) struct Layer {
     /// This step's unit was subtracted from the residual (undone by
     /// `unsend` when the step fails).
     pub(super) sent: bool,
+    /// The codec's encoder state before this step's encode (QSGD's and
+    /// RGC-quant's call counters, RGC's reused threshold), put back by
+    /// `rollback` when the step fails: a failed step leaves no trace in
+    /// what later steps encode. `None` for a stateless codec or before
+    /// the encode.
+    pub(super) codec_state: Option<Vec<u8>>,
     /// Delay: where this communicating step moved `acc` (undone by
     /// `rollback` when the step fails).
     pub(super) moved: Moved,
@@ -210,6 +216,8 @@ impl Layer {
         let fb = codec
             .feedback(n)
             .map_err(|e| Error::InvalidArgument(format!("layer {:?}: {e}", self.name)))?;
+        let state = codec.state();
+        self.codec_state = (!state.is_empty()).then_some(state);
         let t1 = Instant::now();
         let pre = t1 - t0;
         let enc = self.encode_residual(fb);
@@ -406,9 +414,16 @@ impl Layer {
     /// (and out of `V` again, keeping this step's gradient in the residual);
     /// a PowerSGD layer that ran in this step (a bucket before the one that
     /// failed) gets its error and `Q` back
-    /// ([`crate::powersgd::PowerSgd::rollback`]).
+    /// ([`crate::powersgd::PowerSgd::rollback`]); a stateful codec gets its
+    /// state from before the encode.
     pub(super) fn rollback(&mut self) {
         self.unsend();
+        if let (Some(state), Some(codec)) = (self.codec_state.take(), self.codec.as_mut()) {
+            // The codec's own state, taken this step: it reads back.
+            if let Err(e) = codec.set_state(&state) {
+                log::warn!("layer {:?}: codec state not restored: {e}", self.name);
+            }
+        }
         if let Some(p) = &mut self.psg {
             p.rollback();
         }
@@ -580,6 +595,7 @@ impl Layer {
         }
         self.non_finite = false;
         self.sent = false;
+        self.codec_state = None;
         self.moved = Moved::No;
         self.stats.select_s = 0.0;
         self.stats.unpack_s = 0.0;

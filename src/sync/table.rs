@@ -614,6 +614,7 @@ fn new_layer(name: &str, shape: &[usize], prep: Prepared, bufs: LayerBuffers) ->
         cur_density: None,
         non_finite: false,
         sent: false,
+        codec_state: None,
         moved: super::layer::Moved::No,
         stats: LayerStats {
             name: name.to_string(),

@@ -329,3 +329,61 @@ fn a_nan_in_a_delayed_step_voids_it_on_every_rank() {
         }
     }
 }
+
+/// A failed step puts back what the stateful codecs' encoders kept (QSGD's
+/// and RGC-quant's call counters, RGC's threshold search) on the ranks
+/// that encoded before the failure: every rank's codec state after the
+/// failed step is its state before it, so the later steps encode as if the
+/// failed one never ran. Without the rollback ranks 0 and 2, which encoded,
+/// would be one call ahead of rank 1, which failed first.
+#[test]
+fn a_failed_step_puts_the_codecs_state_back() {
+    let out = LocalComm::run(3, |c| {
+        let rank = c.rank();
+        let mut s = GradSync::with_transport(c, cfg()).expect("engine");
+        let ids: Vec<_> = [
+            ("q", "qsgd"),
+            ("r", "rgc:density=0.01"),
+            ("rq", "rgc-quant:density=0.01"),
+        ]
+        .iter()
+        .map(|(name, spec)| s.register_spec(name, &[4000], spec).expect(name))
+        .collect();
+        s.register_with("b", &[10], Strategy::Dense).unwrap();
+        let g = |step: usize, l: usize| -> Vec<f32> {
+            (0..4000)
+                .map(|i| (((i * 31 + rank * 7 + step * 13 + l) % 101) as f32 - 50.0) * 0.01)
+                .collect()
+        };
+        let states = |s: &GradSync<LocalComm>| -> Vec<Vec<u8>> {
+            ids.iter()
+                .map(|id| s.reg.layers[id.0].codec.as_ref().expect("codec").state())
+                .collect()
+        };
+        let run = |s: &mut GradSync<LocalComm>, step: usize, b_len: usize| {
+            let (mut q, mut r, mut rq) = (g(step, 0), g(step, 1), g(step, 2));
+            let mut b = vec![1.0f32; b_len];
+            s.sync(&mut [&mut q[..], &mut r[..], &mut rq[..], &mut b[..]])
+                .map(|_| ())
+        };
+        run(&mut s, 0, 10).expect("step 0");
+        let before = states(&s);
+        let failed = run(&mut s, 1, if rank == 1 { 11 } else { 10 }).is_err();
+        let after = states(&s);
+        run(&mut s, 2, 10).expect("step 2");
+        (failed, before, after, states(&s))
+    });
+    for (r, (failed, before, after, next)) in out.iter().enumerate() {
+        assert!(failed, "rank {r}: step 1 fails");
+        assert!(
+            before.iter().all(|x| !x.is_empty()),
+            "rank {r}: stateful codecs"
+        );
+        assert_eq!(
+            after, before,
+            "rank {r}: the failed step left the codecs' state"
+        );
+        assert_ne!(next, before, "rank {r}: a step that succeeds moves it");
+        assert_eq!(next, &out[0].3, "rank {r}: every rank's codecs in step");
+    }
+}
