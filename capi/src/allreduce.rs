@@ -68,9 +68,11 @@ fn parse(
 /// value) at `buf` over `comm` with algorithm `algo` (a gs_algo value) and
 /// reduction `op` (a gs_op value). Collective over `comm`.
 ///
-/// Each call duplicates `comm` (`MPI_Comm_dup`, so its traffic never mixes
-/// with the caller's) and frees the duplicate before returning; for many
-/// small buffers per step prefer one call on a fused buffer, or the engine.
+/// The first call on `comm` duplicates it (`MPI_Comm_dup`, so gradsync's
+/// traffic never mixes with the caller's) and keeps the duplicate as an
+/// attribute of `comm`; later calls reuse it, and `MPI_Comm_free(&comm)`
+/// frees it. For many small buffers per step prefer one call on a fused
+/// buffer, or the engine.
 /// Every rank must pass the same `count`, `dtype`, `algo` and `op`: one
 /// that differs, an out-of-range `dtype`/`algo`/`op`, or a NULL or
 /// misaligned `buf` (with `count > 0`) on any rank fails every rank alike
@@ -100,8 +102,8 @@ pub unsafe extern "C" fn gs_allreduce(
     guard(|| {
         // SAFETY: `comm` is a valid communicator of the MPI library
         // gradsync is linked with, as gs_allreduce's `# Safety` contract
-        // requires of the caller: duplicate_raw's own requirement.
-        let mpi = unsafe { MpiComm::duplicate_raw(comm) }?;
+        // requires of the caller: duplicate_kept's own requirement.
+        let mpi = unsafe { MpiComm::duplicate_kept(comm) }?;
         let local = parse(dtype.0, algo.0, op.0).and_then(|(dt, algo, op)| {
             let (size, aligned) = match dt {
                 gs_dtype::GS_FLOAT32 => (4, buf.cast::<f32>().is_aligned()),

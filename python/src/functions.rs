@@ -52,8 +52,9 @@ pub(crate) fn allreduce(
         (None, None) => Err(gradsync::Error::InvalidArgument("no array".into())),
     };
     let r = py.detach(move || {
-        // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI.
-        let comm = unsafe { gradsync::comm::MpiComm::duplicate_raw(raw.get()) }?;
+        // SAFETY: `raw` came from MPI_Comm_f2c on an initialized MPI. The
+        // duplicate kept on `comm` (made by the first call on it).
+        let comm = unsafe { gradsync::comm::MpiComm::duplicate_kept(raw.get()) }?;
         // The kept scratch, unless another thread's call holds it (a
         // panic that poisoned it left it usable: its contents never matter).
         match SCRATCH.try_lock() {

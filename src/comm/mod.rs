@@ -23,6 +23,7 @@
 //! NCCL's primitives/transport separation.
 
 pub mod agree;
+mod cached;
 mod group;
 mod local;
 mod mpi_comm;

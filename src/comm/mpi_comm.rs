@@ -46,6 +46,9 @@ pub struct MpiComm<C: Communicator = SimpleCommunicator> {
     /// `Some`: blocking calls are immediate ones waited on politely
     /// ([`Transport::set_wait`]); `None`: MPI's blocking calls.
     wait: Option<Arc<PoliteWait>>,
+    /// Dropping the value frees the communicator (false for
+    /// [`MpiComm::borrow_raw`]'s).
+    owned: bool,
 }
 
 // SAFETY: an MPI communicator handle is a process-wide reference that any
@@ -77,41 +80,68 @@ impl MpiComm<SimpleCommunicator> {
     /// `raw` must be a communicator handle of the MPI library gradsync was
     /// built against (any valid handle, including `MPI_COMM_WORLD`).
     pub unsafe fn duplicate_raw(raw: ffi::MPI_Comm) -> Result<Self> {
-        mpi_ready()?;
-        // SAFETY: reading a constant handle of the linked MPI library.
-        let null = unsafe { ffi::RSMPI_COMM_NULL };
-        if raw == null {
-            return Err(Error::InvalidArgument(
-                "the communicator is MPI_COMM_NULL".into(),
-            ));
-        }
-        let mut inter: c_int = 0;
-        // SAFETY: `raw` is a valid handle (the caller's contract); `inter`
-        // is a live int.
-        let rc = unsafe { ffi::MPI_Comm_test_inter(raw, &mut inter) };
-        check(rc, "MPI_Comm_test_inter")?;
-        if inter != 0 {
-            return Err(Error::InvalidArgument(
-                "inter-communicators are not supported: pass an intra-communicator".into(),
-            ));
-        }
-        let mut dup = null;
-        // SAFETY: `raw` is a valid intra-communicator (checked above);
-        // `dup` is a live handle to write.
-        check(unsafe { ffi::MPI_Comm_dup(raw, &mut dup) }, "MPI_Comm_dup")?;
-        // SAFETY: `dup` was just created; the handler is a library constant.
-        let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup, ffi::RSMPI_ERRORS_RETURN) };
-        if let Err(e) = check(rc, "MPI_Comm_set_errhandler") {
-            // SAFETY: `dup` is ours and not used after this.
-            unsafe { ffi::MPI_Comm_free(&mut dup) };
-            return Err(e);
-        }
+        // SAFETY: as this function's contract.
+        let dup = unsafe { dup_checked(raw) }?;
         // SAFETY: `dup` is a live intra-communicator that only this value
         // owns; rsmpi frees it on drop.
         Ok(Self::wrap(unsafe {
             <SimpleCommunicator as mpi::raw::FromRaw>::from_raw(dup)
         }))
     }
+
+    /// A transport over `dup`, a duplicate that something else owns and
+    /// frees (the attribute of [`super::cached`]): dropping it frees nothing.
+    ///
+    /// # Safety
+    /// `dup` is a live intra-communicator that outlives the value.
+    pub(super) unsafe fn borrow_raw(dup: ffi::MPI_Comm) -> Self {
+        // SAFETY: as this function's contract; never freed here (`owned`).
+        let mut c = Self::wrap(unsafe { <SimpleCommunicator as mpi::raw::FromRaw>::from_raw(dup) });
+        c.owned = false;
+        c
+    }
+}
+
+/// Duplicate a raw handle (`MPI_Comm_dup`, collective over `raw`) with
+/// `MPI_ERRORS_RETURN` on the duplicate, which the caller owns. Errors,
+/// instead of MPI's fatal handler, when MPI is not initialized or already
+/// finalized, when `raw` is `MPI_COMM_NULL`, or when it is an
+/// inter-communicator.
+///
+/// # Safety
+/// `raw` is a communicator handle of the MPI library gradsync was built
+/// against.
+pub(super) unsafe fn dup_checked(raw: ffi::MPI_Comm) -> Result<ffi::MPI_Comm> {
+    mpi_ready()?;
+    // SAFETY: reading a constant handle of the linked MPI library.
+    let null = unsafe { ffi::RSMPI_COMM_NULL };
+    if raw == null {
+        return Err(Error::InvalidArgument(
+            "the communicator is MPI_COMM_NULL".into(),
+        ));
+    }
+    let mut inter: c_int = 0;
+    // SAFETY: `raw` is a valid handle (the caller's contract); `inter`
+    // is a live int.
+    let rc = unsafe { ffi::MPI_Comm_test_inter(raw, &mut inter) };
+    check(rc, "MPI_Comm_test_inter")?;
+    if inter != 0 {
+        return Err(Error::InvalidArgument(
+            "inter-communicators are not supported: pass an intra-communicator".into(),
+        ));
+    }
+    let mut dup = null;
+    // SAFETY: `raw` is a valid intra-communicator (checked above);
+    // `dup` is a live handle to write.
+    check(unsafe { ffi::MPI_Comm_dup(raw, &mut dup) }, "MPI_Comm_dup")?;
+    // SAFETY: `dup` was just created; the handler is a library constant.
+    let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup, ffi::RSMPI_ERRORS_RETURN) };
+    if let Err(e) = check(rc, "MPI_Comm_set_errhandler") {
+        // SAFETY: `dup` is ours and not used after this.
+        unsafe { ffi::MPI_Comm_free(&mut dup) };
+        return Err(e);
+    }
+    Ok(dup)
 }
 
 impl<C: Communicator> Drop for MpiComm<C> {
@@ -119,11 +149,12 @@ impl<C: Communicator> Drop for MpiComm<C> {
         let mut fin: c_int = 0;
         // SAFETY: MPI_Finalized may be called at any time.
         unsafe { ffi::MPI_Finalized(&mut fin) };
-        if fin == 0 {
+        if fin == 0 && self.owned {
             // SAFETY: dropped exactly once, here.
             unsafe { std::mem::ManuallyDrop::drop(&mut self.comm) };
         }
-        // Else leak it: MPI already released every communicator.
+        // Else leak it: MPI already released every communicator (or, not
+        // owned, its owner frees it).
     }
 }
 
@@ -140,6 +171,7 @@ impl<C: Communicator> MpiComm<C> {
             size,
             nodes: std::sync::OnceLock::new(),
             wait: None,
+            owned: true,
         }
     }
 

@@ -79,6 +79,26 @@ want = np.empty_like(x)
 comm.Allreduce(x, want, op=MPI.SUM)
 gradsync.allreduce(comm, x)
 ok(np.array_equal(x, want), "allreduce of a 2-D array")
+# The duplicate gradsync keeps on a communicator goes with it: on
+# communicators made and freed in turn (MPI may give a freed handle to the
+# next one), each call reduces over its own communicator's ranks. Kept on
+# COMM_SELF and COMM_WORLD until MPI_Finalize, which ends cleanly.
+handles = []
+for round_ in range(4):
+    sub = comm.Split(rank % 2 if round_ % 2 else 0, rank)
+    handles.append(sub.py2f())
+    for algo in ["rabenseifner", "mpi"]:
+        x = np.full(5, rank + 1, np.float32)
+        want = np.empty_like(x)
+        sub.Allreduce(x, want, op=MPI.SUM)
+        gradsync.allreduce(sub, x, algo=algo)
+        ok(np.array_equal(x, want), f"allreduce on communicator {round_} of size {sub.Get_size()}")
+    sub.Free()
+if rank == 0:
+    print(f"freed communicators' handles reused: {len(set(handles)) < len(handles)}", flush=True)
+x = np.full(3, rank + 1, np.float64)
+gradsync.allreduce(MPI.COMM_SELF, x)
+ok(np.array_equal(x, np.full(3, rank + 1.0)), "allreduce on COMM_SELF")
 
 
 def expect_error(fn, local_types, what):
