@@ -154,9 +154,11 @@ const char *gs_version(void);
  * value) at `buf` over `comm` with algorithm `algo` (a gs_algo value) and
  * reduction `op` (a gs_op value). Collective over `comm`.
  *
- * Each call duplicates `comm` (`MPI_Comm_dup`, so its traffic never mixes
- * with the caller's) and frees the duplicate before returning; for many
- * small buffers per step prefer one call on a fused buffer, or the engine.
+ * The first call on `comm` duplicates it (`MPI_Comm_dup`, so gradsync's
+ * traffic never mixes with the caller's) and keeps the duplicate as an
+ * attribute of `comm`; later calls reuse it, and `MPI_Comm_free(&comm)`
+ * frees it. For many small buffers per step prefer one call on a fused
+ * buffer, or the engine.
  * Every rank must pass the same `count`, `dtype`, `algo` and `op`: one
  * that differs, an out-of-range `dtype`/`algo`/`op`, or a NULL or
  * misaligned `buf` (with `count > 0`) on any rank fails every rank alike
