@@ -258,6 +258,10 @@ int main(int argc, char **argv) {
                     rank == bad ? GS_OP_AVERAGE : GS_OP_SUM);
   report("allreduce op mismatch", rc, nprocs > 1 ? GS_ERR_RANK_FAILED : GS_OK,
          nprocs > 1 ? "operation differs" : NULL);
+  /* MPI_COMM_NULL on every rank: refused before MPI sees it (its fatal
+   * handler would end the job), alike on every rank. */
+  rc = gs_allreduce(MPI_COMM_NULL, wg, 1000, GS_FLOAT32, GS_ALGO_RING, GS_OP_SUM);
+  report("allreduce on MPI_COMM_NULL", rc, GS_ERR_INVALID, "MPI_COMM_NULL");
 
   int one = 1, sum = 0;
   MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

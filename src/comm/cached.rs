@@ -20,8 +20,7 @@
 //! (`dense::allreduce_agreed`); an MPI error inside a transfer leaves the
 //! job to abort, as before.
 
-use super::mpi_comm::{dup_checked, MpiComm};
-use super::mpi_lib::mpi_ready;
+use super::mpi_comm::{check_handle, dup_checked, MpiComm};
 use super::mpi_request::check;
 use crate::{Error, Result};
 use mpi::ffi;
@@ -122,13 +121,7 @@ impl MpiComm {
     /// As [`MpiComm::duplicate_raw`]: `raw` is a communicator handle of the
     /// MPI library gradsync was built against.
     pub unsafe fn duplicate_kept(raw: ffi::MPI_Comm) -> Result<Self> {
-        mpi_ready()?;
-        // SAFETY: reading a constant handle of the linked MPI library.
-        if raw == unsafe { ffi::RSMPI_COMM_NULL } {
-            return Err(Error::InvalidArgument(
-                "the communicator is MPI_COMM_NULL".into(),
-            ));
-        }
+        check_handle(raw)?;
         let kv = keyval()?;
         let mut val: *mut c_void = std::ptr::null_mut();
         let mut found: c_int = 0;

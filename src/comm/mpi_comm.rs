@@ -102,6 +102,19 @@ impl MpiComm<SimpleCommunicator> {
     }
 }
 
+/// `Ok` when MPI is initialized and not finalized and `raw` is not
+/// `MPI_COMM_NULL` (which MPI's fatal handler would meet first).
+pub(super) fn check_handle(raw: ffi::MPI_Comm) -> Result<()> {
+    mpi_ready()?;
+    // SAFETY: reading a constant handle of the linked MPI library.
+    if raw == unsafe { ffi::RSMPI_COMM_NULL } {
+        return Err(Error::InvalidArgument(
+            "the communicator is MPI_COMM_NULL".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Duplicate a raw handle (`MPI_Comm_dup`, collective over `raw`) with
 /// `MPI_ERRORS_RETURN` on the duplicate, which the caller owns. Errors,
 /// instead of MPI's fatal handler, when MPI is not initialized or already
@@ -112,14 +125,7 @@ impl MpiComm<SimpleCommunicator> {
 /// `raw` is a communicator handle of the MPI library gradsync was built
 /// against.
 pub(super) unsafe fn dup_checked(raw: ffi::MPI_Comm) -> Result<ffi::MPI_Comm> {
-    mpi_ready()?;
-    // SAFETY: reading a constant handle of the linked MPI library.
-    let null = unsafe { ffi::RSMPI_COMM_NULL };
-    if raw == null {
-        return Err(Error::InvalidArgument(
-            "the communicator is MPI_COMM_NULL".into(),
-        ));
-    }
+    check_handle(raw)?;
     let mut inter: c_int = 0;
     // SAFETY: `raw` is a valid handle (the caller's contract); `inter`
     // is a live int.
@@ -130,7 +136,8 @@ pub(super) unsafe fn dup_checked(raw: ffi::MPI_Comm) -> Result<ffi::MPI_Comm> {
             "inter-communicators are not supported: pass an intra-communicator".into(),
         ));
     }
-    let mut dup = null;
+    // SAFETY: reading a constant handle of the linked MPI library.
+    let mut dup = unsafe { ffi::RSMPI_COMM_NULL };
     // SAFETY: `raw` is a valid intra-communicator (checked above);
     // `dup` is a live handle to write.
     check(unsafe { ffi::MPI_Comm_dup(raw, &mut dup) }, "MPI_Comm_dup")?;
