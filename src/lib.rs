@@ -53,6 +53,7 @@ pub mod cli;
 pub mod codec;
 pub mod comm;
 pub mod cost;
+mod cpu;
 pub mod dense;
 mod error;
 /// The failure model: the old name of [`comm::agree`], kept as an alias.

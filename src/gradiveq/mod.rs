@@ -367,7 +367,7 @@ fn symmetric_evd(cov: &Mat<f64>, k: usize) -> Result<(Diag<f64>, Mat<f64>)> {
         Par::Seq,
         params,
     ));
-    self_adjoint_evd(
+    let r = self_adjoint_evd(
         cov.as_ref(),
         s.as_mut(),
         Some(u.as_mut()),
@@ -375,7 +375,9 @@ fn symmetric_evd(cov: &Mat<f64>, k: usize) -> Result<(Diag<f64>, Mat<f64>)> {
         MemStack::new(&mut mem),
         params,
     )
-    .map_err(|e| Error::InvalidArgument(format!("eigendecomposition failed: {e:?}")))?;
+    .map_err(|e| Error::InvalidArgument(format!("eigendecomposition failed: {e:?}")));
+    crate::cpu::clear_upper_state();
+    r?;
     Ok((s, u))
 }
 
@@ -599,6 +601,7 @@ impl LayerCompressor {
             let u = MatRef::from_column_major_slice(&c.ut, k, d);
             let dst = MatMut::from_column_major_slice_mut(&mut out[o..o + d * cols], d, cols);
             matmul(dst, Accum::Replace, u.transpose(), xs, 1.0f32, Par::Seq);
+            crate::cpu::clear_upper_state();
             // − U_dᵀ μ / N for every slice.
             for col in out[o..o + d * cols].chunks_exact_mut(d) {
                 for (v, w) in col.iter_mut().zip(&c.ut_mu) {
@@ -637,6 +640,7 @@ impl LayerCompressor {
             let u = MatRef::from_column_major_slice(&c.ut, k, d);
             let dst = MatMut::from_column_major_slice_mut(dst_slice, k, cols);
             matmul(dst, Accum::Add, u, cs, 1.0f32, Par::Seq);
+            crate::cpu::clear_upper_state();
             o += d * cols;
         }
         if with_tail {

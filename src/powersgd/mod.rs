@@ -380,6 +380,7 @@ impl PowerSgd {
         let qt = MatRef::from_column_major_slice(&self.q, r, cols);
         let pt = MatMut::from_column_major_slice_mut(p_out, r, rows);
         matmul(pt, Accum::Replace, qt, mt, 1.0f32, Par::Seq);
+        crate::cpu::clear_upper_state();
         Ok(())
     }
 
@@ -404,6 +405,7 @@ impl PowerSgd {
         let pt = MatRef::from_column_major_slice(&self.p, r, rows);
         let qt = MatMut::from_column_major_slice_mut(q_out, r, cols);
         matmul(qt, Accum::Replace, pt, mt.transpose(), 1.0f32, Par::Seq);
+        crate::cpu::clear_upper_state();
         Ok(())
     }
 
@@ -433,6 +435,7 @@ impl PowerSgd {
         let pt = MatRef::from_column_major_slice(&self.p, r, rows);
         let mhat = MatMut::from_column_major_slice_mut(out, cols, rows);
         matmul(mhat, Accum::Replace, qt.transpose(), pt, 1.0f32, Par::Seq);
+        crate::cpu::clear_upper_state();
         if !out.iter().all(|x| x.is_finite()) {
             // An overflow (of `G + E`, a product or the sums): the caller
             // reports the non-finite result; the state starts over (no
